@@ -1,0 +1,20 @@
+"""equiconvert: turn a CNN into a rotation/reflection-equivariant steerable CNN with one call."""
+from .check import EquivarianceResult, check_equivariance
+from .convert import (
+    ConversionConfig,
+    ConversionReport,
+    EquivariantModel,
+    make_equivariant,
+    register_function_rule,
+    register_module_rule,
+)
+from .errors import EquivarianceBreakError, EquiconvertError, TracingError, UnsupportedLayerError
+from .groups import GroupSpec, parse_group
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ConversionConfig", "ConversionReport", "EquivarianceBreakError", "EquivarianceResult", "EquiconvertError",
+    "EquivariantModel", "GroupSpec", "TracingError", "UnsupportedLayerError", "check_equivariance",
+    "make_equivariant", "parse_group", "register_function_rule", "register_module_rule",
+]

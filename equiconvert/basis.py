@@ -1,0 +1,121 @@
+"""Steerable kernel bases, built by escnn once and cached on disk.
+
+A basis for (input representation, output representation, kernel size,
+dilation) is a float32 tensor of shape (num_basis, out_size, in_size, k, k):
+every equivariant k x k filter between one input and one output field is a
+linear combination of its slices. The converted model stores it as a buffer;
+escnn is needed only when a basis is missing from the cache.
+"""
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+import torch
+
+from ._escnn_compat import cache_root, import_escnn
+from .groups import GroupSpec
+
+BASIS_FORMAT = "v2"  # bump when the way bases are built or stored changes
+_memory_cache: dict[str, torch.Tensor] = {}
+
+
+def _escnn_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("escnn")
+    except PackageNotFoundError:
+        return "missing"
+
+
+def basis_key(group: GroupSpec, in_repr: str, out_repr: str, kernel_size: int, dilation: int) -> str:
+    return f"{group.name}_{in_repr}_{out_repr}_k{kernel_size}_d{dilation}"
+
+
+def basis_dir() -> Path:
+    return cache_root() / "bases" / f"escnn-{_escnn_version()}-{BASIS_FORMAT}"
+
+
+def _build_with_escnn(group: GroupSpec, in_repr: str, out_repr: str, kernel_size: int, dilation: int) -> torch.Tensor:
+    import_escnn()
+    from escnn import nn as enn
+
+    gspace = group.escnn_gspace()
+    representations = {"trivial": gspace.trivial_repr, "regular": gspace.regular_repr}
+    in_type = enn.FieldType(gspace, [representations[in_repr]])
+    out_type = enn.FieldType(gspace, [representations[out_repr]])
+    conv = enn.R2Conv(in_type, out_type, kernel_size, dilation=dilation, bias=False, initialize=False)
+    dimension = conv.basisexpansion.dimension()
+    shape = (out_type.size, in_type.size, kernel_size, kernel_size)
+    if dimension == 0:
+        return torch.zeros((0, *shape))
+    with torch.no_grad():
+        unit = torch.eye(dimension, dtype=torch.float32)
+        slices = [conv.basisexpansion(unit[i]).reshape(shape) for i in range(dimension)]
+    return torch.stack(slices).contiguous()
+
+
+def _permutation(perm: tuple[int, ...], size: int) -> torch.Tensor:
+    matrix = torch.zeros(size, size, dtype=torch.float64)
+    if size == 1:
+        return matrix.fill_(1.0)
+    matrix[list(perm), list(range(size))] = 1.0
+    return matrix
+
+
+def symmetrize_on_grid(basis: torch.Tensor, group: GroupSpec, in_repr: str, out_repr: str) -> torch.Tensor:
+    """Average each basis filter over the elements that act exactly on the pixel grid.
+
+    escnn samples bases in float32, leaving ~1e-7 equivariance error; the average
+    over this subgroup (rotations by 90 degrees, flips) is fixed by it exactly,
+    so C4/D4 equivariance is limited only by the arithmetic of the network.
+    """
+    work = basis.double()
+    total = torch.zeros_like(work)
+    for element in group.grid_elements:
+        p_out = _permutation(element.regular_perm, group.repr_size(out_repr))
+        p_in = _permutation(element.regular_perm, group.repr_size(in_repr))
+        moved = element.act_on_grid(work)
+        total += torch.einsum("po,boiyx,qi->bpqyx", p_out, moved, p_in)
+    return (total / len(group.grid_elements)).float().contiguous()
+
+
+def _atomic_save(tensor: torch.Tensor, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+    os.close(fd)
+    try:
+        torch.save(tensor, tmp)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def steerable_basis(
+    group: GroupSpec, in_repr: str, out_repr: str, kernel_size: int, dilation: int = 1
+) -> torch.Tensor:
+    """Return the (num_basis, out_size, in_size, k, k) basis, from memory, disk or escnn."""
+    key = basis_key(group, in_repr, out_repr, kernel_size, dilation)
+    if key in _memory_cache:
+        return _memory_cache[key]
+    path = basis_dir() / f"{key}.pt"
+    basis = None
+    if path.exists():
+        try:
+            basis = torch.load(path, weights_only=True)
+        except Exception:  # a corrupt cache entry is rebuilt, never trusted
+            basis = None
+    if basis is None:
+        basis = _build_with_escnn(group, in_repr, out_repr, kernel_size, dilation)
+        basis = symmetrize_on_grid(basis, group, in_repr, out_repr)
+        _atomic_save(basis, path)
+    _memory_cache[key] = basis
+    return basis
+
+
+def clear_memory_cache() -> None:
+    """Forget bases held in memory (the disk cache stays); used by cold-start benchmarks."""
+    _memory_cache.clear()

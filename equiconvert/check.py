@@ -1,0 +1,100 @@
+"""Measure how equivariant a model is: exact grid elements, and optionally other angles."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from .convert.fields import FieldType
+from .convert.model import EquivariantModel
+from .groups import GridElement, GroupSpec, parse_group
+
+
+@dataclass
+class EquivarianceResult:
+    """Max relative output error per group element (and per extra angle, if asked)."""
+
+    errors: dict[str, float]
+    angle_errors: dict[float, float] = field(default_factory=dict)
+
+    @property
+    def max_error(self) -> float:
+        return max(self.errors.values())
+
+
+def act_on_output(element: GridElement, y: torch.Tensor, output_type: FieldType | None) -> torch.Tensor:
+    """How `element` transforms an output of type `output_type` (feature map or vector)."""
+    if output_type is not None and not output_type.is_invariant:
+        size = output_type.field_size
+        inverse = torch.argsort(torch.tensor(element.regular_perm, device=y.device))
+        fields = y.reshape(y.shape[0], output_type.num_fields, size, *y.shape[2:])
+        y = fields[:, :, inverse].reshape(y.shape)
+    return element.act_on_grid(y) if y.ndim == 4 else y
+
+
+def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-12))
+
+
+def _disk(size: int) -> torch.Tensor:
+    coords = torch.arange(size, dtype=torch.float32) - (size - 1) / 2
+    radius = torch.sqrt(coords[:, None] ** 2 + coords[None, :] ** 2)
+    return (radius <= (size - 1) / 2).float()
+
+
+def check_equivariance(
+    model: nn.Module,
+    group: str | GroupSpec | None = None,
+    input_size: int | None = None,
+    *,
+    in_channels: int | None = None,
+    batch_size: int = 2,
+    angles: tuple[float, ...] = (),
+    seed: int = 0,
+) -> EquivarianceResult:
+    """Compare model(g.x) with g.model(x) for every element g acting exactly on the pixel grid.
+
+    For an EquivariantModel, group, input size and channels default to its own. `angles`
+    (degrees) adds the error of invariant outputs under rotations of a disk-masked input
+    by those angles (bilinear interpolation, so these errors are not at float precision).
+    """
+    output_type = None
+    if isinstance(model, EquivariantModel):
+        group = group or model.group
+        input_size = input_size or model.default_input_size()
+        in_channels = in_channels or model.in_channels
+        output_type = model.output_type
+    if group is None or input_size is None or in_channels is None:
+        raise ValueError("pass group, input_size and in_channels for a model that equiconvert did not convert")
+    spec = parse_group(group)
+    parameter = next(model.parameters(), None)
+    device = parameter.device if parameter is not None else torch.device("cpu")
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(batch_size, in_channels, input_size, input_size, generator=generator).to(device)
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            y = model(x)
+            errors = {
+                g.name: _relative(model(g.act_on_grid(x)), act_on_output(g, y, output_type))
+                for g in spec.grid_elements
+            }
+            angle_errors = _angle_errors(model, x, angles) if angles else {}
+    finally:
+        model.train(was_training)
+    return EquivarianceResult(errors, angle_errors)
+
+
+def _angle_errors(model: nn.Module, x: torch.Tensor, angles: tuple[float, ...]) -> dict[float, float]:
+    from torchvision.transforms.functional import InterpolationMode, rotate
+
+    masked = x * _disk(x.shape[-1]).to(x.device)
+    reference = model(masked)
+    if reference.ndim != 2:
+        raise ValueError("angle errors are defined for invariant (batch, classes) outputs only")
+    return {
+        float(angle): _relative(model(rotate(masked, angle, InterpolationMode.BILINEAR)), reference)
+        for angle in angles
+    }

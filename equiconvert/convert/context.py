@@ -1,0 +1,146 @@
+"""State shared by the conversion rules while they rewrite one traced graph."""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch.fx as fx
+from torch import nn
+
+from ..errors import EquivarianceBreakError, UnsupportedLayerError
+from ..groups import GroupSpec
+from .fields import FieldType
+from .grid import SpatialOp
+from .report import ConversionReport, EquivarianceWarning, LayerChange
+
+TYPE_KEY = "equiconvert_type"
+SPATIAL_KEY = "equiconvert_spatial"
+SHAPE_KEY = "equiconvert_shape"
+
+
+@dataclass
+class ConversionConfig:
+    """Options of one conversion; see make_equivariant for their meaning."""
+
+    head: str = "keep"  # "keep" or "invariant"
+    invariant_pool: str = "max"  # group pooling before the classifier
+    weight_standardization: bool = False
+    batchnorm_groups: int | None = None  # None: one group per field
+    strict: bool = False
+    leaf_modules: tuple[type, ...] = ()
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class ConversionContext:
+    def __init__(
+        self,
+        gm: fx.GraphModule,
+        group: GroupSpec,
+        width_fn: Callable[[int, GroupSpec], int],
+        config: ConversionConfig,
+        report: ConversionReport,
+    ) -> None:
+        self.gm, self.group, self.width_fn, self.config, self.report = gm, group, width_fn, config, report
+        self._counter = 0
+        self.spatial_flatten = False  # set by a head that flattens a grid
+
+    # --- reading the graph -------------------------------------------------
+    def type_of(self, arg: Any) -> FieldType | None:
+        return arg.meta.get(TYPE_KEY) if isinstance(arg, fx.Node) else None
+
+    def field_input(self, node: fx.Node, index: int = 0) -> FieldType:
+        arg = node.args[index] if index < len(node.args) else None
+        ftype = self.type_of(arg)
+        if ftype is None:
+            raise self.unsupported(node, "its input is not a feature tensor that equiconvert could type")
+        return ftype
+
+    def shape(self, node: fx.Node) -> tuple[int, ...] | None:
+        return node.meta.get(SHAPE_KEY)
+
+    def module(self, node: fx.Node) -> nn.Module:
+        return self.gm.get_submodule(node.target)
+
+    def module_path(self, node: fx.Node) -> str:
+        if node.op == "call_module":
+            return str(node.target)
+        stack = node.meta.get("nn_module_stack") or {}
+        if stack:
+            last = list(stack.values())[-1]
+            return str(last[0] if isinstance(last, tuple) else last)
+        return ""
+
+    @staticmethod
+    def source_line(node: fx.Node) -> str:
+        trace = node.stack_trace or node.meta.get("stack_trace") or ""
+        frames = re.findall(r'File "([^"]+)", line (\d+)', trace)
+        return f"{frames[-1][0]}:{frames[-1][1]}" if frames else ""
+
+    def fields_for(self, channels: int) -> int:
+        fields = int(self.width_fn(channels, self.group))
+        if fields < 1:
+            raise ValueError(f"width policy returned {fields} fields for {channels} channels; need >= 1")
+        return fields
+
+    # --- rewriting ---------------------------------------------------------
+    def replace_module(self, node: fx.Node, new: nn.Module, before: nn.Module | None = None) -> None:
+        old = before if before is not None else self.module(node)
+        parent_name, _, child = str(node.target).rpartition(".")
+        parent = self.gm.get_submodule(parent_name) if parent_name else self.gm
+        setattr(parent, child, new)
+        self.record(node, _describe(old), _describe(new))
+
+    def record(self, node: fx.Node, before: str, after: str) -> None:
+        self.report.layers.append(LayerChange(node.name, self.module_path(node), before, after))
+
+    def insert_before(self, node: fx.Node, arg: fx.Node, module: nn.Module, name: str, out: FieldType) -> fx.Node:
+        """Apply `module` to `arg` just before `node` and make `node` use the result."""
+        self._counter += 1
+        target = f"equiconvert_{name}_{self._counter}"
+        self.gm.add_submodule(target, module)
+        with self.gm.graph.inserting_before(node):
+            new = self.gm.graph.call_module(target, (arg,))
+        new.meta[TYPE_KEY] = out
+        node.replace_input_with(arg, new)
+        self.report.layers.append(LayerChange(new.name, target, "(inserted)", _describe(module)))
+        return new
+
+    def set_spatial(self, node: fx.Node, op: SpatialOp) -> None:
+        node.meta[SPATIAL_KEY] = op
+
+    # --- diagnostics -------------------------------------------------------
+    def warn(self, node: fx.Node, message: str) -> None:
+        warning = EquivarianceWarning(node.name, self.module_path(node), self.source_line(node), message)
+        if self.config.strict:
+            raise EquivarianceBreakError(f"{warning} (strict=True turns this warning into an error)")
+        self.report.warnings.append(warning)
+
+    def unsupported(self, node: fx.Node, message: str, options: str = "") -> UnsupportedLayerError:
+        path = self.module_path(node)
+        what = f"{type(self.module(node)).__name__}" if node.op == "call_module" else f"{node.op} {_target_name(node)}"
+        src = self.source_line(node)
+        text = (
+            f"cannot convert node {node.name!r} ({what}"
+            + (f", module {path!r}" if path else "")
+            + (f", {src}" if src else "")
+            + f"): {message}."
+        )
+        text += " " + (options or _DEFAULT_OPTIONS)
+        return UnsupportedLayerError(text)
+
+
+_DEFAULT_OPTIONS = (
+    "Options: replace it in the model before converting, or register a rule with "
+    "equiconvert.register_module_rule / register_function_rule."
+)
+
+
+def _target_name(node: fx.Node) -> str:
+    target = node.target
+    return getattr(target, "__name__", str(target))
+
+
+def _describe(module: nn.Module) -> str:
+    extra = module.extra_repr()
+    return f"{type(module).__name__}({extra})"

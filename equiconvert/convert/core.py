@@ -1,0 +1,212 @@
+"""The conversion pass: trace, type every node with a rule, rewrite, analyse the grid."""
+from __future__ import annotations
+
+import contextlib
+import copy
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch import nn
+
+from ..errors import UnsupportedLayerError
+from ..groups import GroupSpec, parse_group
+from . import rules  # noqa: F401  (registers the built-in rules)
+from .context import SPATIAL_KEY, TYPE_KEY, ConversionConfig, ConversionContext
+from .fields import FieldType
+from .grid import GridAnalysis
+from .model import EquivariantModel
+from .registry import find_rule
+from .report import ConversionReport
+from .trace import propagate_shapes, trace
+from .width import WidthSpec, multiplier_width, resolve_width
+
+PROBE_SIZES = (224, 32, 28, 64, 96)  # tried in order when input_size is not given
+GRID_SEARCH = range(8, 1025)
+PARAMS_TOLERANCE = 0.02
+
+
+def _input_channels(model: nn.Module) -> int:
+    for module in model.modules():
+        if isinstance(module, nn.Conv2d):
+            return module.in_channels
+    raise UnsupportedLayerError(f"{type(model).__name__} has no nn.Conv2d; equiconvert converts convolutional networks")
+
+
+def _traced_with_shapes(model: nn.Module, input_size: int | None, in_channels: int, leaves: tuple) -> tuple[fx.GraphModule, int]:
+    sizes = (input_size,) if input_size else PROBE_SIZES
+    errors = []
+    for size in sizes:
+        gm = trace(model, leaves)
+        try:
+            with torch.no_grad():
+                propagate_shapes(gm, torch.zeros(2, in_channels, size, size))
+            return gm, size
+        except Exception as exc:  # shape errors of a fixed-size head
+            errors.append(f"{size}: {type(exc).__name__}: {exc}")
+    raise UnsupportedLayerError(
+        f"{type(model).__name__} does not run on a {in_channels}-channel input of size(s) {sizes} "
+        f"({'; '.join(errors)}). Pass input_size= with the size the model expects."
+    )
+
+
+def _analyse_grid(graph: fx.Graph) -> GridAnalysis:
+    """Input sizes at which every window op is symmetric and all merged branches agree."""
+    valid = []
+    nodes = list(graph.nodes)
+    for size in GRID_SEARCH:
+        sizes: dict[fx.Node, int] = {}
+        ok = True
+        for node in nodes:
+            if node.op == "placeholder":
+                sizes[node] = size
+                continue
+            ftype = node.meta.get(TYPE_KEY)
+            inputs = [sizes[a] for a in node.all_input_nodes if a in sizes]
+            if ftype is None or not ftype.spatial or not inputs:
+                continue
+            if len(set(inputs)) > 1:
+                ok = False
+                break
+            op = node.meta.get(SPATIAL_KEY)
+            out, symmetric = op.apply(inputs[0]) if op is not None else (inputs[0], True)
+            if not symmetric or out < 1:
+                ok = False
+                break
+            sizes[node] = out
+        if ok:
+            valid.append(size)
+    return GridAnalysis(valid, GRID_SEARCH[-1])
+
+
+def _rewrite(gm: fx.GraphModule, ctx: ConversionContext, in_channels: int) -> FieldType | None:
+    output_type = None
+    for node in list(gm.graph.nodes):
+        if node.op == "placeholder":
+            node.meta[TYPE_KEY] = FieldType(ctx.group, "trivial", in_channels)
+        elif node.op == "get_attr":
+            node.meta[TYPE_KEY] = None
+        elif node.op == "output":
+            output_type = ctx.type_of(node.args[0])
+        elif TYPE_KEY not in node.meta:  # nodes inserted by rules are typed already
+            rule = find_rule(ctx, node)
+            if rule is None:
+                raise ctx.unsupported(node, "no conversion rule is registered for it")
+            node.meta[TYPE_KEY] = rule(ctx, node)
+    gm.graph.lint()
+    gm.recompile()
+    return output_type
+
+
+def _prepare(model: nn.Module, input_size: int | None, leaves: tuple) -> tuple[fx.GraphModule, int]:
+    in_channels = _input_channels(model)
+    template, _ = _traced_with_shapes(model, input_size, in_channels, leaves)
+    return template, in_channels
+
+
+def _convert_once(
+    template: fx.GraphModule, in_channels: int, group: GroupSpec, width_fn, config: ConversionConfig,
+    width_name: str, device: str | None = None,
+) -> tuple[fx.GraphModule, ConversionReport, FieldType | None]:
+    """Rewrite a copy of the traced template; device="meta" only counts parameters."""
+    gm = copy.deepcopy(template)
+    report = ConversionReport(group=group.name, width=width_name)
+    ctx = ConversionContext(gm, group, width_fn, config, report)
+    with torch.device(device) if device else contextlib.nullcontext():
+        output_type = _rewrite(gm, ctx, in_channels)
+    report.invariant_output = bool(output_type is not None and output_type.is_invariant and not ctx.spatial_flatten)
+    return gm, report, output_type
+
+
+def _count(module: nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+def _solve_params_width(template, in_channels, group, config, target: int) -> tuple[Any, str]:
+    """The fields-per-channel multiplier whose parameter count is closest to `target`."""
+    low, high = 1e-3, 1.0
+
+    def count(multiplier: float) -> int:
+        width_fn = multiplier_width(multiplier)
+        return _count(_convert_once(template, in_channels, group, width_fn, config, "params", "meta")[0])
+
+    while count(high) < target:
+        high *= 2
+    for _ in range(20):
+        middle = (low + high) / 2
+        low, high = (middle, high) if count(middle) <= target else (low, middle)
+    best = min((low, high), key=lambda m: abs(count(m) - target))
+    return multiplier_width(best), f"params (multiplier {best:.4f} fields per channel)"
+
+
+def make_equivariant(
+    model: nn.Module,
+    group: str | GroupSpec,
+    *,
+    width: WidthSpec = None,
+    input_size: int | None = None,
+    config: dict | ConversionConfig | None = None,
+    strict: bool = False,
+    head: str | None = None,
+) -> EquivariantModel:
+    """Convert a CNN into a steerable CNN equivariant to `group` ("C1".."C16", "D1".."D16").
+
+    width: None/"kappa" (fields = floor(C*sqrt(1.75|G|)/|G|)), a float kappa, "params"
+    (match the original parameter count), "channels" (keep the channel count), or a
+    callable (channels, group) -> fields. input_size: the image size you will use; the
+    report says whether it keeps exact equivariance. config: ConversionConfig fields
+    (head, invariant_pool, weight_standardization, batchnorm_groups, leaf_modules).
+    strict: turn every equivariance warning into an error. head: "keep" or "invariant".
+    """
+    spec = parse_group(group)
+    cfg = _make_config(config, strict, head)
+    template, in_channels = _prepare(copy.deepcopy(model), input_size, cfg.leaf_modules)
+    width_fn = resolve_width(width)
+    if width_fn == "params":
+        width_fn, width_name = _solve_params_width(template, in_channels, spec, cfg, _count(model))
+    else:
+        width_name = getattr(width_fn, "__name__", str(width_fn))
+    gm, report, output_type = _convert_once(template, in_channels, spec, width_fn, cfg, width_name)
+    report.params_before = _count(model)
+    report.params_after = _count(gm)
+    if width == "params" and abs(report.params_after - report.params_before) > PARAMS_TOLERANCE * report.params_before:
+        raise UnsupportedLayerError(
+            f"width='params' reached {report.params_after:,} parameters for a target of {report.params_before:,} "
+            f"(more than {PARAMS_TOLERANCE:.0%} apart); pass a float kappa or a callable width instead"
+        )
+    grid = _analyse_grid(gm.graph)
+    report.valid_input_sizes = grid.valid_sizes
+    report.valid_input_rule = grid.rule()
+    if input_size is not None:
+        report.input_size = input_size
+        report.input_size_valid = grid.is_valid(input_size)
+    _validate_no_batch_statistics(gm)
+    gm.train(model.training)
+    return EquivariantModel(gm, spec, in_channels, output_type, report)
+
+
+def _make_config(config: dict | ConversionConfig | None, strict: bool, head: str | None) -> ConversionConfig:
+    if isinstance(config, ConversionConfig):
+        cfg = copy.copy(config)
+    else:
+        options = dict(config or {})
+        unknown = set(options) - set(ConversionConfig.__dataclass_fields__)
+        if unknown:
+            raise ValueError(f"unknown config keys {sorted(unknown)}; known: {sorted(ConversionConfig.__dataclass_fields__)}")
+        if "leaf_modules" in options:
+            options["leaf_modules"] = tuple(options["leaf_modules"])
+        cfg = ConversionConfig(**options)
+    cfg.strict = cfg.strict or strict
+    if head is not None:
+        cfg.head = head
+    if cfg.head not in ("keep", "invariant"):
+        raise ValueError(f"head must be 'keep' or 'invariant', got {cfg.head!r}")
+    return cfg
+
+
+def _validate_no_batch_statistics(gm: nn.Module) -> None:
+    for name, module in gm.named_modules():
+        if isinstance(module, nn.modules.batchnorm._NormBase) and (
+            isinstance(module, nn.modules.batchnorm._BatchNorm) or module.track_running_stats
+        ):
+            raise UnsupportedLayerError(f"module {name!r} ({type(module).__name__}) uses batch statistics after conversion")

@@ -1,0 +1,62 @@
+"""Which input sizes keep exact equivariance on the pixel grid.
+
+A window op (conv or pool) with kernel k, stride s, padding p and dilation d
+maps the grid onto itself under 90-degree rotations and flips exactly when its
+windows are placed symmetrically: (H + 2p - d(k-1) - 1) is divisible by s.
+Stride-2 3x3 convs therefore need odd sizes and 2x2 pools even ones; adaptive
+pooling is always symmetric.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class WindowOp:
+    kernel: int
+    stride: int
+    padding: int
+    dilation: int = 1
+    ceil_mode: bool = False
+
+    def apply(self, size: int) -> tuple[int, bool]:
+        """Output size and whether the windows are symmetric at this input size."""
+        span = size + 2 * self.padding - self.dilation * (self.kernel - 1) - 1
+        if span < 0:
+            return 0, False
+        out = (math.ceil if self.ceil_mode else math.floor)(span / self.stride) + 1
+        if self.ceil_mode and (out - 1) * self.stride >= size + self.padding:
+            out -= 1  # PyTorch drops a last window that starts in the right padding
+        return out, span % self.stride == 0
+
+
+@dataclass(frozen=True)
+class AdaptiveOp:
+    output_size: int
+
+    def apply(self, size: int) -> tuple[int, bool]:
+        return (self.output_size, True) if size >= 1 else (0, False)
+
+
+SpatialOp = WindowOp | AdaptiveOp
+
+
+@dataclass
+class GridAnalysis:
+    valid_sizes: list[int]
+    searched_up_to: int
+
+    def rule(self) -> str:
+        if not self.valid_sizes:
+            return f"no size up to {self.searched_up_to} keeps exact equivariance"
+        head = ", ".join(map(str, self.valid_sizes[:8]))
+        if len(self.valid_sizes) >= 3:
+            steps = {b - a for a, b in zip(self.valid_sizes[2:], self.valid_sizes[3:])}
+            if len(steps) == 1:
+                step = steps.pop()
+                return f"H = W = {self.valid_sizes[2]} + {step}k (and {head}, ...)"
+        return f"H = W in {{{head}{', ...' if len(self.valid_sizes) > 8 else ''}}}"
+
+    def is_valid(self, size: int) -> bool:
+        return size in self.valid_sizes

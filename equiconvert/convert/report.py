@@ -1,0 +1,66 @@
+"""What a conversion did: swapped layers, parameter counts, valid input sizes, warnings."""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass(frozen=True)
+class LayerChange:
+    node: str
+    module_path: str
+    before: str
+    after: str
+
+
+@dataclass(frozen=True)
+class EquivarianceWarning:
+    """A construct that breaks exact equivariance, with where it is."""
+
+    node: str
+    module_path: str
+    source: str
+    message: str
+
+    def __str__(self) -> str:
+        where = f"node {self.node!r}" + (f" (module {self.module_path!r})" if self.module_path else "")
+        src = f" at {self.source}" if self.source else ""
+        return f"{where}{src}: {self.message}"
+
+
+@dataclass
+class ConversionReport:
+    group: str
+    width: str
+    params_before: int = 0
+    params_after: int = 0
+    layers: list[LayerChange] = field(default_factory=list)
+    warnings: list[EquivarianceWarning] = field(default_factory=list)
+    valid_input_sizes: list[int] = field(default_factory=list)
+    valid_input_rule: str = ""
+    input_size: int | None = None
+    input_size_valid: bool | None = None
+    invariant_output: bool = False
+    max_equivariance_error: float | None = None
+
+    def to_dict(self) -> dict:
+        data = asdict(self)
+        data["warnings"] = [dict(asdict(w), text=str(w)) for w in self.warnings]
+        return data
+
+    def to_json(self, **kwargs) -> str:
+        return json.dumps(self.to_dict(), **kwargs)
+
+    def __str__(self) -> str:
+        lines = [
+            f"group {self.group}, width {self.width}: {self.params_before:,} -> {self.params_after:,} parameters",
+            f"valid input sizes: {self.valid_input_rule}",
+        ]
+        if self.input_size is not None:
+            lines.append(f"input size {self.input_size}: {'valid' if self.input_size_valid else 'NOT valid'}")
+        lines.append(f"output: {'invariant' if self.invariant_output else 'NOT invariant'}")
+        lines += [f"  {c.node}: {c.before} -> {c.after}" for c in self.layers]
+        lines += [f"warning: {w}" for w in self.warnings]
+        if self.max_equivariance_error is not None:
+            lines.append(f"max equivariance error: {self.max_equivariance_error:.2e}")
+        return "\n".join(lines)

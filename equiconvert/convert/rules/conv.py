@@ -1,0 +1,78 @@
+"""nn.Conv2d -> SteerableConv2d."""
+from __future__ import annotations
+
+import torch.fx as fx
+from torch import nn
+
+from ...basis import steerable_basis
+from ...nn import SteerableConv2d
+from ..context import ConversionContext
+from ..fields import FieldType
+from ..grid import WindowOp
+from ..registry import register_module_rule
+
+
+def _square(node: fx.Node, ctx: ConversionContext, name: str, value: tuple[int, int]) -> int:
+    if value[0] != value[1]:
+        raise ctx.unsupported(node, f"{name}={value} is not square; rotations swap height and width")
+    return value[0]
+
+
+def _padding(ctx: ConversionContext, node: fx.Node, conv: nn.Conv2d, kernel: int, dilation: int) -> tuple[int, object]:
+    """(symmetric padding used for grid analysis, padding argument for F.conv2d)."""
+    if isinstance(conv.padding, str):
+        return (0, "valid") if conv.padding == "valid" else (dilation * (kernel - 1) // 2, "same")
+    if conv.padding[0] != conv.padding[1]:
+        ctx.warn(node, f"padding={conv.padding} differs between height and width: rotations do not map it onto itself")
+    return conv.padding[0], conv.padding
+
+
+def _output_fields(ctx: ConversionContext, node: fx.Node, conv: nn.Conv2d, t_in: FieldType) -> tuple[int, int]:
+    """(output fields, groups) of the steerable conv."""
+    if conv.groups == 1:
+        return ctx.fields_for(conv.out_channels), 1
+    if conv.groups == conv.in_channels:  # depthwise per channel -> depthwise per field
+        return t_in.num_fields * (conv.out_channels // conv.in_channels), t_in.num_fields
+    out_fields = ctx.fields_for(conv.out_channels)
+    if t_in.num_fields % conv.groups or out_fields % conv.groups:
+        raise ctx.unsupported(
+            node,
+            f"groups={conv.groups} does not divide the {t_in.num_fields} input / {out_fields} output fields",
+            "Options: pass width= as a callable that returns multiples of the group count, or use groups=1.",
+        )
+    return out_fields, conv.groups
+
+
+@register_module_rule(nn.Conv2d)
+def convert_conv2d(ctx: ConversionContext, node: fx.Node) -> FieldType:
+    conv: nn.Conv2d = ctx.module(node)
+    t_in = ctx.field_input(node)
+    if conv.in_channels != ctx.shape(node.args[0])[1]:
+        raise ctx.unsupported(node, "in_channels does not match the traced input")
+    kernel = _square(node, ctx, "kernel_size", conv.kernel_size)
+    stride = _square(node, ctx, "stride", conv.stride)
+    dilation = _square(node, ctx, "dilation", conv.dilation)
+    if kernel % 2 == 0:
+        raise ctx.unsupported(
+            node,
+            f"even kernel_size={kernel}: its centre lies between pixels, so no equivariant filter exists on the grid",
+            "Options: use an odd kernel (e.g. kernel_size+1 with padding adjusted) before converting.",
+        )
+    grid_padding, padding_arg = _padding(ctx, node, conv, kernel, dilation)
+    out_fields, groups = _output_fields(ctx, node, conv, t_in)
+    basis = steerable_basis(ctx.group, t_in.representation, "regular", kernel, dilation)
+    new = SteerableConv2d(
+        basis,
+        t_in.num_fields,
+        out_fields,
+        stride=stride,
+        padding=padding_arg,
+        dilation=dilation,
+        groups=groups,
+        bias=conv.bias is not None,
+        padding_mode=conv.padding_mode,
+        weight_standardization=ctx.config.weight_standardization,
+    )
+    ctx.replace_module(node, new)
+    ctx.set_spatial(node, WindowOp(kernel, stride, grid_padding, dilation))
+    return FieldType(ctx.group, "regular", out_fields)

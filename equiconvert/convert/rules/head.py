@@ -1,0 +1,129 @@
+"""The classifier head: from feature maps to invariant feature vectors.
+
+Global pooling + Linear becomes global pooling + group pooling (one invariant
+value per field) + Linear. A head that flattens a spatial grid (ResNet9's
+AdaptiveMaxPool2d(2) + Flatten) is kept, group-pooled and reported as not
+invariant; `head="invariant"` pools globally instead.
+"""
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+from torch import nn
+
+from ...nn import GroupPool
+from ..context import ConversionContext
+from ..fields import FieldType
+from ..grid import AdaptiveOp
+from ..registry import register_function_rule, register_module_rule
+
+ADAPTIVE_POOLS = (nn.AdaptiveAvgPool2d, nn.AdaptiveMaxPool2d)
+
+
+def _make_global(ctx: ConversionContext, node: fx.Node, x: fx.Node, t: FieldType) -> None:
+    """Pool `x` to 1x1 before `node`: shrink the adaptive pool that produced it, or insert one."""
+    if x.op == "call_module" and type(ctx.module(x)) in ADAPTIVE_POOLS and len(x.users) == 1:
+        ctx.replace_module(x, type(ctx.module(x))(1))
+        ctx.set_spatial(x, AdaptiveOp(1))
+    else:
+        pooled = ctx.insert_before(node, x, nn.AdaptiveAvgPool2d(1), "global_pool", t)
+        ctx.set_spatial(pooled, AdaptiveOp(1))
+
+
+def to_vector(ctx: ConversionContext, node: fx.Node, x: fx.Node) -> FieldType:
+    """Type of `node`, which flattens the feature map `x` into (batch, features)."""
+    t = ctx.type_of(x)
+    if t is None:
+        raise ctx.unsupported(node, "flattens a tensor equiconvert could not type")
+    if not t.spatial:
+        return t
+    _, _, height, width = ctx.shape(x)
+    cells = height * width
+    if cells > 1 and ctx.config.head == "invariant":
+        _make_global(ctx, node, x, t)
+        cells = 1
+    if cells == 1:
+        return t.flattened()
+    ctx.spatial_flatten = True
+    ctx.warn(
+        node,
+        f"flattens a {height}x{width} grid: rotations permute its cells, so the output is not invariant "
+        "(pass head='invariant' to pool globally instead)",
+    )
+    if not t.is_invariant:
+        pooled = FieldType(ctx.group, "trivial", t.num_fields)
+        ctx.insert_before(node, x, GroupPool(t.num_fields, t.field_size, ctx.config.invariant_pool), "group_pool", pooled)
+    return FieldType(ctx.group, "trivial", t.num_fields * cells, spatial=False)
+
+
+@register_module_rule(nn.Flatten)
+def convert_flatten_module(ctx: ConversionContext, node: fx.Node) -> FieldType:
+    flatten: nn.Flatten = ctx.module(node)
+    if flatten.start_dim != 1 or flatten.end_dim not in (-1, 3):
+        raise ctx.unsupported(node, f"flattens dims {flatten.start_dim}..{flatten.end_dim}; only (batch, features) heads are supported")
+    return to_vector(ctx, node, node.args[0])
+
+
+@register_function_rule(torch.flatten, "flatten")
+def convert_flatten(ctx: ConversionContext, node: fx.Node) -> FieldType:
+    start = node.args[1] if len(node.args) > 1 else node.kwargs.get("start_dim", 0)
+    end = node.args[2] if len(node.args) > 2 else node.kwargs.get("end_dim", -1)
+    if start != 1 or end not in (-1, 3):
+        raise ctx.unsupported(node, f"flattens dims {start}..{end}; only flatten(x, 1) heads are supported")
+    return to_vector(ctx, node, node.args[0])
+
+
+def _requested_shape(node: fx.Node) -> tuple:
+    dims = node.args[1:]
+    if len(dims) == 1 and isinstance(dims[0], (tuple, list)):
+        dims = tuple(dims[0])
+    return tuple(dims)
+
+
+@register_function_rule("view", "reshape", torch.reshape)
+def convert_view(ctx: ConversionContext, node: fx.Node) -> FieldType:
+    x = node.args[0]
+    t = ctx.field_input(node)
+    out_shape = ctx.shape(node)
+    if out_shape is None or len(out_shape) != 2 or len(_requested_shape(node)) != 2:
+        raise ctx.unsupported(
+            node,
+            f"reshapes a feature tensor to {out_shape}, which splits fields (e.g. a channel shuffle)",
+            "Options: only x.view(batch, -1) style heads are converted; restructure the rest before converting.",
+        )
+    if not t.spatial:
+        return t
+    out = to_vector(ctx, node, x)
+    batch = _requested_shape(node)[0]
+    node.args = (node.args[0], batch, -1) if batch != -1 else (node.args[0], -1, out.channels)
+    return out
+
+
+@register_function_rule("mean", torch.mean)
+def convert_mean(ctx: ConversionContext, node: fx.Node) -> FieldType:
+    t = ctx.field_input(node)
+    dims = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+    keepdim = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
+    dims = {d % 4 for d in (dims if isinstance(dims, (tuple, list)) else [dims])} if dims is not None else None
+    if not t.spatial or dims != {2, 3}:
+        raise ctx.unsupported(node, f"takes a mean over dims {dims}; only the spatial dims (2, 3) keep fields whole")
+    if keepdim:
+        ctx.set_spatial(node, AdaptiveOp(1))
+        return t
+    return t.flattened()
+
+
+@register_module_rule(nn.Linear)
+def convert_linear(ctx: ConversionContext, node: fx.Node) -> FieldType:
+    linear: nn.Linear = ctx.module(node)
+    t = ctx.field_input(node)
+    if t.spatial:
+        raise ctx.unsupported(node, "applies a Linear layer to a feature map (channels-last layout)",
+                              "Options: use a 1x1 Conv2d, or flatten/pool before the Linear layer.")
+    if not t.is_invariant:
+        pool = GroupPool(t.num_fields, t.field_size, ctx.config.invariant_pool)
+        t = FieldType(ctx.group, "trivial", t.num_fields, spatial=False)
+        ctx.insert_before(node, node.args[0], pool, "group_pool", t)
+    if t.channels != linear.in_features:
+        ctx.replace_module(node, nn.Linear(t.channels, linear.out_features, bias=linear.bias is not None))
+    return FieldType(ctx.group, "trivial", linear.out_features, spatial=False)

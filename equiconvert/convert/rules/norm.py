@@ -1,0 +1,46 @@
+"""BatchNorm2d / GroupNorm / InstanceNorm2d -> FieldGroupNorm (per sample, whole fields)."""
+from __future__ import annotations
+
+import torch.fx as fx
+from torch import nn
+
+from ...nn import FieldGroupNorm
+from ...nn.norm import largest_divisor_at_most
+from ..context import ConversionContext
+from ..fields import FieldType
+from ..registry import register_module_rule
+
+
+def _check_channels(ctx: ConversionContext, node: fx.Node, channels: int) -> FieldType:
+    t_in = ctx.field_input(node)
+    if ctx.shape(node.args[0])[1] != channels:
+        raise ctx.unsupported(node, f"normalises {channels} channels but its input has {ctx.shape(node.args[0])[1]}")
+    return t_in
+
+
+@register_module_rule(nn.BatchNorm2d, nn.SyncBatchNorm)
+def convert_batchnorm(ctx: ConversionContext, node: fx.Node) -> FieldType:
+    bn = ctx.module(node)
+    t_in = _check_channels(ctx, node, bn.num_features)
+    requested = ctx.config.batchnorm_groups or t_in.num_fields
+    groups = largest_divisor_at_most(t_in.num_fields, requested)
+    ctx.replace_module(node, FieldGroupNorm(t_in.num_fields, t_in.field_size, groups, bn.affine, bn.eps))
+    return t_in
+
+
+@register_module_rule(nn.GroupNorm)
+def convert_groupnorm(ctx: ConversionContext, node: fx.Node) -> FieldType:
+    gn: nn.GroupNorm = ctx.module(node)
+    t_in = _check_channels(ctx, node, gn.num_channels)
+    groups = largest_divisor_at_most(t_in.num_fields, gn.num_groups)
+    ctx.replace_module(node, FieldGroupNorm(t_in.num_fields, t_in.field_size, groups, gn.affine, gn.eps))
+    return t_in
+
+
+@register_module_rule(nn.InstanceNorm2d)
+def convert_instancenorm(ctx: ConversionContext, node: fx.Node) -> FieldType:
+    norm: nn.InstanceNorm2d = ctx.module(node)
+    t_in = _check_channels(ctx, node, norm.num_features)
+    new = FieldGroupNorm(t_in.num_fields, t_in.field_size, t_in.num_fields, norm.affine, norm.eps)
+    ctx.replace_module(node, new)
+    return t_in

@@ -1,0 +1,93 @@
+"""Ops that keep field types: identities, dropout, residual arithmetic, concatenation, sizes."""
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+from torch import nn
+
+from ..context import ConversionContext
+from ..fields import FieldType
+from ..registry import MODULE_RULES, register_function_rule, register_module_rule
+
+PASS_THROUGH_MODULES: list[type] = [nn.Identity, nn.Dropout, nn.Dropout2d, nn.AlphaDropout]
+try:  # per-sample stochastic depth keeps whole samples: equivariant in distribution
+    from torchvision.ops import StochasticDepth
+
+    PASS_THROUGH_MODULES.append(StochasticDepth)
+except ImportError:  # pragma: no cover - torchvision is a dependency
+    pass
+try:
+    from timm.layers import DropPath
+
+    PASS_THROUGH_MODULES.append(DropPath)
+except ImportError:  # timm is optional
+    pass
+
+
+@register_module_rule(*PASS_THROUGH_MODULES)
+@register_function_rule(F.dropout, F.dropout2d, "contiguous", "clone", "float", "to", "detach")
+def convert_pass_through(ctx: ConversionContext, node: fx.Node) -> FieldType | None:
+    return ctx.type_of(node.args[0])
+
+
+@register_function_rule("size", getattr)
+def convert_size(ctx: ConversionContext, node: fx.Node) -> None:
+    if node.target is getattr and node.args[1] not in ("shape", "dtype", "device"):
+        raise ctx.unsupported(node, f"reads attribute {node.args[1]!r} of a feature tensor")
+    return None
+
+
+@register_function_rule(operator.getitem)
+def convert_getitem(ctx: ConversionContext, node: fx.Node) -> None:
+    if ctx.type_of(node.args[0]) is not None:
+        raise ctx.unsupported(node, "indexes a feature tensor, which can split fields",
+                              "Options: select whole fields, or restructure the model before converting.")
+    return None
+
+
+def _binary(ctx: ConversionContext, node: fx.Node) -> FieldType:
+    types = [ctx.type_of(a) for a in node.args[:2]]
+    tensors = [t for t in types if t is not None]
+    if not tensors:
+        return None
+    first = tensors[0]
+    for other in tensors[1:]:
+        if other.representation != first.representation or other.num_fields != first.num_fields:
+            raise ctx.unsupported(node, f"combines field types {first.describe()} and {other.describe()}")
+    return first if all(t.spatial for t in tensors) or len(tensors) == 1 else first.flattened()
+
+
+IN_PLACE_BINARY = {operator.iadd: operator.add, operator.imul: operator.mul, "add_": "add", "mul_": "mul"}
+
+
+@register_function_rule(operator.add, operator.sub, operator.mul, operator.truediv, torch.add, torch.mul, "add", "mul")
+def convert_elementwise_binary(ctx: ConversionContext, node: fx.Node) -> FieldType | None:
+    return _binary(ctx, node)
+
+
+@register_function_rule(*IN_PLACE_BINARY)
+def convert_in_place_binary(ctx: ConversionContext, node: fx.Node) -> FieldType | None:
+    node.target = IN_PLACE_BINARY[node.target]
+    return _binary(ctx, node)
+
+
+@register_function_rule(torch.cat, torch.concat)
+def convert_cat(ctx: ConversionContext, node: fx.Node) -> FieldType:
+    tensors = node.args[0]
+    dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
+    types = [ctx.type_of(t) for t in tensors]
+    if any(t is None for t in types):
+        raise ctx.unsupported(node, "concatenates a tensor equiconvert could not type")
+    if dim not in (1, -3) or not types[0].spatial:
+        raise ctx.unsupported(node, f"concatenates along dim={dim}; only the channel dim (1) keeps fields whole")
+    if len({t.representation for t in types}) != 1:
+        raise ctx.unsupported(node, "concatenates fields of different representations")
+    return types[0].with_fields(sum(t.num_fields for t in types))
+
+
+def pass_through_rule(module_type: type) -> None:
+    """Declare a user module type as field-type preserving (e.g. a custom dropout)."""
+    MODULE_RULES[module_type] = convert_pass_through

@@ -1,0 +1,59 @@
+"""Width policies: how many fields replace a layer's C channels."""
+from __future__ import annotations
+
+import math
+from typing import Callable, Union
+
+from ..groups import GroupSpec
+
+PAPER_KAPPA = 1.75  # Hölzl et al.: "divide the channels by sqrt(1.75 N)"
+RELEASED_CODE_KAPPA = 1.5  # hlzl/equivariant, reproduces the paper's Table 1 parameter counts
+
+WidthFn = Callable[[int, GroupSpec], int]
+WidthSpec = Union[str, float, int, WidthFn, None]
+WIDTH_NAMES = ("kappa", "params", "channels")
+
+
+def kappa_width(kappa: float) -> WidthFn:
+    """fields = floor(C * sqrt(kappa*|G|) / |G|), at least one."""
+
+    def fields(channels: int, group: GroupSpec) -> int:
+        return max(1, math.floor(channels * math.sqrt(kappa * group.order) / group.order + 1e-9))
+
+    fields.__name__ = f"kappa={kappa}"
+    return fields
+
+
+def channels_width(channels: int, group: GroupSpec) -> int:
+    """Keep the channel count: fields = floor(C / |G|), at least one."""
+    return max(1, channels // group.order)
+
+
+def multiplier_width(multiplier: float) -> WidthFn:
+    """fields = floor(C * multiplier), at least one; used by the parameter-matching search."""
+
+    def fields(channels: int, group: GroupSpec) -> int:
+        return max(1, math.floor(channels * multiplier + 1e-9))
+
+    fields.__name__ = f"multiplier={multiplier:.5f}"
+    return fields
+
+
+def resolve_width(width: WidthSpec) -> WidthFn | str:
+    """Turn the user's `width=` into a function of (channels, group), or "params" (solved later)."""
+    if width is None or width == "kappa":
+        return kappa_width(PAPER_KAPPA)
+    if width == "params":
+        return "params"
+    if width == "channels":
+        return channels_width
+    if isinstance(width, (int, float)) and not isinstance(width, bool):
+        if width <= 0:
+            raise ValueError(f"width kappa must be positive, got {width}")
+        return kappa_width(float(width))
+    if callable(width):
+        return width
+    raise ValueError(
+        f"unknown width policy {width!r}: use a float kappa, 'kappa' (={PAPER_KAPPA}), 'params', "
+        "'channels', or a callable (channels, group) -> number of fields"
+    )

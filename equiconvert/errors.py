@@ -1,0 +1,21 @@
+"""Exceptions raised by equiconvert, each naming what broke and what to do."""
+
+
+class EquiconvertError(Exception):
+    """Base class of all equiconvert errors."""
+
+
+class UnsupportedLayerError(EquiconvertError):
+    """A node of the traced model has no equivariant counterpart (yet)."""
+
+
+class TracingError(EquiconvertError):
+    """torch.fx could not trace the model."""
+
+
+class EquivarianceBreakError(EquiconvertError):
+    """A construct breaks equivariance and `strict=True` was requested."""
+
+
+class GroupSpecError(EquiconvertError, ValueError):
+    """A group name could not be parsed."""

@@ -1,0 +1,103 @@
+"""Steerable convolution as plain tensors: filter = coefficients x basis, then F.conv2d."""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class SteerableConv2d(nn.Module):
+    """A 2D convolution whose filter is constrained to an equivariant linear span.
+
+    `basis` has shape (num_basis, out_size, in_size, k, k): the equivariant
+    filters from one input field to one output field. `weight` holds one
+    coefficient vector per (output field, input field of its group), so the
+    parameters live in coefficient space, which is where DP-SGD clips them.
+    Channels are laid out field-major (field f owns channels f*size..(f+1)*size-1).
+    """
+
+    def __init__(
+        self,
+        basis: torch.Tensor,
+        in_fields: int,
+        out_fields: int,
+        *,
+        stride: int | tuple[int, int] = 1,
+        padding: int | tuple[int, int] | str = 0,
+        dilation: int | tuple[int, int] = 1,
+        groups: int = 1,
+        bias: bool = True,
+        padding_mode: str = "zeros",
+        weight_standardization: bool = False,
+        eps: float = 1e-5,
+    ) -> None:
+        super().__init__()
+        if basis.ndim != 5 or basis.shape[0] == 0:
+            raise ValueError(f"basis must have shape (num_basis>0, out, in, k, k), got {tuple(basis.shape)}")
+        if in_fields % groups or out_fields % groups:
+            raise ValueError(f"groups={groups} must divide in_fields={in_fields} and out_fields={out_fields}")
+        self.in_fields, self.out_fields, self.groups = in_fields, out_fields, groups
+        self.out_size, self.in_size = int(basis.shape[1]), int(basis.shape[2])
+        self.kernel_size = int(basis.shape[-1])
+        self.in_channels = in_fields * self.in_size
+        self.out_channels = out_fields * self.out_size
+        self.stride, self.padding, self.dilation = stride, padding, dilation
+        self.padding_mode = padding_mode
+        self.weight_standardization = weight_standardization
+        self.eps = eps
+        self.register_buffer("basis", basis.detach().clone().float())
+        self.weight = nn.Parameter(torch.empty(out_fields, in_fields // groups, basis.shape[0]))
+        self.bias = nn.Parameter(torch.zeros(out_fields)) if bias else None
+        self.reset_parameters()
+
+    @property
+    def num_basis(self) -> int:
+        return int(self.basis.shape[0])
+
+    def reset_parameters(self) -> None:
+        """He initialisation of the expanded filter: each output channel gets input variance 2."""
+        energy = self.basis.pow(2).sum(dim=(0, 2, 3, 4)).mean()  # per output channel, one input field
+        fan_in_fields = self.in_fields // self.groups
+        std = math.sqrt(2.0 / (fan_in_fields * float(energy)))
+        with torch.no_grad():
+            self.weight.normal_(0.0, std)
+            if self.bias is not None:
+                self.bias.zero_()
+
+    def coefficients(self) -> torch.Tensor:
+        if not self.weight_standardization:
+            return self.weight
+        mean = self.weight.mean(dim=(1, 2), keepdim=True)
+        var = self.weight.var(dim=(1, 2), keepdim=True, unbiased=False)
+        return (self.weight - mean) / torch.sqrt(var + self.eps)
+
+    def expand_filter(self) -> torch.Tensor:
+        """The (out_channels, in_channels/groups, k, k) filter used by F.conv2d."""
+        coeffs = self.coefficients()
+        out_f, in_f, nb = coeffs.shape
+        k = self.kernel_size
+        flat = coeffs.reshape(out_f * in_f, nb) @ self.basis.reshape(nb, -1)
+        flat = flat.reshape(out_f, in_f, self.out_size, self.in_size, k, k).permute(0, 2, 1, 3, 4, 5)
+        return flat.reshape(out_f * self.out_size, in_f * self.in_size, k, k)
+
+    def expand_bias(self) -> torch.Tensor | None:
+        # a constant per field is invariant for trivial and regular fields
+        return None if self.bias is None else self.bias.repeat_interleave(self.out_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight, bias = self.expand_filter(), self.expand_bias()
+        if self.padding_mode != "zeros":
+            pad = self.padding if isinstance(self.padding, tuple) else (self.padding, self.padding)
+            x = F.pad(x, (pad[1], pad[1], pad[0], pad[0]), mode=self.padding_mode)
+            return F.conv2d(x, weight, bias, self.stride, 0, self.dilation, self.groups)
+        return F.conv2d(x, weight, bias, self.stride, self.padding, self.dilation, self.groups)
+
+    def extra_repr(self) -> str:
+        return (
+            f"fields {self.in_fields}x{self.in_size} -> {self.out_fields}x{self.out_size}, "
+            f"kernel={self.kernel_size}, num_basis={self.num_basis}, stride={self.stride}, "
+            f"padding={self.padding}, dilation={self.dilation}, groups={self.groups}, "
+            f"bias={self.bias is not None}, weight_standardization={self.weight_standardization}"
+        )

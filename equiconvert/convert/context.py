@@ -26,7 +26,7 @@ class ConversionConfig:
     head: str = "keep"  # "keep" or "invariant"
     invariant_pool: str = "max"  # group pooling before the classifier
     weight_standardization: bool = False
-    batchnorm_groups: int | None = None  # None: one group per field
+    batchnorm_groups: int = 32  # BatchNorm2d becomes a field-aligned GroupNorm with this many groups
     strict: bool = False
     leaf_modules: tuple[type, ...] = ()
     extra: dict[str, Any] = field(default_factory=dict)

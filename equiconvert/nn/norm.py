@@ -6,8 +6,13 @@ import torch.nn.functional as F
 from torch import nn
 
 
-def largest_divisor_at_most(n: int, bound: int) -> int:
-    return max(d for d in range(1, min(n, bound) + 1) if n % d == 0)
+def field_groups(num_fields: int, num_groups: int) -> torch.Tensor:
+    """(num_fields, num_groups) 0/1 matrix: contiguous groups of whole fields, sizes differing by at most one."""
+    assignment = torch.zeros(num_fields, num_groups)
+    bounds = [round(i * num_fields / num_groups) for i in range(num_groups + 1)]
+    for group, (start, stop) in enumerate(zip(bounds, bounds[1:])):
+        assignment[start:stop, group] = 1.0
+    return assignment
 
 
 class FieldGroupNorm(nn.Module):
@@ -17,20 +22,38 @@ class FieldGroupNorm(nn.Module):
     all positions, so they are invariant under the group and never mix samples
     (which is what makes DP-SGD legal). A constant scale and shift per field
     commutes with permutations of a regular field and with trivial fields.
+    Any number of groups up to the number of fields works: when it does not
+    divide the fields evenly, group sizes differ by one field.
     """
 
     def __init__(self, num_fields: int, field_size: int, num_groups: int, affine: bool = True, eps: float = 1e-5):
         super().__init__()
-        if num_fields % num_groups:
-            raise ValueError(f"num_groups={num_groups} must divide num_fields={num_fields}")
+        if not 1 <= num_groups <= num_fields:
+            raise ValueError(f"num_groups={num_groups} must lie in 1..num_fields={num_fields}")
         self.num_fields, self.field_size, self.num_groups, self.eps = num_fields, field_size, num_groups, eps
         self.weight = nn.Parameter(torch.ones(num_fields)) if affine else None
         self.bias = nn.Parameter(torch.zeros(num_fields)) if affine else None
+        self.register_buffer("assignment", field_groups(num_fields, num_groups), persistent=False)
+
+    def _normalize_uneven(self, x: torch.Tensor) -> torch.Tensor:
+        fields = x.reshape(x.shape[0], self.num_fields, -1)
+        per_group = self.assignment.sum(0) * fields.shape[-1]
+        mean = (fields.sum(-1) @ self.assignment / per_group) @ self.assignment.T
+        centred = fields - mean.unsqueeze(-1)
+        var = (centred.pow(2).sum(-1) @ self.assignment / per_group) @ self.assignment.T
+        return (centred * torch.rsqrt(var + self.eps).unsqueeze(-1)).reshape(x.shape)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weight = None if self.weight is None else self.weight.repeat_interleave(self.field_size)
-        bias = None if self.bias is None else self.bias.repeat_interleave(self.field_size)
-        return F.group_norm(x, self.num_groups, weight, bias, self.eps)
+        if self.num_fields % self.num_groups == 0:
+            x = F.group_norm(x, self.num_groups, None, None, self.eps)
+        else:
+            x = self._normalize_uneven(x)
+        if self.weight is None:
+            return x
+        shape = (1, -1) + (1,) * (x.ndim - 2)
+        weight = self.weight.repeat_interleave(self.field_size).reshape(shape)
+        bias = self.bias.repeat_interleave(self.field_size).reshape(shape)
+        return x * weight + bias
 
     def extra_repr(self) -> str:
         return (

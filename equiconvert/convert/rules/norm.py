@@ -5,7 +5,6 @@ import torch.fx as fx
 from torch import nn
 
 from ...nn import FieldGroupNorm
-from ...nn.norm import largest_divisor_at_most
 from ..context import ConversionContext
 from ..fields import FieldType
 from ..registry import register_module_rule
@@ -22,8 +21,7 @@ def _check_channels(ctx: ConversionContext, node: fx.Node, channels: int) -> Fie
 def convert_batchnorm(ctx: ConversionContext, node: fx.Node) -> FieldType:
     bn = ctx.module(node)
     t_in = _check_channels(ctx, node, bn.num_features)
-    requested = ctx.config.batchnorm_groups or t_in.num_fields
-    groups = largest_divisor_at_most(t_in.num_fields, requested)
+    groups = min(t_in.num_fields, ctx.config.batchnorm_groups)
     ctx.replace_module(node, FieldGroupNorm(t_in.num_fields, t_in.field_size, groups, bn.affine, bn.eps))
     return t_in
 
@@ -32,7 +30,7 @@ def convert_batchnorm(ctx: ConversionContext, node: fx.Node) -> FieldType:
 def convert_groupnorm(ctx: ConversionContext, node: fx.Node) -> FieldType:
     gn: nn.GroupNorm = ctx.module(node)
     t_in = _check_channels(ctx, node, gn.num_channels)
-    groups = largest_divisor_at_most(t_in.num_fields, gn.num_groups)
+    groups = min(t_in.num_fields, gn.num_groups)
     ctx.replace_module(node, FieldGroupNorm(t_in.num_fields, t_in.field_size, groups, gn.affine, gn.eps))
     return t_in
 

@@ -9,6 +9,7 @@ from .convert import (
     register_module_rule,
 )
 from .errors import EquivarianceBreakError, EquiconvertError, TracingError, UnsupportedLayerError
+from .export import export
 from .groups import GroupSpec, parse_group
 
 __version__ = "0.1.0"
@@ -16,5 +17,5 @@ __version__ = "0.1.0"
 __all__ = [
     "ConversionConfig", "ConversionReport", "EquivarianceBreakError", "EquivarianceResult", "EquiconvertError",
     "EquivariantModel", "GroupSpec", "TracingError", "UnsupportedLayerError", "check_equivariance",
-    "make_equivariant", "parse_group", "register_function_rule", "register_module_rule",
+    "export", "make_equivariant", "parse_group", "register_function_rule", "register_module_rule",
 ]

@@ -43,6 +43,7 @@ class ConversionContext:
     ) -> None:
         self.gm, self.group, self.width_fn, self.config, self.report = gm, group, width_fn, config, report
         self._counter = 0
+        self.field_multiples: dict[int, int] = {}  # channel count -> multiple its field count must be
         self.spatial_flatten = False  # set by a head that flattens a grid
 
     # --- reading the graph -------------------------------------------------
@@ -73,15 +74,18 @@ class ConversionContext:
 
     @staticmethod
     def source_line(node: fx.Node) -> str:
+        """File and line of the model code that created `node` (tracer frames skipped)."""
         trace = node.stack_trace or node.meta.get("stack_trace") or ""
-        frames = re.findall(r'File "([^"]+)", line (\d+)', trace)
+        frames = [f for f in re.findall(r'File "([^"]+)", line (\d+)', trace) if not _is_torch_internal(f[0])]
         return f"{frames[-1][0]}:{frames[-1][1]}" if frames else ""
 
     def fields_for(self, channels: int) -> int:
+        """Fields for a layer of `channels` channels: the width policy, rounded up to what grouped convs need."""
         fields = int(self.width_fn(channels, self.group))
         if fields < 1:
             raise ValueError(f"width policy returned {fields} fields for {channels} channels; need >= 1")
-        return fields
+        multiple = self.field_multiples.get(channels, 1)
+        return max(multiple, round(fields / multiple) * multiple)
 
     # --- rewriting ---------------------------------------------------------
     def replace_module(self, node: fx.Node, new: nn.Module, before: nn.Module | None = None) -> None:
@@ -128,6 +132,10 @@ class ConversionContext:
         )
         text += " " + (options or _DEFAULT_OPTIONS)
         return UnsupportedLayerError(text)
+
+
+def _is_torch_internal(path: str) -> bool:
+    return any(part in path for part in ("/torch/fx/", "/torch/nn/modules/module.py", "/equiconvert/convert/"))
 
 
 _DEFAULT_OPTIONS = (

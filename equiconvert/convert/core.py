@@ -17,6 +17,7 @@ from .fields import FieldType
 from .grid import GridAnalysis
 from .model import EquivariantModel
 from .registry import find_rule
+from .rules.conv import grouped_conv_multiples
 from .report import ConversionReport
 from .trace import propagate_shapes, trace
 from .width import WidthSpec, multiplier_width, resolve_width
@@ -65,11 +66,13 @@ def _analyse_grid(graph: fx.Graph) -> GridAnalysis:
             inputs = [sizes[a] for a in node.all_input_nodes if a in sizes]
             if ftype is None or not ftype.spatial or not inputs:
                 continue
-            if len(set(inputs)) > 1:
+            merged = set(inputs) - {1} or {1}  # 1x1 maps (squeeze-excite gates) broadcast
+            if len(merged) > 1:
                 ok = False
                 break
             op = node.meta.get(SPATIAL_KEY)
-            out, symmetric = op.apply(inputs[0]) if op is not None else (inputs[0], True)
+            size_in = merged.pop() if op is None else inputs[0]
+            out, symmetric = op.apply(size_in) if op is not None else (size_in, True)
             if not symmetric or out < 1:
                 ok = False
                 break
@@ -112,6 +115,7 @@ def _convert_once(
     gm = copy.deepcopy(template)
     report = ConversionReport(group=group.name, width=width_name)
     ctx = ConversionContext(gm, group, width_fn, config, report)
+    ctx.field_multiples = grouped_conv_multiples(gm)
     with torch.device(device) if device else contextlib.nullcontext():
         output_type = _rewrite(gm, ctx, in_channels)
     report.invariant_output = bool(output_type is not None and output_type.is_invariant and not ctx.spatial_flatten)

@@ -18,6 +18,13 @@ Rule = Callable[[ConversionContext, fx.Node], "FieldType | None"]
 MODULE_RULES: dict[type, Rule] = {}
 FUNCTION_RULES: dict[object, Rule] = {}
 METHOD_RULES: dict[str, Rule] = {}
+HEAD_TRANSPARENT: set[Rule] = set()  # rules of ops a classifier conv may pass through to the output
+
+
+def head_transparent(rule: Rule) -> Rule:
+    """Mark a rule's ops (activations, pooling, flattening) as transparent between a classifier conv and the output."""
+    HEAD_TRANSPARENT.add(rule)
+    return rule
 
 
 def register_module_rule(*module_types: type) -> Callable[[Rule], Rule]:
@@ -41,6 +48,21 @@ def register_function_rule(*targets: object) -> Callable[[Rule], Rule]:
         return rule
 
     return decorate
+
+
+def is_classifier_conv(ctx: ConversionContext, node: fx.Node) -> bool:
+    """True if every path from `node` reaches the model output through transparent ops only.
+
+    Such a conv produces the logits (SqueezeNet's final 1x1 conv), so it must map to
+    invariant (trivial) fields with its original channel count.
+    """
+    for user in node.users:
+        if user.op == "output":
+            continue
+        rule = find_rule(ctx, user)
+        if rule not in HEAD_TRANSPARENT or not is_classifier_conv(ctx, user):
+            return False
+    return bool(node.users)
 
 
 def find_rule(ctx: ConversionContext, node: fx.Node) -> Rule | None:

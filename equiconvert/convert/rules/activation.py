@@ -14,7 +14,7 @@ from torch import nn
 
 from ..context import ConversionContext
 from ..fields import FieldType
-from ..registry import register_function_rule, register_module_rule
+from ..registry import head_transparent, register_function_rule, register_module_rule
 
 POINTWISE_REPRESENTATIONS = ("trivial", "regular")
 
@@ -43,6 +43,7 @@ def require_pointwise(ctx: ConversionContext, node: fx.Node) -> FieldType:
 
 
 @register_module_rule(*ACTIVATION_MODULES)
+@head_transparent
 def convert_activation_module(ctx: ConversionContext, node: fx.Node) -> FieldType:
     t_in = require_pointwise(ctx, node)
     module = ctx.module(node)
@@ -62,6 +63,7 @@ def convert_prelu(ctx: ConversionContext, node: fx.Node) -> FieldType:
 
 
 @register_function_rule(*ACTIVATION_FUNCTIONS, *ACTIVATION_METHODS)
+@head_transparent
 def convert_activation_function(ctx: ConversionContext, node: fx.Node) -> FieldType:
     t_in = require_pointwise(ctx, node)
     if node.kwargs.get("inplace"):
@@ -70,6 +72,7 @@ def convert_activation_function(ctx: ConversionContext, node: fx.Node) -> FieldT
 
 
 @register_function_rule(*IN_PLACE_FUNCTIONS, *IN_PLACE_METHODS)
+@head_transparent
 def convert_in_place_activation(ctx: ConversionContext, node: fx.Node) -> FieldType:
     t_in = require_pointwise(ctx, node)
     before = getattr(node.target, "__name__", str(node.target))

@@ -1,6 +1,8 @@
 """nn.Conv2d -> SteerableConv2d."""
 from __future__ import annotations
 
+import math
+
 import torch.fx as fx
 from torch import nn
 
@@ -9,7 +11,7 @@ from ...nn import SteerableConv2d
 from ..context import ConversionContext
 from ..fields import FieldType
 from ..grid import WindowOp
-from ..registry import register_module_rule
+from ..registry import is_classifier_conv, register_module_rule
 
 
 def _square(node: fx.Node, ctx: ConversionContext, name: str, value: tuple[int, int]) -> int:
@@ -34,7 +36,7 @@ def _output_fields(ctx: ConversionContext, node: fx.Node, conv: nn.Conv2d, t_in:
     if conv.groups == conv.in_channels:  # depthwise per channel -> depthwise per field
         return t_in.num_fields * (conv.out_channels // conv.in_channels), t_in.num_fields
     out_fields = ctx.fields_for(conv.out_channels)
-    if t_in.num_fields % conv.groups or out_fields % conv.groups:
+    if t_in.num_fields % conv.groups or out_fields % conv.groups:  # width policy ignored the constraint
         raise ctx.unsupported(
             node,
             f"groups={conv.groups} does not divide the {t_in.num_fields} input / {out_fields} output fields",
@@ -59,8 +61,11 @@ def convert_conv2d(ctx: ConversionContext, node: fx.Node) -> FieldType:
             "Options: use an odd kernel (e.g. kernel_size+1 with padding adjusted) before converting.",
         )
     grid_padding, padding_arg = _padding(ctx, node, conv, kernel, dilation)
-    out_fields, groups = _output_fields(ctx, node, conv, t_in)
-    basis = steerable_basis(ctx.group, t_in.representation, "regular", kernel, dilation)
+    if is_classifier_conv(ctx, node) and conv.groups == 1:
+        out_repr, (out_fields, groups) = "trivial", (conv.out_channels, 1)
+    else:
+        out_repr, (out_fields, groups) = "regular", _output_fields(ctx, node, conv, t_in)
+    basis = steerable_basis(ctx.group, t_in.representation, out_repr, kernel, dilation)
     new = SteerableConv2d(
         basis,
         t_in.num_fields,
@@ -75,4 +80,14 @@ def convert_conv2d(ctx: ConversionContext, node: fx.Node) -> FieldType:
     )
     ctx.replace_module(node, new)
     ctx.set_spatial(node, WindowOp(kernel, stride, grid_padding, dilation))
-    return FieldType(ctx.group, "regular", out_fields)
+    return FieldType(ctx.group, out_repr, out_fields)
+
+
+def grouped_conv_multiples(gm) -> dict[int, int]:
+    """Channel count -> multiple of `groups` that its field count must be, from every grouped conv."""
+    multiples: dict[int, int] = {}
+    for module in gm.modules():
+        if type(module) is nn.Conv2d and 1 < module.groups < module.in_channels:
+            for channels in (module.in_channels, module.out_channels):
+                multiples[channels] = math.lcm(multiples.get(channels, 1), module.groups)
+    return multiples

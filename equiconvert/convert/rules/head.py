@@ -15,7 +15,7 @@ from ...nn import GroupPool
 from ..context import ConversionContext
 from ..fields import FieldType
 from ..grid import AdaptiveOp
-from ..registry import register_function_rule, register_module_rule
+from ..registry import head_transparent, register_function_rule, register_module_rule
 
 ADAPTIVE_POOLS = (nn.AdaptiveAvgPool2d, nn.AdaptiveMaxPool2d)
 
@@ -57,6 +57,7 @@ def to_vector(ctx: ConversionContext, node: fx.Node, x: fx.Node) -> FieldType:
 
 
 @register_module_rule(nn.Flatten)
+@head_transparent
 def convert_flatten_module(ctx: ConversionContext, node: fx.Node) -> FieldType:
     flatten: nn.Flatten = ctx.module(node)
     if flatten.start_dim != 1 or flatten.end_dim not in (-1, 3):
@@ -65,6 +66,7 @@ def convert_flatten_module(ctx: ConversionContext, node: fx.Node) -> FieldType:
 
 
 @register_function_rule(torch.flatten, "flatten")
+@head_transparent
 def convert_flatten(ctx: ConversionContext, node: fx.Node) -> FieldType:
     start = node.args[1] if len(node.args) > 1 else node.kwargs.get("start_dim", 0)
     end = node.args[2] if len(node.args) > 2 else node.kwargs.get("end_dim", -1)
@@ -81,6 +83,7 @@ def _requested_shape(node: fx.Node) -> tuple:
 
 
 @register_function_rule("view", "reshape", torch.reshape)
+@head_transparent
 def convert_view(ctx: ConversionContext, node: fx.Node) -> FieldType:
     x = node.args[0]
     t = ctx.field_input(node)
@@ -100,6 +103,7 @@ def convert_view(ctx: ConversionContext, node: fx.Node) -> FieldType:
 
 
 @register_function_rule("mean", torch.mean)
+@head_transparent
 def convert_mean(ctx: ConversionContext, node: fx.Node) -> FieldType:
     t = ctx.field_input(node)
     dims = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")

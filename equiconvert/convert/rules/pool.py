@@ -13,7 +13,7 @@ from torch import nn
 from ..context import ConversionContext
 from ..fields import FieldType
 from ..grid import AdaptiveOp, WindowOp
-from ..registry import register_function_rule, register_module_rule
+from ..registry import head_transparent, register_function_rule, register_module_rule
 
 
 def _single(ctx: ConversionContext, node: fx.Node, name: str, value) -> int:
@@ -29,6 +29,7 @@ def _is_ceil_downsample(pool: nn.Module, kernel: int, stride: int, padding: int)
 
 
 @register_module_rule(nn.MaxPool2d, nn.AvgPool2d)
+@head_transparent
 def convert_window_pool(ctx: ConversionContext, node: fx.Node) -> FieldType:
     t_in = ctx.field_input(node)
     pool = ctx.module(node)
@@ -50,6 +51,7 @@ def convert_window_pool(ctx: ConversionContext, node: fx.Node) -> FieldType:
 
 
 @register_module_rule(nn.AdaptiveAvgPool2d, nn.AdaptiveMaxPool2d)
+@head_transparent
 def convert_adaptive_pool(ctx: ConversionContext, node: fx.Node) -> FieldType:
     t_in = ctx.field_input(node)
     size = ctx.module(node).output_size
@@ -64,6 +66,7 @@ def _arg(node: fx.Node, index: int, name: str, default=None):
 
 
 @register_function_rule(F.adaptive_avg_pool2d, F.adaptive_max_pool2d)
+@head_transparent
 def convert_functional_adaptive_pool(ctx: ConversionContext, node: fx.Node) -> FieldType:
     t_in = ctx.field_input(node)
     ctx.set_spatial(node, AdaptiveOp(_single(ctx, node, "output_size", _arg(node, 1, "output_size"))))
@@ -71,6 +74,7 @@ def convert_functional_adaptive_pool(ctx: ConversionContext, node: fx.Node) -> F
 
 
 @register_function_rule(F.max_pool2d, F.avg_pool2d)
+@head_transparent
 def convert_functional_window_pool(ctx: ConversionContext, node: fx.Node) -> FieldType:
     t_in = ctx.field_input(node)
     kernel = _single(ctx, node, "kernel_size", _arg(node, 1, "kernel_size"))

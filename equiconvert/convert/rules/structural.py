@@ -10,7 +10,7 @@ from torch import nn
 
 from ..context import ConversionContext
 from ..fields import FieldType
-from ..registry import MODULE_RULES, register_function_rule, register_module_rule
+from ..registry import head_transparent, MODULE_RULES, register_function_rule, register_module_rule
 
 PASS_THROUGH_MODULES: list[type] = [nn.Identity, nn.Dropout, nn.Dropout2d, nn.AlphaDropout]
 try:  # per-sample stochastic depth keeps whole samples: equivariant in distribution
@@ -29,6 +29,7 @@ except ImportError:  # timm is optional
 
 @register_module_rule(*PASS_THROUGH_MODULES)
 @register_function_rule(F.dropout, F.dropout2d, "contiguous", "clone", "float", "to", "detach")
+@head_transparent
 def convert_pass_through(ctx: ConversionContext, node: fx.Node) -> FieldType | None:
     return ctx.type_of(node.args[0])
 
@@ -58,6 +59,13 @@ def _binary(ctx: ConversionContext, node: fx.Node) -> FieldType:
         if other.representation != first.representation or other.num_fields != first.num_fields:
             raise ctx.unsupported(node, f"combines field types {first.describe()} and {other.describe()}")
     return first if all(t.spatial for t in tensors) or len(tensors) == 1 else first.flattened()
+
+
+@register_function_rule(operator.floordiv, operator.mod, operator.neg, operator.pow)
+def convert_size_arithmetic(ctx: ConversionContext, node: fx.Node) -> None:
+    if any(ctx.type_of(a) is not None for a in node.all_input_nodes):
+        raise ctx.unsupported(node, "applies integer arithmetic to a feature tensor")
+    return None
 
 
 IN_PLACE_BINARY = {operator.iadd: operator.add, operator.imul: operator.mul, "add_": "add", "mul_": "mul"}

@@ -1,0 +1,286 @@
+"""Command line: `equiconvert convert MODEL --group D4 ...` and `equiconvert demo`.
+
+`convert` builds a model by name (torchvision:, timm:, equiconvert:), converts it,
+measures its equivariance error at a valid input size and prints the conversion
+report (readable, or one JSON object with --json). `demo` runs the package's main
+job end to end on two small reference networks.
+
+User errors (unknown model, group, width, a model that cannot be converted) print
+one `error: ...` line to stderr and exit with status 2.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import sys
+import time
+from typing import Any, Callable, Sequence
+
+from torch import nn
+
+MODEL_PREFIXES = ("torchvision", "timm", "equiconvert")
+EQUICONVERT_MODELS = ("resnet9",)
+JSON_VALID_SIZES = 16  # how many valid input sizes the JSON output lists
+CHECK_BATCH_SIZE = 1  # the equivariance check's batch; the error does not depend on it
+EXIT_USAGE = 2
+
+
+class CLIError(Exception):
+    """A user error: reported as one `error: ...` line and exit status 2."""
+
+
+# --- building models by name -------------------------------------------------------------
+
+
+def _torchvision_model(name: str, num_classes: int, in_channels: int) -> nn.Module:
+    import torchvision
+
+    if in_channels != 3:
+        raise CLIError(f"torchvision models take 3 input channels; --in-channels {in_channels} needs a timm: or equiconvert: model")
+    try:
+        return torchvision.models.get_model(name, num_classes=num_classes)
+    except ValueError as exc:
+        if name not in torchvision.models.list_models():
+            raise CLIError(f"unknown torchvision model {name!r} (see torchvision.models.list_models())") from exc
+        raise CLIError(f"cannot build torchvision model {name!r}: {exc}") from exc
+
+
+def _timm_model(name: str, num_classes: int, in_channels: int) -> nn.Module:
+    try:
+        import timm
+    except ImportError as exc:
+        raise CLIError(f"timm is not installed, so 'timm:{name}' cannot be built; install it with `pip install timm`") from exc
+    try:
+        return timm.create_model(name, pretrained=False, num_classes=num_classes, in_chans=in_channels)
+    except (RuntimeError, ValueError, TypeError, KeyError) as exc:
+        raise CLIError(f"cannot build timm model {name!r}: {exc}") from exc
+
+
+def _equiconvert_model(name: str, num_classes: int, in_channels: int) -> nn.Module:
+    from . import models
+
+    if name not in EQUICONVERT_MODELS:
+        raise CLIError(f"unknown equiconvert model {name!r}; known: {', '.join(EQUICONVERT_MODELS)}")
+    return getattr(models, name)(num_classes=num_classes, in_channels=in_channels)
+
+
+_BUILDERS: dict[str, Callable[[str, int, int], nn.Module]] = {
+    "torchvision": _torchvision_model,
+    "timm": _timm_model,
+    "equiconvert": _equiconvert_model,
+}
+
+
+def build_model(spec: str, num_classes: int = 10, in_channels: int = 3) -> nn.Module:
+    """The untrained model named `spec` ("torchvision:resnet18", "timm:<name>", "equiconvert:resnet9")."""
+    prefix, sep, name = spec.partition(":")
+    if not sep or prefix not in _BUILDERS or not name:
+        accepted = ", ".join(f"{p}:<name>" for p in MODEL_PREFIXES)
+        raise CLIError(f"cannot parse model {spec!r}: use one of the prefixes {accepted}")
+    return _BUILDERS[prefix](name, num_classes, in_channels)
+
+
+# --- converting and checking ------------------------------------------------------------
+
+
+def _width(text: str) -> str | float:
+    if text in ("kappa", "params", "channels"):
+        return text
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not 'kappa', 'params', 'channels' or a number") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"kappa must be positive, got {text}")
+    return value
+
+
+def check_size(model, requested: int | None) -> int | None:
+    """Where to measure equivariance: the requested size if valid, else the model's default.
+
+    None when the model has no valid size and none was requested.
+    """
+    if requested is not None and model.report.input_size_valid:
+        return requested
+    try:
+        return model.default_input_size()
+    except ValueError:  # no size keeps exact equivariance: measure the requested one anyway
+        return requested
+
+
+def convert_and_check(
+    model_spec: str,
+    group: str,
+    *,
+    input_size: int | None = None,
+    width: str | float | None = None,
+    head: str | None = None,
+    num_classes: int = 10,
+    in_channels: int = 3,
+    strict: bool = False,
+    check: bool = True,
+) -> tuple[Any, dict]:
+    """Build, convert and (optionally) check one model; returns (EquivariantModel, JSON record)."""
+    from . import check_equivariance, make_equivariant, parse_group
+
+    spec = parse_group(group)  # fail on a bad group before building anything
+    model = build_model(model_spec, num_classes, in_channels)
+    start = time.perf_counter()
+    converted = make_equivariant(model, spec, width=width, input_size=input_size, strict=strict, head=head)
+    conversion_time = time.perf_counter() - start
+    report = converted.report
+
+    equivariance = None
+    size = check_size(converted, input_size) if check else None
+    if size is not None:
+        start = time.perf_counter()
+        result = check_equivariance(converted, input_size=size, batch_size=CHECK_BATCH_SIZE)
+        report.max_equivariance_error = result.max_error
+        equivariance = {
+            "input_size": size,
+            "input_size_valid": size in report.valid_input_sizes,
+            "errors": dict(result.errors),
+            "max_error": result.max_error,
+            "check_time_s": round(time.perf_counter() - start, 3),
+        }
+
+    record = report.to_dict()
+    record["num_valid_input_sizes"] = len(report.valid_input_sizes)
+    record["valid_input_sizes"] = report.valid_input_sizes[:JSON_VALID_SIZES]
+    record.update(
+        model=model_spec,
+        group=spec.name,
+        conversion_time_s=round(conversion_time, 3),
+        equivariance=equivariance,
+    )
+    return converted, record
+
+
+def _check_summary(record: dict) -> str:
+    eq = record["equivariance"]
+    if eq is None:
+        return "equivariance not checked"
+    valid = "" if eq["input_size_valid"] else " (NOT a valid size: errors are not expected to be small)"
+    lines = [f"equivariance check at input size {eq['input_size']}{valid}: max error {eq['max_error']:.2e}"]
+    lines += [f"  {element}: {error:.2e}" for element, error in eq["errors"].items()]
+    return "\n".join(lines)
+
+
+# --- subcommands -----------------------------------------------------------------------------
+
+
+def _cmd_convert(args: argparse.Namespace) -> int:
+    # escnn or a model factory might print; keep stdout clean for the JSON object
+    with contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext():
+        converted, record = convert_and_check(
+            args.model, args.group, input_size=args.input_size, width=args.width, head=args.head,
+            num_classes=args.num_classes, in_channels=args.in_channels, strict=args.strict, check=not args.no_check,
+        )
+    if args.json:
+        print(json.dumps(record))
+        return 0
+    print(f"model {args.model}, converted in {record['conversion_time_s']:.2f} s")
+    print(converted.report)
+    print(_check_summary(record))
+    return 0
+
+
+DEMO_MODELS: tuple[tuple[str, dict], ...] = (
+    ("torchvision:resnet18", {"num_classes": 10}),
+    ("equiconvert:resnet9", {"num_classes": 10, "head": "invariant", "input_size": 32}),
+)
+
+
+def run_demo(group: str = "D4") -> dict:
+    """Convert and check the demo models; returns a JSON-ready summary of each."""
+    start = time.perf_counter()
+    models = []
+    for spec, options in DEMO_MODELS:
+        _, record = convert_and_check(spec, group, **options)
+        changes = record["layers"]
+        inserted = sum(change["before"] == "(inserted)" for change in changes)
+        models.append({
+            "model": spec,
+            "group": record["group"],
+            "width": record["width"],
+            "params_before": record["params_before"],
+            "params_after": record["params_after"],
+            "valid_input_rule": record["valid_input_rule"],
+            "valid_input_sizes": record["valid_input_sizes"],
+            "layers_swapped": len(changes) - inserted,
+            "layers_inserted": inserted,
+            "invariant_output": record["invariant_output"],
+            "warnings": [w["text"] for w in record["warnings"]],
+            "check_input_size": record["equivariance"]["input_size"],
+            "max_equivariance_error": record["max_equivariance_error"],
+            "conversion_time_s": record["conversion_time_s"],
+            "check_time_s": record["equivariance"]["check_time_s"],
+        })
+    return {"group": group, "models": models, "total_time_s": round(time.perf_counter() - start, 3)}
+
+
+def _print_demo(summary: dict) -> None:
+    for m in summary["models"]:
+        print(f"== {m['model']} -> {m['group']} (width {m['width']})")
+        print(f"  parameters: {m['params_before']:,} -> {m['params_after']:,}")
+        print(f"  valid input sizes: {m['valid_input_rule']}")
+        print(f"  layers swapped: {m['layers_swapped']} (+{m['layers_inserted']} inserted); "
+              f"output {'invariant' if m['invariant_output'] else 'NOT invariant'}")
+        print(f"  warnings: {len(m['warnings'])}")
+        for warning in m["warnings"]:
+            print(f"    {warning}")
+        print(f"  max equivariance error at {m['check_input_size']}x{m['check_input_size']}: "
+              f"{m['max_equivariance_error']:.2e}")
+        print(f"  time: conversion {m['conversion_time_s']:.2f} s, check {m['check_time_s']:.2f} s")
+    print(f"total wall time: {summary['total_time_s']:.1f} s")
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    with contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext():
+        summary = run_demo(args.group)
+    if args.json:
+        print(json.dumps(summary))
+    else:
+        _print_demo(summary)
+    return 0
+
+
+# --- entry point -----------------------------------------------------------------------------
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="equiconvert", description="Turn CNNs into rotation/reflection-equivariant steerable CNNs.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{convert,demo}")
+
+    convert = sub.add_parser("convert", help="convert a model and report what changed")
+    convert.add_argument("model", help="torchvision:<name>, timm:<name> or equiconvert:resnet9")
+    convert.add_argument("--group", required=True, help="C1..C16 (rotations) or D1..D16 (rotations and reflections)")
+    convert.add_argument("--input-size", type=int, default=None, help="the image size you will use (H = W)")
+    convert.add_argument("--width", type=_width, default=None, metavar="kappa|params|channels|<float>",
+                         help="width policy: kappa (1.75, default), params, channels, or a float kappa")
+    convert.add_argument("--head", choices=("keep", "invariant"), default=None)
+    convert.add_argument("--num-classes", type=int, default=10)
+    convert.add_argument("--in-channels", type=int, default=3)
+    convert.add_argument("--strict", action="store_true", help="turn equivariance warnings into errors")
+    convert.add_argument("--json", action="store_true", help="print one JSON object")
+    convert.add_argument("--no-check", action="store_true", help="skip the equivariance check")
+    convert.set_defaults(handler=_cmd_convert)
+
+    demo = sub.add_parser("demo", help="convert and check torchvision resnet18 and equiconvert resnet9")
+    demo.add_argument("--group", default="D4")
+    demo.add_argument("--json", action="store_true", help="print one JSON object")
+    demo.set_defaults(handler=_cmd_demo)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from .errors import EquiconvertError
+
+    args = _parser().parse_args(argv)
+    try:
+        return args.handler(args)
+    except (CLIError, EquiconvertError, ValueError) as exc:
+        message = " ".join(str(exc).split()) or type(exc).__name__
+        print(f"error: {message}", file=sys.stderr)
+        return EXIT_USAGE

@@ -1,0 +1,307 @@
+"""Export a converted model to plain torch.nn layers, for deployment and ONNX.
+
+A converted network computes its filters from coefficients and a basis at every
+call and uses equiconvert's own norm and pooling modules. `export` replaces each
+of them by standard torch layers computing the same outputs, so the result runs
+(and unpickles) without equiconvert and maps onto standard ONNX operators.
+
+The exported layers hold the expanded, *untied* weights: good for inference,
+but training them further leaves the equivariant subspace.
+
+Exporters live in a registry (`EXPORTERS`, filled by `@register_exporter`),
+keyed by exact module type as the conversion rules are (a subclass may override
+forward, so it needs its own exporter).
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.fx as fx
+from torch import nn
+
+from .convert.model import EquivariantModel
+from .errors import UnsupportedLayerError
+from .nn import FieldGroupNorm, GroupPool, SteerableConv2d
+
+__all__ = ["EXPORTERS", "ExportContext", "Exporter", "export", "register_exporter"]
+
+
+@dataclass
+class ExportContext:
+    """What an exporter may need beyond the module itself."""
+
+    path: str  # dotted path of the module in the model being exported ("" for the root)
+    input_ndim: int | None = None  # rank of the module's input, when a traced graph records it
+    _recurse: Callable[[nn.Module, str], nn.Module] | None = field(default=None, repr=False)
+
+    def export_child(self, module: nn.Module, name: str) -> nn.Module:
+        """Export a module that a wrapper exporter returns in place of itself."""
+        assert self._recurse is not None
+        return self._recurse(module, _join(self.path, name))
+
+
+Exporter = Callable[[nn.Module, ExportContext], nn.Module]
+EXPORTERS: dict[type, Exporter] = {}
+
+
+def register_exporter(*module_types: type) -> Callable[[Exporter], Exporter]:
+    """Register `exporter(module, ctx) -> torch-only module` for these exact module types."""
+
+    def decorate(exporter: Exporter) -> Exporter:
+        for module_type in module_types:
+            EXPORTERS[module_type] = exporter
+        return exporter
+
+    return decorate
+
+
+def export(model: nn.Module) -> nn.Module:
+    """A deep copy of `model` with every equiconvert module replaced by plain torch layers.
+
+    Outputs equal the original's up to float rounding. An EquivariantModel exports
+    to its network (a GraphModule), not the wrapper. Raises UnsupportedLayerError,
+    naming the module path, for an equiconvert module that has no exporter.
+    """
+    exported = _Exporter().run(copy.deepcopy(model))
+    for module in exported.modules():
+        if isinstance(module, fx.GraphModule):
+            _scrub_graph_module(module)
+    return exported
+
+
+# --- the walk ------------------------------------------------------------------
+
+
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
+
+
+def _is_equiconvert(obj: object) -> bool:
+    return type(obj).__module__.split(".")[0] == __name__.split(".")[0]
+
+
+def _describe_path(path: str) -> str:
+    return repr(path) if path else "<root>"
+
+
+class _Exporter:
+    """Replaces modules of a private copy bottom-up; shared modules are exported once."""
+
+    def __init__(self) -> None:
+        self.memo: dict[int, nn.Module] = {}
+        self.ranks: dict[str, set[int | None]] = {}
+
+    def run(self, module: nn.Module, path: str = "") -> nn.Module:
+        if id(module) in self.memo:
+            return self.memo[id(module)]
+        exporter = EXPORTERS.get(type(module))
+        if exporter is not None:
+            ranks = self.ranks.get(path, set())
+            ctx = ExportContext(path, next(iter(ranks)) if len(ranks) == 1 else None, self.run)
+            new = exporter(module, ctx)
+            _check_torch_only(new, path, type(module))
+            new.train(module.training)
+        elif _is_equiconvert(module):
+            cls = type(module)
+            raise UnsupportedLayerError(
+                f"cannot export module {_describe_path(path)} ({cls.__module__}.{cls.__qualname__}): no exporter is "
+                f"registered for it. Register one with `@register_exporter({cls.__name__})` from equiconvert.export, "
+                "returning plain torch.nn modules with the same outputs."
+            )
+        else:
+            if isinstance(module, fx.GraphModule):
+                self._record_input_ranks(module, path)
+            for name, child in list(module.named_children()):
+                new_child = self.run(child, _join(path, name))
+                if new_child is not child:
+                    setattr(module, name, new_child)
+            new = module
+        self.memo[id(module)] = new
+        return new
+
+    def _record_input_ranks(self, gm: fx.GraphModule, path: str) -> None:
+        """Input rank of every called submodule, from the shapes a ShapeProp left in node.meta."""
+        for node in gm.graph.nodes:
+            if node.op == "call_module":
+                arg = node.args[0] if node.args else None
+                self.ranks.setdefault(_join(path, str(node.target)), set()).add(_rank(arg))
+
+
+def _rank(arg: object) -> int | None:
+    if not isinstance(arg, fx.Node):
+        return None
+    meta = arg.meta.get("tensor_meta", arg.meta.get("val"))
+    shape = getattr(meta, "shape", None)
+    return len(shape) if shape is not None else None
+
+
+def _check_torch_only(module: nn.Module, path: str, source: type) -> None:
+    for name, sub in module.named_modules():
+        if _is_equiconvert(sub):
+            raise UnsupportedLayerError(
+                f"the exporter for {source.__name__} at {_describe_path(path)} returned a module containing "
+                f"{type(sub).__name__} (at {_describe_path(_join(path, name))}); exporters must return torch-only modules"
+            )
+
+
+def _scrub_graph_module(gm: fx.GraphModule) -> None:
+    """Drop equiconvert objects that GraphModules carry besides their modules.
+
+    The converter's tracer class would otherwise be pickled with the model (and
+    needed to unpickle it), and node.meta holds equiconvert field types.
+    """
+    for owner in (gm, gm.graph):
+        tracer_cls = getattr(owner, "_tracer_cls", None)
+        if tracer_cls is not None and tracer_cls.__module__.split(".")[0] == __name__.split(".")[0]:
+            owner._tracer_cls = None
+    for node in gm.graph.nodes:
+        for key in [k for k, v in node.meta.items() if k.startswith("equiconvert") or _is_equiconvert(v)]:
+            del node.meta[key]
+
+
+def _trace_torch_only(module: nn.Module, class_name: str) -> fx.GraphModule:
+    """symbolic_trace `module` (defined here, calling only torch) into a GraphModule.
+
+    The GraphModule copies just the tensors the graph reads, so the result is a
+    torch.fx class with torch ops: the helper class defined here does not survive.
+    """
+    return fx.GraphModule(module, fx.Tracer().trace(module), class_name=class_name)
+
+
+def _copy_parameter(target: nn.Parameter, value: torch.Tensor, source: torch.Tensor) -> None:
+    with torch.no_grad():
+        target.copy_(value)
+    target.requires_grad_(source.requires_grad)
+
+
+# --- exporters ------------------------------------------------------------------
+
+
+@register_exporter(EquivariantModel)
+def export_equivariant_model(module: EquivariantModel, ctx: ExportContext) -> nn.Module:
+    """The wrapper only carries metadata; deployment needs just its network."""
+    return ctx.export_child(module.network, "network")
+
+
+@register_exporter(SteerableConv2d)
+def export_steerable_conv(module: SteerableConv2d, ctx: ExportContext) -> nn.Conv2d:
+    """nn.Conv2d with the expanded filter: the basis expansion is a constant at inference.
+
+    nn.Conv2d takes the same stride/padding/dilation/groups/padding_mode arguments,
+    string paddings ('same'/'valid') included, also with non-zero padding modes.
+    """
+    with torch.no_grad():
+        weight, bias = module.expand_filter().detach(), module.expand_bias()
+    conv = nn.Conv2d(
+        module.in_channels, module.out_channels, module.kernel_size,
+        stride=module.stride, padding=module.padding, dilation=module.dilation, groups=module.groups,
+        bias=bias is not None, padding_mode=module.padding_mode, device=weight.device, dtype=weight.dtype,
+    )
+    _copy_parameter(conv.weight, weight, module.weight)
+    if bias is not None:
+        _copy_parameter(conv.bias, bias, module.bias)
+    return conv
+
+
+class _UnevenFieldGroupNorm(nn.Module):
+    """FieldGroupNorm with uneven groups in plain torch ops; only ever used traced.
+
+    Same op sequence as FieldGroupNorm._normalize_uneven (so bit-identical); the
+    affine step acts on the (batch, field, rest) view, which keeps it rank-agnostic.
+    """
+
+    def __init__(self, norm: FieldGroupNorm) -> None:
+        super().__init__()
+        self.num_fields, self.eps = norm.num_fields, norm.eps
+        assignment = norm.assignment.detach()
+        self.register_buffer("assignment", assignment.clone())
+        self.register_buffer("assignment_t", assignment.T.contiguous())  # named buffers, not traced constants
+        self.register_buffer("group_fields", assignment.sum(0))
+        self.weight = None if norm.weight is None else nn.Parameter(norm.weight.detach().clone(), norm.weight.requires_grad)
+        self.bias = None if norm.bias is None else nn.Parameter(norm.bias.detach().clone(), norm.bias.requires_grad)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        fields = x.reshape(x.shape[0], self.num_fields, -1)
+        per_group = self.group_fields * fields.shape[-1]
+        mean = (fields.sum(-1) @ self.assignment / per_group) @ self.assignment_t
+        centred = fields - mean.unsqueeze(-1)
+        var = (centred.pow(2).sum(-1) @ self.assignment / per_group) @ self.assignment_t
+        normed = centred * torch.rsqrt(var + self.eps).unsqueeze(-1)
+        if self.weight is not None:
+            normed = normed * self.weight.unsqueeze(-1) + self.bias.unsqueeze(-1)
+        return normed.reshape(x.shape)
+
+
+@register_exporter(FieldGroupNorm)
+def export_field_group_norm(module: FieldGroupNorm, ctx: ExportContext) -> nn.Module:
+    """Even groups: nn.GroupNorm with per-field affine repeated per channel.
+
+    Uneven groups have no torch layer: symbolic_trace of a pure-torch module that
+    mirrors FieldGroupNorm._normalize_uneven, giving a GraphModule that keeps
+    `assignment` as a buffer and weight/bias per field as parameters.
+    """
+    if module.num_fields % module.num_groups:
+        return _trace_torch_only(_UnevenFieldGroupNorm(module), "UnevenFieldGroupNorm")
+    affine = module.weight is not None
+    channels = module.num_fields * module.field_size
+    reference = module.weight if affine else module.assignment
+    norm = nn.GroupNorm(module.num_groups, channels, module.eps, affine, device=reference.device, dtype=reference.dtype)
+    if affine:
+        _copy_parameter(norm.weight, module.weight.repeat_interleave(module.field_size), module.weight)
+        _copy_parameter(norm.bias, module.bias.repeat_interleave(module.field_size), module.bias)
+    return norm
+
+
+_POOLS = {
+    "max": {1: nn.MaxPool1d, 2: nn.MaxPool2d, 3: nn.MaxPool3d},
+    "mean": {1: nn.AvgPool1d, 2: nn.AvgPool2d, 3: nn.AvgPool3d},
+}
+_LP_POOLS = {1: nn.LPPool1d, 2: nn.LPPool2d, 3: nn.LPPool3d}
+_CONSTANT_PADS = {1: nn.ConstantPad1d, 2: nn.ConstantPad2d, 3: nn.ConstantPad3d}
+NORM_POOL_EPS = 1e-12  # GroupPool's 'norm' mode takes sqrt(sum x^2 + 1e-12)
+
+
+class _FieldReduce(nn.Module):
+    """GroupPool in rank-agnostic torch ops; only ever used traced."""
+
+    def __init__(self, num_fields: int, field_size: int, mode: str) -> None:
+        super().__init__()
+        self.num_fields, self.field_size, self.mode = num_fields, field_size, mode
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        fields = x.unflatten(1, (self.num_fields, self.field_size))
+        if self.mode == "max":
+            return fields.amax(dim=2)
+        if self.mode == "mean":
+            return fields.mean(dim=2)
+        return fields.pow(2).sum(dim=2).add(NORM_POOL_EPS).sqrt()
+
+
+@register_exporter(GroupPool)
+def export_group_pool(module: GroupPool, ctx: ExportContext) -> nn.Module:
+    """Unflatten(1, (fields, size)) + a pool over the new field-size dim + Flatten(1, 2).
+
+    For an input of rank n, the unflattened tensor has n - 1 pooled dims (field
+    size, then the spatial dims), so (B,C) uses the 1d pools and (B,C,H,W) the 3d
+    ones, with kernel (size, 1, ...). 'norm' is LPPool(2) over the field plus one
+    padded slot of value sqrt(1e-12): that adds GroupPool's epsilon under the root,
+    so zero fields give 1e-6 (not 0) and gradients stay finite, as in GroupPool.
+    When the input rank is unknown (no traced shapes), a traced pure-torch
+    reduction replaces it instead.
+    """
+    fields, size = module.num_fields, module.field_size
+    dims = None if ctx.input_ndim is None else ctx.input_ndim - 1
+    if dims not in (1, 2, 3):
+        return _trace_torch_only(_FieldReduce(fields, size, module.mode), "FieldReduce")
+    def kernel(length: int) -> int | tuple[int, ...]:
+        return (length,) + (1,) * (dims - 1) if dims > 1 else length
+
+    if module.mode == "norm":
+        padding = (0, 0) * (dims - 1) + (0, 1)  # last dim first: one slot at the end of the field-size dim
+        pool: list[nn.Module] = [_CONSTANT_PADS[dims](padding, NORM_POOL_EPS ** 0.5), _LP_POOLS[dims](2, kernel(size + 1))]
+    else:
+        pool = [_POOLS[module.mode][dims](kernel(size))]
+    return nn.Sequential(nn.Unflatten(1, (fields, size)), *pool, nn.Flatten(1, 2))

@@ -102,7 +102,7 @@ def parse_group(group: "str | GroupSpec") -> GroupSpec:
     if isinstance(group, GroupSpec):
         return group
     if not isinstance(group, str):
-        raise GroupSpecError(f"group must be a name like 'D4' or 'C8', got {group!r}")
+        raise GroupSpecError(f"group must be a name 'C1'..'C{MAX_ORDER}' or 'D1'..'D{MAX_ORDER}', got {group!r}")
     match = _NAME.match(group.strip().upper())
     if not match or not 1 <= int(match["n"]) <= MAX_ORDER:
         raise GroupSpecError(

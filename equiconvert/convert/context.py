@@ -135,7 +135,7 @@ class ConversionContext:
 
 
 def _is_torch_internal(path: str) -> bool:
-    return any(part in path for part in ("/torch/fx/", "/torch/nn/modules/module.py", "/equiconvert/convert/"))
+    return any(part in path for part in ("/torch/", "/equiconvert/convert/"))
 
 
 _DEFAULT_OPTIONS = (

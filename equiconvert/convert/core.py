@@ -185,8 +185,7 @@ def make_equivariant(
         report.input_size = input_size
         report.input_size_valid = grid.is_valid(input_size)
     _validate_no_batch_statistics(gm)
-    gm.train(model.training)
-    return EquivariantModel(gm, spec, in_channels, output_type, report)
+    return EquivariantModel(gm, spec, in_channels, output_type, report).train(model.training)
 
 
 def _make_config(config: dict | ConversionConfig | None, strict: bool, head: str | None) -> ConversionConfig:

@@ -48,15 +48,17 @@ class GridAnalysis:
     searched_up_to: int
 
     def rule(self) -> str:
-        if not self.valid_sizes:
-            return f"no size up to {self.searched_up_to} keeps exact equivariance"
-        head = ", ".join(map(str, self.valid_sizes[:8]))
-        if len(self.valid_sizes) >= 3:
-            steps = {b - a for a, b in zip(self.valid_sizes[2:], self.valid_sizes[3:])}
-            if len(steps) == 1:
-                step = steps.pop()
-                return f"H = W = {self.valid_sizes[2]} + {step}k (and {head}, ...)"
-        return f"H = W in {{{head}{', ...' if len(self.valid_sizes) > 8 else ''}}}"
+        """A readable description: a residue class from some size on, plus exceptions below it."""
+        sizes = self.valid_sizes
+        if not sizes:
+            return f"no size from 8 to {self.searched_up_to} keeps exact equivariance"
+        for start in range(max(len(sizes) - 2, 0)):
+            tail = sizes[start:]
+            step = tail[1] - tail[0]
+            if all(b - a == step for a, b in zip(tail, tail[1:])):
+                rule = f"H = W = {tail[0] % step} mod {step}, from {tail[0]} on"
+                return rule if not start else f"H = W in {{{', '.join(map(str, sizes[:start]))}}} or {rule}"
+        return f"H = W in {{{', '.join(map(str, sizes))}}}"
 
     def is_valid(self, size: int) -> bool:
         return size in self.valid_sizes

@@ -15,7 +15,7 @@ from .registry import MODULE_RULES
 
 
 class _Tracer(fx.Tracer):
-    def __init__(self, extra_leaves: tuple[type, ...]) -> None:
+    def __init__(self, extra_leaves: tuple[type, ...] = ()) -> None:  # no-arg form: unpickling re-traces
         super().__init__()
         self.record_stack_traces = True
         self.extra_leaves = extra_leaves

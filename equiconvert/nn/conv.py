@@ -25,7 +25,7 @@ class SteerableConv2d(nn.Module):
         out_fields: int,
         *,
         stride: int | tuple[int, int] = 1,
-        padding: int | tuple[int, int] | str = 0,
+        padding: int | tuple[int, int] | str = 0,  # 'same'/'valid' become numbers (odd kernels)
         dilation: int | tuple[int, int] = 1,
         groups: int = 1,
         bias: bool = True,
@@ -43,6 +43,11 @@ class SteerableConv2d(nn.Module):
         self.kernel_size = int(basis.shape[-1])
         self.in_channels = in_fields * self.in_size
         self.out_channels = out_fields * self.out_size
+        if isinstance(padding, str):  # odd kernels: "same" is symmetric, so store it as numbers
+            if padding not in ("same", "valid"):
+                raise ValueError(f"padding must be 'same', 'valid' or numbers, got {padding!r}")
+            d = dilation if isinstance(dilation, int) else dilation[0]
+            padding = d * (self.kernel_size - 1) // 2 if padding == "same" else 0
         self.stride, self.padding, self.dilation = stride, padding, dilation
         self.padding_mode = padding_mode
         self.weight_standardization = weight_standardization

@@ -21,9 +21,10 @@ def _square(node: fx.Node, ctx: ConversionContext, name: str, value: tuple[int, 
 
 
 def _padding(ctx: ConversionContext, node: fx.Node, conv: nn.Conv2d, kernel: int, dilation: int) -> tuple[int, object]:
-    """(symmetric padding used for grid analysis, padding argument for F.conv2d)."""
+    """(symmetric padding used for grid analysis, padding argument of the steerable conv)."""
     if isinstance(conv.padding, str):
-        return (0, "valid") if conv.padding == "valid" else (dilation * (kernel - 1) // 2, "same")
+        numeric = 0 if conv.padding == "valid" else dilation * (kernel - 1) // 2
+        return numeric, numeric
     if conv.padding[0] != conv.padding[1]:
         ctx.warn(node, f"padding={conv.padding} differs between height and width: rotations do not map it onto itself")
     return conv.padding[0], conv.padding

@@ -1,0 +1,184 @@
+"""The `equiconvert` command line: convert, demo, and its one-line errors."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from equiconvert import cli
+from equiconvert.cli import main
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+RESNET18_PARAMS_10_CLASSES = 11_181_642
+
+
+def run_json(capsys, *argv: str) -> dict:
+    assert main(list(argv)) == 0
+    out = capsys.readouterr().out
+    return json.loads(out)
+
+
+def run_error(capsys, *argv: str) -> str:
+    assert main(list(argv)) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), captured.err
+    assert "Traceback" not in captured.err
+    return lines[0]
+
+
+def test_module_entry_point_resnet18_json():
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
+    proc = subprocess.run(
+        [sys.executable, "-m", "equiconvert", "convert", "torchvision:resnet18", "--group", "D4",
+         "--input-size", "225", "--json"],
+        capture_output=True, text=True, env=env, cwd=REPO_ROOT, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(proc.stdout)
+    assert data["model"] == "torchvision:resnet18"
+    assert data["group"] == "D4"
+    assert data["params_before"] == RESNET18_PARAMS_10_CLASSES
+    assert data["params_after"] > 0
+    assert 225 in data["valid_input_sizes"]
+    assert data["input_size"] == 225 and data["input_size_valid"] is True
+    assert data["max_equivariance_error"] <= 1e-5
+    assert data["equivariance"]["input_size"] == 225
+    assert data["layers"]
+    assert data["conversion_time_s"] >= 0
+
+
+def test_convert_resnet9_json_keys_and_check(capsys):
+    data = run_json(capsys, "convert", "equiconvert:resnet9", "--group", "D4", "--input-size", "8",
+                    "--head", "invariant", "--json")
+    for key in ("params_before", "params_after", "valid_input_sizes", "valid_input_rule", "layers", "warnings",
+                "max_equivariance_error", "group", "model", "conversion_time_s", "equivariance", "width",
+                "input_size", "input_size_valid", "invariant_output", "num_valid_input_sizes"):
+        assert key in data, key
+    assert data["params_before"] == 2_448_714  # resnet9, 10 classes, ScaleNorm
+    assert data["input_size"] == 8 and data["input_size_valid"] is True
+    assert data["invariant_output"] is True
+    assert data["valid_input_sizes"][:4] == [8, 16, 24, 32]
+    assert len(data["valid_input_sizes"]) == cli.JSON_VALID_SIZES < data["num_valid_input_sizes"]
+    assert data["valid_input_rule"].startswith("H = W")
+    layer = data["layers"][0]
+    assert set(layer) == {"node", "module_path", "before", "after"}
+    assert "Conv2d" in layer["before"] and "SteerableConv2d" in layer["after"]
+    eq = data["equivariance"]
+    assert eq["input_size"] == 8
+    assert len(eq["errors"]) == 8 and {"rot90", "rot0+flip"} <= set(eq["errors"])  # D4 acts exactly on the grid
+    assert data["max_equivariance_error"] == max(eq["errors"].values()) <= 1e-5
+
+
+def test_convert_text_summary_reports_invalid_size(capsys):
+    assert main(["convert", "torchvision:resnet18", "--group", "D4", "--input-size", "224", "--no-check"]) == 0
+    out = capsys.readouterr().out
+    assert "input size 224: NOT valid" in out
+    assert "11,181,642 ->" in out
+    assert "H = W = 97 + 32k" in out
+    assert "equivariance not checked" in out
+
+
+def test_convert_json_invalid_size(capsys):
+    data = run_json(capsys, "convert", "torchvision:resnet18", "--group", "D4", "--input-size", "224",
+                    "--no-check", "--json")
+    assert data["input_size"] == 224
+    assert data["input_size_valid"] is False
+    assert 224 not in data["valid_input_sizes"] and 225 in data["valid_input_sizes"]
+    assert data["equivariance"] is None and data["max_equivariance_error"] is None
+
+
+def test_check_size_falls_back_to_default_size():
+    def fake(valid: bool, default):
+        def default_input_size():
+            if default is None:
+                raise ValueError("no valid size")
+            return default
+
+        return SimpleNamespace(report=SimpleNamespace(input_size_valid=valid), default_input_size=default_input_size)
+
+    assert cli.check_size(fake(True, 33), 225) == 225
+    assert cli.check_size(fake(False, 33), 224) == 33
+    assert cli.check_size(fake(None, 32), None) == 32
+    assert cli.check_size(fake(False, None), 30) == 30  # nothing valid: measure the requested size
+    assert cli.check_size(fake(None, None), None) is None
+
+
+def test_width_params_matches_parameter_count(capsys):
+    data = run_json(capsys, "convert", "equiconvert:resnet9", "--group", "D4", "--width", "params", "--no-check",
+                    "--json")
+    assert data["width"].startswith("params")
+    assert abs(data["params_after"] - data["params_before"]) <= 0.02 * data["params_before"]
+
+
+def test_width_float_kappa_and_model_options(capsys):
+    data = run_json(capsys, "convert", "equiconvert:resnet9", "--group", "C4", "--width", "1.5", "--num-classes", "7",
+                    "--in-channels", "1", "--no-check", "--json")
+    assert data["width"] == "kappa=1.5"
+    assert data["group"] == "C4"
+    assert data["layers"][0]["before"].startswith("Conv2d(1, 64")
+    assert data["layers"][-1]["before"].startswith("Linear(") and "out_features=7" in data["layers"][-1]["before"]
+
+
+def test_unknown_model_prefix(capsys):
+    line = run_error(capsys, "convert", "keras:resnet18", "--group", "D4")
+    assert "keras:resnet18" in line
+    for prefix in ("torchvision:", "timm:", "equiconvert:"):
+        assert prefix in line
+    assert "torchvision:" in run_error(capsys, "convert", "resnet18", "--group", "D4")
+
+
+def test_unknown_model_names(capsys):
+    assert "resnet9" in run_error(capsys, "convert", "equiconvert:resnet10", "--group", "D4")
+    assert "not_a_model" in run_error(capsys, "convert", "torchvision:not_a_model", "--group", "D4")
+
+
+def test_missing_timm_is_a_clear_error(capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "timm", None)  # makes `import timm` raise ImportError
+    line = run_error(capsys, "convert", "timm:resnet18", "--group", "D4")
+    assert "timm is not installed" in line
+
+
+def test_unknown_group(capsys):
+    line = run_error(capsys, "convert", "equiconvert:resnet9", "--group", "Q4")
+    assert "'Q4'" in line and "D1" in line
+
+
+def test_torchvision_rejects_other_channel_counts(capsys):
+    assert "3 input channels" in run_error(capsys, "convert", "torchvision:resnet18", "--group", "D4",
+                                           "--in-channels", "1")
+
+
+def test_bad_width_is_an_argparse_error(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["convert", "equiconvert:resnet9", "--group", "D4", "--width", "wide"])
+    assert exc.value.code == 2
+    assert "--width" in capsys.readouterr().err
+
+
+def test_demo_json_lists_both_models(capsys):
+    summary = run_json(capsys, "demo", "--json")
+    assert summary["group"] == "D4"
+    models = {m["model"]: m for m in summary["models"]}
+    assert set(models) == {"torchvision:resnet18", "equiconvert:resnet9"}
+    assert models["torchvision:resnet18"]["params_before"] == RESNET18_PARAMS_10_CLASSES
+    for m in models.values():
+        assert m["params_after"] > 0
+        assert m["layers_swapped"] > 0
+        assert m["valid_input_rule"]
+        assert m["check_input_size"] in m["valid_input_sizes"]
+        assert m["max_equivariance_error"] <= 1e-5
+        assert m["invariant_output"] is True
+    assert summary["total_time_s"] > 0
+
+    cli._print_demo(summary)  # the readable form of the same summary
+    out = capsys.readouterr().out
+    assert "== torchvision:resnet18 -> D4" in out and "== equiconvert:resnet9 -> D4" in out
+    assert "max equivariance error at" in out and "total wall time" in out

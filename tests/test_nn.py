@@ -1,0 +1,137 @@
+"""The plain-tensor equivariant modules, each checked against the group action."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from equiconvert.basis import steerable_basis
+from equiconvert.check import act_on_output
+from equiconvert.convert.fields import FieldType
+from equiconvert.groups import parse_group
+from equiconvert.nn import FieldGroupNorm, GroupPool, SteerableConv2d
+
+
+def _relative(a, b):
+    return float((a - b).abs().max() / b.abs().max().detach())
+
+
+def _conv(group, in_repr, in_fields, out_fields, kernel=3, **kwargs):
+    basis = steerable_basis(group, in_repr, "regular", kernel, kwargs.get("dilation", 1))
+    return SteerableConv2d(basis, in_fields, out_fields, **kwargs)
+
+
+@pytest.mark.parametrize("group_name", ["C4", "D4", "C8", "D2"])
+@pytest.mark.parametrize(
+    "in_repr,kwargs,size",
+    [
+        ("trivial", dict(padding=1), 9),
+        ("regular", dict(padding=1, stride=2), 9),  # stride 2 needs an odd size
+        ("regular", dict(padding=2, dilation=2), 8),
+        ("regular", dict(padding="same"), 8),
+        ("regular", dict(padding=1, groups=2, bias=False), 8),
+        ("regular", dict(padding=1, padding_mode="reflect"), 8),
+        ("regular", dict(padding=1, padding_mode="circular", weight_standardization=True), 8),
+    ],
+)
+def test_steerable_conv_is_equivariant(group_name, in_repr, kwargs, size):
+    group = parse_group(group_name)
+    conv = _conv(group, in_repr, 4, 6, **kwargs)
+    with torch.no_grad():
+        if conv.bias is not None:
+            conv.bias.normal_()
+    in_type = FieldType(group, in_repr, 4)
+    out_type = FieldType(group, "regular", 6)
+    x = torch.randn(2, in_type.channels, size, size)
+    y = conv(x)
+    for g in group.grid_elements:
+        assert _relative(conv(act_on_output(g, x, in_type)), act_on_output(g, y, out_type)) < 1e-6, g.name
+
+
+def test_depthwise_field_conv_is_equivariant_and_field_wise():
+    group = parse_group("D4")
+    conv = _conv(group, "regular", 5, 5, padding=1, groups=5)
+    assert conv.expand_filter().shape == (40, 8, 3, 3)
+    fields = FieldType(group, "regular", 5)
+    x = torch.randn(1, 40, 7, 7)
+    for g in group.grid_elements:
+        assert _relative(conv(act_on_output(g, x, fields)), act_on_output(g, conv(x), fields)) < 1e-6
+    x2 = x.clone()
+    x2[:, 8:16] += 1.0  # change field 1 only
+    changed = (conv(x2) - conv(x)).abs().amax(dim=(0, 2, 3)).reshape(5, 8).amax(1)
+    assert changed[1] > 0 and torch.all(changed[[0, 2, 3, 4]] == 0)
+
+
+def test_parameters_live_in_coefficient_space():
+    conv = _conv(parse_group("D4"), "regular", 3, 2)
+    assert conv.weight.shape == (2, 3, conv.num_basis)
+    assert {n for n, _ in conv.named_parameters()} == {"weight", "bias"}
+    assert "basis" in dict(conv.named_buffers())
+
+
+def test_he_initialisation_preserves_second_moment():
+    """He init: each output channel receives variance 2 x (input variance) per unit fan-in energy."""
+    torch.manual_seed(1)
+    group = parse_group("C4")
+    conv = _conv(group, "regular", 64, 64, padding=1, bias=False)
+    x = torch.randn(4, conv.in_channels, 16, 16)
+    second_moment = conv(x)[..., 1:-1, 1:-1].pow(2).mean()
+    assert 1.4 < float(second_moment) < 2.6
+
+
+def test_weight_standardization_standardizes_each_output_field():
+    conv = _conv(parse_group("C4"), "regular", 3, 5, weight_standardization=True)
+    coefficients = conv.coefficients()
+    assert torch.allclose(coefficients.mean(dim=(1, 2)), torch.zeros(5), atol=1e-5)
+    assert torch.allclose(coefficients.var(dim=(1, 2), unbiased=False), torch.ones(5), atol=1e-3)
+
+
+def test_even_group_norm_equals_torch_group_norm():
+    norm = FieldGroupNorm(num_fields=6, field_size=8, num_groups=3)
+    with torch.no_grad():
+        norm.weight.normal_()
+        norm.bias.normal_()
+    x = torch.randn(2, 48, 5, 5)
+    expected = F.group_norm(x, 3, norm.weight.repeat_interleave(8), norm.bias.repeat_interleave(8), norm.eps)
+    assert torch.allclose(norm(x), expected, atol=1e-5)
+
+
+def test_uneven_group_norm_matches_manual_statistics():
+    norm = FieldGroupNorm(num_fields=5, field_size=4, num_groups=2, affine=False)
+    x = torch.randn(3, 20, 4, 4)
+    out = norm(x)
+    bounds = [0, 2, 5]  # round(i * 5 / 2): groups of 2 and 3 fields
+    for start, stop in zip(bounds, bounds[1:]):
+        chunk = x[:, start * 4 : stop * 4]
+        mean = chunk.mean(dim=(1, 2, 3), keepdim=True)
+        var = chunk.var(dim=(1, 2, 3), keepdim=True, unbiased=False)
+        assert torch.allclose(out[:, start * 4 : stop * 4], (chunk - mean) / torch.sqrt(var + norm.eps), atol=1e-5)
+
+
+@pytest.mark.parametrize("groups", [1, 2, 3, 5])
+def test_group_norm_is_equivariant_and_per_sample(groups):
+    group = parse_group("D4")
+    norm = FieldGroupNorm(5, 8, groups)
+    fields = FieldType(group, "regular", 5)
+    x = torch.randn(3, 40, 6, 6)
+    for g in group.grid_elements:
+        assert _relative(norm(act_on_output(g, x, fields)), act_on_output(g, norm(x), fields)) < 1e-6
+    other = x.clone()
+    other[1:] = torch.randn_like(other[1:]) * 10
+    assert torch.equal(norm(other)[0], norm(x)[0])  # sample 0 does not see samples 1, 2
+
+
+@pytest.mark.parametrize("mode", ["max", "mean", "norm"])
+def test_group_pool_is_invariant(mode):
+    group = parse_group("D4")
+    pool = GroupPool(3, 8, mode)
+    fields = FieldType(group, "regular", 3)
+    x = torch.randn(2, 24, 5, 5)
+    out = pool(x)
+    assert out.shape == (2, 3, 5, 5)
+    for g in group.grid_elements:
+        assert torch.allclose(pool(act_on_output(g, x, fields)), g.act_on_grid(out), atol=1e-6)
+    assert pool(torch.randn(2, 24)).shape == (2, 3)
+
+
+def test_group_pool_rejects_unknown_mode():
+    with pytest.raises(ValueError, match="max"):
+        GroupPool(3, 8, "median")

@@ -255,7 +255,7 @@ def test_torch_func_per_sample_gradients_match_naive_loop():
         out = functional_call(model, (p, buffers), (xi.unsqueeze(0),))
         return F.cross_entropy(out, yi.unsqueeze(0))
 
-    per_sample = vmap(grad(loss), in_dims=(None, 0, 0))(params, x, y)
+    per_sample = vmap(grad(loss), in_dims=(None, 0, 0))(params, x, y)  # plain torch.func, as users call it
     for i in range(3):
         model.zero_grad()
         F.cross_entropy(model(x[i : i + 1]), y[i : i + 1]).backward()

@@ -63,3 +63,26 @@ def test_converted_model_survives_pickle_deepcopy_and_state_dict():
         assert not torch.equal(fresh(x), expected)
         fresh.load_state_dict(model.state_dict())
         assert torch.equal(fresh(x), expected)
+
+
+OTHER_TORCHVISION = {  # model -> None (converts exactly) or the expected error text
+    "alexnet": None, "squeezenet1_1": None, "efficientnet_b0": None, "mnasnet0_5": None, "regnet_x_400mf": None,
+    "mobilenet_v3_small": None, "googlenet": None,
+    "shufflenet_v2_x0_5": "splits fields", "convnext_tiny": "even kernel_size=4", "inception_v3": "not square",
+    "swin_t": "even kernel_size=4", "vit_b_16": "no conversion rule",
+}
+
+
+@pytest.mark.parametrize("name", list(OTHER_TORCHVISION))
+def test_other_torchvision_models_convert_exactly_or_fail_clearly(name):
+    """Beyond the acceptance list: each model keeps the 1e-5 guarantee or raises a clear UnsupportedLayerError."""
+    extra = {"aux_logits": False, "init_weights": False} if name in ("googlenet", "inception_v3") else {}
+    original = torchvision.models.get_model(name, num_classes=10, **extra)
+    expected_error = OTHER_TORCHVISION[name]
+    if expected_error is not None:
+        with pytest.raises(equiconvert.UnsupportedLayerError, match=f"cannot convert node.*{expected_error}.*Options"):
+            equiconvert.make_equivariant(original, "C4", head="invariant")
+        return
+    model = equiconvert.make_equivariant(original, "C4", head="invariant")
+    assert model.report.invariant_output
+    assert equiconvert.check_equivariance(model, batch_size=1).max_error <= 1e-5

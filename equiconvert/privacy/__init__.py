@@ -1,0 +1,1 @@
+"""Differentially private training of converted models."""

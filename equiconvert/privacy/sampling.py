@@ -1,0 +1,81 @@
+"""Poisson subsampling of logical batches, as the DP-SGD privacy analysis assumes.
+
+The RDP/PRV accountants bound the privacy loss of the *subsampled Gaussian
+mechanism*: every example joins every step independently with probability q.
+Shuffling into fixed-size batches is a different mechanism whose guarantee the
+accountant does not certify, so logical batches here have random size (possibly
+zero) and are only later cut into fixed-size physical chunks to fit in memory.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+class PoissonSampler:
+    """Draws logical batches by independent Bernoulli(q) inclusion of each example.
+
+    It owns a CPU `torch.Generator`, so the batch sequence depends only on the
+    seed and the number of batches already drawn (not on other RNG users), and
+    `state_dict()` lets a resumed run draw exactly the batches it would have.
+    """
+
+    def __init__(self, num_examples: int, expected_batch_size: int, seed: int) -> None:
+        if num_examples <= 0:
+            raise ValueError(f"num_examples must be positive, got {num_examples}")
+        if expected_batch_size <= 0 or expected_batch_size > num_examples:
+            raise ValueError(
+                f"sample rate q = expected_batch_size / num_examples = {expected_batch_size}/{num_examples} "
+                "must satisfy 0 < q <= 1"
+            )
+        self.num_examples = int(num_examples)
+        self.expected_batch_size = int(expected_batch_size)
+        self.sample_rate = self.expected_batch_size / self.num_examples
+        self.seed = int(seed)
+        self.num_batches_drawn = 0
+        self._generator = torch.Generator(device="cpu")
+        self._generator.manual_seed(self.seed)
+
+    def sample(self) -> torch.Tensor:
+        """Indices (int64, ascending, no duplicates) of one logical batch; may be empty."""
+        # P(U < q) = q exactly for U ~ Uniform[0, 1).
+        mask = torch.rand(self.num_examples, generator=self._generator) < self.sample_rate
+        self.num_batches_drawn += 1
+        return mask.nonzero().flatten()
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to continue the exact batch sequence after a restart."""
+        return {
+            "num_examples": self.num_examples,
+            "expected_batch_size": self.expected_batch_size,
+            "seed": self.seed,
+            "num_batches_drawn": self.num_batches_drawn,
+            "generator_state": self._generator.get_state(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore a `state_dict()`; refuses one for a different data set size or q (the accounting would lie)."""
+        if (state["num_examples"], state["expected_batch_size"]) != (self.num_examples, self.expected_batch_size):
+            raise ValueError(
+                f"sampler state is for {state['expected_batch_size']}/{state['num_examples']}, "
+                f"this sampler is {self.expected_batch_size}/{self.num_examples}"
+            )
+        self.seed = int(state["seed"])
+        self.num_batches_drawn = int(state["num_batches_drawn"])
+        self._generator.set_state(state["generator_state"].to(device="cpu", dtype=torch.uint8))
+
+
+def physical_chunks(indices: torch.Tensor, max_physical_batch: int) -> list[torch.Tensor]:
+    """Split a logical batch into consecutive chunks of at most `max_physical_batch` (memory bound only).
+
+    Chunking does not change the DP-SGD step: per-sample gradients are clipped
+    and summed over all chunks before noise is added once per logical batch.
+    """
+    if max_physical_batch <= 0:
+        raise ValueError(f"max_physical_batch must be positive, got {max_physical_batch}")
+    if indices.dim() != 1:
+        raise ValueError(f"indices must be 1-D, got shape {tuple(indices.shape)}")
+    if indices.numel() == 0:
+        return []
+    return list(torch.split(indices, max_physical_batch))

@@ -45,9 +45,14 @@ def per_sample_norms(gradients: Gradients) -> torch.Tensor:
     return torch.stack(squares).sum(0).sqrt()
 
 
+def clip_factors(norms: torch.Tensor, max_grad_norm: float) -> torch.Tensor:
+    """Scale of each example's gradient so that its norm is at most max_grad_norm."""
+    return (max_grad_norm / (norms + 1e-6)).clamp(max=1.0)
+
+
 def clip_and_sum(gradients: Gradients, max_grad_norm: float) -> tuple[Gradients, torch.Tensor]:
     """Sum of per-sample gradients, each scaled to norm <= max_grad_norm; also returns the norms before clipping."""
     norms = per_sample_norms(gradients)
-    factors = (max_grad_norm / (norms + 1e-6)).clamp(max=1.0)
+    factors = clip_factors(norms, max_grad_norm)
     summed = {name: torch.einsum("b,b...->...", factors, g) for name, g in gradients.items()}
     return summed, norms

@@ -1,0 +1,286 @@
+"""DP-SGD for converted models: Poisson sampling, per-sample clipping, noise, EMA, accounting.
+
+One logical step: draw a Poisson batch (rate q = batch_size / N), split it into
+physical chunks that fit memory, compute each example's gradient averaged over
+its K augmented views, clip it to `max_grad_norm`, sum, add N(0, (sigma C)^2)
+once, divide by the expected batch size, and step the optimizer. The EMA and
+the accountant advance once per logical step, and training stops before the
+budget would be exceeded.
+"""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from .accounting import PrivacyLedger, calibrate_noise_multiplier
+from .augment import augment_views
+from .checkpoint import load, save_atomic
+from .ema import ExponentialMovingAverage
+from .metrics import evaluate
+from .per_sample import clip_and_sum, per_sample_gradients
+from .sampling import PoissonSampler, physical_chunks
+from .validate import validate_dp_safe
+
+TensorData = tuple[torch.Tensor, torch.Tensor]
+OPTIMIZERS = ("sgd", "nadam")
+
+
+@dataclass
+class DPConfig:
+    """Hyper-parameters of a DP-SGD run (the defaults follow Hölzl et al.'s CIFAR-10 setting)."""
+
+    target_epsilon: float | None = 8.0
+    delta: float = 1e-5
+    batch_size: int = 8192  # expected logical batch size
+    steps: int = 2200
+    aug_mult: int = 4
+    max_grad_norm: float = 2.0
+    lr: float = 2.0
+    momentum: float = 0.0
+    optimizer: str = "sgd"
+    ema_decay: float | None = 0.999
+    accountant: str = "rdp"
+    noise_multiplier: float | None = None  # None: calibrated from target_epsilon
+    physical_batch_size: int = 256
+    augment_padding: int = 4
+    augment_flip: bool = True
+    normalize_mean: float = 0.5
+    normalize_std: float = 0.5
+    seed: int = 0
+    eval_every: int | None = None
+    eval_batch_size: int = 1024
+    checkpoint_every: int | None = None
+    log_train_loss: bool = True  # a non-private diagnostic: computed on private data
+    epsilon_every: int = 10  # log epsilon every this many steps (PRV's get_epsilon is slow)
+
+
+class DPTrainer:
+    """Train a model with DP-SGD; see DPConfig for the options (passed as keyword arguments)."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        device: str | torch.device | None = None,
+        out_dir: str | Path | None = None,
+        lr_schedule: Callable[[int], float] | None = None,
+        progress: bool = True,
+        **options: Any,
+    ) -> None:
+        unknown = set(options) - set(DPConfig.__dataclass_fields__)
+        if unknown:
+            raise ValueError(f"unknown DPTrainer options {sorted(unknown)}; known: {sorted(DPConfig.__dataclass_fields__)}")
+        self.config = DPConfig(**options)
+        self._check_config()
+        validate_dp_safe(model)
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.model = model.to(self.device)
+        self.out_dir = Path(out_dir) if out_dir is not None else None
+        self.lr_schedule = lr_schedule
+        self.progress = progress
+        self.optimizer = self._make_optimizer()
+        self.ema = ExponentialMovingAverage(self.model, self.config.ema_decay) if self.config.ema_decay else None
+        self.step = 0
+        self.history: list[dict[str, Any]] = []
+        self.ledger: PrivacyLedger | None = None
+        self.sampler: PoissonSampler | None = None
+        self.noise_multiplier: float | None = None
+        self._augment_rng = torch.Generator(device=self.device).manual_seed(self.config.seed + 1)
+        self._noise_rng = torch.Generator(device=self.device).manual_seed(self.config.seed + 2)
+
+    # --- set-up ------------------------------------------------------------
+    def _check_config(self) -> None:
+        c = self.config
+        if c.optimizer not in OPTIMIZERS:
+            raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {c.optimizer!r}")
+        if c.target_epsilon is None and c.noise_multiplier is None:
+            raise ValueError("give target_epsilon (sigma is calibrated) or noise_multiplier")
+        if c.noise_multiplier is not None and c.noise_multiplier <= 0:
+            raise ValueError(f"noise_multiplier must be > 0 for a private run, got {c.noise_multiplier}")
+        if c.aug_mult < 1 or c.batch_size < 1 or c.steps < 0 or c.max_grad_norm <= 0:
+            raise ValueError("aug_mult and batch_size must be >= 1, steps >= 0, max_grad_norm > 0")
+
+    def _make_optimizer(self) -> torch.optim.Optimizer:
+        params = list(self.model.parameters())
+        if self.config.optimizer == "nadam":
+            return torch.optim.NAdam(params, lr=self.config.lr)
+        return torch.optim.SGD(params, lr=self.config.lr, momentum=self.config.momentum)
+
+    def _prepare_privacy(self, num_examples: int) -> None:
+        c = self.config
+        self.sampler = PoissonSampler(num_examples, c.batch_size, c.seed)
+        sample_rate = self.sampler.sample_rate
+        if c.noise_multiplier is not None:
+            self.noise_multiplier = c.noise_multiplier
+        else:
+            self.noise_multiplier = calibrate_noise_multiplier(c.target_epsilon, c.delta, sample_rate, c.steps, c.accountant)
+        self.ledger = PrivacyLedger(c.accountant, c.delta, c.target_epsilon, sample_rate, self.noise_multiplier)
+
+    def _normalize(self, images: torch.Tensor) -> torch.Tensor:
+        images = images.to(self.device, non_blocking=True)
+        if images.dtype == torch.uint8:
+            images = images.float().div_(255.0)
+        return (images - self.config.normalize_mean) / self.config.normalize_std
+
+    # --- one logical step --------------------------------------------------
+    def _noisy_gradient(self, images: torch.Tensor, labels: torch.Tensor) -> tuple[dict[str, torch.Tensor], int, float]:
+        c = self.config
+        indices = self.sampler.sample()
+        params = {n: p.detach() for n, p in self.model.named_parameters()}
+        buffers = dict(self.model.named_buffers())
+        summed = {n: torch.zeros_like(p) for n, p in params.items()}
+        loss_sum = torch.zeros((), device=self.device)
+        for chunk in physical_chunks(indices, c.physical_batch_size):
+            views = augment_views(self._normalize(images[chunk]), c.aug_mult, self._augment_rng,
+                                  c.augment_padding, c.augment_flip)
+            grads, losses = per_sample_gradients(self.model, params, buffers, views, labels[chunk].to(self.device))
+            loss_sum += losses.detach().sum()
+            clipped, _ = clip_and_sum(grads, c.max_grad_norm)
+            for name, value in clipped.items():
+                summed[name] += value
+        std = self.noise_multiplier * c.max_grad_norm
+        noisy = {
+            name: (value + torch.normal(0.0, std, value.shape, generator=self._noise_rng, device=self.device))
+            / c.batch_size
+            for name, value in summed.items()
+        }
+        return noisy, len(indices), float(loss_sum) / max(len(indices), 1)
+
+    def train_step(self, images: torch.Tensor, labels: torch.Tensor) -> dict[str, Any]:
+        """One DP-SGD step on the private data (images, labels); returns its log record."""
+        self.model.train()
+        if self.lr_schedule is not None:
+            for group in self.optimizer.param_groups:
+                group["lr"] = self.lr_schedule(self.step)
+        gradients, batch, train_loss = self._noisy_gradient(images, labels)
+        for name, param in self.model.named_parameters():
+            param.grad = gradients[name]
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.ledger.step()
+        self.step += 1
+        if self.ema is not None:
+            self.ema.update(self.model, self.step)
+        record = {"step": self.step, "batch_size": batch, "lr": self.optimizer.param_groups[0]["lr"]}
+        if self.step % self.config.epsilon_every == 0 or self.step == self.config.steps:
+            record["epsilon"] = self.ledger.epsilon
+        if self.config.log_train_loss:
+            record["train_loss"] = train_loss
+        return record
+
+    # --- the run -----------------------------------------------------------
+    def fit(self, train_set: TensorData, eval_set: TensorData | None = None, resume: bool = False) -> list[dict[str, Any]]:
+        """Train until `steps` or until one more step would exceed the budget; returns the log."""
+        images, labels = _tensors(train_set)
+        if self.sampler is None:
+            self._prepare_privacy(len(images))
+        if resume:
+            self._resume()
+        budget_steps = self.ledger.max_steps() if self.config.target_epsilon is not None else self.config.steps
+        bar = _progress_bar(self.config.steps, self.step, self.progress)
+        start = time.perf_counter()
+        while self.step < self.config.steps:
+            if self.step >= budget_steps:  # one more step would exceed target_epsilon
+                self._log({"event": "stopped", "reason": "budget", "step": self.step, "epsilon": self.ledger.epsilon})
+                break
+            record = self.train_step(images, labels)
+            record["time_s"] = time.perf_counter() - start
+            self._log(record)
+            bar.update(1)
+            if "epsilon" in record:
+                bar.set_postfix(eps=f"{record['epsilon']:.3f}", loss=f"{record.get('train_loss', float('nan')):.3f}")
+            if eval_set is not None and self.config.eval_every and self.step % self.config.eval_every == 0:
+                self._log({"step": self.step, "eval": self.evaluate(eval_set)})
+            if self.config.checkpoint_every and self.step % self.config.checkpoint_every == 0:
+                self.save_checkpoint()
+        bar.close()
+        final = {"step": self.step, "epsilon": self.ledger.epsilon}
+        if eval_set is not None:
+            final["final_eval"] = self.evaluate(eval_set)
+        self._log(final)
+        return self.history
+
+    def evaluate(self, data: TensorData) -> dict[str, float]:
+        """Metrics of the EMA weights (if any) on `data`."""
+        images, labels = _tensors(data)
+        if self.ema is None:
+            return evaluate(self.model, images, labels, self.config.eval_batch_size, self.device, self._normalize)
+        with self.ema.applied(self.model):
+            return evaluate(self.model, images, labels, self.config.eval_batch_size, self.device, self._normalize)
+
+    @property
+    def epsilon(self) -> float:
+        return self.ledger.epsilon if self.ledger is not None else 0.0
+
+    # --- logging and checkpoints ------------------------------------------
+    def _log(self, record: dict[str, Any]) -> None:
+        self.history.append(record)
+        if self.out_dir is not None:
+            self.out_dir.mkdir(parents=True, exist_ok=True)
+            with open(self.out_dir / "log.jsonl", "a") as handle:
+                handle.write(json.dumps(record) + "\n")
+
+    def checkpoint_path(self) -> Path:
+        if self.out_dir is None:
+            raise ValueError("checkpoints need out_dir")
+        return self.out_dir / "checkpoint.pt"
+
+    def save_checkpoint(self) -> None:
+        state = {
+            "step": self.step,
+            "config": asdict(self.config),
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "ema": self.ema.state_dict() if self.ema is not None else None,
+            "ledger": self.ledger.state_dict(),
+            "sampler": self.sampler.state_dict(),
+            "noise_multiplier": self.noise_multiplier,
+            "rng": {
+                "augment": self._augment_rng.get_state(),
+                "noise": self._noise_rng.get_state(),
+                "torch": torch.get_rng_state(),
+                "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+            },
+        }
+        save_atomic(state, self.checkpoint_path())
+
+    def _resume(self) -> None:
+        path = self.checkpoint_path()
+        if not path.exists():
+            return
+        state = load(path)
+        if state["config"] != asdict(self.config):
+            raise ValueError(f"checkpoint {path} was written with a different configuration; refusing to resume")
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        if self.ema is not None:
+            self.ema.load_state_dict(state["ema"])
+        self.ledger.load_state_dict(state["ledger"])
+        self.sampler.load_state_dict(state["sampler"])
+        self.noise_multiplier = state["noise_multiplier"]
+        self._augment_rng.set_state(state["rng"]["augment"])
+        self._noise_rng.set_state(state["rng"]["noise"])
+        torch.set_rng_state(state["rng"]["torch"])
+        if state["rng"]["cuda"] is not None and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(state["rng"]["cuda"])
+        self.step = state["step"]
+
+
+def _tensors(data: TensorData | Any) -> TensorData:
+    if isinstance(data, (tuple, list)) and len(data) == 2:
+        return data[0], data[1]
+    if hasattr(data, "tensors") and len(data.tensors) == 2:  # torch.utils.data.TensorDataset
+        return data.tensors
+    raise TypeError("training data must be (images, labels) tensors or a TensorDataset of them")
+
+
+def _progress_bar(total: int, initial: int, enabled: bool):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, initial=initial, disable=not enabled, desc="DP-SGD", unit="step")

@@ -1,0 +1,224 @@
+"""Privacy accounting and DP-safety checks against known answers.
+
+Reference values: RDP/PRV epsilons of Opacus for sigma=1.5, q=0.04, delta=1e-5;
+get_noise_multiplier for epsilon=8 over 2000 steps; and, for full-batch
+(q=1) DP-SGD, the exact mu-GDP trade-off of the composed Gaussian mechanism.
+"""
+from __future__ import annotations
+
+import math
+import warnings
+
+import pytest
+import torch
+from scipy.optimize import brentq
+from scipy.stats import norm
+from torch import nn
+
+from equiconvert.errors import EquiconvertError
+from equiconvert.privacy import accounting
+from equiconvert.privacy.accounting import (
+    ACCOUNTANTS,
+    PrivacyBudgetError,
+    PrivacyLedger,
+    calibrate_noise_multiplier,
+    compute_epsilon,
+    make_accountant,
+)
+from equiconvert.privacy.validate import PrivacyValidationError, validate_dp_safe
+
+SIGMA, RATE, DELTA = 1.5, 0.04, 1e-5
+
+
+# --- compute_epsilon: known answers -----------------------------------------
+def test_rdp_known_answers() -> None:
+    assert compute_epsilon("rdp", SIGMA, RATE, 2250, DELTA) == pytest.approx(7.32911117143, abs=1e-7)
+    assert compute_epsilon("rdp", SIGMA, RATE, 2249, DELTA) == pytest.approx(7.32728, abs=5e-5)
+
+
+def test_prv_known_answers() -> None:
+    assert compute_epsilon("prv", SIGMA, RATE, 2249, DELTA) == pytest.approx(6.777395712150674, abs=5e-5)
+    assert compute_epsilon("prv", SIGMA, RATE, 2250, DELTA) == pytest.approx(6.779132, abs=5e-5)
+
+
+def test_zero_steps_cost_nothing_and_bad_arguments_are_refused() -> None:
+    assert compute_epsilon("rdp", SIGMA, RATE, 0, DELTA) == 0.0
+    with pytest.raises(ValueError, match="unknown accountant"):
+        compute_epsilon("gdp", SIGMA, RATE, 10, DELTA)
+    for kwargs in ({"noise_multiplier": 0.0}, {"sample_rate": 1.5}, {"delta": 1.0}, {"steps": -1}):
+        args = {"kind": "rdp", "noise_multiplier": SIGMA, "sample_rate": RATE, "steps": 10, "delta": DELTA, **kwargs}
+        with pytest.raises(ValueError):
+            compute_epsilon(**args)
+    with pytest.raises(TypeError):
+        compute_epsilon("rdp", SIGMA, RATE, 2.5, DELTA)
+
+
+def test_make_accountant() -> None:
+    assert ACCOUNTANTS == ("rdp", "prv")
+    assert make_accountant("rdp").mechanism() == "rdp"
+    assert make_accountant("prv").mechanism() == "prv"
+    with pytest.raises(ValueError, match="unknown accountant 'gdp'"):
+        make_accountant("gdp")
+
+
+# --- full batch: exact mu-GDP ------------------------------------------------
+def _gdp_delta(eps: float, mu: float) -> float:
+    return norm.cdf(-eps / mu + mu / 2) - math.exp(eps) * norm.cdf(-eps / mu - mu / 2)
+
+
+def test_full_batch_matches_gaussian_dp_closed_form() -> None:
+    sigma, steps, delta = 2.0, 10, 1e-5
+    mu = math.sqrt(steps) / sigma  # T-fold composition of the Gaussian mechanism is mu-GDP
+    exact = brentq(lambda e: _gdp_delta(e, mu) - delta, 0.0, 50.0, xtol=1e-12)  # 7.5113
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # Opacus' PRV takes log(1 - q) = log(0) at q = 1
+        prv = compute_epsilon("prv", sigma, 1.0, steps, delta)  # measured 7.5216
+    rdp = compute_epsilon("rdp", sigma, 1.0, steps, delta)  # measured 8.0794
+    # PRV returns an upper bound within its eps_error: measured prv - exact = 0.0104.
+    assert exact <= prv <= exact + 0.05
+    assert _gdp_delta(prv, mu) <= delta  # so (prv, delta)-DP really holds
+    assert rdp >= exact  # RDP is an upper bound
+
+
+# --- calibration -------------------------------------------------------------
+@pytest.mark.parametrize("kind, expected", [("rdp", 1.3562), ("prv", 1.2915)])
+def test_calibrated_sigma_reaches_target_without_exceeding(kind: str, expected: float) -> None:
+    sigma = calibrate_noise_multiplier(8.0, DELTA, RATE, 2000, kind)
+    assert sigma == pytest.approx(expected, abs=2e-3)
+    eps = compute_epsilon(kind, sigma, RATE, 2000, DELTA)
+    assert 7.99 <= eps <= 8.0
+
+
+@pytest.mark.parametrize("factor", [0.99, 1.2])
+def test_calibration_repairs_a_proposal_above_or_far_below_target(monkeypatch, factor: float) -> None:
+    true_sigma = calibrate_noise_multiplier(8.0, DELTA, RATE, 2000, "rdp")
+    monkeypatch.setattr(accounting, "get_noise_multiplier", lambda **kwargs: true_sigma * factor)
+    proposed = compute_epsilon("rdp", true_sigma * factor, RATE, 2000, DELTA)
+    assert (proposed > 8.0) if factor < 1 else (proposed < 7.99)
+    sigma = calibrate_noise_multiplier(8.0, DELTA, RATE, 2000, "rdp")
+    assert 7.99 <= compute_epsilon("rdp", sigma, RATE, 2000, DELTA) <= 8.0
+
+
+def test_unreachable_target_is_a_clear_error() -> None:
+    with pytest.raises(PrivacyBudgetError, match="unreachable"):
+        calibrate_noise_multiplier(1e-7, DELTA, RATE, 2000, "rdp")
+    assert issubclass(PrivacyBudgetError, EquiconvertError)
+
+
+# --- ledger --------------------------------------------------------------------
+def test_ledger_epsilon_grows_and_matches_compute_epsilon() -> None:
+    ledger = PrivacyLedger("rdp", DELTA, None, RATE, SIGMA)
+    assert ledger.steps == 0 and ledger.epsilon == 0.0 and ledger.can_step()
+    previous = 0.0
+    for _ in range(20):
+        ledger.step()
+        assert ledger.epsilon > previous
+        previous = ledger.epsilon
+    assert ledger.steps == 20
+    assert ledger.epsilon == compute_epsilon("rdp", SIGMA, RATE, 20, DELTA)
+    assert ledger.epsilon_after(2230) == pytest.approx(7.32911117143, abs=1e-7)
+    assert ledger.steps == 20  # epsilon_after does not record steps
+    with pytest.raises(ValueError):
+        ledger.max_steps()
+
+
+def test_ledger_stops_before_the_budget_is_exceeded() -> None:
+    target = 3.0
+    ledger = PrivacyLedger("rdp", DELTA, target, 0.05, 1.0)  # 41 steps fit
+    planned = ledger.max_steps()
+    while ledger.can_step():
+        ledger.step()
+    assert ledger.epsilon <= target < ledger.epsilon_after(1)
+    assert ledger.steps == planned > 0
+    assert ledger.max_steps() == planned
+
+
+def test_ledger_max_steps_prv_agrees_with_known_answers() -> None:
+    # eps(2249) = 6.77740 <= 6.778 < eps(2250) = 6.77913 (known PRV answers above)
+    ledger = PrivacyLedger("prv", DELTA, 6.778, RATE, SIGMA)
+    ledger._accountant.history = [(SIGMA, RATE, 2240)]  # skip 2240 individual step() calls
+    assert ledger.max_steps() == 2249
+
+
+def test_ledger_state_dict_round_trip() -> None:
+    ledger = PrivacyLedger("rdp", DELTA, 8.0, RATE, SIGMA)
+    for _ in range(7):
+        ledger.step()
+    state = ledger.state_dict()
+    ledger.step()  # must not leak into the saved state
+    resumed = PrivacyLedger("rdp", DELTA, 8.0, RATE, SIGMA)
+    resumed.load_state_dict(state)
+    assert resumed.steps == 7
+    assert resumed.epsilon == compute_epsilon("rdp", SIGMA, RATE, 7, DELTA)
+    resumed.step()
+    assert resumed.epsilon == ledger.epsilon
+    with pytest.raises(ValueError, match="noise_multiplier"):
+        PrivacyLedger("rdp", DELTA, 8.0, RATE, 2 * SIGMA).load_state_dict(state)
+    with pytest.raises(ValueError, match="kind"):
+        PrivacyLedger("prv", DELTA, 8.0, RATE, SIGMA).load_state_dict(state)
+
+
+def test_ledger_refuses_unknown_accountant_and_bad_settings() -> None:
+    with pytest.raises(ValueError, match="unknown accountant"):
+        PrivacyLedger("moments", DELTA, 8.0, RATE, SIGMA)
+    with pytest.raises(ValueError):
+        PrivacyLedger("rdp", DELTA, -1.0, RATE, SIGMA)
+    with pytest.raises(ValueError):
+        PrivacyLedger("rdp", DELTA, 8.0, 0.0, SIGMA)
+
+
+# --- validate_dp_safe -----------------------------------------------------------
+def test_all_batch_norms_are_reported_in_one_error() -> None:
+    model = nn.Sequential(
+        nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.Flatten(),
+        nn.Sequential(nn.Linear(8, 4), nn.BatchNorm1d(4)),
+    )
+    with pytest.raises(PrivacyValidationError) as info:
+        validate_dp_safe(model)
+    message = str(info.value)
+    assert "1 (torch.nn.modules.batchnorm.BatchNorm2d)" in message
+    assert "4.1 (torch.nn.modules.batchnorm.BatchNorm1d)" in message
+    assert "2 module(s)" in message and "GroupNorm" in message and "make_equivariant" in message
+    assert isinstance(info.value, EquiconvertError)
+
+
+def test_batch_norm_is_rejected_in_eval_mode_and_as_root() -> None:
+    with pytest.raises(PrivacyValidationError, match="<root>"):
+        validate_dp_safe(nn.BatchNorm2d(4, track_running_stats=False).eval())
+
+
+def test_group_norm_model_passes() -> None:
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.GroupNorm(4, 8), nn.ReLU(), nn.Dropout(0.1),
+                          nn.InstanceNorm2d(8), nn.LayerNorm([8]))
+    validate_dp_safe(model)
+
+
+def test_instance_norm_with_running_stats_is_rejected() -> None:
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.InstanceNorm2d(8, track_running_stats=True))
+    with pytest.raises(PrivacyValidationError, match=r"1 \(torch.nn.modules.instancenorm.InstanceNorm2d\)"):
+        validate_dp_safe(model)
+
+
+def test_escnn_batch_norm_is_rejected_without_importing_escnn() -> None:
+    IIDBatchNorm2d = type("IIDBatchNorm2d", (nn.Module,), {"__module__": "escnn.nn.modules.batchnormalization.iid"})
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), IIDBatchNorm2d())
+    with pytest.raises(PrivacyValidationError, match=r"1 \(escnn\.nn\.modules\.batchnormalization\.iid\.IIDBatchNorm2d\)"):
+        validate_dp_safe(model)
+
+
+def test_any_module_with_running_statistics_is_rejected() -> None:
+    class FieldNorm(nn.Module):  # escnn-style per-field buffer name
+        def __init__(self) -> None:
+            super().__init__()
+            self.register_buffer("regular_running_var", torch.ones(4))
+
+    class Wrapper(nn.Module):  # outermost offender only: its inner batch norm is not listed again
+        def __init__(self) -> None:
+            super().__init__()
+            self.register_buffer("running_mean", torch.zeros(4))
+            self.inner = nn.BatchNorm1d(4)
+
+    with pytest.raises(PrivacyValidationError) as info:
+        validate_dp_safe(nn.Sequential(FieldNorm(), Wrapper()))
+    message = str(info.value)
+    assert "2 module(s)" in message and "regular_running_var" in message and "1.inner" not in message

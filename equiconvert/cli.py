@@ -246,12 +246,58 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_train(args: argparse.Namespace) -> int:
+    from .privacy.run import RunSpec, run_training
+
+    spec = RunSpec(model=args.model, group=args.group, dataset=args.dataset, data_dir=args.data_dir, out=args.out,
+                   width=args.width, device=args.device, resume=args.resume, progress=not args.no_progress)
+    result = run_training(
+        spec, target_epsilon=args.epsilon, delta=args.delta, batch_size=args.batch_size, steps=args.steps,
+        aug_mult=args.aug_mult, max_grad_norm=args.max_grad_norm, lr=args.lr, momentum=args.momentum,
+        optimizer=args.optimizer, ema_decay=args.ema_decay or None, accountant=args.accountant,
+        noise_multiplier=args.noise_multiplier, physical_batch_size=args.physical_batch_size, seed=args.seed,
+        eval_every=args.eval_every, checkpoint_every=args.checkpoint_every,
+    )
+    print(json.dumps(result, indent=2))
+    return 0
+
+
+def _add_train_parser(sub) -> None:
+    train = sub.add_parser("train", help="train a (converted) model with DP-SGD and write OUT/result.json")
+    train.add_argument("--model", default="equiconvert:resnet9", help="torchvision:<name>, timm:<name>, equiconvert:resnet9")
+    train.add_argument("--group", default="D4", help="C1..C16, D1..D16, or 'none' for the unconverted baseline")
+    train.add_argument("--dataset", required=True, help="fashion-mnist, cifar10, rotated-mnist, imagenet32, imagefolder, synthetic")
+    train.add_argument("--data-dir", default=None)
+    train.add_argument("--out", required=True, help="output folder (log.jsonl, checkpoint.pt, result.json)")
+    train.add_argument("--epsilon", type=float, default=8.0)
+    train.add_argument("--delta", type=float, default=1e-5)
+    train.add_argument("--noise-multiplier", type=float, default=None, help="default: calibrated from --epsilon")
+    train.add_argument("--accountant", choices=("rdp", "prv"), default="rdp")
+    train.add_argument("--batch-size", type=int, default=2048, help="expected logical (Poisson) batch size")
+    train.add_argument("--physical-batch-size", type=int, default=256)
+    train.add_argument("--steps", type=int, default=500)
+    train.add_argument("--aug-mult", type=int, default=4)
+    train.add_argument("--max-grad-norm", type=float, default=2.0)
+    train.add_argument("--lr", type=float, default=2.0)
+    train.add_argument("--momentum", type=float, default=0.0)
+    train.add_argument("--optimizer", choices=("sgd", "nadam"), default="sgd")
+    train.add_argument("--ema-decay", type=float, default=0.999, help="0 disables the EMA")
+    train.add_argument("--width", type=_width, default=None)
+    train.add_argument("--eval-every", type=int, default=None)
+    train.add_argument("--checkpoint-every", type=int, default=50)
+    train.add_argument("--seed", type=int, default=0)
+    train.add_argument("--device", default=None, help="cpu, cuda, cuda:1 (default: cuda if available)")
+    train.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.pt")
+    train.add_argument("--no-progress", action="store_true")
+    train.set_defaults(handler=_cmd_train)
+
+
 # --- entry point -----------------------------------------------------------------------------
 
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="equiconvert", description="Turn CNNs into rotation/reflection-equivariant steerable CNNs.")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{convert,demo}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{convert,demo,train}")
 
     convert = sub.add_parser("convert", help="convert a model and report what changed")
     convert.add_argument("model", help="torchvision:<name>, timm:<name> or equiconvert:resnet9")
@@ -271,6 +317,7 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--group", default="D4")
     demo.add_argument("--json", action="store_true", help="print one JSON object")
     demo.set_defaults(handler=_cmd_demo)
+    _add_train_parser(sub)
     return parser
 
 

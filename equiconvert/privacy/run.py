@@ -1,0 +1,99 @@
+"""One private training run from names: the engine behind `equiconvert train`.
+
+Builds the model, converts it (or keeps it, for the "none" baseline), pads the
+images to a size at which the converted network is exactly equivariant, trains
+with DPTrainer and writes OUT/result.json.
+"""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..check import check_equivariance
+from ..convert import make_equivariant
+from .trainer import DPTrainer
+
+BASELINE_GROUP = "none"
+
+
+@dataclass
+class RunSpec:
+    """What `equiconvert train` was asked to do."""
+
+    model: str
+    group: str
+    dataset: str
+    data_dir: str | None
+    out: str
+    width: str | float | None = None
+    device: str | None = None
+    resume: bool = False
+    progress: bool = True
+
+
+def _count(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def _replace_batch_norm(model: nn.Module) -> nn.Module:
+    """For the unconverted baseline: BatchNorm (batch statistics) -> GroupNorm, as Opacus' ModuleValidator.fix does."""
+    from opacus.validators import ModuleValidator
+
+    return ModuleValidator.fix(model)
+
+
+def padded_size(model: Any, size: int) -> int:
+    """Smallest valid input size >= size reachable by symmetric padding (same parity as size)."""
+    for candidate in model.report.valid_input_sizes:
+        if candidate >= size and (candidate - size) % 2 == 0:
+            return candidate
+    raise ValueError(f"no valid input size >= {size} with the parity of {size}: {model.report.valid_input_rule}")
+
+
+def _pad(images: torch.Tensor, size: int) -> torch.Tensor:
+    margin = (size - images.shape[-1]) // 2
+    return images if margin == 0 else F.pad(images, (margin,) * 4)
+
+
+def run_training(spec: RunSpec, **trainer_options: Any) -> dict[str, Any]:
+    """Train one model with DP-SGD on one data set; returns (and writes) the result record."""
+    from ..cli import build_model
+    from ..data import load_dataset
+
+    start = time.perf_counter()
+    train = load_dataset(spec.dataset, spec.data_dir, split="train")
+    test = load_dataset(spec.dataset, spec.data_dir, split="test")
+    channels, size = train.images.shape[1], train.images.shape[-1]
+    model = build_model(spec.model, len(train.classes), channels)
+    params_before = _count(model)
+    result: dict[str, Any] = {"model": spec.model, "group": spec.group, "dataset": spec.dataset}
+    if spec.group.lower() == BASELINE_GROUP:
+        model = _replace_batch_norm(model)
+        input_size = size
+    else:
+        model = make_equivariant(model, spec.group, width=spec.width, head="invariant")
+        input_size = padded_size(model, size)
+        result["max_equivariance_error"] = check_equivariance(model, input_size=input_size, batch_size=1).max_error
+    images_train, images_test = _pad(train.images, input_size), _pad(test.images, input_size)
+    trainer = DPTrainer(model, device=spec.device, out_dir=spec.out, progress=spec.progress, **trainer_options)
+    trainer.fit((images_train, train.labels), eval_set=(images_test, test.labels), resume=spec.resume)
+    final = trainer.history[-1]["final_eval"]
+    c = trainer.config
+    result.update(
+        test_accuracy=final["accuracy"], test_loss=final["loss"], brier=final["brier"], ece=final["ece"],
+        epsilon=trainer.epsilon, delta=c.delta, target_epsilon=c.target_epsilon, accountant=c.accountant,
+        noise_multiplier=trainer.noise_multiplier, steps=trainer.step, batch_size=c.batch_size, aug_mult=c.aug_mult,
+        max_grad_norm=c.max_grad_norm, lr=c.lr, ema_decay=c.ema_decay, params=_count(model), params_before=params_before,
+        input_size=input_size, train_examples=len(train), test_examples=len(test), device=str(trainer.device),
+        wall_time_s=time.perf_counter() - start,
+    )
+    Path(spec.out).mkdir(parents=True, exist_ok=True)
+    (Path(spec.out) / "result.json").write_text(json.dumps(result, indent=2))
+    return result

@@ -24,6 +24,22 @@ Install the Debian package:  sudo apt-get install gfortran
 then run this script again."
 fi
 
+# (a2) Fashion-MNIST for the main job: Debian's package puts the original IDX
+# files in /usr/share/datasets/fashion-mnist. Not fatal when it cannot be
+# installed: `equiconvert train --data-dir DIR` takes any copy.
+fmnist=/usr/share/datasets/fashion-mnist
+if [ -e "$fmnist/train-images-idx3-ubyte.gz" ]; then
+    log "fashion-mnist: present in $fmnist"
+elif [ "$(id -u)" -eq 0 ]; then
+    log "fashion-mnist: installing Debian package dataset-fashion-mnist"
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get install -y -qq dataset-fashion-mnist >/dev/null 2>&1 \
+        || { apt-get update -qq >/dev/null && apt-get install -y -qq dataset-fashion-mnist >/dev/null; } \
+        || log "fashion-mnist: could not install dataset-fashion-mnist; pass --data-dir to the main job"
+else
+    log "fashion-mnist: missing; install it with: sudo apt-get install dataset-fashion-mnist (or pass --data-dir)"
+fi
+
 # (b) Virtual environment.
 if [ -x .venv/bin/python ] && [ -x .venv/bin/pip ]; then
     log "venv: .venv present"

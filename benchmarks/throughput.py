@@ -1,0 +1,197 @@
+"""DP-SGD step time vs the non-private step of the same converted model on the same batch.
+
+Methods, side by side in one process on one device, each on the same augmented
+batch of B examples x K views of a converted D4 ResNet9:
+  nonprivate   forward/backward on the B*K views, SGD step (the floor)
+  equiconvert  torch.func vmap over examples of grad over their K views (averaged
+               before clipping), clipping, noise, step (what DPTrainer runs)
+  opacus       Opacus GradSampleModule hooks (equiconvert's registered samplers) on
+               the B*K views, per-example mean over views, clipping, noise, step
+  nested_vmap  the paper's code's approach: vmap over examples of vmap over views
+               of grad, summed over views, clipping, noise, step
+
+Writes JSON (times in ms, throughput in augmented samples/s, peak memory, ratios).
+Usage: python benchmarks/throughput.py --device cuda --batch 512 --aug-mult 4
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch.func import functional_call, grad, vmap
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import equiconvert  # noqa: E402
+from equiconvert.models import resnet9  # noqa: E402
+from equiconvert.privacy.augment import augment_views  # noqa: E402
+from equiconvert.privacy.per_sample import clip_and_sum, per_sample_gradients  # noqa: E402
+
+MAX_GRAD_NORM, NOISE = 2.0, 1.0
+
+
+def build_model(widths: tuple[int, ...], kappa: float, device: torch.device) -> torch.nn.Module:
+    model = equiconvert.make_equivariant(resnet9(widths=widths), "D4", width=kappa, head="invariant")
+    return model.to(device).train()
+
+
+def _noisy_step(model, optimizer, summed: dict[str, torch.Tensor], batch: int) -> None:
+    for name, param in model.named_parameters():
+        noise = torch.randn_like(summed[name]) * (NOISE * MAX_GRAD_NORM)
+        param.grad = (summed[name] + noise) / batch
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def step_nonprivate(model, optimizer, views, labels):
+    flat = views.flatten(0, 1)
+    loss = F.cross_entropy(model(flat), labels.repeat_interleave(views.shape[1]))
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def make_equiconvert_step(chunk: int):
+    """DPTrainer's computation: the batch in chunks of `chunk` examples (as its physical batches)."""
+
+    def step(model, optimizer, views, labels):
+        params = {n: p.detach() for n, p in model.named_parameters()}
+        buffers = dict(model.named_buffers())
+        summed = {n: torch.zeros_like(p) for n, p in params.items()}
+        for start in range(0, views.shape[0], chunk):
+            grads, _ = per_sample_gradients(model, params, buffers, views[start:start + chunk], labels[start:start + chunk])
+            clipped, _ = clip_and_sum(grads, MAX_GRAD_NORM)
+            for name, value in clipped.items():
+                summed[name] += value
+        _noisy_step(model, optimizer, summed, views.shape[0])
+
+    return step
+
+
+def step_nested_vmap(model, optimizer, views, labels):
+    params = {n: p.detach() for n, p in model.named_parameters()}
+    buffers = dict(model.named_buffers())
+
+    def view_loss(p, image, label):
+        return F.cross_entropy(functional_call(model, (p, buffers), (image.unsqueeze(0),)), label.unsqueeze(0))
+
+    per_view = vmap(vmap(grad(view_loss), in_dims=(None, 0, None)), in_dims=(None, 0, 0), randomness="different")
+    grads = {n: g.sum(1) for n, g in per_view(params, views, labels).items()}  # the paper sums the K views
+    summed, _ = clip_and_sum(grads, MAX_GRAD_NORM)
+    _noisy_step(model, optimizer, summed, views.shape[0])
+
+
+def make_opacus_step(model):
+    from opacus import GradSampleModule
+
+    import equiconvert.privacy.opacus_interop  # noqa: F401  (registers the samplers)
+
+    wrapped = GradSampleModule(model)
+
+    def step(_model, optimizer, views, labels):
+        batch, views_per = views.shape[:2]
+        loss = F.cross_entropy(wrapped(views.flatten(0, 1)), labels.repeat_interleave(views_per), reduction="sum")
+        loss.backward()
+        grads = {n: p.grad_sample.reshape(batch, views_per, *p.shape).mean(1) for n, p in model.named_parameters()}
+        for p in model.parameters():
+            p.grad_sample = None
+        summed, _ = clip_and_sum(grads, MAX_GRAD_NORM)
+        _noisy_step(model, optimizer, summed, batch)
+
+    return step, wrapped
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def time_method(step, model, views, labels, device, warmup: int, iters: int) -> dict:
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    for _ in range(warmup):
+        step(model, optimizer, views, labels)
+    _sync(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    start = time.perf_counter()
+    for _ in range(iters):
+        step(model, optimizer, views, labels)
+    _sync(device)
+    seconds = (time.perf_counter() - start) / iters
+    record = {"ms_per_step": 1e3 * seconds, "augmented_samples_per_s": views.shape[0] * views.shape[1] / seconds,
+              "examples_per_s": views.shape[0] / seconds}
+    if device.type == "cuda":
+        record["peak_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    return record
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--batch", type=int, default=512, help="physical batch: examples per step")
+    parser.add_argument("--aug-mult", type=int, default=4)
+    parser.add_argument("--widths", default="64,128,256", help="ResNet9 channel widths before conversion")
+    parser.add_argument("--kappa", type=float, default=1.5, help="width constant of the conversion")
+    parser.add_argument("--methods", default="nonprivate,equiconvert,opacus,nested_vmap",
+                        help="equiconvert@N processes the batch in chunks of N examples (DPTrainer's physical batches)")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--iters", type=int, default=5)
+    parser.add_argument("--out", default="benchmarks/results/throughput.json")
+    args = parser.parse_args(argv)
+
+    device = torch.device(args.device)
+    torch.manual_seed(0)
+    widths = tuple(int(w) for w in args.widths.split(","))
+    images = torch.randn(args.batch, 3, 32, 32, device=device)
+    views = augment_views(images, args.aug_mult, torch.Generator(device=device).manual_seed(0))
+    labels = torch.randint(0, 10, (args.batch,), device=device)
+    results: dict[str, dict] = {}
+    params = None
+    for method in args.methods.split(","):
+        model = build_model(widths, args.kappa, device)
+        params = sum(p.numel() for p in model.parameters())
+        step = {"nonprivate": step_nonprivate, "nested_vmap": step_nested_vmap}.get(method)
+        if method.startswith("equiconvert"):
+            step = make_equiconvert_step(int(method.partition("@")[2] or args.batch))
+        if method == "opacus":
+            step, _ = make_opacus_step(model)
+        try:
+            results[method] = time_method(step, model, views, labels, device, args.warmup, args.iters)
+        except torch.cuda.OutOfMemoryError as error:  # recorded, not hidden
+            results[method] = {"error": f"out of memory: {error}".splitlines()[0]}
+        finally:
+            del model
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+        print(method, json.dumps(results[method]), flush=True)
+    base = results.get("nonprivate", {}).get("ms_per_step")
+    for record in results.values():
+        if base and "ms_per_step" in record:
+            record["time_vs_nonprivate"] = record["ms_per_step"] / base
+            if "peak_memory_gib" in record and "peak_memory_gib" in results["nonprivate"]:
+                record["memory_vs_nonprivate"] = record["peak_memory_gib"] / results["nonprivate"]["peak_memory_gib"]
+    report = {
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "command": " ".join(["python", "benchmarks/throughput.py", *(argv if argv is not None else sys.argv[1:])]),
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
+        "torch": torch.__version__,
+        "model": {"name": "resnet9", "widths": widths, "group": "D4", "kappa": args.kappa, "params": params},
+        "batch": args.batch, "aug_mult": args.aug_mult, "dtype": "float32",
+        "results": results,
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(report, indent=2))
+    print(json.dumps({k: {m: round(r.get("time_vs_nonprivate", float("nan")), 2) for m, r in results.items()}
+                      for k in ["time_vs_nonprivate"]}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

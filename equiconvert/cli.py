@@ -57,12 +57,12 @@ def _timm_model(name: str, num_classes: int, in_channels: int) -> nn.Module:
         raise CLIError(f"cannot build timm model {name!r}: {exc}") from exc
 
 
-def _equiconvert_model(name: str, num_classes: int, in_channels: int) -> nn.Module:
+def _equiconvert_model(name: str, num_classes: int, in_channels: int, **options: Any) -> nn.Module:
     from . import models
 
     if name not in EQUICONVERT_MODELS:
         raise CLIError(f"unknown equiconvert model {name!r}; known: {', '.join(EQUICONVERT_MODELS)}")
-    return getattr(models, name)(num_classes=num_classes, in_channels=in_channels)
+    return getattr(models, name)(num_classes=num_classes, in_channels=in_channels, **options)
 
 
 _BUILDERS: dict[str, Callable[[str, int, int], nn.Module]] = {
@@ -72,13 +72,20 @@ _BUILDERS: dict[str, Callable[[str, int, int], nn.Module]] = {
 }
 
 
-def build_model(spec: str, num_classes: int = 10, in_channels: int = 3) -> nn.Module:
-    """The untrained model named `spec` ("torchvision:resnet18", "timm:<name>", "equiconvert:resnet9")."""
+def build_model(spec: str, num_classes: int = 10, in_channels: int = 3, widths: tuple[int, ...] | None = None) -> nn.Module:
+    """The untrained model named `spec` ("torchvision:resnet18", "timm:<name>", "equiconvert:resnet9").
+
+    `widths` sets the channel widths of equiconvert:resnet9 (other models refuse it).
+    """
     prefix, sep, name = spec.partition(":")
     if not sep or prefix not in _BUILDERS or not name:
         accepted = ", ".join(f"{p}:<name>" for p in MODEL_PREFIXES)
         raise CLIError(f"cannot parse model {spec!r}: use one of the prefixes {accepted}")
-    return _BUILDERS[prefix](name, num_classes, in_channels)
+    if widths is None:
+        return _BUILDERS[prefix](name, num_classes, in_channels)
+    if prefix != "equiconvert":
+        raise CLIError(f"--widths applies to equiconvert:resnet9 only, not {spec!r}")
+    return _equiconvert_model(name, num_classes, in_channels, widths=widths)
 
 
 # --- converting and checking ------------------------------------------------------------
@@ -250,7 +257,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
     from .privacy.run import RunSpec, run_training
 
     spec = RunSpec(model=args.model, group=args.group, dataset=args.dataset, data_dir=args.data_dir, out=args.out,
-                   width=args.width, device=args.device, resume=args.resume, progress=not args.no_progress)
+                   width=args.width, model_widths=args.widths, device=args.device, resume=args.resume, progress=not args.no_progress)
     result = run_training(
         spec, target_epsilon=args.epsilon, delta=args.delta, batch_size=args.batch_size, steps=args.steps,
         aug_mult=args.aug_mult, max_grad_norm=args.max_grad_norm, lr=args.lr, momentum=args.momentum,
@@ -282,7 +289,9 @@ def _add_train_parser(sub) -> None:
     train.add_argument("--momentum", type=float, default=0.0)
     train.add_argument("--optimizer", choices=("sgd", "nadam"), default="sgd")
     train.add_argument("--ema-decay", type=float, default=0.999, help="0 disables the EMA")
-    train.add_argument("--width", type=_width, default=None)
+    train.add_argument("--width", type=_width, default=None, help="width policy of the conversion")
+    train.add_argument("--widths", type=lambda t: tuple(int(w) for w in t.split(",")), default=None,
+                       help="channel widths of equiconvert:resnet9 before conversion, e.g. 16,32,64")
     train.add_argument("--eval-every", type=int, default=None)
     train.add_argument("--checkpoint-every", type=int, default=50)
     train.add_argument("--seed", type=int, default=0)

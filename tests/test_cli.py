@@ -182,3 +182,25 @@ def test_demo_json_lists_both_models(capsys):
     out = capsys.readouterr().out
     assert "== torchvision:resnet18 -> D4" in out and "== equiconvert:resnet9 -> D4" in out
     assert "max equivariance error at" in out and "total wall time" in out
+
+
+def test_train_on_synthetic_data_writes_result(tmp_path, capsys):
+    out = tmp_path / "run"
+    code = main(["train", "--dataset", "synthetic", "--model", "equiconvert:resnet9", "--widths", "8,16,32",
+                 "--group", "C4", "--steps", "2", "--batch-size", "16", "--aug-mult", "2", "--epsilon", "8",
+                 "--physical-batch-size", "16", "--out", str(out), "--no-progress", "--device", "cpu"])
+    assert code == 0
+    result = json.loads((out / "result.json").read_text())
+    for key in ("test_accuracy", "epsilon", "delta", "noise_multiplier", "steps", "batch_size", "aug_mult",
+                "params", "wall_time_s", "group", "model"):
+        assert key in result, key
+    assert result["steps"] == 2 and 0 < result["epsilon"] <= 8 and result["group"] == "C4"
+    assert result["max_equivariance_error"] <= 1e-5
+    assert (out / "log.jsonl").exists()
+    assert json.loads(capsys.readouterr().out)["test_accuracy"] == result["test_accuracy"]
+
+
+def test_train_baseline_replaces_batch_norm_and_widths_only_for_resnet9(tmp_path, capsys):
+    code = main(["train", "--dataset", "synthetic", "--model", "torchvision:resnet18", "--widths", "8,16,32",
+                 "--group", "none", "--steps", "1", "--out", str(tmp_path)])
+    assert code == 2 and "--widths applies to equiconvert:resnet9" in capsys.readouterr().err

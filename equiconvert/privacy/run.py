@@ -33,6 +33,7 @@ class RunSpec:
     data_dir: str | None
     out: str
     width: str | float | None = None
+    model_widths: tuple[int, ...] | None = None
     device: str | None = None
     resume: bool = False
     progress: bool = True
@@ -71,7 +72,7 @@ def run_training(spec: RunSpec, **trainer_options: Any) -> dict[str, Any]:
     train = load_dataset(spec.dataset, spec.data_dir, split="train")
     test = load_dataset(spec.dataset, spec.data_dir, split="test")
     channels, size = train.images.shape[1], train.images.shape[-1]
-    model = build_model(spec.model, len(train.classes), channels)
+    model = build_model(spec.model, len(train.classes), channels, spec.model_widths)
     params_before = _count(model)
     result: dict[str, Any] = {"model": spec.model, "group": spec.group, "dataset": spec.dataset}
     if spec.group.lower() == BASELINE_GROUP:

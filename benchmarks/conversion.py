@@ -92,9 +92,10 @@ def _build_model(name: str):
 
 
 def _timed(fn):
-    start = time.perf_counter()
+    """(wall seconds, CPU seconds of this process over all its threads, result)."""
+    start, cpu = time.perf_counter(), time.process_time()
     value = fn()
-    return time.perf_counter() - start, value
+    return time.perf_counter() - start, time.process_time() - cpu, value
 
 
 def _summary(runs: list[float]) -> dict:
@@ -128,32 +129,34 @@ def _worker(args: argparse.Namespace) -> int:
         kwargs = MODELS[args.model][2]
         record.update(source=MODELS[args.model][0], kwargs=kwargs, torch_threads=torch.get_num_threads())
 
-        record["build_s"], model = _timed(lambda: _build_model(args.model))
+        record["build_s"], _, model = _timed(lambda: _build_model(args.model))
         record["params_before"] = sum(p.numel() for p in model.parameters())
 
         def convert(width=None):
             return make_equivariant(model, args.group, width=width, **kwargs)
 
         # escnn import is separated out so cold_s is the basis building + conversion itself
-        record["escnn_import_s"], _ = _timed(import_escnn)
+        record["escnn_import_s"], _, _ = _timed(import_escnn)
         clear_memory_cache()
-        record["cold_s"], converted = _timed(convert)
+        record["cold_s"], record["cold_cpu_s"], converted = _timed(convert)
         record["cold_with_import_s"] = record["escnn_import_s"] + record["cold_s"]
         bases = sorted(p.name for p in basis_dir().glob("*.pt"))
         record["bases_built"] = bases
         record["basis_cache_bytes"] = sum(p.stat().st_size for p in basis_dir().glob("*.pt"))
 
-        disk_runs = []
+        disk_runs, disk_cpu = [], []
         for _ in range(args.repeats):
             clear_memory_cache()  # bases come from the disk cache written by the cold run
-            seconds, converted = _timed(convert)
+            seconds, cpu, converted = _timed(convert)
             disk_runs.append(seconds)
-        record["warm_disk_s"] = _summary(disk_runs)
-        memory_runs = []
+            disk_cpu.append(cpu)
+        record["warm_disk_s"], record["warm_disk_cpu_s"] = _summary(disk_runs), _summary(disk_cpu)
+        memory_runs, memory_cpu = [], []
         for _ in range(args.repeats):  # memory cache kept: no basis I/O at all
-            seconds, converted = _timed(convert)
+            seconds, cpu, converted = _timed(convert)
             memory_runs.append(seconds)
-        record["warm_memory_s"] = _summary(memory_runs)
+            memory_cpu.append(cpu)
+        record["warm_memory_s"], record["warm_memory_cpu_s"] = _summary(memory_runs), _summary(memory_cpu)
         if sorted(p.name for p in basis_dir().glob("*.pt")) != bases:
             record["note_cache"] = "warm runs wrote new bases to disk (unexpected)"
 
@@ -175,8 +178,8 @@ def _worker(args: argparse.Namespace) -> int:
                 continue
             entry: dict = {"width_arg": width}
             try:
-                seconds, converted = _timed(lambda: convert(width))
-                entry.update(status="ok", time_s=seconds, width_name=converted.report.width,
+                seconds, cpu, converted = _timed(lambda: convert(width))
+                entry.update(status="ok", time_s=seconds, cpu_s=cpu, width_name=converted.report.width,
                              params_after=converted.report.params_after)
                 del converted
             except Exception as exc:  # noqa: BLE001 - recorded, not hidden
@@ -195,6 +198,7 @@ def _worker(args: argparse.Namespace) -> int:
         record["widths"] = widths
         if "params" in widths:
             record["params_time_s"] = widths["params"].get("time_s")
+            record["params_cpu_s"] = widths["params"].get("cpu_s")
     except Exception as exc:  # noqa: BLE001
         record.update(status="error", error=_error(exc))
     Path(args.result).write_text(json.dumps(record, indent=1, default=str))
@@ -321,10 +325,13 @@ def _fmt_width(record: dict, label: str) -> str:
     return text
 
 
-def _sec(value) -> str:
+def _sec(value, cpu=None) -> str:
     if isinstance(value, dict):
         value = value.get("median")
-    return "-" if value is None else f"{value:.2f}"
+    if isinstance(cpu, dict):
+        cpu = cpu.get("median")
+    text = "-" if value is None else f"{value:.2f}"
+    return text if cpu is None else f"{text} ({cpu:.2f})"
 
 
 def markdown_table(records: list[dict]) -> str:
@@ -337,9 +344,10 @@ def markdown_table(records: list[dict]) -> str:
             cells = [r["model"], r["group"], f"{r.get('status', '').upper()}: {why[:120]}"] + [""] * (len(head) - 3)
         else:
             sizes = ", ".join(map(str, r["first_valid_sizes"][:4])) + (", ..." if len(r["first_valid_sizes"]) > 4 else "")
-            cells = [r["model"], r["group"], _sec(r["cold_s"]), _sec(r["warm_disk_s"]), _sec(r["warm_memory_s"]),
+            cells = [r["model"], r["group"], _sec(r["cold_s"], r.get("cold_cpu_s")),
+                     _sec(r["warm_disk_s"], r.get("warm_disk_cpu_s")), _sec(r["warm_memory_s"], r.get("warm_memory_cpu_s")),
                      _fmt_params(r["params_before"])] + [_fmt_width(r, label) for label in WIDTHS] + [
-                     _sec(r.get("params_time_s")), sizes or "none"]
+                     _sec(r.get("params_time_s"), r.get("params_cpu_s")), sizes or "none"]
         lines.append("| " + " | ".join(str(c).replace("|", "/") for c in cells) + " |")
     return "\n".join(lines)
 
@@ -381,6 +389,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unknown widths {sorted(unknown)}; known: {list(WIDTHS)}")
     if args._worker:
         return _worker(args)
+    if str(REPO) not in sys.path:  # the driver reads equiconvert's version; workers get PYTHONPATH themselves
+        sys.path.insert(0, str(REPO))
 
     models = _resolve_models(args.models, args.quick)
     groups = [g.strip().upper() for g in (args.groups or ("D4" if args.quick else "D4,C4")).split(",") if g.strip()]
@@ -410,6 +420,7 @@ def main(argv: list[str] | None = None) -> int:
             "warm_memory_s": "make_equivariant with the in-memory basis cache kept",
             "widths": "one make_equivariant per width policy (memory cache warm); ratio = params_after / params_before",
             "params_time_s": "make_equivariant(width='params'), including its ~20 meta-device bisection conversions",
+            "*_cpu_s": "CPU time (time.process_time, all threads) of the same call: less sensitive to other load than wall time",
         },
     }
     records = []
@@ -446,7 +457,9 @@ def main(argv: list[str] | None = None) -> int:
         target.update(measured_s=measured, passed=measured < TARGET["limit_s"],
                       warm_memory_s=target_record["warm_memory_s"]["median"],
                       passed_warm_memory=target_record["warm_memory_s"]["median"] < TARGET["limit_s"],
-                      cold_s=target_record["cold_s"], cpu_count=os.cpu_count())
+                      cold_s=target_record["cold_s"], cpu_count=os.cpu_count(),
+                      warm_disk_cpu_s=target_record["warm_disk_cpu_s"]["median"],
+                      loadavg_after_record=target_record.get("loadavg_after"))
     else:
         target.update(measured_s=None, passed=None, note="not measured in this run")
     header["target_check"] = target
@@ -454,6 +467,8 @@ def main(argv: list[str] | None = None) -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"header": header, "records": records}, indent=1, default=str) + "\n")
     print(markdown_table(records))
+    print("\nTimes: wall-clock seconds (CPU seconds of the worker process, all threads); warm columns are medians "
+          f"of {args.repeats} runs. Parameter columns: count after conversion (x ratio to before); params: relative miss.")
     print()
     if target["passed"] is not None:
         print(f"target: {target['description']}: {'PASS' if target['passed'] else 'FAIL'} "

@@ -55,6 +55,9 @@ MODELS = {
     "densenet121-D4": (lambda: _torchvision("densenet121"), "D4", None),
     "vgg11_bn-D4": (lambda: _torchvision("vgg11_bn"), "D4", "invariant"),
     "resnet50d-C4": (lambda: _timm("resnet50d"), "C4", None),
+    "resnet50-D4": (lambda: _torchvision("resnet50"), "D4", None),
+    "wide_resnet50_2-C4": (lambda: _torchvision("wide_resnet50_2"), "C4", None),
+    "timm_resnet18-D4": (lambda: _timm("resnet18"), "D4", None),
 }
 
 

@@ -64,7 +64,9 @@ def test_parameters_live_in_coefficient_space():
     conv = _conv(parse_group("D4"), "regular", 3, 2)
     assert conv.weight.shape == (2, 3, conv.num_basis)
     assert {n for n, _ in conv.named_parameters()} == {"weight", "bias"}
-    assert "basis" in dict(conv.named_buffers())
+    assert not dict(conv.named_buffers())  # Opacus refuses trainable modules with buffers
+    conv.to(torch.float64)
+    assert conv.basis.dtype == torch.float64 and conv.weight.dtype == torch.float64
 
 
 def test_he_initialisation_preserves_second_moment():

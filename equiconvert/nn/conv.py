@@ -32,6 +32,7 @@ class SteerableConv2d(nn.Module):
         padding_mode: str = "zeros",
         weight_standardization: bool = False,
         eps: float = 1e-5,
+        bias_channels: tuple[int, ...] | None = None,
     ) -> None:
         super().__init__()
         if basis.ndim != 5 or basis.shape[0] == 0:
@@ -52,10 +53,24 @@ class SteerableConv2d(nn.Module):
         self.padding_mode = padding_mode
         self.weight_standardization = weight_standardization
         self.eps = eps
-        self.register_buffer("basis", basis.detach().clone().float())
+        # A constant, not a buffer: Opacus refuses trainable modules with buffers (make_private
+        # would fail), and it is no state to save. `_apply` moves and casts it with the module.
+        self.basis = basis.detach().clone().float()
         self.weight = nn.Parameter(torch.empty(out_fields, in_fields // groups, basis.shape[0]))
-        self.bias = nn.Parameter(torch.zeros(out_fields)) if bias else None
+        # Regular/trivial fields: one bias per field on all its channels (the all-ones vector is
+        # invariant). Irrep fields: a constant is invariant only on trivial channels, so
+        # `bias_channels` lists them and each gets its own bias, shape (out_fields, len).
+        self.bias_channels = None if bias_channels is None else tuple(bias_channels)
+        if bias_channels is not None:
+            self.register_buffer("bias_index", torch.tensor(self.bias_channels), persistent=False)
+        bias_shape = (out_fields,) if bias_channels is None else (out_fields, len(self.bias_channels))
+        self.bias = nn.Parameter(torch.zeros(bias_shape)) if bias else None
         self.reset_parameters()
+
+    def _apply(self, fn, recurse: bool = True):
+        super()._apply(fn, recurse)
+        self.basis = fn(self.basis)
+        return self
 
     @property
     def num_basis(self) -> int:
@@ -88,8 +103,12 @@ class SteerableConv2d(nn.Module):
         return flat.reshape(out_f * self.out_size, in_f * self.in_size, k, k)
 
     def expand_bias(self) -> torch.Tensor | None:
-        # a constant per field is invariant for trivial and regular fields
-        return None if self.bias is None else self.bias.repeat_interleave(self.out_size)
+        if self.bias is None:
+            return None
+        if self.bias_channels is None:  # a constant per field is invariant for trivial and regular fields
+            return self.bias.repeat_interleave(self.out_size)
+        full = self.bias.new_zeros(self.out_fields, self.out_size)
+        return full.index_copy(1, self.bias_index, self.bias).flatten()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight, bias = self.expand_filter(), self.expand_bias()

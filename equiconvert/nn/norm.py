@@ -33,7 +33,12 @@ class FieldGroupNorm(nn.Module):
         self.num_fields, self.field_size, self.num_groups, self.eps = num_fields, field_size, num_groups, eps
         self.weight = nn.Parameter(torch.ones(num_fields)) if affine else None
         self.bias = nn.Parameter(torch.zeros(num_fields)) if affine else None
-        self.register_buffer("assignment", field_groups(num_fields, num_groups), persistent=False)
+        self.assignment = field_groups(num_fields, num_groups)  # a constant, not a buffer (see SteerableConv2d)
+
+    def _apply(self, fn, recurse: bool = True):
+        super()._apply(fn, recurse)
+        self.assignment = fn(self.assignment)
+        return self
 
     def _normalize_uneven(self, x: torch.Tensor) -> torch.Tensor:
         fields = x.reshape(x.shape[0], self.num_fields, -1)

@@ -10,7 +10,7 @@ from torch import nn
 
 from ..context import ConversionContext
 from ..fields import FieldType
-from ..registry import head_transparent, MODULE_RULES, register_function_rule, register_module_rule
+from ..registry import head_transparent, register_function_rule, register_module_rule
 
 PASS_THROUGH_MODULES: list[type] = [nn.Identity, nn.Dropout, nn.Dropout2d, nn.AlphaDropout]
 try:  # per-sample stochastic depth keeps whole samples: equivariant in distribution
@@ -95,7 +95,3 @@ def convert_cat(ctx: ConversionContext, node: fx.Node) -> FieldType:
         raise ctx.unsupported(node, "concatenates fields of different representations")
     return types[0].with_fields(sum(t.num_fields for t in types))
 
-
-def pass_through_rule(module_type: type) -> None:
-    """Declare a user module type as field-type preserving (e.g. a custom dropout)."""
-    MODULE_RULES[module_type] = convert_pass_through

@@ -30,23 +30,29 @@ def _escnn_version() -> str:
         return "missing"
 
 
-def basis_key(group: GroupSpec, in_repr: str, out_repr: str, kernel_size: int, dilation: int) -> str:
-    return f"{group.name}_{in_repr}_{out_repr}_k{kernel_size}_d{dilation}"
+def basis_key(
+    group: GroupSpec, in_repr: str, out_repr: str, kernel_size: int, dilation: int, cutoff: float | None = None
+) -> str:
+    suffix = "" if cutoff is None else f"_fco{cutoff:g}"
+    return f"{group.cache_key}_{in_repr}_{out_repr}_k{kernel_size}_d{dilation}{suffix}"
 
 
 def basis_dir() -> Path:
     return cache_root() / "bases" / f"escnn-{_escnn_version()}-{BASIS_FORMAT}"
 
 
-def _build_with_escnn(group: GroupSpec, in_repr: str, out_repr: str, kernel_size: int, dilation: int) -> torch.Tensor:
+def _build_with_escnn(
+    group: GroupSpec, in_repr: str, out_repr: str, kernel_size: int, dilation: int, cutoff: float | None = None
+) -> torch.Tensor:
     import_escnn()
     from escnn import nn as enn
 
     gspace = group.escnn_gspace()
-    representations = {"trivial": gspace.trivial_repr, "regular": gspace.regular_repr}
-    in_type = enn.FieldType(gspace, [representations[in_repr]])
-    out_type = enn.FieldType(gspace, [representations[out_repr]])
-    conv = enn.R2Conv(in_type, out_type, kernel_size, dilation=dilation, bias=False, initialize=False)
+    in_type = enn.FieldType(gspace, [group.escnn_repr(in_repr)])
+    out_type = enn.FieldType(gspace, [group.escnn_repr(out_repr)])
+    # cutoff c keeps angular frequencies up to c*r on the ring of radius r (escnn's default is its own _manual_fco1)
+    options = {} if cutoff is None else {"frequencies_cutoff": lambda r, c=cutoff: c * r}
+    conv = enn.R2Conv(in_type, out_type, kernel_size, dilation=dilation, bias=False, initialize=False, **options)
     dimension = conv.basisexpansion.dimension()
     shape = (out_type.size, in_type.size, kernel_size, kernel_size)
     if dimension == 0:
@@ -70,6 +76,28 @@ def _act_on_filter(filters: torch.Tensor, element, out_size: int, in_size: int) 
 
 
 def symmetrize_on_grid(basis: torch.Tensor, group: GroupSpec, in_repr: str, out_repr: str) -> torch.Tensor:
+    """Project the basis onto filters exactly equivariant to the grid elements (see the two variants)."""
+    if hasattr(group, "grid_matrix"):
+        return _average_with_matrices(basis, group, in_repr, out_repr)
+    return _orbit_means(basis, group, in_repr, out_repr)
+
+
+def _average_with_matrices(basis: torch.Tensor, group, in_repr: str, out_repr: str) -> torch.Tensor:
+    """SO(2)/O(2) fields: average rho_out(g) K(g^-1 x) rho_in(g)^T over the grid elements.
+
+    At multiples of 90 degrees the representation matrices hold only 0 and +-1, so
+    every term is a signed permutation of the filter entries and the average is the
+    exact projection onto the grid-equivariant filters (computed in float64).
+    """
+    total = torch.zeros_like(basis, dtype=torch.float64)
+    for element in group.grid_elements:
+        moved = element.act_on_grid(basis.double())
+        rho_out, rho_in = group.grid_matrix(out_repr, element), group.grid_matrix(in_repr, element)
+        total += torch.einsum("ij,bjkxy,lk->bilxy", rho_out, moved, rho_in)
+    return (total / len(group.grid_elements)).float().contiguous()
+
+
+def _orbit_means(basis: torch.Tensor, group: GroupSpec, in_repr: str, out_repr: str) -> torch.Tensor:
     """Make each basis filter exactly invariant under the elements acting on the pixel grid.
 
     escnn samples bases in float32, leaving ~1e-7 equivariance error. These elements
@@ -101,10 +129,14 @@ def _atomic_save(tensor: torch.Tensor, path: Path) -> None:
 
 
 def steerable_basis(
-    group: GroupSpec, in_repr: str, out_repr: str, kernel_size: int, dilation: int = 1
+    group: GroupSpec, in_repr: str, out_repr: str, kernel_size: int, dilation: int = 1, cutoff: float | None = None
 ) -> torch.Tensor:
-    """Return the (num_basis, out_size, in_size, k, k) basis, from memory, disk or escnn."""
-    key = basis_key(group, in_repr, out_repr, kernel_size, dilation)
+    """Return the (num_basis, out_size, in_size, k, k) basis, from memory, disk or escnn.
+
+    cutoff: None for escnn's default band limit, or c for frequencies up to c*r per
+    ring (the paper's released code uses 3, which is what its parameter counts need).
+    """
+    key = basis_key(group, in_repr, out_repr, kernel_size, dilation, cutoff)
     if key in _memory_cache:
         return _memory_cache[key]
     path = basis_dir() / f"{key}.pt"
@@ -115,7 +147,7 @@ def steerable_basis(
         except Exception:  # a corrupt cache entry is rebuilt, never trusted
             basis = None
     if basis is None:
-        basis = _build_with_escnn(group, in_repr, out_repr, kernel_size, dilation)
+        basis = _build_with_escnn(group, in_repr, out_repr, kernel_size, dilation, cutoff)
         basis = symmetrize_on_grid(basis, group, in_repr, out_repr)
         _atomic_save(basis, path)
     _memory_cache[key] = basis

@@ -25,7 +25,11 @@ class EquivarianceResult:
 
 def act_on_output(element: GridElement, y: torch.Tensor, output_type: FieldType | None) -> torch.Tensor:
     """How `element` transforms an output of type `output_type` (feature map or vector)."""
-    if output_type is not None and not output_type.is_invariant:
+    if output_type is not None and not output_type.is_invariant and hasattr(output_type.group, "grid_matrix"):
+        matrix = output_type.group.grid_matrix(output_type.representation, element).to(y.device, y.dtype)
+        fields = y.unflatten(1, (output_type.num_fields, output_type.field_size))
+        y = torch.einsum("ij,bfj...->bfi...", matrix, fields).flatten(1, 2)
+    elif output_type is not None and not output_type.is_invariant:
         size = output_type.field_size
         inverse = torch.argsort(torch.tensor(element.regular_perm, device=y.device))
         fields = y.reshape(y.shape[0], output_type.num_fields, size, *y.shape[2:])
@@ -61,7 +65,8 @@ def check_equivariance(
     """
     output_type = None
     if isinstance(model, EquivariantModel):
-        group = group or model.group
+        # a restricted model is equivariant to the subgroup its output fields live in
+        group = group or (model.output_type.group if model.output_type is not None else model.group)
         input_size = input_size or model.default_input_size()
         in_channels = in_channels or model.in_channels
         output_type = model.output_type

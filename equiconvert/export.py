@@ -25,7 +25,10 @@ from torch.nn.utils import skip_init
 
 from .convert.model import EquivariantModel
 from .errors import UnsupportedLayerError
-from .nn import FieldGroupNorm, GroupPool, SteerableConv2d
+from .nn import (
+    FieldGroupNorm, FieldRestriction, GatedNonlinearity, GroupPool, GroupStandardization, InvariantMap, NormMaxPool2d,
+    SteerableConv2d,
+)
 
 __all__ = ["EXPORTERS", "ExportContext", "Exporter", "export", "register_exporter"]
 
@@ -317,3 +320,27 @@ def export_group_pool(module: GroupPool, ctx: ExportContext) -> nn.Module:
     else:
         pool = [_POOLS[module.mode][dims](kernel(size))]
     return nn.Sequential(nn.Unflatten(1, (fields, size)), *pool, nn.Flatten(1, 2))
+
+
+class _ChannelSelect(nn.Module):
+    """x.index_select(1, index) with the index as a named buffer; only ever used traced."""
+
+    def __init__(self, index: torch.Tensor) -> None:
+        super().__init__()
+        self.register_buffer("index", index.detach().clone())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.index_select(1, self.index)
+
+
+@register_exporter(FieldRestriction)
+def export_field_restriction(module: FieldRestriction, ctx: ExportContext) -> nn.Module:
+    """A traced channel permutation (index_select): the restriction is a fixed change of basis."""
+    return _trace_torch_only(_ChannelSelect(module.index), "ChannelSelect")
+
+
+@register_exporter(GatedNonlinearity, GroupStandardization, NormMaxPool2d, InvariantMap)
+def export_irrep_field_layer(module: nn.Module, ctx: ExportContext) -> nn.Module:
+    """SO(2)/O(2) field layers: their forward is torch ops on buffers and torch submodules only,
+    so symbolic tracing re-homes it into a GraphModule of torch classes (same ops, same outputs)."""
+    return _trace_torch_only(module, type(module).__name__ + "Ops")

@@ -5,6 +5,7 @@ checks never need escnn at run time; escnn is imported lazily by `escnn_gspace`.
 """
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 from functools import cached_property
@@ -53,6 +54,16 @@ class GroupSpec:
     def order(self) -> int:
         return self.n * (2 if self.kind == "D" else 1)
 
+    hidden_repr = "regular"  # what convs map to: regular fields
+
+    def bias_channels(self, representation: str) -> None:
+        """Regular and trivial fields take one bias per field on all channels."""
+        return None
+
+    @property
+    def cache_key(self) -> str:
+        return self.name
+
     def repr_size(self, representation: str) -> int:
         sizes = {"trivial": 1, "regular": self.order}
         if representation not in sizes:
@@ -96,17 +107,219 @@ class GroupSpec:
             return gspaces.rot2dOnR2(self.n)
         return gspaces.flipRot2dOnR2(self.n)
 
+    def escnn_repr(self, representation: str):
+        """escnn representation object of a representation name (conversion time only)."""
+        gspace = self.escnn_gspace()
+        self.repr_size(representation)  # raises for unknown names
+        return gspace.trivial_repr if representation == "trivial" else gspace.regular_repr
 
-def parse_group(group: "str | GroupSpec") -> GroupSpec:
-    """Parse "C1".."C16" / "D1".."D16"; SO2/O2 will join in a later release."""
-    if isinstance(group, GroupSpec):
+    # --- subgroups and restriction -------------------------------------------
+
+    def subgroup(self, target: "str | GroupSpec") -> "GroupSpec":
+        """The subgroup named by `target`: "halved", "reflection", "invariant" or a group name.
+
+        Subgroups share the rotation axis and the flip axis (axis 0), so each of
+        their elements acts on the pixel grid exactly as its image in this group.
+        """
+        if isinstance(target, str) and target.strip().lower() in RESTRICTIONS:
+            return RESTRICTIONS[target.strip().lower()](self)
+        sub = parse_group(target)
+        if not isinstance(sub, GroupSpec) or self.n % sub.n or (sub.kind == "D" and self.kind == "C"):
+            raise GroupSpecError(f"{sub.name} is not a subgroup of {self.name}")
+        return sub
+
+    def embed(self, sub: "GroupSpec", element: tuple[int, int]) -> tuple[int, int]:
+        """Image in this group of an element (flip, rotation) of the subgroup `sub`."""
+        return element[0], element[1] * (self.n // sub.n)
+
+    def restriction_index(self, sub: "GroupSpec") -> tuple[int, ...]:
+        """Channel order that splits one regular field of this group into |G:H| regular fields of `sub`.
+
+        Regular channels are indexed by group elements, and H acts on them by left
+        multiplication, so each right coset Hc is one H-regular field: position h of
+        that field is channel index(h c). A fixed permutation, the whole change of basis.
+        """
+        taken: set[int] = set()
+        order: list[int] = []
+        for coset in self.elements:
+            if self._index(*coset) in taken:
+                continue
+            field = [self._index(*self._compose(self.embed(sub, h), coset)) for h in sub.elements]
+            taken.update(field)
+            order.extend(field)
+        return tuple(order)
+
+
+def _halved(group: GroupSpec) -> GroupSpec:
+    if group.n % 2:
+        raise GroupSpecError(f"restrict='halved' needs an even number of rotations, {group.name} has {group.n}")
+    return GroupSpec(group.kind, group.n // 2)
+
+
+def _reflection(group: GroupSpec) -> GroupSpec:
+    if group.kind != "D":
+        raise GroupSpecError(f"restrict='reflection' needs a group with reflections; {group.name} has none")
+    return GroupSpec("D", 1)
+
+
+RESTRICTIONS = {
+    "halved": _halved,  # D_N -> D_{N/2}, C_N -> C_{N/2}
+    "reflection": _reflection,  # D_N -> D_1 (the flip alone)
+    "invariant": lambda group: GroupSpec("C", 1),  # -> the trivial group: plain channels
+}
+
+
+def parse_group(group: "str | GroupSpec | ContinuousGroupSpec", frequency: int | None = None):
+    """Parse "C1".."C16" / "D1".."D16", or "SO2" / "O2" with a band limit `frequency` (default 1)."""
+    if isinstance(group, (GroupSpec, ContinuousGroupSpec)):
         return group
+    if isinstance(group, str) and group.strip().upper().replace("(", "").replace(")", "") in CONTINUOUS:
+        frequency = 1 if frequency is None else int(frequency)
+        if frequency < 1:
+            raise GroupSpecError(f"frequency must be at least 1, got {frequency}")
+        return ContinuousGroupSpec(group.strip().upper().replace("(", "").replace(")", ""), frequency)
     if not isinstance(group, str):
         raise GroupSpecError(f"group must be a name 'C1'..'C{MAX_ORDER}' or 'D1'..'D{MAX_ORDER}', got {group!r}")
     match = _NAME.match(group.strip().upper())
     if not match or not 1 <= int(match["n"]) <= MAX_ORDER:
         raise GroupSpecError(
-            f"unknown group {group!r}: use 'C1'..'C{MAX_ORDER}' (rotations) or 'D1'..'D{MAX_ORDER}' "
-            "(rotations and reflections)"
+            f"unknown group {group!r}: use 'C1'..'C{MAX_ORDER}' (rotations), 'D1'..'D{MAX_ORDER}' "
+            "(rotations and reflections), 'SO2' or 'O2'"
         )
     return GroupSpec(match["kind"], int(match["n"]))
+
+
+# --- continuous groups SO(2) and O(2) ----------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class FieldLayout:
+    """Channel layout of one hidden field of SO(2)/O(2), trivial channels first.
+
+    `trivial` channels (the invariant part and one gate per non-trivial component)
+    take ordinary activations; each non-trivial component (irrep) is a block of
+    `components[i]` = (start, size, angular frequency, is_sign) and is multiplied by
+    the sigmoid of its gate channel `gates[i]`.
+    """
+
+    size: int
+    trivial: int
+    components: tuple[tuple[int, int, int, bool], ...]
+    gates: tuple[int, ...]
+
+
+def _layout(kind: str, frequency: int) -> FieldLayout:
+    # SO(2): psi_0 + psi_1..psi_L. O(2): induced from them, Ind(psi_0) = trivial + sign,
+    # Ind(psi_k) = 2 psi_{1,k}: the same representations up to a fixed change of basis.
+    if kind == "SO2":
+        irreps = [(k, False) for k in range(1, frequency + 1)]
+    else:
+        irreps = [(0, True)] + [(k, False) for k in range(1, frequency + 1) for _ in range(2)]
+    trivial = 1 + len(irreps)
+    components, start = [], trivial
+    for k, sign in irreps:
+        size = 1 if sign else 2
+        components.append((start, size, k, sign))
+        start += size
+    return FieldLayout(start, trivial, tuple(components), tuple(range(1, trivial)))
+
+
+@dataclass(frozen=True)
+class ContinuousGroupSpec:
+    """SO(2) or O(2) with hidden fields band-limited at angular `frequency` (gated fields)."""
+
+    kind: str  # "SO2" or "O2"
+    frequency: int = 1
+
+    @property
+    def name(self) -> str:
+        return self.kind
+
+    @property
+    def cache_key(self) -> str:
+        return f"{self.kind}L{self.frequency}"
+
+    @cached_property
+    def layout(self) -> FieldLayout:
+        return _layout(self.kind, self.frequency)
+
+    @property
+    def order(self) -> int:
+        """What the width rules use in place of |G|: the size of one hidden field."""
+        return self.layout.size
+
+    hidden_repr = "field"
+
+    def bias_channels(self, representation: str) -> tuple[int, ...] | None:
+        """Only trivial channels of a field may take a bias (a constant is not a rotating vector)."""
+        return tuple(range(self.layout.trivial)) if representation == "field" else None
+
+    def repr_size(self, representation: str) -> int:
+        sizes = {"trivial": 1, "field": self.layout.size}
+        if representation not in sizes:
+            raise GroupSpecError(f"{self.name} has no representation {representation!r}; known: {sorted(sizes)}")
+        return sizes[representation]
+
+    @cached_property
+    def grid_elements(self) -> tuple[GridElement, ...]:
+        flips = (False, True) if self.kind == "O2" else (False,)
+        return tuple(
+            GridElement(f"rot{90 * q}" + ("+flip" if f else ""), q, f, ()) for f in flips for q in range(4)
+        )
+
+    def field_matrix(self, representation: str, angle: float, flip: bool) -> torch.Tensor:
+        """Matrix of the element rot(angle) * flip^f on one field (escnn's irreps, float64)."""
+        size = self.repr_size(representation)
+        matrix = torch.eye(size, dtype=torch.float64)
+        if representation == "trivial":
+            return matrix
+        mirror = torch.tensor([[1.0, 0.0], [0.0, -1.0]], dtype=torch.float64)
+        for start, block, k, sign in self.layout.components:
+            if sign:
+                matrix[start, start] = -1.0 if flip else 1.0
+                continue
+            c, s = (_snap(math.cos(k * angle)), _snap(math.sin(k * angle)))
+            rot = torch.tensor([[c, -s], [s, c]], dtype=torch.float64)
+            matrix[start : start + 2, start : start + 2] = rot @ mirror if flip else rot
+        return matrix
+
+    def grid_matrix(self, representation: str, element: GridElement) -> torch.Tensor:
+        return self.field_matrix(representation, element.quarter_turns * math.pi / 2, element.flip)
+
+    def escnn_gspace(self):
+        from escnn import gspaces
+
+        bound = max(self.frequency, 1) * 4
+        if self.kind == "SO2":
+            return gspaces.rot2dOnR2(-1, maximum_frequency=bound)
+        return gspaces.flipRot2dOnR2(-1, maximum_frequency=bound)
+
+    def escnn_repr(self, representation: str):
+        """The field as escnn's direct sum of irreps, in our channel order (conversion time only)."""
+        from escnn.group import directsum
+
+        gspace = self.escnn_gspace()
+        group = gspace.fibergroup
+        if representation == "trivial":
+            return gspace.trivial_repr
+        self.repr_size(representation)
+        trivial = group.irrep(0) if self.kind == "SO2" else group.irrep(0, 0)
+        irreps = [trivial] * self.layout.trivial
+        for _, _, k, sign in self.layout.components:
+            irreps.append(group.irrep(k) if self.kind == "SO2" else group.irrep(1, 0 if sign else k))
+        return directsum(irreps, name=f"{self.cache_key}_field")
+
+    def subgroup(self, target) -> GroupSpec:
+        if isinstance(target, str) and target.strip().lower() == "invariant":
+            return GroupSpec("C", 1)
+        raise GroupSpecError(
+            f"{self.name} fields can only be restricted with 'invariant' so far, not {target!r}"
+        )
+
+
+CONTINUOUS = ("SO2", "O2")
+
+
+def _snap(value: float) -> float:
+    """cos/sin of multiples of 90 degrees exactly (0, +-1), so grid actions stay exact."""
+    return float(round(value)) if abs(value - round(value)) < 1e-12 else value

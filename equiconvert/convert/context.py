@@ -26,6 +26,8 @@ class ConversionConfig:
     head: str = "keep"  # "keep" or "invariant"
     invariant_pool: str = "max"  # group pooling before the classifier
     weight_standardization: bool = False
+    basis_cutoff: float | None = None  # band limit c*r per ring; None = escnn's default (3.0 = paper's code)
+    restrict: Any = None  # see convert/restrict.py
     batchnorm_groups: int = 32  # BatchNorm2d becomes a field-aligned GroupNorm with this many groups
     strict: bool = False
     leaf_modules: tuple[type, ...] = ()
@@ -45,6 +47,8 @@ class ConversionContext:
         self._counter = 0
         self.field_multiples: dict[int, int] = {}  # channel count -> multiple its field count must be
         self.spatial_flatten = False  # set by a head that flattens a grid
+        self.restrictions: dict[str, Any] = {}  # tensor node name -> restriction step applied after it
+        self.width_groups: dict[int, GroupSpec] = {}  # channel count -> group that sizes its fields
 
     # --- reading the graph -------------------------------------------------
     def type_of(self, arg: Any) -> FieldType | None:
@@ -79,9 +83,13 @@ class ConversionContext:
         frames = [f for f in re.findall(r'File "([^"]+)", line (\d+)', trace) if not _is_torch_internal(f[0])]
         return f"{frames[-1][0]}:{frames[-1][1]}" if frames else ""
 
-    def fields_for(self, channels: int) -> int:
-        """Fields for a layer of `channels` channels: the width policy, rounded up to what grouped convs need."""
-        fields = int(self.width_fn(channels, self.group))
+    def fields_for(self, channels: int, group: GroupSpec | None = None) -> int:
+        """Fields for a layer of `channels` channels: the width policy, rounded up to what grouped convs need.
+
+        The group that sizes a width is the one its last layer runs in (see restrict.width_groups).
+        """
+        group = self.width_groups.get(channels, group or self.group)
+        fields = int(self.width_fn(channels, group))
         if fields < 1:
             raise ValueError(f"width policy returned {fields} fields for {channels} channels; need >= 1")
         multiple = self.field_multiples.get(channels, 1)
@@ -98,17 +106,37 @@ class ConversionContext:
     def record(self, node: fx.Node, before: str, after: str) -> None:
         self.report.layers.append(LayerChange(node.name, self.module_path(node), before, after))
 
-    def insert_before(self, node: fx.Node, arg: fx.Node, module: nn.Module, name: str, out: FieldType) -> fx.Node:
-        """Apply `module` to `arg` just before `node` and make `node` use the result."""
+    def _insert(self, where, arg: fx.Node, module: nn.Module, name: str, out: FieldType) -> fx.Node:
         self._counter += 1
         target = f"equiconvert_{name}_{self._counter}"
         self.gm.add_submodule(target, module)
-        with self.gm.graph.inserting_before(node):
+        with where:
             new = self.gm.graph.call_module(target, (arg,))
         new.meta[TYPE_KEY] = out
-        node.replace_input_with(arg, new)
         self.report.layers.append(LayerChange(new.name, target, "(inserted)", _describe(module)))
         return new
+
+    def insert_before(self, node: fx.Node, arg: fx.Node, module: nn.Module, name: str, out: FieldType) -> fx.Node:
+        """Apply `module` to `arg` just before `node` and make `node` use the result."""
+        new = self._insert(self.gm.graph.inserting_before(node), arg, module, name, out)
+        node.replace_input_with(arg, new)
+        return new
+
+    def insert_after(self, node: fx.Node, module: nn.Module, name: str, out: FieldType) -> fx.Node:
+        """Apply `module` to `node`'s output and make every other user of `node` use the result."""
+        new = self._insert(self.gm.graph.inserting_after(node), node, module, name, out)
+        new.meta[SHAPE_KEY] = node.meta.get(SHAPE_KEY)  # a change of basis keeps the shape
+        node.replace_all_uses_with(new, delete_user_cb=lambda user: user is not new)
+        return new
+
+    def call_module_instead(self, node: fx.Node, module: nn.Module, name: str) -> None:
+        """Turn a call_function/call_method node on one tensor into a call of `module`."""
+        self._counter += 1
+        target = f"equiconvert_{name}_{self._counter}"
+        self.gm.add_submodule(target, module)
+        before = getattr(node.target, "__name__", str(node.target))
+        node.op, node.target, node.args, node.kwargs = "call_module", target, (node.args[0],), {}
+        self.record(node, before, _describe(module))
 
     def set_spatial(self, node: fx.Node, op: SpatialOp) -> None:
         node.meta[SPATIAL_KEY] = op

@@ -19,6 +19,7 @@ from .model import EquivariantModel
 from .registry import find_rule
 from .rules.conv import grouped_conv_multiples
 from .report import ConversionReport
+from .restrict import apply_restriction, plan, width_groups
 from .trace import propagate_shapes, trace
 from .width import WidthSpec, multiplier_width, resolve_width
 
@@ -96,6 +97,8 @@ def _rewrite(gm: fx.GraphModule, ctx: ConversionContext, in_channels: int) -> Fi
             if rule is None:
                 raise ctx.unsupported(node, "no conversion rule is registered for it")
             node.meta[TYPE_KEY] = rule(ctx, node)
+        if node.name in ctx.restrictions:
+            apply_restriction(ctx, node, ctx.restrictions[node.name])
     gm.graph.lint()
     gm.recompile()
     return output_type
@@ -116,6 +119,9 @@ def _convert_once(
     report = ConversionReport(group=group.name, width=width_name)
     ctx = ConversionContext(gm, group, width_fn, config, report)
     ctx.field_multiples = grouped_conv_multiples(gm)
+    points = plan(gm, config.restrict, group.name)
+    ctx.restrictions = {p.node: p.target for p in points}
+    ctx.width_groups = width_groups(gm, points, group)
     with torch.device(device) if device else contextlib.nullcontext():
         output_type = _rewrite(gm, ctx, in_channels)
     report.invariant_output = bool(output_type is not None and output_type.is_invariant and not ctx.spatial_flatten)
@@ -152,8 +158,14 @@ def make_equivariant(
     config: dict | ConversionConfig | None = None,
     strict: bool = False,
     head: str | None = None,
+    restrict=None,
+    frequency: int | None = None,
 ) -> EquivariantModel:
-    """Convert a CNN into a steerable CNN equivariant to `group` ("C1".."C16", "D1".."D16").
+    """Convert a CNN into a steerable CNN equivariant to `group` ("C1".."C16", "D1".."D16", "SO2", "O2").
+
+    For "SO2"/"O2", hidden fields are gated irrep fields band-limited at angular
+    `frequency` (default 1; see groups.FieldLayout) and the width rules use the
+    field size in place of |G|.
 
     width: None/"kappa" (fields = floor(C*sqrt(1.75|G|)/|G|)), a float kappa, "params"
     (match the original parameter count), "channels" (keep the channel count), or a
@@ -161,9 +173,14 @@ def make_equivariant(
     report says whether it keeps exact equivariance. config: ConversionConfig fields
     (head, invariant_pool, weight_standardization, batchnorm_groups, leaf_modules).
     strict: turn every equivariance warning into an error. head: "keep" or "invariant".
+    restrict: restrict the fields to a subgroup: "halved", "reflection", "invariant", a group
+    name, a schedule "D8->D4->D1" (before the last stages) or {module name: step}; see
+    convert/restrict.py. The model is then exactly equivariant to the last subgroup.
     """
-    spec = parse_group(group)
+    spec = parse_group(group, frequency)
     cfg = _make_config(config, strict, head)
+    if restrict is not None:
+        cfg.restrict = restrict
     template, in_channels = _prepare(copy.deepcopy(model), input_size, cfg.leaf_modules)
     width_fn = resolve_width(width)
     if width_fn == "params":

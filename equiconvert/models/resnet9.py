@@ -22,20 +22,25 @@ from torch import nn
 __all__ = ["ResNet9", "resnet9", "make_norm", "NORMS"]
 
 NORMS: tuple[str, ...] = ("group", "batch", "instance", "none")
+HEAD_POOLS = {"max": nn.AdaptiveMaxPool2d, "avg": nn.AdaptiveAvgPool2d}
 
 
-def make_norm(norm: str, channels: int) -> nn.Module:
+BLOCK_ORDERS: tuple[str, ...] = ("conv-norm-act", "conv-act-norm")
+
+
+def make_norm(norm: str, channels: int, affine: bool = True, groups: int | None = None) -> nn.Module:
     """Build the normalisation layer for ``channels`` channels.
 
     GroupNorm is the default because BatchNorm mixes samples and is therefore
-    incompatible with per-sample gradient clipping in DP-SGD.
+    incompatible with per-sample gradient clipping in DP-SGD. ``groups`` defaults
+    to ``min(32, channels)``.
     """
     if norm == "group":
-        return nn.GroupNorm(num_groups=min(32, channels), num_channels=channels)
+        return nn.GroupNorm(num_groups=min(groups or 32, channels), num_channels=channels, affine=affine)
     if norm == "batch":
-        return nn.BatchNorm2d(channels)
+        return nn.BatchNorm2d(channels, affine=affine)
     if norm == "instance":
-        return nn.InstanceNorm2d(channels, affine=True)
+        return nn.InstanceNorm2d(channels, affine=affine)
     if norm == "none":
         return nn.Identity()
     raise ValueError(f"unknown norm {norm!r}; allowed values are {', '.join(map(repr, NORMS))}")
@@ -47,20 +52,39 @@ def conv_block(
     norm: str,
     act: type[nn.Module],
     pool: bool = False,
+    options: "BlockOptions | None" = None,
 ) -> nn.Sequential:
-    """conv3x3 -> norm -> act (-> maxpool 2).
+    """conv3x3 -> norm -> act (-> maxpool 2), or conv -> act -> norm with ``block_order="conv-act-norm"``.
 
-    The conv has no bias because the following (affine) norm layer makes it
+    By default the conv has no bias because the following (affine) norm layer makes it
     redundant; this is what gives the paper's exact parameter count.
     """
-    layers: list[nn.Module] = [
-        nn.Conv2d(in_channels, out_channels, kernel_size=3, padding=1, bias=False),
-        make_norm(norm, out_channels),
-        act(),
-    ]
+    options = options or BlockOptions()
+    conv = nn.Conv2d(in_channels, out_channels, kernel_size=3, padding=1, bias=options.conv_bias)
+    norm_layer = make_norm(norm, out_channels, options.norm_affine, options.norm_groups)
+    if options.block_order == "conv-act-norm":  # Hölzl et al.: the norm sees activated features
+        layers: list[nn.Module] = [conv, act(), norm_layer]
+    else:
+        layers = [conv, norm_layer, act()]
     if pool:
         layers.append(nn.MaxPool2d(2))
     return nn.Sequential(*layers)
+
+
+class BlockOptions:
+    """Per-block choices beyond Klause et al.'s defaults (used by the equivariant preset)."""
+
+    def __init__(
+        self,
+        block_order: str = "conv-norm-act",
+        conv_bias: bool = False,
+        norm_affine: bool = True,
+        norm_groups: int | None = None,
+    ) -> None:
+        if block_order not in BLOCK_ORDERS:
+            raise ValueError(f"unknown block_order {block_order!r}; allowed values are {', '.join(map(repr, BLOCK_ORDERS))}")
+        self.block_order, self.conv_bias = block_order, conv_bias
+        self.norm_affine, self.norm_groups = norm_affine, norm_groups
 
 
 class Residual(nn.Module):
@@ -77,14 +101,18 @@ class Residual(nn.Module):
         norm: str,
         act: type[nn.Module],
         scale_norm: bool,
+        options: BlockOptions | None = None,
     ) -> None:
         super().__init__()
+        options = options or BlockOptions()
         self.body = nn.Sequential(
-            conv_block(channels, channels, norm, act),
-            conv_block(channels, channels, norm, act),
+            conv_block(channels, channels, norm, act, options=options),
+            conv_block(channels, channels, norm, act, options=options),
         )
         # Identity keeps the module structure (and forward) unconditional.
-        self.scale_norm: nn.Module = make_norm(norm, channels) if scale_norm else nn.Identity()
+        self.scale_norm: nn.Module = (
+            make_norm(norm, channels, options.norm_affine, options.norm_groups) if scale_norm else nn.Identity()
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.scale_norm(x + self.body(x))
@@ -104,6 +132,8 @@ class ResNet9(nn.Module):
         norm: str = "group",
         scale_norm: bool = True,
         act: type[nn.Module] = nn.Mish,
+        options: BlockOptions | None = None,
+        head_pool: str = "max",
     ) -> None:
         super().__init__()
         if norm not in NORMS:
@@ -112,17 +142,19 @@ class ResNet9(nn.Module):
             )
         if len(widths) != 3:
             raise ValueError(f"widths must have 3 entries, got {tuple(widths)!r}")
+        if head_pool not in HEAD_POOLS:
+            raise ValueError(f"unknown head_pool {head_pool!r}; allowed values are {', '.join(map(repr, HEAD_POOLS))}")
         w0, w1, w2 = (int(w) for w in widths)
-        self.stem = conv_block(in_channels, w0, norm, act)
-        self.layer1 = conv_block(w0, w1, norm, act, pool=True)
-        self.res1 = Residual(w1, norm, act, scale_norm)
-        self.layer2 = conv_block(w1, w2, norm, act, pool=True)
-        self.layer3 = conv_block(w2, w2, norm, act, pool=True)
-        self.res2 = Residual(w2, norm, act, scale_norm)
+        self.stem = conv_block(in_channels, w0, norm, act, options=options)
+        self.layer1 = conv_block(w0, w1, norm, act, pool=True, options=options)
+        self.res1 = Residual(w1, norm, act, scale_norm, options)
+        self.layer2 = conv_block(w1, w2, norm, act, pool=True, options=options)
+        self.layer3 = conv_block(w2, w2, norm, act, pool=True, options=options)
+        self.res2 = Residual(w2, norm, act, scale_norm, options)
         # Adaptive pooling to 2x2 makes the head independent of input size
         # (e.g. 32x32 CIFAR and 28x28 MNIST).
         self.head = nn.Sequential(
-            nn.AdaptiveMaxPool2d(2),
+            HEAD_POOLS[head_pool](2),
             nn.Flatten(),
             nn.Linear(w2 * 2 * 2, num_classes),
         )

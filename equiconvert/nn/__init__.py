@@ -1,6 +1,11 @@
 """Plain-tensor equivariant modules: what a converted model is made of (no escnn objects)."""
 from .conv import SteerableConv2d
+from .irrep_fields import GatedNonlinearity, GroupStandardization, InvariantMap, NormMaxPool2d
 from .norm import FieldGroupNorm
 from .pooling import GroupPool
+from .restriction import FieldRestriction
 
-__all__ = ["SteerableConv2d", "FieldGroupNorm", "GroupPool"]
+__all__ = [
+    "SteerableConv2d", "FieldGroupNorm", "GroupPool", "FieldRestriction",
+    "GatedNonlinearity", "GroupStandardization", "InvariantMap", "NormMaxPool2d",
+]

@@ -33,10 +33,10 @@ def _padding(ctx: ConversionContext, node: fx.Node, conv: nn.Conv2d, kernel: int
 def _output_fields(ctx: ConversionContext, node: fx.Node, conv: nn.Conv2d, t_in: FieldType) -> tuple[int, int]:
     """(output fields, groups) of the steerable conv."""
     if conv.groups == 1:
-        return ctx.fields_for(conv.out_channels), 1
+        return ctx.fields_for(conv.out_channels, t_in.group), 1
     if conv.groups == conv.in_channels:  # depthwise per channel -> depthwise per field
         return t_in.num_fields * (conv.out_channels // conv.in_channels), t_in.num_fields
-    out_fields = ctx.fields_for(conv.out_channels)
+    out_fields = ctx.fields_for(conv.out_channels, t_in.group)
     if t_in.num_fields % conv.groups or out_fields % conv.groups:  # width policy ignored the constraint
         raise ctx.unsupported(
             node,
@@ -65,8 +65,8 @@ def convert_conv2d(ctx: ConversionContext, node: fx.Node) -> FieldType:
     if is_classifier_conv(ctx, node) and conv.groups == 1:
         out_repr, (out_fields, groups) = "trivial", (conv.out_channels, 1)
     else:
-        out_repr, (out_fields, groups) = "regular", _output_fields(ctx, node, conv, t_in)
-    basis = steerable_basis(ctx.group, t_in.representation, out_repr, kernel, dilation)
+        out_repr, (out_fields, groups) = t_in.group.hidden_repr, _output_fields(ctx, node, conv, t_in)
+    basis = steerable_basis(t_in.group, t_in.representation, out_repr, kernel, dilation, ctx.config.basis_cutoff)
     new = SteerableConv2d(
         basis,
         t_in.num_fields,
@@ -78,10 +78,11 @@ def convert_conv2d(ctx: ConversionContext, node: fx.Node) -> FieldType:
         bias=conv.bias is not None,
         padding_mode=conv.padding_mode,
         weight_standardization=ctx.config.weight_standardization,
+        bias_channels=t_in.group.bias_channels(out_repr),
     )
     ctx.replace_module(node, new)
     ctx.set_spatial(node, WindowOp(kernel, stride, grid_padding, dilation))
-    return FieldType(ctx.group, out_repr, out_fields)
+    return FieldType(t_in.group, out_repr, out_fields)
 
 
 def grouped_conv_multiples(gm) -> dict[int, int]:

@@ -11,8 +11,8 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from ...nn import GroupPool
-from ..context import ConversionContext
+from ...nn import GroupPool, InvariantMap
+from ..context import TYPE_KEY, ConversionContext
 from ..fields import FieldType
 from ..grid import AdaptiveOp
 from ..registry import head_transparent, register_function_rule, register_module_rule
@@ -51,9 +51,31 @@ def to_vector(ctx: ConversionContext, node: fx.Node, x: fx.Node) -> FieldType:
         "(pass head='invariant' to pool globally instead)",
     )
     if not t.is_invariant:
-        pooled = FieldType(ctx.group, "trivial", t.num_fields)
-        ctx.insert_before(node, x, GroupPool(t.num_fields, t.field_size, ctx.config.invariant_pool), "group_pool", pooled)
-    return FieldType(ctx.group, "trivial", t.num_fields * cells, spatial=False)
+        if x.op == "call_module" and type(ctx.module(x)) in ADAPTIVE_POOLS and len(x.users) == 1:
+            # pool over the group first, then over space (Hölzl et al.'s order; the same for max then max)
+            x.meta[TYPE_KEY] = insert_invariant_map(ctx, x, x.args[0], t)
+        else:
+            insert_invariant_map(ctx, node, x, t)
+    return FieldType(t.group, "trivial", t.num_fields * cells, spatial=False)
+
+
+# representation -> (field type, config) -> module mapping each field to one invariant channel
+INVARIANT_MAPS = {
+    "regular": lambda t, config: GroupPool(t.num_fields, t.field_size, config.invariant_pool),
+    # irrep fields: the norm of the whole field (Frobenius over its components); a max over them is not invariant
+    "field": lambda t, config: InvariantMap(t.num_fields, t.field_size),
+}
+
+
+def insert_invariant_map(ctx: ConversionContext, node: fx.Node, x: fx.Node, t: FieldType) -> FieldType:
+    """Map `x`'s fields to invariant channels just before `node`; returns the new type."""
+    if t.is_invariant:
+        return t
+    if t.representation not in INVARIANT_MAPS:
+        raise ctx.unsupported(node, f"no invariant map is defined for {t.representation} fields")
+    pooled = FieldType(t.group, "trivial", t.num_fields, t.spatial)
+    ctx.insert_before(node, x, INVARIANT_MAPS[t.representation](t, ctx.config), "group_pool", pooled)
+    return pooled
 
 
 @register_module_rule(nn.Flatten)
@@ -124,10 +146,7 @@ def convert_linear(ctx: ConversionContext, node: fx.Node) -> FieldType:
     if t.spatial:
         raise ctx.unsupported(node, "applies a Linear layer to a feature map (channels-last layout)",
                               "Options: use a 1x1 Conv2d, or flatten/pool before the Linear layer.")
-    if not t.is_invariant:
-        pool = GroupPool(t.num_fields, t.field_size, ctx.config.invariant_pool)
-        t = FieldType(ctx.group, "trivial", t.num_fields, spatial=False)
-        ctx.insert_before(node, node.args[0], pool, "group_pool", t)
+    t = insert_invariant_map(ctx, node, node.args[0], t)
     if t.channels != linear.in_features:
         ctx.replace_module(node, nn.Linear(t.channels, linear.out_features, bias=linear.bias is not None))
-    return FieldType(ctx.group, "trivial", linear.out_features, spatial=False)
+    return FieldType(t.group, "trivial", linear.out_features, spatial=False)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch.fx as fx
 from torch import nn
 
-from ...nn import FieldGroupNorm
+from ...nn import FieldGroupNorm, GroupStandardization
 from ..context import ConversionContext
 from ..fields import FieldType
 from ..registry import register_module_rule
@@ -17,12 +17,22 @@ def _check_channels(ctx: ConversionContext, node: fx.Node, channels: int) -> Fie
     return t_in
 
 
+def _field_norm(t: FieldType, groups: int, affine: bool, eps: float) -> nn.Module:
+    """The per-sample norm over whole fields; irrep fields need group standardization (no mean on irreps)."""
+    if t.representation in GROUP_STANDARDIZED:
+        return GroupStandardization(t.num_fields, t.group.layout, groups, affine, eps)
+    return FieldGroupNorm(t.num_fields, t.field_size, groups, affine, eps)
+
+
+GROUP_STANDARDIZED = ("field",)
+
+
 @register_module_rule(nn.BatchNorm2d, nn.SyncBatchNorm)
 def convert_batchnorm(ctx: ConversionContext, node: fx.Node) -> FieldType:
     bn = ctx.module(node)
     t_in = _check_channels(ctx, node, bn.num_features)
     groups = min(t_in.num_fields, ctx.config.batchnorm_groups)
-    ctx.replace_module(node, FieldGroupNorm(t_in.num_fields, t_in.field_size, groups, bn.affine, bn.eps))
+    ctx.replace_module(node, _field_norm(t_in, groups, bn.affine, bn.eps))
     return t_in
 
 
@@ -31,7 +41,7 @@ def convert_groupnorm(ctx: ConversionContext, node: fx.Node) -> FieldType:
     gn: nn.GroupNorm = ctx.module(node)
     t_in = _check_channels(ctx, node, gn.num_channels)
     groups = min(t_in.num_fields, gn.num_groups)
-    ctx.replace_module(node, FieldGroupNorm(t_in.num_fields, t_in.field_size, groups, gn.affine, gn.eps))
+    ctx.replace_module(node, _field_norm(t_in, groups, gn.affine, gn.eps))
     return t_in
 
 
@@ -39,6 +49,6 @@ def convert_groupnorm(ctx: ConversionContext, node: fx.Node) -> FieldType:
 def convert_instancenorm(ctx: ConversionContext, node: fx.Node) -> FieldType:
     norm: nn.InstanceNorm2d = ctx.module(node)
     t_in = _check_channels(ctx, node, norm.num_features)
-    new = FieldGroupNorm(t_in.num_fields, t_in.field_size, t_in.num_fields, norm.affine, norm.eps)
+    new = _field_norm(t_in, t_in.num_fields, norm.affine, norm.eps)
     ctx.replace_module(node, new)
     return t_in

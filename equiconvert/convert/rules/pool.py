@@ -10,6 +10,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
 
+from ...nn import NormMaxPool2d
 from ..context import ConversionContext
 from ..fields import FieldType
 from ..grid import AdaptiveOp, WindowOp
@@ -37,6 +38,13 @@ def convert_window_pool(ctx: ConversionContext, node: fx.Node) -> FieldType:
     stride = _single(ctx, node, "stride", pool.stride if pool.stride is not None else kernel)
     padding = _single(ctx, node, "padding", pool.padding)
     dilation = _single(ctx, node, "dilation", getattr(pool, "dilation", 1))
+    if isinstance(pool, nn.MaxPool2d) and t_in.representation in NORM_POOLED:
+        ceil = pool.ceil_mode
+        if _is_ceil_downsample(pool, kernel, stride, padding):  # same rewrite as below: symmetric at odd sizes
+            kernel, padding, ceil = 3, 1, False
+        ctx.replace_module(node, NormMaxPool2d(t_in.num_fields, t_in.group.layout, kernel, stride, padding, dilation, ceil))
+        ctx.set_spatial(node, WindowOp(kernel, stride, padding, dilation, ceil))
+        return t_in
     if _is_ceil_downsample(pool, kernel, stride, padding):
         if isinstance(pool, nn.AvgPool2d):
             new = nn.AvgPool2d(3, 2, 1, ceil_mode=False, count_include_pad=False)
@@ -50,12 +58,19 @@ def convert_window_pool(ctx: ConversionContext, node: fx.Node) -> FieldType:
     return t_in
 
 
+NORM_POOLED = ("field",)  # representations whose max pooling must compare invariant norms
+
+
 @register_module_rule(nn.AdaptiveAvgPool2d, nn.AdaptiveMaxPool2d)
 @head_transparent
 def convert_adaptive_pool(ctx: ConversionContext, node: fx.Node) -> FieldType:
     t_in = ctx.field_input(node)
     size = ctx.module(node).output_size
     ctx.set_spatial(node, AdaptiveOp(_single(ctx, node, "output_size", size)))
+    if isinstance(ctx.module(node), nn.AdaptiveMaxPool2d) and t_in.representation in NORM_POOLED:
+        from .head import insert_invariant_map  # a max over space of rotating vectors: take invariants first
+
+        return insert_invariant_map(ctx, node, node.args[0], t_in)
     return t_in
 
 
@@ -82,6 +97,9 @@ def convert_functional_window_pool(ctx: ConversionContext, node: fx.Node) -> Fie
     padding = _single(ctx, node, "padding", _arg(node, 3, "padding", 0))
     ceil_mode = bool(_arg(node, 4 if node.target is F.avg_pool2d else 5, "ceil_mode", False))
     dilation = 1 if node.target is F.avg_pool2d else _single(ctx, node, "dilation", _arg(node, 4, "dilation", 1))
+    if node.target is F.max_pool2d and t_in.representation in NORM_POOLED:
+        raise ctx.unsupported(node, f"functional max pooling of {t_in.representation} fields needs norm max pooling",
+                              "Options: use nn.MaxPool2d, which equiconvert replaces by NormMaxPool2d.")
     if kernel == 2 and stride == 2 and padding == 0 and ceil_mode:
         raise ctx.unsupported(node, "a functional 2x2 ceil-mode pool cannot be made symmetric in place",
                               "Options: use nn.AvgPool2d/nn.MaxPool2d modules, which equiconvert rewrites.")

@@ -1,0 +1,47 @@
+"""The paper's Equivariant-ResNet9 preset: Table 1 parameter counts and the paper's choices."""
+import pytest
+import torch
+
+import equiconvert
+from equiconvert.models import equivariant_resnet9
+from equiconvert.models.equivariant_resnet9 import TABLE1_PARAMS
+from equiconvert.nn import FieldGroupNorm, FieldRestriction, SteerableConv2d
+
+FINITE = ["C4", "C8", "C16", "D4", "D8", "D16"]
+
+
+@pytest.mark.parametrize("group", FINITE)
+def test_parameter_counts_match_table1(group):
+    model = equivariant_resnet9(group, num_classes=10)
+    count = sum(p.numel() for p in model.parameters())
+    print(f"{group}: {count:,} parameters (Table 1: {TABLE1_PARAMS[group]:,})")
+    assert abs(count - TABLE1_PARAMS[group]) <= 0.01 * TABLE1_PARAMS[group]
+    assert count == TABLE1_PARAMS[group]  # exact with kappa 1.5 and the 3r band limit
+
+
+def test_paper_choices_are_in_the_converted_model():
+    model = equivariant_resnet9("D4")
+    convs = [m for m in model.modules() if isinstance(m, SteerableConv2d)]
+    assert all(c.weight_standardization and c.bias is not None for c in convs)
+    norms = [m for m in model.modules() if isinstance(m, FieldGroupNorm)]
+    assert norms and all(n.weight is None and n.num_groups == min(8, n.num_fields) for n in norms)
+    restrictions = [m for m in model.modules() if isinstance(m, FieldRestriction)]
+    assert len(restrictions) == 1 and restrictions[0].field_size == 8
+    assert [c.out_fields for c in convs[:2]] == [6, 13] and convs[-1].out_fields == 39  # floor(C sqrt(1.5|G|)/|G|)
+    head_pool = next(n for n in model.network.graph.nodes if n.target == "head.0")  # AdaptiveAvgPool2d(2)
+    assert str(head_pool.args[0].target).startswith("equiconvert_group_pool")  # group pooling first, as the paper
+    assert model.output_type.group.name == "D2"
+    x = torch.randn(2, 3, 32, 32)
+    assert model(x).shape == (2, 10)
+
+
+@pytest.mark.parametrize("group", ["C4", "D4", "D8"])
+def test_invariant_head_variant_is_invariant_to_the_restricted_group(group):
+    model = equivariant_resnet9(group, head="invariant").eval()
+    result = equiconvert.check_equivariance(model)
+    assert result.max_error < 1e-5, result.errors
+
+
+def test_paper_head_is_reported_not_invariant():
+    model = equivariant_resnet9("D4")
+    assert not model.report.invariant_output

@@ -27,7 +27,7 @@ Results go to a JSON file (header + one record per (model, group)); a compact
 Markdown table is printed to stdout, progress to stderr.
 
     PYTHONPATH=. .venv/bin/python benchmarks/conversion.py            # full run
-    PYTHONPATH=. .venv/bin/python benchmarks/conversion.py --quick    # resnet18 + resnet9, D4
+    PYTHONPATH=. .venv/bin/python benchmarks/conversion.py --quick    # resnet18 + resnet9, D4 and O2
 """
 from __future__ import annotations
 
@@ -132,8 +132,10 @@ def _worker(args: argparse.Namespace) -> int:
         record["build_s"], _, model = _timed(lambda: _build_model(args.model))
         record["params_before"] = sum(p.numel() for p in model.parameters())
 
+        group, _, frequency = args.group.partition("@")  # "O2@2": O(2) fields band-limited at frequency 2
+
         def convert(width=None):
-            return make_equivariant(model, args.group, width=width, **kwargs)
+            return make_equivariant(model, group, width=width, frequency=int(frequency) if frequency else None, **kwargs)
 
         # escnn import is separated out so cold_s is the basis building + conversion itself
         record["escnn_import_s"], _, _ = _timed(import_escnn)
@@ -368,9 +370,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"JSON result file (default {DEFAULT_OUT.relative_to(REPO)})")
-    parser.add_argument("--groups", default=None, help="comma list of groups (default D4,C4; --quick: D4)")
+    parser.add_argument("--groups", default=None,
+                        help="comma list of groups, NAME@FREQUENCY for SO2/O2 band limits "
+                             "(default D4,C4,O2,SO2; --quick: D4,O2)")
     parser.add_argument("--models", default=None, help=f"comma list of {', '.join(MODELS)} (default: all)")
-    parser.add_argument("--quick", action="store_true", help=f"small subset: {', '.join(QUICK_MODELS)} on D4")
+    parser.add_argument("--quick", action="store_true", help=f"small subset: {', '.join(QUICK_MODELS)} on D4 and O2")
     parser.add_argument("--repeats", type=int, default=3, help="warm repetitions, median reported (default 3)")
     parser.add_argument("--widths", default=",".join(WIDTHS), help="comma list of width policies to measure")
     parser.add_argument("--timeout", type=float, default=1800, help="seconds per (model, group) worker")
@@ -393,7 +397,7 @@ def main(argv: list[str] | None = None) -> int:
         sys.path.insert(0, str(REPO))
 
     models = _resolve_models(args.models, args.quick)
-    groups = [g.strip().upper() for g in (args.groups or ("D4" if args.quick else "D4,C4")).split(",") if g.strip()]
+    groups = [g.strip().upper() for g in (args.groups or ("D4,O2" if args.quick else "D4,C4,O2,SO2")).split(",") if g.strip()]
     timm_missing = _version("timm") is None
     package = REPO / "equiconvert"
     live_hash_start = _source_hash(package)

@@ -96,6 +96,10 @@ def test_even_group_norm_equals_torch_group_norm():
     assert torch.allclose(norm(x), expected, atol=1e-5)
 
 
+def test_uneven_group_norm_handles_an_empty_batch():
+    assert FieldGroupNorm(5, 4, 2)(torch.randn(0, 20, 3, 3)).shape == (0, 20, 3, 3)
+
+
 def test_uneven_group_norm_matches_manual_statistics():
     norm = FieldGroupNorm(num_fields=5, field_size=4, num_groups=2, affine=False)
     x = torch.randn(3, 20, 4, 4)

@@ -61,15 +61,21 @@ class SteerableConv2d(nn.Module):
         # invariant). Irrep fields: a constant is invariant only on trivial channels, so
         # `bias_channels` lists them and each gets its own bias, shape (out_fields, len).
         self.bias_channels = None if bias_channels is None else tuple(bias_channels)
+        self.bias_index = None
         if bias_channels is not None:
-            self.register_buffer("bias_index", torch.tensor(self.bias_channels), persistent=False)
+            self.bias_index = torch.tensor(self.bias_channels)  # not a buffer either (see basis)
         bias_shape = (out_fields,) if bias_channels is None else (out_fields, len(self.bias_channels))
         self.bias = nn.Parameter(torch.zeros(bias_shape)) if bias else None
         self.reset_parameters()
 
     def _apply(self, fn, recurse: bool = True):
         super()._apply(fn, recurse)
-        self.basis = fn(self.basis)
+        for name in ("basis", "bias_index"):
+            value = getattr(self, name)
+            moved = None if value is None else fn(value)
+            # torch.func / Opacus functorch run a meta copy with only the parameters swapped back in
+            if moved is not None and not moved.is_meta:
+                setattr(self, name, moved)
         return self
 
     @property

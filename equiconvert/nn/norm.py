@@ -1,6 +1,8 @@
 """Per-sample normalisation over whole fields: no batch statistics, equivariant."""
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -37,11 +39,13 @@ class FieldGroupNorm(nn.Module):
 
     def _apply(self, fn, recurse: bool = True):
         super()._apply(fn, recurse)
-        self.assignment = fn(self.assignment)
+        assignment = fn(self.assignment)
+        if not assignment.is_meta:  # see SteerableConv2d._apply
+            self.assignment = assignment
         return self
 
     def _normalize_uneven(self, x: torch.Tensor) -> torch.Tensor:
-        fields = x.reshape(x.shape[0], self.num_fields, -1)
+        fields = x.reshape(x.shape[0], self.num_fields, math.prod(x.shape[1:]) // self.num_fields)  # 0 samples too
         per_group = self.assignment.sum(0) * fields.shape[-1]
         mean = (fields.sum(-1) @ self.assignment / per_group) @ self.assignment.T
         centred = fields - mean.unsqueeze(-1)

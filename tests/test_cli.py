@@ -82,7 +82,7 @@ def test_convert_text_summary_reports_invalid_size(capsys):
     out = capsys.readouterr().out
     assert "input size 224: NOT valid" in out
     assert "11,181,642 ->" in out
-    assert "H = W = 97 + 32k" in out
+    assert "H = W = 1 mod 32, from 33 on" in out
     assert "equivariance not checked" in out
 
 

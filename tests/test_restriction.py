@@ -112,3 +112,21 @@ def test_per_sample_gradients_through_restriction_match_naive_loop():
     model = equiconvert.make_equivariant(resnet9(widths=(8, 16, 32)), "D4", head="invariant", restrict="halved",
                                          input_size=32).eval()
     assert_per_sample_gradients_match_loop(model, torch.randn(3, 3, 32, 32), torch.tensor([1, 4, 7]))
+
+
+def test_default_placement_restricts_bottleneck_and_resnet_d_blocks_at_their_input():
+    import timm
+
+    for model, size in ((timm.create_model("resnet50d", num_classes=10), 65),
+                        (torchvision.models.resnet50(num_classes=10), 33)):
+        converted = equiconvert.make_equivariant(model, "C4", restrict="halved", head="invariant", input_size=size)
+        point = next(n for n in converted.network.graph.nodes if "restrict" in n.name)
+        assert {str(u.target) for u in point.users} >= {"layer4.0.conv1"}  # the block input, shortcut included
+        result = equiconvert.check_equivariance(converted)
+        assert set(result.errors) == {"rot0", "rot180"} and result.max_error < 1e-5
+
+
+def test_restricting_one_branch_only_is_refused_naming_the_merge():
+    with pytest.raises(UnsupportedLayerError, match=r"add.*combines field types .* of C2 and .* of C4|of C4 and .* of C2"):
+        equiconvert.make_equivariant(torchvision.models.resnet18(num_classes=10), "C4",
+                                     restrict={"layer4.0.bn1": "halved"}, input_size=33)

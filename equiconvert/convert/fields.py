@@ -38,4 +38,4 @@ class FieldType:
         return FieldType(self.group, self.representation, self.num_fields, spatial=False)
 
     def describe(self) -> str:
-        return f"{self.num_fields}x{self.representation}({self.field_size})"
+        return f"{self.num_fields}x{self.representation}({self.field_size}) of {self.group.name}"

@@ -74,28 +74,50 @@ def _downsamples(gm: fx.GraphModule, node: fx.Node) -> bool:
 
 
 def _conv_input(gm: fx.GraphModule, node: fx.Node) -> fx.Node:
-    """The input tensor of the conv that leads to `node` (walking back along first arguments)."""
+    """The input of the conv that leads to `node` through a chain of single-use ops (act, norm).
+
+    The walk stops at a tensor with several users (a block input feeding a shortcut),
+    so a shortcut pool (ResNet-D) is restricted on its own input, not a block earlier.
+    """
     current = node
-    while isinstance(current, fx.Node) and current.op != "placeholder":
-        if _is_conv(gm, current):
-            return current.args[0]
-        current = current.args[0] if current.args else None
-    return node.args[0]
+    while not _is_conv(gm, current):
+        previous = current.args[0]
+        if (not isinstance(previous, fx.Node) or previous.op == "placeholder" or len(previous.users) != 1
+                or len(previous.all_input_nodes) != 1):
+            return previous
+        current = previous
+    return current.args[0]
 
 
 def stage_inputs(gm: fx.GraphModule) -> list[fx.Node]:
-    """One restriction point per resolution drop, in graph order."""
-    points: list[fx.Node] = []
-    seen_sizes: set[int] = set()
+    """One restriction point per resolution drop, in graph order.
+
+    All ops that first reach a resolution (a bottleneck's stride-2 conv and its
+    shortcut's pool or conv) must see restricted fields, so the point is the
+    latest common ancestor of their conv inputs: the block input.
+    """
+    order = {node: i for i, node in enumerate(gm.graph.nodes)}
+    drops: dict[int, list[fx.Node]] = {}
     for node in gm.graph.nodes:
         if _downsamples(gm, node):
-            size = node.meta[SHAPE_KEY][-1]
-            if size not in seen_sizes:
-                seen_sizes.add(size)
-                point = _conv_input(gm, node)
-                if point not in points:
-                    points.append(point)
+            drops.setdefault(node.meta[SHAPE_KEY][-1], []).append(node)
+    points: list[fx.Node] = []
+    for nodes in drops.values():
+        common = set.intersection(*(_ancestors(_conv_input(gm, n)) for n in nodes))
+        point = max(common, key=order.__getitem__)
+        if point not in points:
+            points.append(point)
     return points
+
+
+def _ancestors(node: fx.Node) -> set[fx.Node]:
+    seen, stack = {node}, [node]
+    while stack:
+        for parent in stack.pop().all_input_nodes:
+            if parent not in seen:
+                seen.add(parent)
+                stack.append(parent)
+    return seen
 
 
 def plan(gm: fx.GraphModule, restrict: Any, group_name: str) -> list[RestrictionPoint]:

@@ -56,7 +56,7 @@ def _binary(ctx: ConversionContext, node: fx.Node) -> FieldType:
         return None
     first = tensors[0]
     for other in tensors[1:]:
-        if other.representation != first.representation or other.num_fields != first.num_fields:
+        if (other.group, other.representation, other.num_fields) != (first.group, first.representation, first.num_fields):
             raise ctx.unsupported(node, f"combines field types {first.describe()} and {other.describe()}")
     return first if all(t.spatial for t in tensors) or len(tensors) == 1 else first.flattened()
 
@@ -93,5 +93,7 @@ def convert_cat(ctx: ConversionContext, node: fx.Node) -> FieldType:
         raise ctx.unsupported(node, f"concatenates along dim={dim}; only the channel dim (1) keeps fields whole")
     if len({t.representation for t in types}) != 1:
         raise ctx.unsupported(node, "concatenates fields of different representations")
+    if len({t.group for t in types}) != 1:
+        raise ctx.unsupported(node, "concatenates fields of different groups (a restriction on one branch only)")
     return types[0].with_fields(sum(t.num_fields for t in types))
 

@@ -9,7 +9,7 @@ from torch import nn
 import equiconvert
 from equiconvert.models import resnet9
 
-timm = pytest.importorskip("timm", reason="timm is a test dependency (pip install -e .[test])")
+import timm  # a test dependency (pip install -e .[test])
 
 MODELS = {
     "tv_resnet18": (lambda: torchvision.models.resnet18(num_classes=10), {}),

@@ -95,10 +95,6 @@ class GroupSpec:
             out.append(GridElement(label, 4 * rot // self.n, bool(flip), perm))
         return tuple(out)
 
-    def rotation_angle(self, element: tuple[int, int]) -> float:
-        """Counter-clockwise rotation angle of an element in degrees."""
-        return 360.0 * element[1] / self.n
-
     def escnn_gspace(self):
         """The escnn gspace of this group (conversion time only)."""
         from escnn import gspaces

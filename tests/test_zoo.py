@@ -25,7 +25,7 @@ MODELS = {
 
 
 def _assert_plain_modules(model: nn.Module) -> None:
-    for name, module in model.modules().__iter__().__class__.__mro__ and model.named_modules():
+    for name, module in model.named_modules():
         kind = type(module)
         assert not kind.__module__.startswith("escnn"), f"{name} is an escnn object"
         assert not isinstance(module, nn.modules.batchnorm._BatchNorm), f"{name} keeps batch statistics"

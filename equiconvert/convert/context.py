@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch.fx as fx
@@ -31,7 +31,6 @@ class ConversionConfig:
     batchnorm_groups: int = 32  # BatchNorm2d becomes a field-aligned GroupNorm with this many groups
     strict: bool = False
     leaf_modules: tuple[type, ...] = ()
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 class ConversionContext:

@@ -257,11 +257,12 @@ def _cmd_train(args: argparse.Namespace) -> int:
     from .privacy.run import RunSpec, run_training
 
     spec = RunSpec(model=args.model, group=args.group, dataset=args.dataset, data_dir=args.data_dir, out=args.out,
-                   width=args.width, model_widths=args.widths, device=args.device, resume=args.resume, progress=not args.no_progress)
+                   width=args.width, model_widths=args.widths, device=args.device, resume=args.resume,
+                   progress=not args.no_progress, time_limit_s=args.time_limit)
     result = run_training(
         spec, target_epsilon=args.epsilon, delta=args.delta, batch_size=args.batch_size, steps=args.steps,
         aug_mult=args.aug_mult, max_grad_norm=args.max_grad_norm, lr=args.lr, momentum=args.momentum,
-        optimizer=args.optimizer, ema_decay=args.ema_decay or None, accountant=args.accountant,
+        optimizer=args.optimizer, lr_schedule=args.lr_schedule, ema_decay=args.ema_decay or None, accountant=args.accountant,
         noise_multiplier=args.noise_multiplier, physical_batch_size=args.physical_batch_size, seed=args.seed,
         eval_every=args.eval_every, checkpoint_every=args.checkpoint_every,
     )
@@ -271,7 +272,9 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
 def _add_train_parser(sub) -> None:
     train = sub.add_parser("train", help="train a (converted) model with DP-SGD and write OUT/result.json")
-    train.add_argument("--model", default="equiconvert:resnet9", help="torchvision:<name>, timm:<name>, equiconvert:resnet9")
+    train.add_argument("--model", default="equiconvert:resnet9",
+                       help="torchvision:<name>, timm:<name>, equiconvert:resnet9, or equiconvert:equivariant_resnet9 "
+                            "(Hölzl et al.'s model for --group; with --group none the plain network it converts)")
     train.add_argument("--group", default="D4", help="C1..C16, D1..D16, or 'none' for the unconverted baseline")
     train.add_argument("--dataset", required=True, help="fashion-mnist, cifar10, rotated-mnist, imagenet32, imagefolder, synthetic")
     train.add_argument("--data-dir", default=None)
@@ -288,6 +291,9 @@ def _add_train_parser(sub) -> None:
     train.add_argument("--lr", type=float, default=2.0)
     train.add_argument("--momentum", type=float, default=0.0)
     train.add_argument("--optimizer", choices=("sgd", "nadam"), default="sgd")
+    train.add_argument("--lr-schedule", choices=("constant", "cosine"), default="constant")
+    train.add_argument("--time-limit", type=float, default=None, metavar="SECONDS",
+                       help="stop training after this long, with a checkpoint; --resume continues the run")
     train.add_argument("--ema-decay", type=float, default=0.999, help="0 disables the EMA")
     train.add_argument("--width", type=_width, default=None, help="width policy of the conversion")
     train.add_argument("--widths", type=lambda t: tuple(int(w) for w in t.split(",")), default=None,

@@ -204,3 +204,17 @@ def test_train_baseline_replaces_batch_norm_and_widths_only_for_resnet9(tmp_path
     code = main(["train", "--dataset", "synthetic", "--model", "torchvision:resnet18", "--widths", "8,16,32",
                  "--group", "none", "--steps", "1", "--out", str(tmp_path)])
     assert code == 2 and "--widths applies to equiconvert:resnet9" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("group, params", [("D4", 255_675), ("none", 155_434)])
+def test_train_paper_model_preset_and_its_unconverted_network(tmp_path, group, params):
+    out = tmp_path / group
+    code = main(["train", "--dataset", "synthetic", "--model", "equiconvert:equivariant_resnet9", "--group", group,
+                 "--steps", "2", "--batch-size", "8", "--aug-mult", "1", "--physical-batch-size", "8",
+                 "--eval-every", "1", "--out", str(out), "--no-progress", "--device", "cpu"])
+    assert code == 0
+    result = json.loads((out / "result.json").read_text())
+    assert result["params"] == params and result["params_before"] == 155_434
+    assert [e["step"] for e in result["evals"]] == [1, 2]
+    if group == "D4":  # the paper's head pools a 2x2 grid: equivariant up to the head, not invariant
+        assert result["invariant_head"] is False

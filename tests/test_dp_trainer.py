@@ -150,3 +150,32 @@ def test_fit_logs_and_evaluates(tmp_path):
 def test_unknown_options_are_rejected():
     with pytest.raises(ValueError, match="unknown DPTrainer options"):
         DPTrainer(_small_model(), batchsize=10)
+
+
+def test_time_limit_stops_with_a_checkpoint_and_resume_matches_an_uninterrupted_run(tmp_path):
+    data = _synthetic()
+    initial = _small_model()
+    straight = _trainer(copy.deepcopy(initial), tmp_path / "straight", 3)
+    straight.fit(data)
+    limited = _trainer(copy.deepcopy(initial), tmp_path / "limited", 3)
+    limited.fit(data, time_limit_s=0.0)  # stops after its first step
+    assert limited.step == 1 and limited.stopped_reason == "time_limit"
+    assert (tmp_path / "limited" / "checkpoint.pt").exists()
+    resumed = _trainer(copy.deepcopy(initial), tmp_path / "limited", 3)
+    resumed.fit(data, resume=True)
+    assert resumed.step == 3 and resumed.stopped_reason is None
+    for (name, a), b in zip(straight.model.state_dict().items(), resumed.model.state_dict().values()):
+        assert torch.equal(a, b), name
+
+
+def test_cosine_schedule_and_custom_schedule_hook(tmp_path):
+    cosine = DPTrainer(_small_model(), target_epsilon=8.0, batch_size=16, steps=4, aug_mult=1, lr=2.0,
+                       lr_schedule="cosine", progress=False)
+    lrs = [record["lr"] for record in cosine.fit(_synthetic()) if "lr" in record]
+    assert lrs == pytest.approx([2.0, 2.0 * (1 + 2 ** -0.5) / 2, 1.0, 2.0 * (1 - 2 ** -0.5) / 2])
+    hooked = DPTrainer(_small_model(), target_epsilon=8.0, batch_size=16, steps=2, aug_mult=1,
+                       lr_schedule=lambda step: 0.1 * (step + 1), progress=False)
+    assert [r["lr"] for r in hooked.fit(_synthetic()) if "lr" in r] == pytest.approx([0.1, 0.2])
+    assert hooked.config.lr_schedule == "custom"
+    with pytest.raises(ValueError, match="lr_schedule must be one of"):
+        DPTrainer(_small_model(), target_epsilon=8.0, lr_schedule="step", progress=False)

@@ -37,6 +37,7 @@ class RunSpec:
     device: str | None = None
     resume: bool = False
     progress: bool = True
+    time_limit_s: float | None = None  # stop (with a checkpoint) after this much training time; --resume continues
 
 
 def _count(model: nn.Module) -> int:
@@ -48,6 +49,36 @@ def _replace_batch_norm(model: nn.Module) -> nn.Module:
     from opacus.validators import ModuleValidator
 
     return ModuleValidator.fix(model)
+
+
+PAPER_MODEL = "equiconvert:equivariant_resnet9"
+
+
+def _paper_model(spec: RunSpec, num_classes: int, channels: int) -> tuple[nn.Module, int]:
+    """Hölzl et al.'s Equivariant-ResNet9 for spec.group (its own widths and head), or, for "none", the plain
+    network it is converted from; also the parameter count of that plain network."""
+    from ..models.equivariant_resnet9 import equivariant_resnet9, plain_paper_resnet9
+
+    if spec.model_widths is not None or spec.width is not None:
+        raise ValueError(f"{PAPER_MODEL} has the paper's widths; --widths/--width do not apply to it")
+    plain = plain_paper_resnet9(num_classes, channels)
+    if spec.group.lower() == BASELINE_GROUP:
+        return plain, _count(plain)
+    return equivariant_resnet9(spec.group, num_classes, channels), _count(plain)
+
+
+def _eval_history(log: Path) -> list[dict[str, Any]]:
+    """Every periodic evaluation of the run, from its log (which a resumed run appends to)."""
+    records = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+    by_step = {r["step"]: {"step": r["step"], **r["eval"]} for r in records if "eval" in r}
+    return [by_step[step] for step in sorted(by_step)]
+
+
+def _device_name(device: torch.device) -> str:
+    """'cuda (NVIDIA H200)' rather than 'cuda', so results say which card produced them."""
+    if device.type == "cuda":
+        return f"{device} ({torch.cuda.get_device_name(device)})"
+    return str(device)
 
 
 def padded_size(model: Any, size: int) -> int:
@@ -72,19 +103,28 @@ def run_training(spec: RunSpec, **trainer_options: Any) -> dict[str, Any]:
     train = load_dataset(spec.dataset, spec.data_dir, split="train")
     test = load_dataset(spec.dataset, spec.data_dir, split="test")
     channels, size = train.images.shape[1], train.images.shape[-1]
-    model = build_model(spec.model, len(train.classes), channels, spec.model_widths)
-    params_before = _count(model)
     result: dict[str, Any] = {"model": spec.model, "group": spec.group, "dataset": spec.dataset}
+    if spec.model == PAPER_MODEL:
+        model, params_before = _paper_model(spec, len(train.classes), channels)
+    else:
+        model = build_model(spec.model, len(train.classes), channels, spec.model_widths)
+        params_before = _count(model)
+        if spec.group.lower() == BASELINE_GROUP:
+            model = _replace_batch_norm(model)
+        else:
+            model = make_equivariant(model, spec.group, width=spec.width, head="invariant")
     if spec.group.lower() == BASELINE_GROUP:
-        model = _replace_batch_norm(model)
         input_size = size
     else:
-        model = make_equivariant(model, spec.group, width=spec.width, head="invariant")
         input_size = padded_size(model, size)
-        result["max_equivariance_error"] = check_equivariance(model, input_size=input_size, batch_size=1).max_error
+        check = check_equivariance(model, input_size=input_size, batch_size=1)
+        result["max_equivariance_error"] = check.max_error
+        # the paper's head (AdaptiveAvgPool2d(2) + Flatten + Linear) is equivariant up to the head, not invariant
+        result["invariant_head"] = spec.model != PAPER_MODEL
     images_train, images_test = _pad(train.images, input_size), _pad(test.images, input_size)
     trainer = DPTrainer(model, device=spec.device, out_dir=spec.out, progress=spec.progress, **trainer_options)
-    trainer.fit((images_train, train.labels), eval_set=(images_test, test.labels), resume=spec.resume)
+    trainer.fit((images_train, train.labels), eval_set=(images_test, test.labels), resume=spec.resume,
+                time_limit_s=spec.time_limit_s)
     final = trainer.history[-1]["final_eval"]
     c = trainer.config
     result.update(
@@ -92,7 +132,9 @@ def run_training(spec: RunSpec, **trainer_options: Any) -> dict[str, Any]:
         epsilon=trainer.epsilon, delta=c.delta, target_epsilon=c.target_epsilon, accountant=c.accountant,
         noise_multiplier=trainer.noise_multiplier, steps=trainer.step, batch_size=c.batch_size, aug_mult=c.aug_mult,
         max_grad_norm=c.max_grad_norm, lr=c.lr, ema_decay=c.ema_decay, params=_count(model), params_before=params_before,
-        input_size=input_size, train_examples=len(train), test_examples=len(test), device=str(trainer.device),
+        input_size=input_size, train_examples=len(train), test_examples=len(test), device=_device_name(trainer.device),
+        lr_schedule=c.lr_schedule, seed=c.seed, requested_steps=c.steps, stopped_reason=trainer.stopped_reason,
+        evals=_eval_history(Path(spec.out) / "log.jsonl"),
         wall_time_s=time.perf_counter() - start,
     )
     Path(spec.out).mkdir(parents=True, exist_ok=True)

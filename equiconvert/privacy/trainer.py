@@ -10,6 +10,7 @@ budget would be exceeded.
 from __future__ import annotations
 
 import json
+import math
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -29,6 +30,8 @@ from .validate import validate_dp_safe
 
 TensorData = tuple[torch.Tensor, torch.Tensor]
 OPTIMIZERS = ("sgd", "nadam")
+CUSTOM_SCHEDULE = "custom"  # a callable step -> lr given to DPTrainer
+LR_SCHEDULES = ("constant", "cosine", CUSTOM_SCHEDULE)
 
 
 @dataclass
@@ -44,6 +47,7 @@ class DPConfig:
     lr: float = 2.0
     momentum: float = 0.0
     optimizer: str = "sgd"
+    lr_schedule: str = "constant"  # "cosine": lr * (1 + cos(pi * step / steps)) / 2; "custom": a callable
     ema_decay: float | None = 0.999
     accountant: str = "rdp"
     noise_multiplier: float | None = None  # None: calibrated from target_epsilon
@@ -61,7 +65,10 @@ class DPConfig:
 
 
 class DPTrainer:
-    """Train a model with DP-SGD; see DPConfig for the options (passed as keyword arguments)."""
+    """Train a model with DP-SGD; see DPConfig for the options (passed as keyword arguments).
+
+    lr_schedule: "constant", "cosine", or a callable step -> learning rate (the schedule hook).
+    """
 
     def __init__(
         self,
@@ -69,24 +76,26 @@ class DPTrainer:
         *,
         device: str | torch.device | None = None,
         out_dir: str | Path | None = None,
-        lr_schedule: Callable[[int], float] | None = None,
+        lr_schedule: str | Callable[[int], float] = "constant",
         progress: bool = True,
         **options: Any,
     ) -> None:
         unknown = set(options) - set(DPConfig.__dataclass_fields__)
         if unknown:
             raise ValueError(f"unknown DPTrainer options {sorted(unknown)}; known: {sorted(DPConfig.__dataclass_fields__)}")
-        self.config = DPConfig(**options)
+        custom_schedule = None if isinstance(lr_schedule, str) else lr_schedule
+        self.config = DPConfig(lr_schedule=CUSTOM_SCHEDULE if custom_schedule else lr_schedule, **options)
         self._check_config()
         validate_dp_safe(model)
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.model = model.to(self.device)
         self.out_dir = Path(out_dir) if out_dir is not None else None
-        self.lr_schedule = lr_schedule
+        self.lr_schedule = custom_schedule or _named_schedule(self.config)
         self.progress = progress
         self.optimizer = self._make_optimizer()
         self.ema = ExponentialMovingAverage(self.model, self.config.ema_decay) if self.config.ema_decay else None
         self.step = 0
+        self.stopped_reason: str | None = None  # "budget" or "time_limit" when fit ended before `steps`
         self.history: list[dict[str, Any]] = []
         self.ledger: PrivacyLedger | None = None
         self.sampler: PoissonSampler | None = None
@@ -99,6 +108,8 @@ class DPTrainer:
         c = self.config
         if c.optimizer not in OPTIMIZERS:
             raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {c.optimizer!r}")
+        if c.lr_schedule not in LR_SCHEDULES:
+            raise ValueError(f"lr_schedule must be one of {LR_SCHEDULES}, got {c.lr_schedule!r}")
         if c.target_epsilon is None and c.noise_multiplier is None:
             raise ValueError("give target_epsilon (sigma is calibrated) or noise_multiplier")
         if c.noise_multiplier is not None and c.noise_multiplier <= 0:
@@ -175,8 +186,18 @@ class DPTrainer:
         return record
 
     # --- the run -----------------------------------------------------------
-    def fit(self, train_set: TensorData, eval_set: TensorData | None = None, resume: bool = False) -> list[dict[str, Any]]:
-        """Train until `steps` or until one more step would exceed the budget; returns the log."""
+    def fit(
+        self,
+        train_set: TensorData,
+        eval_set: TensorData | None = None,
+        resume: bool = False,
+        time_limit_s: float | None = None,
+    ) -> list[dict[str, Any]]:
+        """Train until `steps`, until one more step would exceed the budget, or until `time_limit_s`.
+
+        A run stopped by the time limit writes a checkpoint (with out_dir), so
+        `fit(..., resume=True)` continues it to the same end as an uninterrupted run.
+        """
         images, labels = _tensors(train_set)
         if self.sampler is None:
             self._prepare_privacy(len(images))
@@ -187,6 +208,7 @@ class DPTrainer:
         start = time.perf_counter()
         while self.step < self.config.steps:
             if self.step >= budget_steps:  # one more step would exceed target_epsilon
+                self.stopped_reason = "budget"
                 self._log({"event": "stopped", "reason": "budget", "step": self.step, "epsilon": self.ledger.epsilon})
                 break
             record = self.train_step(images, labels)
@@ -199,6 +221,12 @@ class DPTrainer:
                 self._log({"step": self.step, "eval": self.evaluate(eval_set)})
             if self.config.checkpoint_every and self.step % self.config.checkpoint_every == 0:
                 self.save_checkpoint()
+            if time_limit_s is not None and time.perf_counter() - start >= time_limit_s and self.step < self.config.steps:
+                self.stopped_reason = "time_limit"
+                self._log({"event": "stopped", "reason": "time_limit", "step": self.step, "epsilon": self.ledger.epsilon})
+                if self.out_dir is not None:
+                    self.save_checkpoint()
+                break
         bar.close()
         final = {"step": self.step, "epsilon": self.ledger.epsilon}
         if eval_set is not None:
@@ -270,6 +298,13 @@ class DPTrainer:
         if state["rng"]["cuda"] is not None and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(state["rng"]["cuda"])
         self.step = state["step"]
+
+
+def _named_schedule(config: DPConfig) -> Callable[[int], float] | None:
+    """The learning rate of step t (0-based) for config.lr_schedule; None keeps the optimizer's lr."""
+    if config.lr_schedule == "cosine":
+        return lambda step: config.lr * 0.5 * (1.0 + math.cos(math.pi * min(step, config.steps) / max(config.steps, 1)))
+    return None
 
 
 def _tensors(data: TensorData | Any) -> TensorData:

@@ -262,7 +262,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
     result = run_training(
         spec, target_epsilon=args.epsilon, delta=args.delta, batch_size=args.batch_size, steps=args.steps,
         aug_mult=args.aug_mult, max_grad_norm=args.max_grad_norm, lr=args.lr, momentum=args.momentum,
-        optimizer=args.optimizer, lr_schedule=args.lr_schedule, ema_decay=args.ema_decay or None, accountant=args.accountant,
+        optimizer=args.optimizer, lr_schedule=args.lr_schedule, augment_flip=not args.no_flip, ema_decay=args.ema_decay or None, accountant=args.accountant,
         noise_multiplier=args.noise_multiplier, physical_batch_size=args.physical_batch_size, seed=args.seed,
         eval_every=args.eval_every, checkpoint_every=args.checkpoint_every,
     )
@@ -291,6 +291,8 @@ def _add_train_parser(sub) -> None:
     train.add_argument("--lr", type=float, default=2.0)
     train.add_argument("--momentum", type=float, default=0.0)
     train.add_argument("--optimizer", choices=("sgd", "nadam"), default="sgd")
+    train.add_argument("--no-flip", action="store_true",
+                       help="augment by crops only (digits: a flipped 2 is not a 2)")
     train.add_argument("--lr-schedule", choices=("constant", "cosine"), default="constant")
     train.add_argument("--time-limit", type=float, default=None, metavar="SECONDS",
                        help="stop training after this long, with a checkpoint; --resume continues the run")

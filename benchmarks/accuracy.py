@@ -105,8 +105,12 @@ def train_command(run: Run, out_dir: Path, device: str, data_dir: str | None, ex
     return cmd + (["--resume"] if resume else [])
 
 
-def plan(runs: list[Run], out: Path, extra: list[str]) -> tuple[list[Run], list[Run], list[Run]]:
-    """Split the grid into (done, to resume, to start). Refuses results made with other train arguments."""
+def plan(runs: list[Run], out: Path, extra: list[str], continue_stopped: bool = False) -> tuple[list[Run], list[Run], list[Run]]:
+    """Split the grid into (done, to resume, to start). Refuses results made with other train arguments.
+
+    With `continue_stopped`, a finished run that train stopped at its --time-limit (and left a
+    checkpoint of) is resumed instead of counted as done.
+    """
     done, resume, start, conflicts = [], [], [], []
     for run in runs:
         run_dir = out / run.name
@@ -114,7 +118,11 @@ def plan(runs: list[Run], out: Path, extra: list[str]) -> tuple[list[Run], list[
             recorded = _read_json(run_dir / RUN_FILE)
             if recorded is not None and recorded.get("extra_args") != extra:
                 conflicts.append(f"{run.name} (made with {shlex.join(recorded.get('extra_args', []))!r})")
-            done.append(run)
+            timed_out = (_read_json(run_dir / "result.json") or {}).get("stopped_reason") == "time_limit"
+            if continue_stopped and timed_out and (run_dir / "checkpoint.pt").exists():
+                resume.append(run)
+            else:
+                done.append(run)
         elif (run_dir / "checkpoint.pt").exists():
             resume.append(run)
         else:
@@ -160,20 +168,6 @@ def _shown_command(argv: list[str]) -> str:
 def _git_commit() -> str | None:
     out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True)
     return out.stdout.strip() if out.returncode == 0 else None
-
-
-def _device_names(devices: list[str]) -> dict[str, str]:
-    """Human names of the CUDA devices used (asked in a child process: no CUDA context here)."""
-    cuda = [d for d in devices if d.startswith("cuda")]
-    if not cuda:
-        return {}
-    code = ("import json, sys, torch\n"
-            "print(json.dumps({d: torch.cuda.get_device_name(torch.device(d)) for d in sys.argv[1:]}))")
-    out = subprocess.run([sys.executable, "-c", code, *cuda], capture_output=True, text=True)
-    try:
-        return json.loads(out.stdout) if out.returncode == 0 else {}
-    except ValueError:
-        return {}
 
 
 class _Printer:
@@ -223,10 +217,10 @@ def run_grid(args: argparse.Namespace, extra: list[str], argv: list[str]) -> int
                          "--jobs-per-device at least 1")
     out = Path(args.out)
     runs = build_grid(args.dataset, args.model, groups, epsilons, seeds)
-    done, to_resume, to_start = plan(runs, out, extra)
+    done, to_resume, to_start = plan(runs, out, extra, args.continue_stopped)
     out.mkdir(parents=True, exist_ok=True)
     invocation = {"date": _now(), "command": _shown_command(argv), "argv": argv, "cwd": str(Path.cwd()),
-                  "git_commit": _git_commit(), "devices": devices, "device_names": _device_names(devices),
+                  "git_commit": _git_commit(), "devices": devices,
                   "groups": groups, "epsilons": epsilons, "seeds": seeds, "extra_args": extra}
     with open(out / COMMANDS_FILE, "a") as handle:
         handle.write(json.dumps(invocation) + "\n")
@@ -285,8 +279,8 @@ def _requested_steps(result: dict, recorded: dict | None) -> int | None:
 
 def _stop_reason(run_dir: Path, result: dict) -> str | None:
     for field in STOP_FIELDS:
-        if result.get(field):
-            return str(result[field])
+        if field in result:  # train's own answer (None: ran to the end); the log may hold a resumed run's old stop
+            return None if result[field] is None else str(result[field])
     try:
         lines = (run_dir / "log.jsonl").read_text().splitlines()
     except OSError:
@@ -403,9 +397,8 @@ def _cell_text(cell: dict) -> str:
 
 def _header_lines(cells: list[dict], runs: list[dict], commands: list[dict]) -> list[str]:
     dataset, model = cells[0]["dataset"], cells[0]["model"]
-    names = {k: v for c in commands for k, v in c.get("device_names", {}).items()}
-    devices = sorted({str(d) for c in cells for d in (c["device"] if isinstance(c["device"], list) else [c["device"]])})
-    shown = ", ".join(f"{d} ({names[d]})" if d in names else d for d in devices)
+    # train writes e.g. "cuda:0 (NVIDIA H100 80GB HBM3)"
+    shown = ", ".join(sorted({str(d) for c in cells for d in (c["device"] if isinstance(c["device"], list) else [c["device"]])}))
     finished = sorted(r["finished"] for r in runs)
     dates = finished[0] if finished[0] == finished[-1] else f"{finished[0]} to {finished[-1]}"
 
@@ -530,6 +523,8 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--out", required=True, help="folder of the grid: one sub-folder per run, plus the report")
     run.add_argument("--devices", default="cpu", help="comma-separated train --device values (default cpu)")
     run.add_argument("--jobs-per-device", type=int, default=1)
+    run.add_argument("--continue-stopped", action="store_true",
+                     help="resume runs that train's --time-limit stopped (result.json + checkpoint.pt) instead of skipping them")
     rep = sub.add_parser("report", help="summarize OUT/*/result.json into summary.json, table.md and a plot")
     rep.add_argument("--out", required=True)
     return parser

@@ -95,7 +95,10 @@ def _fixture(out: Path, group: str, epsilon: float, seed: int, acc: float, param
 
 def test_report_on_known_results(tmp_path):
     for seed, acc in enumerate([0.84, 0.80, 0.82]):
-        _fixture(tmp_path, "none", 3.0, seed, acc, 300_000)
+        _fixture(tmp_path, "none", 3.0, seed, acc, 300_000, stopped_reason=None)
+    # resumed after a time limit and then finished: result.json's stopped_reason wins over the old log event
+    resumed = tmp_path / accuracy.run_name("fashion-mnist", "equiconvert:resnet9", "none", 3.0, 0)
+    (resumed / "log.jsonl").write_text(json.dumps({"event": "stopped", "reason": "time_limit", "step": 50}) + "\n")
     for seed, acc in enumerate([0.92, 0.97, 0.90]):
         _fixture(tmp_path, "D4", 3.0, seed, acc, 255_675)
     _fixture(tmp_path, "D4", 8.0, 0, 0.95, 255_675, steps=70, stopped_reason="time_limit")
@@ -148,6 +151,11 @@ def test_plan_resumes_from_checkpoints_and_refuses_other_train_arguments(tmp_pat
     (tmp_path / runs[1].name / accuracy.RUN_FILE).write_text(json.dumps({"extra_args": ["--steps", "5"]}))
     with pytest.raises(SystemExit, match="other train arguments"):
         accuracy.plan(runs, tmp_path, ["--steps", "2"])
+    # a run stopped by train's --time-limit is done, unless asked to continue it from its checkpoint
+    (tmp_path / runs[1].name / "result.json").write_text(json.dumps({"stopped_reason": "time_limit"}))
+    (tmp_path / runs[1].name / "checkpoint.pt").write_bytes(b"")
+    assert accuracy.plan(runs, tmp_path, ["--steps", "5"]) == ([runs[1]], [runs[0]], [])
+    assert accuracy.plan(runs, tmp_path, ["--steps", "5"], continue_stopped=True) == ([], [runs[0], runs[1]], [])
     with pytest.raises(SystemExit, match="--device is set by the benchmark"):
         accuracy.check_extra_args(["--steps", "2", "--device=cuda"])
     assert accuracy.run_name("fashion-mnist", "timm:resnet50d", "D4", 0.5, 2) == "fashion-mnist_timm-resnet50d_D4_eps0.5_seed2"

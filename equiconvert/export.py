@@ -27,7 +27,7 @@ from .convert.model import EquivariantModel
 from .errors import UnsupportedLayerError
 from .nn import (
     FieldGroupNorm, FieldRestriction, GatedNonlinearity, GroupPool, GroupStandardization, InvariantMap, NormMaxPool2d,
-    SteerableConv2d,
+    ReflectionRestriction, SteerableConv2d,
 )
 
 __all__ = ["EXPORTERS", "ExportContext", "Exporter", "export", "register_exporter"]
@@ -339,8 +339,9 @@ def export_field_restriction(module: FieldRestriction, ctx: ExportContext) -> nn
     return _trace_torch_only(_ChannelSelect(module.index), "ChannelSelect")
 
 
-@register_exporter(GatedNonlinearity, GroupStandardization, NormMaxPool2d, InvariantMap)
+@register_exporter(GatedNonlinearity, GroupStandardization, NormMaxPool2d, InvariantMap, ReflectionRestriction)
 def export_irrep_field_layer(module: nn.Module, ctx: ExportContext) -> nn.Module:
-    """SO(2)/O(2) field layers: their forward is torch ops on buffers and torch submodules only,
-    so symbolic tracing re-homes it into a GraphModule of torch classes (same ops, same outputs)."""
+    """SO(2)/O(2) field layers and the O(2) -> D1 restriction: their forward is torch ops on buffers
+    and torch submodules only, so symbolic tracing re-homes it into a GraphModule of torch classes
+    (same ops, same outputs)."""
     return _trace_torch_only(module, type(module).__name__ + "Ops")

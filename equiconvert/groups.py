@@ -306,11 +306,33 @@ class ContinuousGroupSpec:
         return directsum(irreps, name=f"{self.cache_key}_field")
 
     def subgroup(self, target) -> GroupSpec:
-        if isinstance(target, str) and target.strip().lower() == "invariant":
+        """"invariant" (or "C1") for both groups; "reflection" (or "D1": the flip alone) for O(2).
+
+        The flip of D1 is O(2)'s flip at angle 0, the same horizontal flip of the grid.
+        """
+        name = target.name if isinstance(target, GroupSpec) else str(target).strip()
+        if name.lower() == "invariant" or name.upper() == "C1":
             return GroupSpec("C", 1)
-        raise GroupSpecError(
-            f"{self.name} fields can only be restricted with 'invariant' so far, not {target!r}"
-        )
+        if name.lower() == "reflection" or name.upper() == "D1":
+            if self.kind != "O2":
+                raise GroupSpecError(f"restrict={target!r} needs reflections; {self.name} has none (use 'invariant')")
+            return GroupSpec("D", 1)
+        options = "'invariant'" + (" or 'reflection'" if self.kind == "O2" else "")
+        raise GroupSpecError(f"{self.name} fields restrict only to {options}, not {target!r}")
+
+    def reflection_pairs(self) -> tuple[tuple[int, int | None], ...]:
+        """How one field splits under the flip: (fixed channel, negated channel or None) per D1 field.
+
+        The flip fixes every trivial channel, negates the sign channel and acts on each
+        frequency-k component (c, s) as diag(1, -1). Pairs: the invariant channel 0 with
+        the sign channel (together Ind(psi_0)), each component's (c, s); the gates are
+        left without a negated partner (None). Each field has as many unpaired channels
+        as pairs (1 + 2L of each), see nn.restriction.ReflectionRestriction for their use.
+        """
+        if self.kind != "O2":
+            raise GroupSpecError(f"{self.name} has no reflections")
+        pairs = [(0, start) if sign else (start, start + 1) for start, _, _, sign in self.layout.components]
+        return tuple(pairs) + tuple((gate, None) for gate in self.layout.gates)
 
 
 CONTINUOUS = ("SO2", "O2")

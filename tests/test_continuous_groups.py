@@ -163,8 +163,8 @@ def test_restriction_to_invariant_and_unsupported_restrictions():
     model = equiconvert.make_equivariant(resnet9(widths=(8, 16, 32)), "O2", head="invariant", restrict="invariant",
                                          input_size=32)
     assert model.output_type.group.name == "C1"
-    with pytest.raises(GroupSpecError, match="only be restricted"):
-        equiconvert.make_equivariant(resnet9(widths=(8, 16, 32)), "O2", restrict="reflection", input_size=32)
+    with pytest.raises(GroupSpecError, match="restrict only to 'invariant', not 'halved'"):
+        equiconvert.make_equivariant(resnet9(widths=(8, 16, 32)), "SO2", restrict="halved", input_size=32)
 
 
 def _small_o2_model(**kwargs):

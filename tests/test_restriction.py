@@ -9,7 +9,7 @@ from equiconvert.convert.fields import FieldType
 from equiconvert.errors import GroupSpecError, UnsupportedLayerError
 from equiconvert.groups import parse_group
 from equiconvert.models import resnet9
-from equiconvert.nn import FieldRestriction
+from equiconvert.nn import FieldRestriction, ReflectionRestriction
 from per_sample_check import assert_per_sample_gradients_match_loop
 
 
@@ -130,3 +130,93 @@ def test_restricting_one_branch_only_is_refused_naming_the_merge():
     with pytest.raises(UnsupportedLayerError, match=r"add.*combines field types .* of C2 and .* of C4|of C4 and .* of C2"):
         equiconvert.make_equivariant(torchvision.models.resnet18(num_classes=10), "C4",
                                      restrict={"layer4.0.bn1": "halved"}, input_size=33)
+
+
+# --- O(2) -> D1 ("reflection"): Hadamard pairs, see nn.restriction.ReflectionRestriction ---------
+
+
+def _relative(a, b):
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-12))
+
+
+@pytest.mark.parametrize("frequency", [1, 2])
+def test_o2_fields_restricted_to_reflections_transform_as_regular_d1_fields_bit_for_bit(frequency):
+    G = parse_group("O2", frequency)
+    H = G.subgroup("reflection")
+    assert H.name == "D1" and G.subgroup("D1") == H
+    pairs = G.reflection_pairs()
+    assert len(pairs) == 2 + 4 * frequency  # 1 + 2L Hadamard pairs and 1 + 2L unpaired (gate) channels
+    flip = G.field_matrix("field", 0.0, True).diagonal()
+    assert all(flip[a] == 1 and (b is None or flip[b] == -1) for a, b in pairs)
+    restriction = ReflectionRestriction(3, G.order, pairs)
+    x = torch.randn(2, 3 * G.order, 5, 5)
+    out_type = FieldType(H, "regular", 3 * len(pairs))
+    for h, g in zip(H.grid_elements, G.grid_elements[::4]):  # rot0, rot0+flip
+        assert (h.quarter_turns, h.flip) == (g.quarter_turns, g.flip)
+        lhs = restriction(act_on_output(g, x, FieldType(G, "field", 3)))
+        assert torch.equal(lhs, act_on_output(h, restriction(x), out_type)), h.name
+    y = restriction(x)
+    assert torch.allclose(y.pow(2).sum(1), x.pow(2).sum(1), rtol=1e-5)  # an isometry: nothing dropped
+    assert torch.equal(restriction(x[..., 2, 3]), y[..., 2, 3])  # (B, C) vectors too
+
+
+def _restricted_o2(name, frequency):
+    if name == "resnet9":
+        return equiconvert.make_equivariant(resnet9(widths=(16, 32, 64)), "O2", frequency=frequency,
+                                            head="invariant", restrict="reflection", input_size=32).eval(), 32
+    return equiconvert.make_equivariant(torchvision.models.resnet18(num_classes=10), "O2", frequency=frequency,
+                                        head="invariant", restrict="reflection", input_size=33).eval(), 33
+
+
+@pytest.mark.parametrize("frequency", [1, 2])
+@pytest.mark.parametrize("name", ["resnet9", "resnet18"])
+def test_o2_reflection_restriction_keeps_flip_invariant_logits_typed_stages_and_exact_export(name, frequency):
+    torch.manual_seed(0)
+    model, size = _restricted_o2(name, frequency)
+    point = next(n for n in model.network.graph.nodes if "restrict" in n.name)
+    assert isinstance(getattr(model.network, point.target), ReflectionRestriction)
+    assert point.meta["equiconvert_type"].group.name == "D1" and model.output_type.group.name == "D1"
+    result = equiconvert.check_equivariance(model)
+    assert set(result.errors) == {"rot0", "rot0+flip"}
+    # the restriction's output and the stage's last D1 feature map transform under the flip as their types say
+    d1_maps = [n for n in model.network.graph.nodes if n.op == "call_module" and n.meta.get("equiconvert_type")
+               and n.meta["equiconvert_type"].group.name == "D1" and n.meta["equiconvert_type"].spatial
+               and not n.meta["equiconvert_type"].is_invariant and n.meta["equiconvert_shape"][-1] > 1]
+    watched = {n.target: n.meta["equiconvert_type"] for n in (point, d1_maps[-1])}
+    outputs = {}
+    hooks = [model.network.get_submodule(t).register_forward_hook(
+        lambda m, i, o, t=t: outputs.__setitem__(t, o)) for t in watched]
+    x = torch.randn(2, 3, size, size)
+    flip = model.output_type.group.grid_elements[1]
+    with torch.no_grad():
+        logits = model(x)
+        reference = dict(outputs)
+        flipped = model(flip.act_on_grid(x))
+        stage_errors = {t: _relative(outputs[t], act_on_output(flip, reference[t], ftype)) for t, ftype in watched.items()}
+        exported = equiconvert.export(model).eval()
+        same = torch.equal(exported(x), logits)
+    for hook in hooks:
+        hook.remove()
+    print(f"O2 L={frequency} {name} restrict='reflection': logits under flip {result.errors['rot0+flip']:.2e}, "
+          f"stages {stage_errors}, rot90 {_relative(model(torch.rot90(x, 1, (-2, -1))).detach(), logits):.2e}")
+    assert result.max_error <= 1e-5 and _relative(flipped, logits) <= 1e-5
+    # the restriction itself is exact; what it receives carries the O(2) convs' float noise, deeper layers more
+    assert stage_errors[point.target] <= 1e-6 and stage_errors[d1_maps[-1].target] <= 1e-5, stage_errors
+    assert same and {type(m).__module__.split(".")[0] for m in exported.modules()} == {"torch"}
+
+
+def test_per_sample_gradients_through_reflection_restriction_match_naive_loop():
+    model = equiconvert.make_equivariant(resnet9(widths=(8, 16, 32)), "O2", head="invariant", restrict="reflection",
+                                         input_size=32).eval()
+    assert any(isinstance(m, ReflectionRestriction) for m in model.modules())
+    assert_per_sample_gradients_match_loop(model, torch.randn(3, 3, 32, 32), torch.tensor([1, 4, 7]))
+
+
+def test_o2_schedules_and_reflection_without_reflections():
+    model = equiconvert.make_equivariant(resnet9(widths=(8, 16, 32)), "O2", head="invariant", restrict="O2->D1->C1",
+                                         input_size=32)
+    assert [t.group.name for t in _stage_outputs(model).values()] == ["D1", "C1"]
+    with pytest.raises(GroupSpecError, match="SO2 has none"):
+        equiconvert.make_equivariant(resnet9(widths=(8, 16, 32)), "SO2", restrict="reflection", input_size=32)
+    with pytest.raises(GroupSpecError, match="restrict only to 'invariant' or 'reflection'"):
+        equiconvert.make_equivariant(resnet9(widths=(8, 16, 32)), "O2", restrict="halved", input_size=32)

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import GroupSpecError, UnsupportedLayerError
+from ..nn.restriction import FieldRestriction, ReflectionRestriction
 from .context import SHAPE_KEY
 
 _DOWNSAMPLING_MODULES = (nn.Conv2d, nn.MaxPool2d, nn.AvgPool2d)
@@ -167,18 +168,32 @@ def width_groups(gm: fx.GraphModule, points: list[RestrictionPoint], group) -> d
 
 # --- applying a restriction while rewriting ---------------------------------------------------
 
-# representation -> (group, subgroup, field type) -> (field index, fields of the subgroup per field, representation)
+
+def _permutation(index: tuple[int, ...], split: int, representation: str):
+    """A restriction that only reorders channels (nothing to insert when the order is kept)."""
+    identity = tuple(index) == tuple(range(len(index)))
+    return (lambda num_fields: None if identity else FieldRestriction(num_fields, tuple(index))), split, representation
+
+
+def _restrict_irrep_field(group, sub):
+    """SO(2)/O(2) fields: to the trivial group every channel is a plain channel; O(2) to D1 (the flip)
+    by Hadamard pairs, each field becoming len(reflection_pairs) regular D1 fields."""
+    if sub.order == 1:
+        return _permutation(tuple(range(group.order)), group.order, "regular")
+    pairs = group.reflection_pairs()
+    return (lambda num_fields: ReflectionRestriction(num_fields, group.order, pairs)), len(pairs), "regular"
+
+
+# representation -> (group, subgroup) -> (num_fields -> module or None, fields of the subgroup per field, representation)
 FIELD_RESTRICTORS: dict[str, Any] = {
-    "trivial": lambda group, sub: ((0,), 1, "trivial"),
-    "regular": lambda group, sub: (group.restriction_index(sub), group.order // sub.order, "regular"),
-    # SO(2)/O(2) fields restrict only to the trivial group ("invariant"): every channel becomes a plain channel
-    "field": lambda group, sub: (tuple(range(group.order)), group.order, "regular"),
+    "trivial": lambda group, sub: _permutation((0,), 1, "trivial"),  # trivial fields of any group: relabel only
+    "regular": lambda group, sub: _permutation(group.restriction_index(sub), group.order // sub.order, "regular"),
+    "field": _restrict_irrep_field,
 }
 
 
 def apply_restriction(ctx, node: fx.Node, step: Any):
     """Insert the change of basis after `node` and return the restricted field type."""
-    from ..nn import FieldRestriction
     from .fields import FieldType
 
     t = ctx.type_of(node)
@@ -191,11 +206,7 @@ def apply_restriction(ctx, node: fx.Node, step: Any):
     restrictor = FIELD_RESTRICTORS.get(t.representation)
     if restrictor is None:
         raise ctx.unsupported(node, f"no restriction is defined for {t.representation} fields")
-    index, split, representation = restrictor(t.group, sub)
+    build, split, representation = restrictor(t.group, sub)
     out = FieldType(sub, representation, t.num_fields * split, t.spatial)
-    if tuple(index) == tuple(range(len(index))):
-        new = ctx.insert_after(node, nn.Identity(), f"restrict_{sub.name}", out)  # trivial fields: relabel only
-    else:
-        new = ctx.insert_after(node, FieldRestriction(t.num_fields, tuple(index)), f"restrict_{sub.name}", out)
-    return new
-
+    module = build(t.num_fields)
+    return ctx.insert_after(node, nn.Identity() if module is None else module, f"restrict_{sub.name}", out)

@@ -3,9 +3,9 @@ from .conv import SteerableConv2d
 from .irrep_fields import GatedNonlinearity, GroupStandardization, InvariantMap, NormMaxPool2d
 from .norm import FieldGroupNorm
 from .pooling import GroupPool
-from .restriction import FieldRestriction
+from .restriction import FieldRestriction, ReflectionRestriction
 
 __all__ = [
-    "SteerableConv2d", "FieldGroupNorm", "GroupPool", "FieldRestriction",
+    "SteerableConv2d", "FieldGroupNorm", "GroupPool", "FieldRestriction", "ReflectionRestriction",
     "GatedNonlinearity", "GroupStandardization", "InvariantMap", "NormMaxPool2d",
 ]

@@ -15,7 +15,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import equiconvert  # noqa: E402
 from equiconvert.models import resnet9  # noqa: E402
-from equiconvert.nn import FieldGroupNorm, SteerableConv2d  # noqa: E402
+from equiconvert.groups import parse_group  # noqa: E402
+from equiconvert.nn import FieldGroupNorm, GroupStandardization, SteerableConv2d  # noqa: E402
 from equiconvert.privacy import opacus_interop  # noqa: E402,F401  (registers the samplers)
 from opacus import GradSampleModule, PrivacyEngine  # noqa: E402
 from opacus.grad_sample import GradSampleModuleFastGradientClipping  # noqa: E402
@@ -120,7 +121,9 @@ def test_steerable_conv_chunked_batch(monkeypatch):
 def test_empty_batch():
     conv = SteerableConv2d(torch.randn(3, 4, 4, 3, 3), 2, 2, padding=1, weight_standardization=True)
     norm = FieldGroupNorm(4, 4, 2)  # even groups: FieldGroupNorm's uneven path cannot run an empty batch
-    for layer, x in ((conv, torch.randn(0, 8, 5, 5)), (norm, torch.randn(0, 16, 5, 5))):
+    standardization = GroupStandardization(3, parse_group("O2").layout, 2, affine=True)
+    for layer, x in ((conv, torch.randn(0, 8, 5, 5)), (norm, torch.randn(0, 16, 5, 5)),
+                     (standardization, torch.randn(0, 27, 5, 5))):
         backprops = torch.zeros_like(layer(x))
         grads = GradSampleModule.GRAD_SAMPLERS[type(layer)](layer, [x], backprops)
         norms = GradSampleModuleFastGradientClipping.NORM_SAMPLERS[type(layer)](layer, [x], backprops)
@@ -141,10 +144,24 @@ def test_field_group_norm_per_sample_grads_match_naive(num_fields, field_size, n
     check_layer(norm, torch.randn(5, num_fields * field_size, 6, 5) * 3 + 1)
 
 
+@pytest.mark.parametrize("group,frequency,num_fields,num_groups", [("O2", 1, 6, 3), ("O2", 2, 5, 2), ("SO2", 1, 4, 4)])
+def test_group_standardization_per_sample_grads_match_naive(group, frequency, num_fields, num_groups):
+    layout = parse_group(group, frequency).layout
+    norm = GroupStandardization(num_fields, layout, num_groups, affine=True)
+    with torch.no_grad():
+        norm.weight.normal_()
+        norm.bias.normal_()
+    check_layer(norm, torch.randn(5, num_fields * layout.size, 6, 5) * 3 + 1)
+
+
 def test_norm_samplers_match_naive_norms():
     conv = SteerableConv2d(torch.randn(6, 4, 4, 3, 3), 4, 2, padding=1, groups=2, weight_standardization=True).double()
     norm = FieldGroupNorm(5, 4, 2).double()
-    for layer, x in ((conv, torch.randn(3, 16, 6, 6)), (norm, torch.randn(3, 20, 4, 4))):
+    standardization = GroupStandardization(4, parse_group("O2").layout, 3, affine=True).double()
+    with torch.no_grad():
+        standardization.bias.normal_()
+    for layer, x in ((conv, torch.randn(3, 16, 6, 6)), (norm, torch.randn(3, 20, 4, 4)),
+                     (standardization, torch.randn(3, 36, 5, 4))):
         x = x.double()
         backprops = torch.randn_like(layer(x))
         expected = naive_per_sample(copy.deepcopy(layer), x, backprops)
@@ -162,8 +179,8 @@ def test_import_has_no_side_effects_beyond_registration():
         "from opacus.grad_sample import GradSampleModule, GradSampleModuleFastGradientClipping as FGC\n"
         "before = (set(GradSampleModule.GRAD_SAMPLERS), set(FGC.NORM_SAMPLERS), dict(ModuleValidator.VALIDATORS))\n"
         "import equiconvert.privacy.opacus_interop\n"
-        "from equiconvert.nn import SteerableConv2d, FieldGroupNorm\n"
-        "new = {SteerableConv2d, FieldGroupNorm}\n"
+        "from equiconvert.nn import SteerableConv2d, FieldGroupNorm, GroupStandardization\n"
+        "new = {SteerableConv2d, FieldGroupNorm, GroupStandardization}\n"
         "assert set(GradSampleModule.GRAD_SAMPLERS) - before[0] == new\n"
         "assert set(FGC.NORM_SAMPLERS) - before[1] == new\n"
         "assert dict(ModuleValidator.VALIDATORS) == before[2]\n"
@@ -208,7 +225,7 @@ def test_converted_model_passes_module_validator(model):
     assert SteerableConv2d in types and FieldGroupNorm in types
 
 
-def _train_private(module_for_engine: nn.Module, model: nn.Module) -> None:
+def _train_private(module_for_engine: nn.Module, model: nn.Module, steps_wanted: int = 3) -> None:
     torch.manual_seed(1)
     images, labels = torch.randn(64, 3, 32, 32), torch.randint(0, 10, (64,))
     loader = DataLoader(TensorDataset(images, labels), batch_size=16)
@@ -231,9 +248,9 @@ def _train_private(module_for_engine: nn.Module, model: nn.Module) -> None:
         optimizer.step()
         assert math.isfinite(loss.item())
         steps += 1
-        if steps == 3:
+        if steps == steps_wanted:
             break
-    assert steps == 3
+    assert steps == steps_wanted
     for name, param in model.named_parameters():
         assert not torch.equal(param.detach(), before[name]), f"{name} did not change"
     epsilon = engine.get_epsilon(1e-5)
@@ -260,15 +277,42 @@ def _exact_per_sample(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> dic
     return torch.func.vmap(torch.func.grad(loss), in_dims=(None, 0, 0))(params, x, y)
 
 
-def test_resnet9_per_sample_grads_match_vmap(model):
+def _assert_opacus_per_sample_grads_match_vmap(model: nn.Module) -> dict[str, float]:
     x, y = torch.randn(4, 3, 32, 32), torch.randint(0, 10, (4,))
     expected = _exact_per_sample(model, x, y)
     gsm = GradSampleModule(model)
     F.cross_entropy(gsm(x), y).backward()  # loss_reduction="mean", as make_private's default
+    errors = {}
     for name, param in model.named_parameters():
         assert param.grad_sample is not None, name
-        err = rel_err(param.grad_sample, expected[name])
-        assert err < RTOL, (name, err)
+        errors[name] = rel_err(param.grad_sample, expected[name])
+        assert errors[name] < RTOL, (name, errors[name])
+    gsm.remove_hooks()
+    return errors
+
+
+def test_resnet9_per_sample_grads_match_vmap(model):
+    _assert_opacus_per_sample_grads_match_vmap(model)
+
+
+@pytest.fixture
+def o2_model() -> nn.Module:
+    """A whole O(2) ResNet9: gated fields, GroupStandardization (affine), norm max pooling, invariant map."""
+    torch.manual_seed(0)
+    model = equiconvert.make_equivariant(resnet9(num_classes=10, widths=(8, 16, 32)), "O2", head="invariant",
+                                         input_size=32).train()
+    assert GroupStandardization in {type(m) for m in model.modules()}
+    return model
+
+
+def test_o2_resnet9_make_private_with_default_arguments_trains_two_steps(o2_model):
+    _train_private(o2_model, o2_model, steps_wanted=2)
+
+
+def test_o2_resnet9_opacus_per_sample_grads_match_vmap(o2_model):
+    errors = _assert_opacus_per_sample_grads_match_vmap(o2_model)
+    print(f"O2 resnet9: Opacus vs torch.func per-sample gradients, max relative error {max(errors.values()):.1e} "
+          f"over {len(errors)} parameters")
 
 
 def test_functorch_mode_per_sample_grads_match_vmap(model):

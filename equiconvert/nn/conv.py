@@ -8,6 +8,21 @@ import torch.nn.functional as F
 from torch import nn
 
 
+def apply_to_constants(module: nn.Module, fn, names: tuple[str, ...]) -> None:
+    """Move/cast the tensor attributes `names` (None allowed) as `nn.Module._apply` does buffers.
+
+    Layers keep such tensors as constants, not buffers: Opacus refuses trainable modules
+    with buffers (make_private would fail), and they are no state to save.
+    torch.func / Opacus functorch run a meta copy with only the parameters swapped back
+    in, so a meta result is not kept.
+    """
+    for name in names:
+        value = getattr(module, name)
+        moved = None if value is None else fn(value)
+        if moved is not None and not moved.is_meta:
+            setattr(module, name, moved)
+
+
 class SteerableConv2d(nn.Module):
     """A 2D convolution whose filter is constrained to an equivariant linear span.
 
@@ -70,12 +85,7 @@ class SteerableConv2d(nn.Module):
 
     def _apply(self, fn, recurse: bool = True):
         super()._apply(fn, recurse)
-        for name in ("basis", "bias_index"):
-            value = getattr(self, name)
-            moved = None if value is None else fn(value)
-            # torch.func / Opacus functorch run a meta copy with only the parameters swapped back in
-            if moved is not None and not moved.is_meta:
-                setattr(self, name, moved)
+        apply_to_constants(self, fn, ("basis", "bias_index"))
         return self
 
     @property

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..groups import FieldLayout
+from .conv import apply_to_constants
 
 
 def _gate_index(layout: FieldLayout) -> torch.Tensor:
@@ -61,12 +62,20 @@ class GroupStandardization(nn.Module):
             raise ValueError(f"num_groups={num_groups} must lie in 1..num_fields={num_fields}")
         self.num_fields, self.field_size, self.trivial = num_fields, layout.size, layout.trivial
         self.num_groups, self.eps = num_groups, eps
-        self.register_buffer("assignment", field_groups(num_fields, num_groups), persistent=False)
+        # a constant, not a buffer: Opacus refuses trainable modules with buffers (see apply_to_constants)
+        self.assignment = field_groups(num_fields, num_groups)
         self.weight = nn.Parameter(torch.ones(num_fields)) if affine else None
         self.bias = nn.Parameter(torch.zeros(num_fields)) if affine else None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        fields = x.reshape(x.shape[0], self.num_fields, self.field_size, -1)
+    def _apply(self, fn, recurse: bool = True):
+        super()._apply(fn, recurse)
+        apply_to_constants(self, fn, ("assignment",))
+        return self
+
+    def standardize(self, x: torch.Tensor) -> torch.Tensor:
+        """The output before the affine step, shaped (batch, fields, field size, positions)."""
+        # (B, C, ...) -> (B, fields, size, positions); unlike reshape(..., -1), also for an empty batch
+        fields = x.unflatten(1, (self.num_fields, self.field_size)).unsqueeze(-1).flatten(3)
         trivial, rotating = fields[:, :, : self.trivial], fields[:, :, self.trivial :]
         per_group = self.assignment.sum(0)
         positions = fields.shape[-1]
@@ -75,7 +84,10 @@ class GroupStandardization(nn.Module):
         squares = centred.pow(2).sum((2, 3)) + rotating.pow(2).sum((2, 3))
         var = (squares @ self.assignment) / (per_group * self.field_size * positions)
         scale = torch.rsqrt(var + self.eps) @ self.assignment.T
-        out = torch.cat([centred, rotating], dim=2) * scale[:, :, None, None]
+        return torch.cat([centred, rotating], dim=2) * scale[:, :, None, None]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.standardize(x)
         if self.weight is not None:
             out = out * self.weight[:, None, None]
             shift = torch.zeros(self.num_fields, self.field_size, 1, dtype=out.dtype, device=out.device)

@@ -7,6 +7,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .conv import apply_to_constants
+
 
 def field_groups(num_fields: int, num_groups: int) -> torch.Tensor:
     """(num_fields, num_groups) 0/1 matrix: contiguous groups of whole fields, sizes differing by at most one."""
@@ -39,9 +41,7 @@ class FieldGroupNorm(nn.Module):
 
     def _apply(self, fn, recurse: bool = True):
         super()._apply(fn, recurse)
-        assignment = fn(self.assignment)
-        if not assignment.is_meta:  # see SteerableConv2d._apply
-            self.assignment = assignment
+        apply_to_constants(self, fn, ("assignment",))
         return self
 
     def _normalize_uneven(self, x: torch.Tensor) -> torch.Tensor:

@@ -2,9 +2,10 @@
 
 Importing this module registers, with Opacus' hook-based machinery
 (``GradSampleModule``, ``PrivacyEngine.make_private``), a grad sampler for
-``SteerableConv2d`` and ``FieldGroupNorm`` and, for ghost clipping, a norm
-sampler for both. It does nothing else: no model is touched, nothing is
-printed, no Opacus behaviour other than these two registries changes.
+``SteerableConv2d``, ``FieldGroupNorm`` and ``GroupStandardization`` (SO(2)/O(2)
+fields) and, for ghost clipping, a norm sampler for each. It does nothing else:
+no model is touched, nothing is printed, no Opacus behaviour other than these
+two registries changes.
 
 How the samplers work
 ---------------------
@@ -30,6 +31,12 @@ gradients are ``x_hat * dL/dy`` and ``dL/dy`` summed over space and over the
 channels of each field, with ``x_hat`` recomputed from the captured input the
 way the layer's forward computes it (even and uneven field groups).
 
+``GroupStandardization``: ``y = x_hat * weight[field]`` on every channel of a
+field, ``+ bias[field]`` on its trivial channels only; the per-sample gradients
+are ``x_hat * dL/dy`` summed over a field's channels and positions, and
+``dL/dy`` summed over its trivial channels and positions, with ``x_hat`` from
+the layer's own ``standardize``.
+
 The norm samplers (used only with ``grad_sample_mode="ghost"``) compute the
 same per-sample gradients chunk by chunk and keep only their norms. There is
 no cheaper "ghost" identity for the basis-contracted convolution gradient.
@@ -54,6 +61,7 @@ from opacus.grad_sample import register_grad_sampler  # noqa: E402
 from torch import nn  # noqa: E402
 
 from ..nn.conv import SteerableConv2d  # noqa: E402
+from ..nn.irrep_fields import GroupStandardization  # noqa: E402
 from ..nn.norm import FieldGroupNorm  # noqa: E402
 
 try:  # Opacus >= 1.5 (ghost clipping)
@@ -66,10 +74,12 @@ __all__ = [
     "compute_steerable_conv_norm_sample",
     "compute_field_group_norm_grad_sample",
     "compute_field_group_norm_norm_sample",
+    "compute_group_standardization_grad_sample",
+    "compute_group_standardization_norm_sample",
     "SUPPORTED_MODULES",
 ]
 
-SUPPORTED_MODULES = (SteerableConv2d, FieldGroupNorm)
+SUPPORTED_MODULES = (SteerableConv2d, FieldGroupNorm, GroupStandardization)
 
 # Upper bound on the elements of the unfolded input plus the full-size filter
 # gradient held at once (2**24 float32 = 64 MiB); at least one sample per chunk.
@@ -181,6 +191,21 @@ def compute_field_group_norm_grad_sample(
     return ret
 
 
+@register_grad_sampler(GroupStandardization)
+def compute_group_standardization_grad_sample(
+    layer: GroupStandardization, activations: List[torch.Tensor], backprops: torch.Tensor
+) -> GradSamples:
+    """Opacus grad sampler: per-sample gradients of the per-field scale (all channels) and shift (trivial ones)."""
+    x = activations[0].to(backprops.dtype)
+    per_channel = backprops.unflatten(1, (layer.num_fields, layer.field_size)).unsqueeze(-1).flatten(3)  # (n, F, size, rest)
+    ret: GradSamples = {}
+    if layer.weight is not None and layer.weight.requires_grad:
+        ret[layer.weight] = (layer.standardize(x) * per_channel).sum((2, 3))
+    if layer.bias is not None and layer.bias.requires_grad:
+        ret[layer.bias] = per_channel[:, :, : layer.trivial].sum((2, 3))
+    return ret
+
+
 def _norms_of(grad_sampler: Callable[..., GradSamples], layer: nn.Module, activations, backprops) -> Dict[nn.Parameter, torch.Tensor]:
     """Per-sample gradient norms, computed a few samples at a time so no (n, *param) tensor is kept."""
     n = backprops.shape[0]
@@ -207,6 +232,14 @@ def compute_field_group_norm_norm_sample(
     return _norms_of(compute_field_group_norm_grad_sample, layer, activations, backprops)
 
 
+def compute_group_standardization_norm_sample(
+    layer: GroupStandardization, activations: List[torch.Tensor], backprops: torch.Tensor
+) -> Dict[nn.Parameter, torch.Tensor]:
+    """Opacus norm sampler (ghost clipping): per-sample gradient norms of the per-field scale and shift."""
+    return _norms_of(compute_group_standardization_grad_sample, layer, activations, backprops)
+
+
 if register_norm_sampler is not None:
     register_norm_sampler(SteerableConv2d)(compute_steerable_conv_norm_sample)
     register_norm_sampler(FieldGroupNorm)(compute_field_group_norm_norm_sample)
+    register_norm_sampler(GroupStandardization)(compute_group_standardization_norm_sample)

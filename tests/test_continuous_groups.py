@@ -214,3 +214,12 @@ def test_functional_activations_become_gated_and_functional_max_pool_is_refused(
 
     with pytest.raises(equiconvert.UnsupportedLayerError, match="norm max pooling"):
         equiconvert.make_equivariant(MaxPooled(), "SO2", input_size=8)
+
+
+@pytest.mark.parametrize("name", ["O2", "SO2"])
+def test_params_width_matches_the_parameter_count(name):
+    """width="params" bisects with conversions on the meta device, where NormMaxPool2d must build without data."""
+    model = equiconvert.make_equivariant(resnet9(), name, width="params", head="invariant")
+    before, after = model.report.params_before, model.report.params_after
+    print(f"{name} resnet9 width='params': {after:,} parameters for {before:,}")
+    assert abs(after - before) <= 0.02 * before

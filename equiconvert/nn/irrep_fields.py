@@ -117,11 +117,13 @@ class NormMaxPool2d(nn.Module):
         self.kernel_size, self.stride = kernel_size, stride if stride is not None else kernel_size
         self.padding, self.dilation, self.ceil_mode = padding, dilation, ceil_mode
         self.sizes = tuple(sorted({size for _, size, _, _ in layout.components}))
-        for size in self.sizes:  # channel offsets (within a field) of the components of this size
-            starts = [start for start, s, _, _ in layout.components if s == size]
-            self.register_buffer(f"channels_{size}", torch.tensor(starts)[:, None] + torch.arange(size), persistent=False)
-        order = [c for size in self.sizes for c in getattr(self, f"channels_{size}").flatten().tolist()]
-        self.register_buffer("restore", torch.argsort(torch.tensor(list(range(self.trivial)) + order)), persistent=False)
+        order = list(range(self.trivial))  # channels in the order forward concatenates them (plain Python:
+        for size in self.sizes:  # under torch.device("meta"), as width="params" builds it, tensors hold no data)
+            channels = [[start + i for i in range(size)] for start, s, _, _ in layout.components if s == size]
+            self.register_buffer(f"channels_{size}", torch.tensor(channels), persistent=False)  # offsets in a field
+            order += [c for component in channels for c in component]
+        restore = sorted(range(len(order)), key=order.__getitem__)  # argsort
+        self.register_buffer("restore", torch.tensor(restore), persistent=False)
 
     def _pool(self, x: torch.Tensor, **kwargs):
         return F.max_pool2d(x, self.kernel_size, self.stride, self.padding, self.dilation, self.ceil_mode, **kwargs)

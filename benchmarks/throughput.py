@@ -4,7 +4,9 @@ Methods, side by side in one process on one device, each on the same augmented
 batch of B examples x K views of a converted D4 ResNet9:
   nonprivate   forward/backward on the B*K views, SGD step (the floor)
   equiconvert  torch.func vmap over examples of grad over their K views (averaged
-               before clipping), clipping, noise, step (what DPTrainer runs)
+               before clipping), clipping, noise, step (DPTrainer's per_sample_method="vmap")
+  bookkeeping  one forward/backward on the B*K views, per-layer per-example gradients
+               from kept inputs and output gradients (DPTrainer's "bookkeeping")
   opacus       Opacus GradSampleModule hooks (equiconvert's registered samplers) on
                the B*K views, per-example mean over views, clipping, noise, step
   nested_vmap  the paper's code's approach: vmap over examples of vmap over views
@@ -32,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import equiconvert  # noqa: E402
 from equiconvert.models import equivariant_resnet9, resnet9  # noqa: E402
 from equiconvert.privacy.augment import augment_views  # noqa: E402
+from equiconvert.privacy.bookkeeping import per_sample_gradients_bookkeeping  # noqa: E402
 from equiconvert.privacy.per_sample import clip_and_sum, per_sample_gradients  # noqa: E402
 
 MAX_GRAD_NORM, NOISE = 2.0, 1.0
@@ -65,15 +68,20 @@ def step_nonprivate(model, optimizer, views, labels):
     optimizer.zero_grad(set_to_none=True)
 
 
-def make_equiconvert_step(chunk: int):
-    """DPTrainer's computation: the batch in chunks of `chunk` examples (as its physical batches)."""
+def make_equiconvert_step(chunk: int, method: str = "vmap"):
+    """DPTrainer's computation: the batch in chunks of `chunk` examples (as its physical batches), per-sample
+    gradients by torch.func vmap or by book-keeping."""
 
     def step(model, optimizer, views, labels):
         params = {n: p.detach() for n, p in model.named_parameters()}
         buffers = dict(model.named_buffers())
         summed = {n: torch.zeros_like(p) for n, p in params.items()}
         for start in range(0, views.shape[0], chunk):
-            grads, _ = per_sample_gradients(model, params, buffers, views[start:start + chunk], labels[start:start + chunk])
+            part, part_labels = views[start:start + chunk], labels[start:start + chunk]
+            if method == "bookkeeping":
+                grads, _ = per_sample_gradients_bookkeeping(model, part, part_labels)
+            else:
+                grads, _ = per_sample_gradients(model, params, buffers, part, part_labels)
             clipped, _ = clip_and_sum(grads, MAX_GRAD_NORM)
             for name, value in clipped.items():
                 summed[name] += value
@@ -148,8 +156,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="paper: the D4 Equivariant-ResNet9 of Hölzl et al. (255,675 params; --widths/--kappa unused)")
     parser.add_argument("--widths", default="64,128,256", help="ResNet9 channel widths before conversion")
     parser.add_argument("--kappa", type=float, default=1.5, help="width constant of the conversion")
-    parser.add_argument("--methods", default="nonprivate,equiconvert,opacus,nested_vmap",
-                        help="equiconvert@N processes the batch in chunks of N examples (DPTrainer's physical batches)")
+    parser.add_argument("--methods", default="nonprivate,equiconvert,bookkeeping,opacus,nested_vmap",
+                        help="equiconvert@N / bookkeeping@N process the batch in chunks of N examples (DPTrainer's physical batches)")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--iters", type=int, default=5)
     parser.add_argument("--out", default="benchmarks/results/throughput.json")
@@ -167,8 +175,9 @@ def main(argv: list[str] | None = None) -> int:
         model = build_model(args.model, widths, args.kappa, device)
         params = sum(p.numel() for p in model.parameters())
         step = {"nonprivate": step_nonprivate, "nested_vmap": step_nested_vmap}.get(method)
-        if method.startswith("equiconvert"):
-            step = make_equiconvert_step(int(method.partition("@")[2] or args.batch))
+        if method.startswith("equiconvert") or method.startswith("bookkeeping"):
+            kind = "bookkeeping" if method.startswith("bookkeeping") else "vmap"
+            step = make_equiconvert_step(int(method.partition("@")[2] or args.batch), kind)
         if method == "opacus":
             step, _ = make_opacus_step(model)
         try:

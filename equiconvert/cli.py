@@ -264,7 +264,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
         aug_mult=args.aug_mult, max_grad_norm=args.max_grad_norm, lr=args.lr, momentum=args.momentum,
         optimizer=args.optimizer, lr_schedule=args.lr_schedule, augment_flip=not args.no_flip, ema_decay=args.ema_decay or None, accountant=args.accountant,
         noise_multiplier=args.noise_multiplier, physical_batch_size=args.physical_batch_size, seed=args.seed,
-        eval_every=args.eval_every, checkpoint_every=args.checkpoint_every,
+        eval_every=args.eval_every, checkpoint_every=args.checkpoint_every, per_sample_method=args.per_sample,
     )
     print(json.dumps(result, indent=2))
     return 0
@@ -291,6 +291,8 @@ def _add_train_parser(sub) -> None:
     train.add_argument("--lr", type=float, default=2.0)
     train.add_argument("--momentum", type=float, default=0.0)
     train.add_argument("--optimizer", choices=("sgd", "nadam"), default="sgd")
+    train.add_argument("--per-sample", choices=("auto", "bookkeeping", "vmap"), default="auto",
+                       help="per-sample gradients: book-keeping (one backward) where the model allows, else torch.func vmap")
     train.add_argument("--no-flip", action="store_true",
                        help="augment by crops only (digits: a flipped 2 is not a 2)")
     train.add_argument("--lr-schedule", choices=("constant", "cosine"), default="constant")

@@ -102,7 +102,7 @@ def test_uneven_group_norm_handles_an_empty_batch():
 
 def test_uneven_group_norm_matches_manual_statistics():
     norm = FieldGroupNorm(num_fields=5, field_size=4, num_groups=2, affine=False)
-    x = torch.randn(3, 20, 4, 4)
+    x = torch.randn(3, 20, 4, 4) * 3 + 5  # an offset: group statistics are combined from per-field ones
     out = norm(x)
     bounds = [0, 2, 5]  # round(i * 5 / 2): groups of 2 and 3 fields
     for start, stop in zip(bounds, bounds[1:]):

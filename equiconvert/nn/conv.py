@@ -102,29 +102,36 @@ class SteerableConv2d(nn.Module):
             if self.bias is not None:
                 self.bias.zero_()
 
-    def coefficients(self) -> torch.Tensor:
+    def coefficients(self, weight: torch.Tensor | None = None) -> torch.Tensor:
+        """The basis coefficients of `weight` (default: self.weight), standardized per output field if asked."""
+        weight = self.weight if weight is None else weight
         if not self.weight_standardization:
-            return self.weight
-        mean = self.weight.mean(dim=(1, 2), keepdim=True)
-        var = self.weight.var(dim=(1, 2), keepdim=True, unbiased=False)
-        return (self.weight - mean) / torch.sqrt(var + self.eps)
+            return weight
+        mean = weight.mean(dim=(1, 2), keepdim=True)
+        var = weight.var(dim=(1, 2), keepdim=True, unbiased=False)
+        return (weight - mean) / torch.sqrt(var + self.eps)
 
-    def expand_filter(self) -> torch.Tensor:
-        """The (out_channels, in_channels/groups, k, k) filter used by F.conv2d."""
-        coeffs = self.coefficients()
+    def expand_filter(self, weight: torch.Tensor | None = None) -> torch.Tensor:
+        """The (out_channels, in_channels/groups, k, k) filter used by F.conv2d, from `weight` (default: self.weight).
+
+        A pure function of `weight`, so per-sample filter gradients map to coefficient gradients by its VJP.
+        """
+        coeffs = self.coefficients(weight)
         out_f, in_f, nb = coeffs.shape
         k = self.kernel_size
         flat = coeffs.reshape(out_f * in_f, nb) @ self.basis.reshape(nb, -1)
         flat = flat.reshape(out_f, in_f, self.out_size, self.in_size, k, k).permute(0, 2, 1, 3, 4, 5)
         return flat.reshape(out_f * self.out_size, in_f * self.in_size, k, k)
 
-    def expand_bias(self) -> torch.Tensor | None:
-        if self.bias is None:
+    def expand_bias(self, bias: torch.Tensor | None = None) -> torch.Tensor | None:
+        """The per-channel bias from `bias` (default: self.bias); None without a bias."""
+        bias = self.bias if bias is None else bias
+        if bias is None:
             return None
         if self.bias_channels is None:  # a constant per field is invariant for trivial and regular fields
-            return self.bias.repeat_interleave(self.out_size)
-        full = self.bias.new_zeros(self.out_fields, self.out_size)
-        return full.index_copy(1, self.bias_index, self.bias).flatten()
+            return bias.repeat_interleave(self.out_size)
+        full = bias.new_zeros(self.out_fields, self.out_size)
+        return full.index_copy(1, self.bias_index, bias).flatten()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight, bias = self.expand_filter(), self.expand_bias()

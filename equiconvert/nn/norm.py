@@ -45,12 +45,17 @@ class FieldGroupNorm(nn.Module):
         return self
 
     def _normalize_uneven(self, x: torch.Tensor) -> torch.Tensor:
+        """Group statistics from per-field ones (law of total variance: fields of a group have equal sizes),
+        so the full-size tensor is read once for statistics and once for the affine map."""
         fields = x.reshape(x.shape[0], self.num_fields, math.prod(x.shape[1:]) // self.num_fields)  # 0 samples too
-        per_group = self.assignment.sum(0) * fields.shape[-1]
-        mean = (fields.sum(-1) @ self.assignment / per_group) @ self.assignment.T
-        centred = fields - mean.unsqueeze(-1)
-        var = (centred.pow(2).sum(-1) @ self.assignment / per_group) @ self.assignment.T
-        return (centred * torch.rsqrt(var + self.eps).unsqueeze(-1)).reshape(x.shape)
+        field_var, field_mean = torch.var_mean(fields, dim=-1, unbiased=False)  # (B, F)
+        average = self.assignment / self.assignment.sum(0)  # (F, G): mean over each group's fields
+        group_mean = field_mean @ average
+        spread = (field_mean - group_mean @ self.assignment.T).pow(2)
+        group_var = (field_var + spread) @ average
+        scale = torch.rsqrt(group_var + self.eps) @ self.assignment.T  # back to (B, F)
+        shift = -(group_mean @ self.assignment.T) * scale
+        return torch.addcmul(shift.unsqueeze(-1), fields, scale.unsqueeze(-1)).reshape(x.shape)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.num_fields % self.num_groups == 0:

@@ -24,12 +24,14 @@ from .augment import augment_views
 from .checkpoint import load, save_atomic
 from .ema import ExponentialMovingAverage
 from .metrics import evaluate
+from .bookkeeping import BookkeepingUnsupportedError, check_bookkeeping_supported, per_sample_gradients_bookkeeping
 from .per_sample import clip_and_sum, per_sample_gradients
 from .sampling import PoissonSampler, physical_chunks
 from .validate import validate_dp_safe
 
 TensorData = tuple[torch.Tensor, torch.Tensor]
 OPTIMIZERS = ("sgd", "nadam")
+PER_SAMPLE_METHODS = ("auto", "bookkeeping", "vmap")
 CUSTOM_SCHEDULE = "custom"  # a callable step -> lr given to DPTrainer
 LR_SCHEDULES = ("constant", "cosine", CUSTOM_SCHEDULE)
 
@@ -62,6 +64,7 @@ class DPConfig:
     checkpoint_every: int | None = None
     log_train_loss: bool = True  # a non-private diagnostic: computed on private data
     epsilon_every: int = 10  # log epsilon every this many steps (PRV's get_epsilon is slow)
+    per_sample_method: str = "auto"  # "bookkeeping", "vmap", or "auto": bookkeeping where the model allows it
 
 
 class DPTrainer:
@@ -87,6 +90,7 @@ class DPTrainer:
         self.config = DPConfig(lr_schedule=CUSTOM_SCHEDULE if custom_schedule else lr_schedule, **options)
         self._check_config()
         validate_dp_safe(model)
+        self.per_sample_method = _choose_per_sample_method(model, self.config.per_sample_method)
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.model = model.to(self.device)
         self.out_dir = Path(out_dir) if out_dir is not None else None
@@ -108,6 +112,8 @@ class DPTrainer:
         c = self.config
         if c.optimizer not in OPTIMIZERS:
             raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {c.optimizer!r}")
+        if c.per_sample_method not in PER_SAMPLE_METHODS:
+            raise ValueError(f"per_sample_method must be one of {PER_SAMPLE_METHODS}, got {c.per_sample_method!r}")
         if c.lr_schedule not in LR_SCHEDULES:
             raise ValueError(f"lr_schedule must be one of {LR_SCHEDULES}, got {c.lr_schedule!r}")
         if c.target_epsilon is None and c.noise_multiplier is None:
@@ -150,7 +156,8 @@ class DPTrainer:
         for chunk in physical_chunks(indices, c.physical_batch_size):
             views = augment_views(self._normalize(images[chunk]), c.aug_mult, self._augment_rng,
                                   c.augment_padding, c.augment_flip)
-            grads, losses = per_sample_gradients(self.model, params, buffers, views, labels[chunk].to(self.device))
+            chunk_labels = labels[chunk].to(self.device)
+            grads, losses = self._per_sample_gradients(params, buffers, views, chunk_labels)
             loss_sum += losses.detach().sum()
             clipped, _ = clip_and_sum(grads, c.max_grad_norm)
             for name, value in clipped.items():
@@ -162,6 +169,17 @@ class DPTrainer:
             for name, value in summed.items()
         }
         return noisy, len(indices), float(loss_sum) / max(len(indices), 1)
+
+    def _per_sample_gradients(self, params, buffers, views, labels) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        if self.per_sample_method == "bookkeeping":
+            try:
+                return per_sample_gradients_bookkeeping(self.model, views, labels)
+            except BookkeepingUnsupportedError as error:  # found only by running, e.g. a layer called twice
+                if self.config.per_sample_method == "bookkeeping":
+                    raise
+                self.per_sample_method = "vmap"
+                self._log({"event": "per_sample_method", "method": "vmap", "reason": str(error)})
+        return per_sample_gradients(self.model, params, buffers, views, labels)
 
     def train_step(self, images: torch.Tensor, labels: torch.Tensor) -> dict[str, Any]:
         """One DP-SGD step on the private data (images, labels); returns its log record."""
@@ -298,6 +316,19 @@ class DPTrainer:
         if state["rng"]["cuda"] is not None and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(state["rng"]["cuda"])
         self.step = state["step"]
+
+
+def _choose_per_sample_method(model: nn.Module, requested: str) -> str:
+    """"auto" takes book-keeping (one backward, no per-example network copies) when every layer allows it."""
+    if requested == "vmap":
+        return "vmap"
+    try:
+        check_bookkeeping_supported(model)
+    except BookkeepingUnsupportedError:
+        if requested == "bookkeeping":
+            raise
+        return "vmap"
+    return "bookkeeping"
 
 
 def _named_schedule(config: DPConfig) -> Callable[[int], float] | None:

@@ -1,0 +1,207 @@
+"""Per-sample gradients by book-keeping (Bu et al. 2023): one ordinary forward and backward.
+
+`torch.func.vmap(grad)` runs a per-example copy of the whole backward, including a
+per-example weight gradient of every convolution through a grouped convolution. Here
+the network runs once on all B*K views; the backward computes activation gradients
+only (parameters are detached for it), and every layer that owns parameters keeps its
+input and receives the gradient of its output. Its per-example parameter gradient is
+then formed from those two:
+
+- convolutions (plain and steerable) and linear layers: one batched matrix product of
+  the output gradient with the unfolded input, summed over the example's K views; a
+  steerable filter gradient then goes to coefficient space (basis, weight
+  standardization) by the vector-Jacobian product of the layer's filter expansion;
+- any other layer with parameters (norms): the vmapped vector-Jacobian product of that
+  layer alone, on the example's K inputs.
+
+The result equals `per_sample.per_sample_gradients` (each example's gradient of its mean
+loss over its K views). It needs every parametrised layer to run once per forward and to
+own its parameters; `check_bookkeeping_supported` says why a model does not qualify.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.func import functional_call, vjp, vmap
+
+from ..nn.conv import SteerableConv2d
+from .per_sample import Gradients, LossFn
+
+PerSampleRule = Callable[[nn.Module, torch.Tensor, torch.Tensor, int], dict[str, torch.Tensor]]
+
+
+class BookkeepingUnsupportedError(ValueError):
+    """The model cannot use book-keeping; the message names the layer and says why."""
+
+
+def _pair(value) -> tuple[int, int]:
+    return (value, value) if isinstance(value, int) else tuple(value)
+
+
+def _filter_gradients(module: nn.Module, inputs: torch.Tensor, grad_out: torch.Tensor, views: int) -> torch.Tensor:
+    """Per-example gradient of the dense conv filter, (B, C_out, C_in * k * k), summed over each example's views."""
+    kernel, stride, dilation = _pair(module.kernel_size), _pair(module.stride), _pair(module.dilation)
+    padding = _pair(module.padding)
+    if module.padding_mode != "zeros":
+        inputs = F.pad(inputs, (padding[1], padding[1], padding[0], padding[0]), mode=module.padding_mode)
+        padding = (0, 0)
+    columns = F.unfold(inputs, kernel, dilation=dilation, padding=padding, stride=stride)  # (N, C_in k k, L)
+    batch = inputs.shape[0] // views
+    columns = columns.reshape(batch, views, columns.shape[1], columns.shape[2])
+    grad_out = grad_out.reshape(batch, views, grad_out.shape[1], -1)  # (B, K, C_out, L)
+    return torch.einsum("bkol,bkdl->bod", grad_out, columns)
+
+
+def _conv_rule(module: nn.Conv2d, inputs: torch.Tensor, grad_out: torch.Tensor, views: int) -> dict[str, torch.Tensor]:
+    filters = _filter_gradients(module, inputs, grad_out, views)
+    grads = {"weight": filters.reshape(filters.shape[0], *module.weight.shape)}
+    if module.bias is not None:
+        grads["bias"] = grad_out.reshape(filters.shape[0], views, grad_out.shape[1], -1).sum(dim=(1, 3))
+    return grads
+
+
+def _steerable_conv_rule(
+    module: SteerableConv2d, inputs: torch.Tensor, grad_out: torch.Tensor, views: int
+) -> dict[str, torch.Tensor]:
+    filters = _filter_gradients(module, inputs, grad_out, views)
+    dense_shape = (module.out_channels, module.in_channels // module.groups, module.kernel_size, module.kernel_size)
+    _, filter_vjp = vjp(module.expand_filter, module.weight.detach())
+    grads = {"weight": vmap(lambda g: filter_vjp(g)[0])(filters.reshape(filters.shape[0], *dense_shape))}
+    if module.bias is not None:
+        per_channel = grad_out.reshape(filters.shape[0], views, grad_out.shape[1], -1).sum(dim=(1, 3))
+        _, bias_vjp = vjp(module.expand_bias, module.bias.detach())
+        grads["bias"] = vmap(lambda g: bias_vjp(g)[0])(per_channel)
+    return grads
+
+
+def _linear_rule(module: nn.Linear, inputs: torch.Tensor, grad_out: torch.Tensor, views: int) -> dict[str, torch.Tensor]:
+    batch = inputs.shape[0] // views
+    inputs = inputs.reshape(batch, -1, inputs.shape[-1])  # views and any middle dimensions together
+    grad_out = grad_out.reshape(batch, -1, grad_out.shape[-1])
+    grads = {"weight": torch.einsum("bno,bni->boi", grad_out, inputs)}
+    if module.bias is not None:
+        grads["bias"] = grad_out.sum(dim=1)
+    return grads
+
+
+def _layer_vjp_rule(module: nn.Module, inputs: torch.Tensor, grad_out: torch.Tensor, views: int) -> dict[str, torch.Tensor]:
+    """Any layer that owns its parameters: the VJP of the layer alone, per example, on its K inputs."""
+    params = {name: p.detach() for name, p in module.named_parameters(recurse=False)}
+    batch = inputs.shape[0] // views
+
+    def example(example_inputs: torch.Tensor, example_grad: torch.Tensor) -> dict[str, torch.Tensor]:
+        _, pullback = vjp(lambda p: functional_call(module, p, (example_inputs,)), params)
+        return pullback(example_grad)[0]
+
+    return vmap(example)(inputs.reshape(batch, views, *inputs.shape[1:]),
+                         grad_out.reshape(batch, views, *grad_out.shape[1:]))
+
+
+RULES: dict[type[nn.Module], PerSampleRule] = {
+    SteerableConv2d: _steerable_conv_rule,
+    nn.Conv2d: _conv_rule,
+    nn.Linear: _linear_rule,
+}
+
+
+def _rule_for(module: nn.Module) -> PerSampleRule:
+    rule = RULES.get(type(module), _layer_vjp_rule)
+    if rule is not _layer_vjp_rule and (getattr(module, "groups", 1) != 1 or isinstance(getattr(module, "padding", 0), str)):
+        return _layer_vjp_rule  # grouped convs, padding="same": exact through the generic VJP
+    return rule
+
+
+def parametrised_layers(model: nn.Module) -> dict[str, nn.Module]:
+    """Layers that own trainable parameters, by module path."""
+    return {name: m for name, m in model.named_modules() if any(p.requires_grad for p in m.parameters(recurse=False))}
+
+
+def check_bookkeeping_supported(model: nn.Module) -> None:
+    """Raise BookkeepingUnsupportedError unless every parameter is owned by one layer with no parametrised children."""
+    owners: dict[int, str] = {}
+    for name, module in parametrised_layers(model).items():
+        for param in module.parameters(recurse=False):
+            if id(param) in owners:
+                raise BookkeepingUnsupportedError(f"parameter shared by layers {owners[id(param)]!r} and {name!r}")
+            owners[id(param)] = name
+        if _rule_for(module) is _layer_vjp_rule and any(
+            p.requires_grad for child in module.children() for p in child.parameters()
+        ):
+            raise BookkeepingUnsupportedError(f"layer {name!r} ({type(module).__name__}) owns parameters and has "
+                                              "parametrised sub-layers; use the vmap method")
+
+
+class _Recorder:
+    """Forward hooks that keep each layer's input and the gradient of its output."""
+
+    def __init__(self, layers: dict[str, nn.Module]) -> None:
+        self.layers = layers
+        self.inputs: dict[str, torch.Tensor] = {}
+        self.grads: dict[str, torch.Tensor] = {}
+
+    def _hook(self, name: str):
+        def hook(module: nn.Module, args: tuple, output: torch.Tensor) -> None:
+            if name in self.inputs:
+                raise BookkeepingUnsupportedError(f"layer {name!r} runs more than once per forward; use the vmap method")
+            if len(args) != 1 or not isinstance(output, torch.Tensor):
+                raise BookkeepingUnsupportedError(f"layer {name!r} must take and return one tensor")
+            self.inputs[name] = args[0].detach()
+            output.register_hook(lambda grad: self.grads.__setitem__(name, grad))
+
+        return hook
+
+    @contextlib.contextmanager
+    def attached(self) -> Iterator["_Recorder"]:
+        handles = [m.register_forward_hook(self._hook(name)) for name, m in self.layers.items()]
+        try:
+            yield self
+        finally:
+            for handle in handles:
+                handle.remove()
+
+
+@contextlib.contextmanager
+def _parameters_frozen(model: nn.Module) -> Iterator[None]:
+    """The backward computes activation gradients only: no parameter gradient is formed or accumulated."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    for p in params:
+        p.requires_grad_(False)
+    try:
+        yield
+    finally:
+        for p in params:
+            p.requires_grad_(True)
+
+
+def per_sample_gradients_bookkeeping(
+    model: nn.Module,
+    views: torch.Tensor,
+    labels: torch.Tensor,
+    loss_fn: LossFn = F.cross_entropy,
+) -> tuple[Gradients, torch.Tensor]:
+    """Each example's gradient of its mean loss over its K views, and that loss (as per_sample_gradients).
+
+    views (B, K, C, H, W) -> ({parameter name: (B, *shape)}, (B,)).
+    """
+    batch, num_views = views.shape[:2]
+    layers = parametrised_layers(model)
+    recorder = _Recorder(layers)
+    inputs = views.reshape(batch * num_views, *views.shape[2:]).detach().requires_grad_(True)
+    with _parameters_frozen(model), recorder.attached():
+        logits = model(inputs)
+        per_view = loss_fn(logits, labels.repeat_interleave(num_views), reduction="none")
+        losses = per_view.reshape(batch, num_views).mean(dim=1)
+        torch.autograd.grad(losses.sum(), inputs)
+    grads: Gradients = {}
+    for name, module in layers.items():
+        if name not in recorder.grads:
+            raise BookkeepingUnsupportedError(f"layer {name!r} did not take part in the forward pass")
+        per_layer = _rule_for(module)(module, recorder.inputs[name], recorder.grads[name], num_views)
+        for param_name, value in per_layer.items():
+            grads[f"{name}.{param_name}" if name else param_name] = value
+    order = [name for name, p in model.named_parameters() if p.requires_grad]
+    return {name: grads[name] for name in order}, losses.detach()

@@ -1,0 +1,130 @@
+"""Book-keeping per-sample gradients equal torch.func's, layer type by layer type, and fail loudly."""
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from opacus.validators import ModuleValidator
+from torch import nn
+
+import equiconvert
+from equiconvert.models import equivariant_resnet9, resnet9
+from equiconvert.models.equivariant_resnet9 import plain_paper_resnet9
+from equiconvert.privacy.bookkeeping import (BookkeepingUnsupportedError, check_bookkeeping_supported,
+                                             per_sample_gradients_bookkeeping)
+from equiconvert.privacy.per_sample import per_sample_gradients
+from equiconvert.privacy.trainer import DPTrainer
+
+
+class DepthwiseNet(nn.Module):
+    """Grouped (depthwise) conv, reflect padding, conv bias: the layers that take the generic VJP or a pre-pad."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Conv2d(3, 16, 3, padding=1, padding_mode="reflect")
+        self.depthwise = nn.Conv2d(16, 16, 3, padding=1, groups=16)
+        self.norm = nn.GroupNorm(4, 16)
+        self.head = nn.Linear(16, 10)
+
+    def forward(self, x):
+        x = F.relu(self.norm(self.depthwise(F.relu(self.stem(x)))))
+        return self.head(x.mean((2, 3)))
+
+
+MODELS = {
+    "paper D4 (weight standardization, restriction, conv bias)": lambda: equivariant_resnet9("D4"),
+    "resnet9 D4 (field group norm with affine)": lambda: equiconvert.make_equivariant(
+        resnet9(widths=(8, 16, 32)), "D4", head="invariant"),
+    "plain baseline (Conv2d, GroupNorm)": lambda: ModuleValidator.fix(resnet9(widths=(8, 16, 32))),
+    "plain paper network (conv bias)": plain_paper_resnet9,
+    "O2 (group standardization)": lambda: equiconvert.make_equivariant(resnet9(widths=(8, 16, 32)), "O2",
+                                                                       head="invariant"),
+    "C4 depthwise, reflect padding": lambda: equiconvert.make_equivariant(DepthwiseNet(), "C4", head="invariant"),
+    "plain depthwise": DepthwiseNet,
+}
+
+
+def _perturbed(model):
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))  # non-trivial norm affines and biases
+    return model.train()
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_bookkeeping_equals_vmap_per_sample_gradients(name):
+    torch.manual_seed(0)
+    model = _perturbed(MODELS[name]())
+    views, labels = torch.randn(5, 2, 3, 32, 32), torch.randint(0, 10, (5,))
+    params = {n: p.detach() for n, p in model.named_parameters()}
+    expected, expected_losses = per_sample_gradients(model, params, dict(model.named_buffers()), views, labels)
+    grads, losses = per_sample_gradients_bookkeeping(model, views, labels)
+    assert list(grads) == list(expected)
+    for key in expected:
+        error = (grads[key] - expected[key]).norm() / expected[key].norm().clamp_min(1e-12)
+        assert error < 1e-5, (key, float(error))
+    assert torch.allclose(losses, expected_losses, atol=1e-6)
+    assert all(p.requires_grad and p.grad is None for p in model.parameters())  # restored, nothing accumulated
+
+
+def test_sample_gradient_does_not_depend_on_the_others():
+    model = _perturbed(equivariant_resnet9("D4"))
+    views, labels = torch.randn(4, 2, 3, 32, 32), torch.randint(0, 10, (4,))
+    first, _ = per_sample_gradients_bookkeeping(model, views, labels)
+    changed = views.clone()
+    changed[1:] = torch.randn_like(changed[1:]) * 5
+    second, _ = per_sample_gradients_bookkeeping(model, changed, labels)
+    for key in first:
+        assert torch.allclose(first[key][0], second[key][0], rtol=1e-5, atol=1e-7), key
+
+
+class TwiceNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 3, 3, padding=1)
+        self.head = nn.Linear(3, 2)
+
+    def forward(self, x):
+        return self.head(self.conv(self.conv(x)).mean((2, 3)))
+
+
+def test_a_layer_run_twice_is_refused_and_the_trainer_falls_back_to_vmap(tmp_path):
+    views, labels = torch.randn(3, 1, 3, 8, 8), torch.randint(0, 2, (3,))
+    with pytest.raises(BookkeepingUnsupportedError, match="'conv' runs more than once"):
+        per_sample_gradients_bookkeeping(TwiceNet(), views, labels)
+    images = torch.randint(0, 256, (32, 3, 8, 8), dtype=torch.uint8)
+    data = (images, torch.randint(0, 2, (32,)))
+    auto = DPTrainer(TwiceNet(), target_epsilon=8.0, batch_size=8, steps=1, aug_mult=1, augment_padding=2,
+                     progress=False, out_dir=tmp_path, device="cpu")
+    assert auto.per_sample_method == "bookkeeping"  # the static check cannot see the second call
+    auto.fit(data)
+    assert auto.per_sample_method == "vmap"
+    assert any(r.get("event") == "per_sample_method" for r in auto.history)
+    forced = DPTrainer(TwiceNet(), target_epsilon=8.0, batch_size=8, steps=1, aug_mult=1, augment_padding=2,
+                       progress=False, per_sample_method="bookkeeping", device="cpu")
+    with pytest.raises(BookkeepingUnsupportedError):
+        forced.fit(data)
+
+
+def test_shared_parameters_are_refused_by_the_static_check():
+    model = TwiceNet()
+    model.other = nn.Linear(3, 2)
+    model.other.weight = model.head.weight
+    with pytest.raises(BookkeepingUnsupportedError, match="shared by layers"):
+        check_bookkeeping_supported(model)
+
+
+def test_trainer_steps_agree_between_methods():
+    images = torch.randint(0, 256, (48, 3, 16, 16), dtype=torch.uint8)
+    data = (images, torch.randint(0, 4, (48,)))
+    model = equiconvert.make_equivariant(resnet9(widths=(8, 16, 32), num_classes=4), "D4", head="invariant")
+    finals = []
+    for method in ("vmap", "bookkeeping"):
+        trainer = DPTrainer(copy.deepcopy(model), target_epsilon=8.0, batch_size=16, steps=2, aug_mult=2,
+                            physical_batch_size=8, per_sample_method=method, progress=False, device="cpu")
+        trainer.fit(data)
+        assert trainer.per_sample_method == method
+        finals.append(trainer.model.state_dict())
+    for key in finals[0]:
+        assert torch.allclose(finals[0][key], finals[1][key], rtol=1e-4, atol=1e-6), key

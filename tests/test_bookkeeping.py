@@ -128,3 +128,18 @@ def test_trainer_steps_agree_between_methods():
         finals.append(trainer.model.state_dict())
     for key in finals[0]:
         assert torch.allclose(finals[0][key], finals[1][key], rtol=1e-4, atol=1e-6), key
+
+
+def test_a_run_resumes_with_the_other_per_sample_method(tmp_path):
+    images = torch.randint(0, 256, (32, 3, 16, 16), dtype=torch.uint8)
+    data = (images, torch.randint(0, 4, (32,)))
+    model = equiconvert.make_equivariant(resnet9(widths=(8, 8, 8), num_classes=4), "C4", head="invariant")
+    options = dict(target_epsilon=8.0, batch_size=8, steps=2, aug_mult=1, progress=False, device="cpu",
+                   out_dir=tmp_path)
+    first = DPTrainer(copy.deepcopy(model), per_sample_method="vmap", **options)
+    first.fit(data, time_limit_s=0.0)
+    resumed = DPTrainer(copy.deepcopy(model), per_sample_method="bookkeeping", **options)
+    resumed.fit(data, resume=True)
+    assert resumed.step == 2 and resumed.per_sample_method == "bookkeeping"
+    with pytest.raises(ValueError, match="different configuration"):
+        DPTrainer(copy.deepcopy(model), **{**options, "steps": 3}).fit(data, resume=True)

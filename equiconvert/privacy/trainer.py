@@ -301,7 +301,7 @@ class DPTrainer:
         if not path.exists():
             return
         state = load(path)
-        if state["config"] != asdict(self.config):
+        if _resume_identity(state["config"]) != _resume_identity(asdict(self.config)):
             raise ValueError(f"checkpoint {path} was written with a different configuration; refusing to resume")
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
@@ -316,6 +316,14 @@ class DPTrainer:
         if state["rng"]["cuda"] is not None and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(state["rng"]["cuda"])
         self.step = state["step"]
+
+
+METHOD_ONLY_OPTIONS = ("per_sample_method",)  # how gradients are computed, not what they are
+
+
+def _resume_identity(config: dict[str, Any]) -> dict[str, Any]:
+    """The options a resumed run must share with its checkpoint."""
+    return {key: value for key, value in config.items() if key not in METHOD_ONLY_OPTIONS}
 
 
 def _choose_per_sample_method(model: nn.Module, requested: str) -> str:

@@ -89,22 +89,16 @@ class TwiceNet(nn.Module):
         return self.head(self.conv(self.conv(x)).mean((2, 3)))
 
 
-def test_a_layer_run_twice_is_refused_and_the_trainer_falls_back_to_vmap(tmp_path):
+def test_a_layer_run_twice_is_refused():
     views, labels = torch.randn(3, 1, 3, 8, 8), torch.randint(0, 2, (3,))
     with pytest.raises(BookkeepingUnsupportedError, match="'conv' runs more than once"):
         per_sample_gradients_bookkeeping(TwiceNet(), views, labels)
     images = torch.randint(0, 256, (32, 3, 8, 8), dtype=torch.uint8)
-    data = (images, torch.randint(0, 2, (32,)))
-    auto = DPTrainer(TwiceNet(), target_epsilon=8.0, batch_size=8, steps=1, aug_mult=1, augment_padding=2,
-                     progress=False, out_dir=tmp_path, device="cpu")
-    assert auto.per_sample_method == "bookkeeping"  # the static check cannot see the second call
-    auto.fit(data)
-    assert auto.per_sample_method == "vmap"
-    assert any(r.get("event") == "per_sample_method" for r in auto.history)
-    forced = DPTrainer(TwiceNet(), target_epsilon=8.0, batch_size=8, steps=1, aug_mult=1, augment_padding=2,
-                       progress=False, per_sample_method="bookkeeping", device="cpu")
+    trainer = DPTrainer(TwiceNet(), target_epsilon=8.0, batch_size=8, steps=1, aug_mult=1, augment_padding=2,
+                        progress=False, per_sample_method="bookkeeping", device="cpu")
     with pytest.raises(BookkeepingUnsupportedError):
-        forced.fit(data)
+        trainer.fit((images, torch.randint(0, 2, (32,))))
+    assert all(p.requires_grad for p in trainer.model.parameters())  # restored after the failure
 
 
 def test_shared_parameters_are_refused_by_the_static_check():
@@ -113,6 +107,8 @@ def test_shared_parameters_are_refused_by_the_static_check():
     model.other.weight = model.head.weight
     with pytest.raises(BookkeepingUnsupportedError, match="shared by layers"):
         check_bookkeeping_supported(model)
+    with pytest.raises(BookkeepingUnsupportedError, match="shared by layers"):  # refused before training
+        DPTrainer(model, target_epsilon=8.0, per_sample_method="bookkeeping", progress=False, device="cpu")
 
 
 def test_trainer_steps_agree_between_methods():
@@ -124,7 +120,7 @@ def test_trainer_steps_agree_between_methods():
         trainer = DPTrainer(copy.deepcopy(model), target_epsilon=8.0, batch_size=16, steps=2, aug_mult=2,
                             physical_batch_size=8, per_sample_method=method, progress=False, device="cpu")
         trainer.fit(data)
-        assert trainer.per_sample_method == method
+        assert trainer.config.per_sample_method == method
         finals.append(trainer.model.state_dict())
     for key in finals[0]:
         assert torch.allclose(finals[0][key], finals[1][key], rtol=1e-4, atol=1e-6), key
@@ -140,6 +136,6 @@ def test_a_run_resumes_with_the_other_per_sample_method(tmp_path):
     first.fit(data, time_limit_s=0.0)
     resumed = DPTrainer(copy.deepcopy(model), per_sample_method="bookkeeping", **options)
     resumed.fit(data, resume=True)
-    assert resumed.step == 2 and resumed.per_sample_method == "bookkeeping"
+    assert resumed.step == 2 and resumed.config.per_sample_method == "bookkeeping"
     with pytest.raises(ValueError, match="different configuration"):
         DPTrainer(copy.deepcopy(model), **{**options, "steps": 3}).fit(data, resume=True)

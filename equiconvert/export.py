@@ -25,6 +25,7 @@ from torch.nn.utils import skip_init
 
 from .convert.model import EquivariantModel
 from .errors import UnsupportedLayerError
+from .nn.norm import normalize_field_groups
 from .nn import (
     FieldGroupNorm, FieldRestriction, GatedNonlinearity, GroupPool, GroupStandardization, InvariantMap, NormMaxPool2d,
     ReflectionRestriction, SteerableConv2d,
@@ -217,10 +218,11 @@ class _FieldGroupNormOps(nn.Module):
     """FieldGroupNorm in plain torch ops; only ever used traced.
 
     Normalises with an nn.GroupNorm(affine=False) submodule when the groups are
-    even (FieldGroupNorm calls the same F.group_norm), else with the op sequence
-    of FieldGroupNorm._normalize_uneven. The per-field affine step is the same
-    separate multiply and add, on the (batch, field, rest) view so that it works
-    at any rank: bit-identical outputs, and weight/bias stay per field.
+    even (FieldGroupNorm calls the same F.group_norm), else with the function that
+    FieldGroupNorm._normalize_uneven calls (normalize_field_groups, traced into its
+    torch ops). The per-field affine step is the same separate multiply and add, on
+    the (batch, field, rest) view so that it works at any rank: bit-identical
+    outputs, and weight/bias stay per field.
     """
 
     def __init__(self, norm: FieldGroupNorm) -> None:
@@ -230,10 +232,9 @@ class _FieldGroupNormOps(nn.Module):
         if self.even:
             self.norm = nn.GroupNorm(norm.num_groups, norm.num_fields * norm.field_size, norm.eps, affine=False)
         else:
-            assignment = norm.assignment.detach()
-            self.register_buffer("assignment", assignment.clone())
-            self.register_buffer("assignment_t", assignment.T.contiguous())  # named buffers, not traced constants
-            self.register_buffer("group_fields", assignment.sum(0))
+            assignment = norm.assignment.detach()  # as FieldGroupNorm computes them, held as named buffers
+            self.register_buffer("to_groups", assignment / assignment.sum(0))  # (not traced constants)
+            self.register_buffer("to_fields", assignment.T.clone())  # clone keeps the transposed strides
         self.weight = None if norm.weight is None else _parameter(norm.weight.clone(), norm.weight)
         self.bias = None if norm.bias is None else _parameter(norm.bias.clone(), norm.bias)
 
@@ -242,11 +243,7 @@ class _FieldGroupNormOps(nn.Module):
             fields = self.norm(x).reshape(x.shape[0], self.num_fields, -1)
         else:
             fields = x.reshape(x.shape[0], self.num_fields, -1)
-            per_group = self.group_fields * fields.shape[-1]
-            mean = (fields.sum(-1) @ self.assignment / per_group) @ self.assignment_t
-            centred = fields - mean.unsqueeze(-1)
-            var = (centred.pow(2).sum(-1) @ self.assignment / per_group) @ self.assignment_t
-            fields = centred * torch.rsqrt(var + self.eps).unsqueeze(-1)
+            fields = normalize_field_groups(fields, self.to_groups, self.to_fields, self.eps)
         if self.weight is not None:
             fields = fields * self.weight.unsqueeze(-1) + self.bias.unsqueeze(-1)
         return fields.reshape(x.shape)

@@ -154,9 +154,9 @@ def test_uneven_field_group_norm_exports_exactly(shape: tuple[int, ...]) -> None
     exported = equiconvert.export(norm)
     assert isinstance(exported, fx.GraphModule)
     assert foreign_classes(exported) == set()
-    # affine parameters stay one per field (fine-tuning keeps them tied), group assignment is a named buffer
+    # affine parameters stay one per field (fine-tuning keeps them tied), the group matrices are named buffers
     assert dict((k, tuple(v.shape)) for k, v in exported.named_parameters()) == {"weight": (7,), "bias": (7,)}
-    assert "assignment" in dict(exported.named_buffers())
+    assert {k: tuple(v.shape) for k, v in exported.named_buffers()} == {"to_groups": (7, 3), "to_fields": (3, 7)}
     x = torch.randn(*shape) * 3 + 1
     assert torch.equal(exported(x), norm(x))
 

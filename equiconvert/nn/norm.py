@@ -19,6 +19,26 @@ def field_groups(num_fields: int, num_groups: int) -> torch.Tensor:
     return assignment
 
 
+def normalize_field_groups(fields: torch.Tensor, to_groups: torch.Tensor, to_fields: torch.Tensor,
+                           eps: float) -> torch.Tensor:
+    """Standardize (batch, fields, rest) per sample over groups of whole fields.
+
+    `to_groups` (fields, groups) averages per-field values over each group, `to_fields`
+    (groups, fields) hands group values back to their fields: `assignment / assignment.sum(0)`
+    and `assignment.T` of a field_groups matrix. Group statistics come from per-field ones
+    (law of total variance: fields of a group have equal sizes), so the full-size tensor
+    is read once for statistics and once for the affine map. FieldGroupNorm and its
+    export both call this, so they run the same ops.
+    """
+    field_var, field_mean = torch.var_mean(fields, dim=-1, unbiased=False)  # (B, F)
+    group_mean = field_mean @ to_groups
+    spread = (field_mean - group_mean @ to_fields).pow(2)
+    group_var = (field_var + spread) @ to_groups
+    scale = torch.rsqrt(group_var + eps) @ to_fields  # back to (B, F)
+    shift = -(group_mean @ to_fields) * scale
+    return torch.addcmul(shift.unsqueeze(-1), fields, scale.unsqueeze(-1))
+
+
 class FieldGroupNorm(nn.Module):
     """GroupNorm whose groups are unions of whole fields, with affine parameters tied per field.
 
@@ -45,17 +65,9 @@ class FieldGroupNorm(nn.Module):
         return self
 
     def _normalize_uneven(self, x: torch.Tensor) -> torch.Tensor:
-        """Group statistics from per-field ones (law of total variance: fields of a group have equal sizes),
-        so the full-size tensor is read once for statistics and once for the affine map."""
         fields = x.reshape(x.shape[0], self.num_fields, math.prod(x.shape[1:]) // self.num_fields)  # 0 samples too
-        field_var, field_mean = torch.var_mean(fields, dim=-1, unbiased=False)  # (B, F)
-        average = self.assignment / self.assignment.sum(0)  # (F, G): mean over each group's fields
-        group_mean = field_mean @ average
-        spread = (field_mean - group_mean @ self.assignment.T).pow(2)
-        group_var = (field_var + spread) @ average
-        scale = torch.rsqrt(group_var + self.eps) @ self.assignment.T  # back to (B, F)
-        shift = -(group_mean @ self.assignment.T) * scale
-        return torch.addcmul(shift.unsqueeze(-1), fields, scale.unsqueeze(-1)).reshape(x.shape)
+        to_groups, to_fields = self.assignment / self.assignment.sum(0), self.assignment.T
+        return normalize_field_groups(fields, to_groups, to_fields, self.eps).reshape(x.shape)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.num_fields % self.num_groups == 0:

@@ -240,9 +240,9 @@ class _FieldGroupNormOps(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.even:
-            fields = self.norm(x).reshape(x.shape[0], self.num_fields, -1)
+            fields = self.norm(x).unflatten(1, (self.num_fields, -1)).flatten(2)  # also for 0 samples
         else:
-            fields = x.reshape(x.shape[0], self.num_fields, -1)
+            fields = x.unflatten(1, (self.num_fields, -1)).flatten(2)
             fields = normalize_field_groups(fields, self.to_groups, self.to_fields, self.eps)
         if self.weight is not None:
             fields = fields * self.weight.unsqueeze(-1) + self.bias.unsqueeze(-1)

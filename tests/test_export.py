@@ -303,3 +303,11 @@ def test_registered_exporter_is_used() -> None:
     finally:
         del EXPORTERS[_FakeEquiconvertLayer]
     assert type(exported[1]) is nn.Identity and type(model[1]) is _FakeEquiconvertLayer
+
+
+def test_exported_uneven_field_group_norm_takes_an_empty_batch():
+    model = equiconvert.make_equivariant(resnet9(widths=(8, 16, 32)), "D4", head="invariant").eval()
+    plain = equiconvert.export(model).eval()
+    assert plain(torch.randn(0, 3, 32, 32)).shape == (0, 10)
+    x = torch.randn(2, 3, 32, 32)
+    assert torch.equal(plain(x), model(x))

@@ -2,8 +2,9 @@
 
 `convert` builds a model by name (torchvision:, timm:, equiconvert:), converts it,
 measures its equivariance error at a valid input size and prints the conversion
-report (readable, or one JSON object with --json). `demo` runs the package's main
-job end to end on two small reference networks.
+report (readable, or one JSON object with --json). `demo` is the package's main
+job (equiconvert.demo): ResNet9 converted to D4 and trained with DP-SGD on
+Fashion-MNIST; `demo --conversion-only` converts and checks two reference networks.
 
 User errors (unknown model, group, width, a model that cannot be converted) print
 one `error: ...` line to stderr and exit with status 2.
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import sys
 import time
@@ -244,12 +246,51 @@ def _print_demo(summary: dict) -> None:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    with contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext():
-        summary = run_demo(args.group)
-    if args.json:
-        print(json.dumps(summary))
-    else:
-        _print_demo(summary)
+    if args.conversion_only:
+        with contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext():
+            summary = run_demo(args.group or "D4")
+        if args.json:
+            print(json.dumps(summary))
+        else:
+            _print_demo(summary)
+        return 0
+    return _demo_training(args)
+
+
+def demo_settings(args: argparse.Namespace):
+    """demo.CPU_DEFAULTS with the flags that were given (`--time-limit 0`: no cap)."""
+    from .demo import CPU_DEFAULTS, settings_from
+
+    settings = settings_from(
+        CPU_DEFAULTS, dataset=args.dataset, data_dir=args.data_dir, group=args.group, widths=args.widths,
+        epsilon=args.epsilon, delta=args.delta, batch_size=args.batch_size, physical_batch_size=args.physical_batch_size,
+        steps=args.steps, aug_mult=args.aug_mult, max_grad_norm=args.max_grad_norm, lr=args.lr,
+        momentum=args.momentum, seed=args.seed, time_limit_s=args.time_limit, device=args.device, threads=args.threads,
+        out=args.out, progress=False if args.no_progress else None,
+    )
+    if args.time_limit == 0:  # no cap
+        settings = dataclasses.replace(settings, time_limit_s=None)
+    return settings
+
+
+def _demo_training(args: argparse.Namespace) -> int:
+    """The main job: ResNet9 -> D4, DP-SGD on Fashion-MNIST, with demo.CPU_DEFAULTS unless flags say otherwise."""
+    from .data import DatasetNotFoundError
+    from .demo import format_summary, run_main_job
+
+    s = demo_settings(args)
+    if not args.json:
+        cap = f"training capped at {s.time_limit_s:.0f} s" if s.time_limit_s else "no time cap"
+        print(f"equiconvert demo: {s.model} (widths {','.join(map(str, s.widths))}) -> {s.group}, DP-SGD on "
+              f"{s.dataset}, epsilon {s.epsilon:g}, delta {s.delta:g}, {s.steps} steps of batch {s.batch_size} "
+              f"({cap}); output in {s.out}", flush=True)
+    try:
+        with contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext():
+            summary = run_main_job(s)
+    except DatasetNotFoundError as exc:
+        raise CLIError(f"{exc} For the demo: pass --data-dir DIR, or install the Debian package "
+                       f"dataset-fashion-mnist (sudo apt-get install dataset-fashion-mnist).") from exc
+    print(json.dumps(summary) if args.json else format_summary(summary))
     return 0
 
 
@@ -300,7 +341,7 @@ def _add_train_parser(sub) -> None:
                        help="stop training after this long, with a checkpoint; --resume continues the run")
     train.add_argument("--ema-decay", type=float, default=0.999, help="0 disables the EMA")
     train.add_argument("--width", type=_width, default=None, help="width policy of the conversion")
-    train.add_argument("--widths", type=lambda t: tuple(int(w) for w in t.split(",")), default=None,
+    train.add_argument("--widths", type=_widths, default=None,
                        help="channel widths of equiconvert:resnet9 before conversion, e.g. 16,32,64")
     train.add_argument("--eval-every", type=int, default=None)
     train.add_argument("--checkpoint-every", type=int, default=50)
@@ -309,6 +350,52 @@ def _add_train_parser(sub) -> None:
     train.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.pt")
     train.add_argument("--no-progress", action="store_true")
     train.set_defaults(handler=_cmd_train)
+
+
+def _widths(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(w) for w in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers, e.g. 16,32,64") from None
+
+
+def _add_demo_parser(sub) -> None:
+    from .demo import CPU_DEFAULTS as d
+
+    demo = sub.add_parser(
+        "demo", help="the main job: convert ResNet9 to D4 and train it with DP-SGD on Fashion-MNIST",
+        description="Convert equiconvert's ResNet9 to D4, train it with DP-SGD on Fashion-MNIST (Poisson sampling, "
+                    "RDP accounting) and print and write OUT/demo.json: test accuracy, epsilon/delta, parameters, "
+                    "equivariance error, wall time. Defaults (equiconvert.demo.CPU_DEFAULTS) finish within 15 minutes "
+                    "on a 2-core CPU; flags take bigger settings, e.g. --device cuda --steps 1000 --batch-size 2048.")
+    demo.add_argument("--conversion-only", action="store_true",
+                      help="only convert and check torchvision resnet18 and equiconvert resnet9 (no training)")
+    demo.add_argument("--group", default=None, help=f"default {d.group}")
+    demo.add_argument("--dataset", default=None, help=f"default {d.dataset} (any name `equiconvert train` takes)")
+    demo.add_argument("--data-dir", default=None,
+                      help="directory of the Fashion-MNIST IDX .gz files (default: $EQUICONVERT_DATA_DIR, then "
+                           "/usr/share/datasets/fashion-mnist of the Debian package dataset-fashion-mnist)")
+    demo.add_argument("--out", default=None, help=f"output folder, default {d.out} (its old results are replaced)")
+    demo.add_argument("--device", default=None, help="cpu, cuda, cuda:1 (default: cuda if available)")
+    demo.add_argument("--widths", type=_widths, default=None,
+                      help=f"ResNet9 channel widths before conversion, default {','.join(map(str, d.widths))}")
+    demo.add_argument("--steps", type=int, default=None, help=f"default {d.steps}")
+    demo.add_argument("--batch-size", type=int, default=None, help=f"expected (Poisson) batch size, default {d.batch_size}")
+    demo.add_argument("--physical-batch-size", type=int, default=None, help=f"default {d.physical_batch_size}")
+    demo.add_argument("--aug-mult", type=int, default=None, help=f"augmented views per example, default {d.aug_mult}")
+    demo.add_argument("--lr", type=float, default=None, help=f"default {d.lr}")
+    demo.add_argument("--momentum", type=float, default=None, help=f"default {d.momentum}")
+    demo.add_argument("--max-grad-norm", type=float, default=None, help=f"default {d.max_grad_norm}")
+    demo.add_argument("--epsilon", type=float, default=None, help=f"default {d.epsilon}")
+    demo.add_argument("--delta", type=float, default=None, help=f"default {d.delta}")
+    demo.add_argument("--time-limit", type=float, default=None, metavar="SECONDS",
+                      help=f"cap on the training time, default {d.time_limit_s:.0f}; 0: none. A capped run says at which "
+                           f"step it stopped and the epsilon it spent")
+    demo.add_argument("--threads", type=int, default=None, help="CPU threads (default: the cores this process may use)")
+    demo.add_argument("--seed", type=int, default=None, help=f"default {d.seed}")
+    demo.add_argument("--no-progress", action="store_true")
+    demo.add_argument("--json", action="store_true", help="print one JSON object")
+    demo.set_defaults(handler=_cmd_demo)
 
 
 # --- entry point -----------------------------------------------------------------------------
@@ -332,10 +419,7 @@ def _parser() -> argparse.ArgumentParser:
     convert.add_argument("--no-check", action="store_true", help="skip the equivariance check")
     convert.set_defaults(handler=_cmd_convert)
 
-    demo = sub.add_parser("demo", help="convert and check torchvision resnet18 and equiconvert resnet9")
-    demo.add_argument("--group", default="D4")
-    demo.add_argument("--json", action="store_true", help="print one JSON object")
-    demo.set_defaults(handler=_cmd_demo)
+    _add_demo_parser(sub)
     _add_train_parser(sub)
     return parser
 

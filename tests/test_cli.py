@@ -163,8 +163,8 @@ def test_bad_width_is_an_argparse_error(capsys):
     assert "--width" in capsys.readouterr().err
 
 
-def test_demo_json_lists_both_models(capsys):
-    summary = run_json(capsys, "demo", "--json")
+def test_demo_conversion_only_json_lists_both_models(capsys):
+    summary = run_json(capsys, "demo", "--conversion-only", "--json")
     assert summary["group"] == "D4"
     models = {m["model"]: m for m in summary["models"]}
     assert set(models) == {"torchvision:resnet18", "equiconvert:resnet9"}

@@ -136,6 +136,7 @@ def run_training(spec: RunSpec, **trainer_options: Any) -> dict[str, Any]:
         lr_schedule=c.lr_schedule, per_sample_method=c.per_sample_method, seed=c.seed,
         requested_steps=c.steps, stopped_reason=trainer.stopped_reason,
         evals=_eval_history(Path(spec.out) / "log.jsonl"),
+        train_time_s=max((r["time_s"] for r in trainer.history if "time_s" in r), default=0.0),  # this call's
         wall_time_s=time.perf_counter() - start,
     )
     Path(spec.out).mkdir(parents=True, exist_ok=True)

@@ -97,9 +97,8 @@ def test_steerable_conv_per_sample_grads_match_naive(case):
 def test_steerable_conv_bias_on_selected_channels():
     conv = SteerableConv2d(torch.randn(5, 4, 3, 3, 3), 2, 3, padding=1, bias_channels=(0, 2))
     nn.init.normal_(conv.bias)
-    # strict=False: with bias_channels the layer still registers a `bias_index` buffer, which Opacus' strict
-    # check (make_private's default) refuses; the sampler itself is what is checked here
-    check_layer(conv, torch.randn(4, 6, 7, 6), strict=False)
+    # strict (make_private's default): `bias_index` is a constant moved by _apply, not a buffer
+    check_layer(conv, torch.randn(4, 6, 7, 6))
 
 
 def test_steerable_conv_chunked_batch(monkeypatch):

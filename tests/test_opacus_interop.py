@@ -42,9 +42,9 @@ def naive_per_sample(module: nn.Module, x: torch.Tensor, cotangent: torch.Tensor
     return {n: torch.stack([g[n] for g in grads]) for n in grads[0]}
 
 
-def opacus_per_sample(module: nn.Module, x: torch.Tensor, cotangent: torch.Tensor, strict: bool = True) -> dict[str, torch.Tensor]:
+def opacus_per_sample(module: nn.Module, x: torch.Tensor, cotangent: torch.Tensor) -> dict[str, torch.Tensor]:
     # strict=True (Opacus' default) also checks that the layer owns no buffers
-    gsm = GradSampleModule(module, loss_reduction="sum", strict=strict)
+    gsm = GradSampleModule(module, loss_reduction="sum", strict=True)
     assert not hasattr(module, "ft_compute_sample_grad"), "Opacus prepared the functorch fallback"
     (gsm(x) * cotangent).sum().backward()
     out = {n: p.grad_sample.detach().clone() for n, p in module.named_parameters()}
@@ -52,13 +52,13 @@ def opacus_per_sample(module: nn.Module, x: torch.Tensor, cotangent: torch.Tenso
     return out
 
 
-def check_layer(module: nn.Module, x: torch.Tensor, strict: bool = True) -> None:
+def check_layer(module: nn.Module, x: torch.Tensor) -> None:
     module = module.double()
     x = x.double()
     assert type(module) in GradSampleModule.GRAD_SAMPLERS
     cotangent = torch.randn_like(module(x))
     expected = naive_per_sample(copy.deepcopy(module), x, cotangent)
-    got = opacus_per_sample(module, x, cotangent, strict)
+    got = opacus_per_sample(module, x, cotangent)
     assert set(got) == set(expected) and expected
     for name in expected:
         assert got[name].shape == expected[name].shape, name

@@ -114,6 +114,11 @@ def _trainer(model, out_dir, steps):
                      physical_batch_size=8, progress=False, out_dir=out_dir, checkpoint_every=1, ema_decay=0.99)
 
 
+def _assert_same_weights(expected: DPTrainer, got: DPTrainer) -> None:
+    for (name, a), b in zip(expected.model.state_dict().items(), got.model.state_dict().values()):
+        assert torch.equal(a, b), name
+
+
 def test_resume_after_interruption_is_bit_identical(tmp_path):
     data = _synthetic()
     initial = _small_model()
@@ -129,8 +134,7 @@ def test_resume_after_interruption_is_bit_identical(tmp_path):
     resumed.fit(data, resume=True)
     assert resumed.step == straight.step == 4
     assert resumed.epsilon == straight.epsilon
-    for (name, a), b in zip(straight.model.state_dict().items(), resumed.model.state_dict().values()):
-        assert torch.equal(a, b), name
+    _assert_same_weights(straight, resumed)
     for a, b in zip(straight.ema.state_dict()["params"].values(), resumed.ema.state_dict()["params"].values()):
         assert torch.equal(a, b)
 
@@ -164,8 +168,7 @@ def test_time_limit_stops_with_a_checkpoint_and_resume_matches_an_uninterrupted_
     resumed = _trainer(copy.deepcopy(initial), tmp_path / "limited", 3)
     resumed.fit(data, resume=True)
     assert resumed.step == 3 and resumed.stopped_reason is None
-    for (name, a), b in zip(straight.model.state_dict().items(), resumed.model.state_dict().values()):
-        assert torch.equal(a, b), name
+    _assert_same_weights(straight, resumed)
 
 
 def test_cosine_schedule_and_custom_schedule_hook(tmp_path):

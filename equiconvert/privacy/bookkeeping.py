@@ -56,11 +56,16 @@ def _filter_gradients(module: nn.Module, inputs: torch.Tensor, grad_out: torch.T
     return torch.einsum("bkol,bkdl->bod", grad_out, columns)
 
 
+def _channel_sums(grad_out: torch.Tensor, batch: int, views: int) -> torch.Tensor:
+    """Per-example gradient of a per-channel conv bias, (B, C_out): the output gradient summed over views and positions."""
+    return grad_out.reshape(batch, views, grad_out.shape[1], -1).sum(dim=(1, 3))
+
+
 def _conv_rule(module: nn.Conv2d, inputs: torch.Tensor, grad_out: torch.Tensor, views: int) -> dict[str, torch.Tensor]:
     filters = _filter_gradients(module, inputs, grad_out, views)
     grads = {"weight": filters.reshape(filters.shape[0], *module.weight.shape)}
     if module.bias is not None:
-        grads["bias"] = grad_out.reshape(filters.shape[0], views, grad_out.shape[1], -1).sum(dim=(1, 3))
+        grads["bias"] = _channel_sums(grad_out, filters.shape[0], views)
     return grads
 
 
@@ -72,9 +77,8 @@ def _steerable_conv_rule(
     _, filter_vjp = vjp(module.expand_filter, module.weight.detach())
     grads = {"weight": vmap(lambda g: filter_vjp(g)[0])(filters.reshape(filters.shape[0], *dense_shape))}
     if module.bias is not None:
-        per_channel = grad_out.reshape(filters.shape[0], views, grad_out.shape[1], -1).sum(dim=(1, 3))
         _, bias_vjp = vjp(module.expand_bias, module.bias.detach())
-        grads["bias"] = vmap(lambda g: bias_vjp(g)[0])(per_channel)
+        grads["bias"] = vmap(lambda g: bias_vjp(g)[0])(_channel_sums(grad_out, filters.shape[0], views))
     return grads
 
 

@@ -1,7 +1,7 @@
 """DP-SGD step time vs the non-private step of the same converted model on the same batch.
 
 Methods, side by side in one process on one device, each on the same augmented
-batch of B examples x K views of a converted D4 ResNet9:
+batch of B examples x K views of a converted ResNet9 (D4 unless --group says otherwise):
   nonprivate   forward/backward on the B*K views, SGD step (the floor)
   equiconvert  torch.func vmap over examples of grad over their K views (averaged
                before clipping), clipping, noise, step (DPTrainer's per_sample_method="vmap")
@@ -33,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import equiconvert  # noqa: E402
 from equiconvert.models import equivariant_resnet9, resnet9  # noqa: E402
+from equiconvert.models.equivariant_resnet9 import plain_paper_resnet9  # noqa: E402
 from equiconvert.privacy.augment import augment_views  # noqa: E402
 from equiconvert.privacy.bookkeeping import per_sample_gradients_bookkeeping  # noqa: E402
 from equiconvert.privacy.per_sample import clip_and_sum, per_sample_gradients  # noqa: E402
@@ -43,12 +44,20 @@ MAX_GRAD_NORM, NOISE = 2.0, 1.0
 PAPER_CODE_DP_SAMPLES_PER_S = 12_100  # hlzl/equivariant, D4 Equivariant-ResNet9, H200, fp32, 512 x 4 (the issue)
 
 
-def build_model(name: str, widths: tuple[int, ...], kappa: float, device: torch.device) -> torch.nn.Module:
-    """"resnet9": ResNet9 of `widths` converted to D4 at `kappa`; "paper": Hölzl et al.'s D4 Equivariant-ResNet9."""
+def build_model(name: str, widths: tuple[int, ...], kappa: float, device: torch.device,
+                group: str = "D4") -> torch.nn.Module:
+    """"resnet9": ResNet9 of `widths` converted to `group` at `kappa`; "paper": Hölzl et al.'s Equivariant-ResNet9.
+
+    group "none": the unconverted network (for "paper", the plain network the preset converts).
+    """
     if name == "paper":
-        model = equivariant_resnet9("D4")
+        model = plain_paper_resnet9() if group == "none" else equivariant_resnet9(group)
+    elif group == "none":
+        from opacus.validators import ModuleValidator
+
+        model = ModuleValidator.fix(resnet9(widths=widths))  # BatchNorm -> GroupNorm, as `equiconvert train` does
     else:
-        model = equiconvert.make_equivariant(resnet9(widths=widths), "D4", width=kappa, head="invariant")
+        model = equiconvert.make_equivariant(resnet9(widths=widths), group, width=kappa, head="invariant")
     return model.to(device).train()
 
 
@@ -155,13 +164,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", choices=("resnet9", "paper"), default="resnet9",
                         help="paper: the D4 Equivariant-ResNet9 of Hölzl et al. (255,675 params; --widths/--kappa unused)")
     parser.add_argument("--widths", default="64,128,256", help="ResNet9 channel widths before conversion")
+    parser.add_argument("--group", default="D4", help='symmetry group of the conversion, or "none" (unconverted)')
     parser.add_argument("--kappa", type=float, default=1.5, help="width constant of the conversion")
     parser.add_argument("--methods", default="nonprivate,equiconvert,bookkeeping,opacus,nested_vmap",
                         help="equiconvert@N / bookkeeping@N process the batch in chunks of N examples (DPTrainer's physical batches)")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--iters", type=int, default=5)
+    parser.add_argument("--cudnn-benchmark", action="store_true",
+                        help="let cuDNN time its algorithms per shape (torch.backends.cudnn.benchmark) for every method")
     parser.add_argument("--out", default="benchmarks/results/throughput.json")
     args = parser.parse_args(argv)
+    torch.backends.cudnn.benchmark = args.cudnn_benchmark
 
     device = torch.device(args.device)
     torch.manual_seed(0)
@@ -172,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, dict] = {}
     params = None
     for method in args.methods.split(","):
-        model = build_model(args.model, widths, args.kappa, device)
+        model = build_model(args.model, widths, args.kappa, device, args.group)
         params = sum(p.numel() for p in model.parameters())
         step = {"nonprivate": step_nonprivate, "nested_vmap": step_nested_vmap}.get(method)
         if method.startswith("equiconvert") or method.startswith("bookkeeping"):
@@ -202,10 +215,12 @@ def main(argv: list[str] | None = None) -> int:
         "command": " ".join(["python", "benchmarks/throughput.py", *(argv if argv is not None else sys.argv[1:])]),
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
         "torch": torch.__version__,
-        "model": {"name": args.model, "widths": widths if args.model == "resnet9" else None, "group": "D4",
+        "model": {"name": args.model, "widths": widths if args.model == "resnet9" else None, "group": args.group,
                   "kappa": args.kappa if args.model == "resnet9" else None, "params": params},
         "paper_code_dp_samples_per_s": PAPER_CODE_DP_SAMPLES_PER_S,
         "batch": args.batch, "aug_mult": args.aug_mult, "dtype": "float32",
+        "tf32": {"cudnn": torch.backends.cudnn.allow_tf32, "matmul": torch.backends.cuda.matmul.allow_tf32},
+        "cudnn_benchmark": args.cudnn_benchmark,
         "results": results,
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

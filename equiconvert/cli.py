@@ -332,8 +332,9 @@ def _add_train_parser(sub) -> None:
     train.add_argument("--lr", type=float, default=2.0)
     train.add_argument("--momentum", type=float, default=0.0)
     train.add_argument("--optimizer", choices=("sgd", "nadam"), default="sgd")
-    train.add_argument("--per-sample", choices=("vmap", "bookkeeping"), default="vmap",
-                       help="per-sample gradients: torch.func vmap (fastest measured) or book-keeping (least memory)")
+    train.add_argument("--per-sample", choices=("auto", "bookkeeping", "vmap"), default="auto",
+                       help="per-sample gradients: book-keeping (fastest, least memory measured), torch.func vmap "
+                            "(any model), or auto: book-keeping where the model allows it")
     train.add_argument("--no-flip", action="store_true",
                        help="augment by crops only (digits: a flipped 2 is not a 2)")
     train.add_argument("--lr-schedule", choices=("constant", "cosine"), default="constant")

@@ -68,6 +68,33 @@ def test_bookkeeping_equals_vmap_per_sample_gradients(name):
     assert all(p.requires_grad and p.grad is None for p in model.parameters())  # restored, nothing accumulated
 
 
+CONV_SHAPES = {  # kernel, stride, padding, dilation, padding_mode: the shifted-product path and the unfold path
+    "3x3 pad 1": dict(kernel_size=3, padding=1),
+    "3x3 no padding": dict(kernel_size=3, padding=0),
+    "1x1": dict(kernel_size=1),
+    "5x3 pad (3, 2), wider than needed": dict(kernel_size=(5, 3), padding=(3, 2)),
+    "3x3 circular": dict(kernel_size=3, padding=1, padding_mode="circular"),
+    "3x3 stride 2 (unfold)": dict(kernel_size=3, padding=1, stride=2),
+    "3x3 dilation 2 (unfold)": dict(kernel_size=3, padding=2, dilation=2),
+}
+
+
+@pytest.mark.parametrize("views", [1, 3])
+@pytest.mark.parametrize("shape", list(CONV_SHAPES))
+def test_conv_filter_gradients_equal_a_per_example_loop(shape, views):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 5, **CONV_SHAPES[shape]), nn.Flatten(), nn.LazyLinear(4))
+    batch = 3
+    images, labels = torch.randn(batch, views, 3, 11, 9), torch.randint(0, 4, (batch,))
+    model(images[:, 0])  # materialises the lazy head
+    grads, _ = per_sample_gradients_bookkeeping(model, images, labels)
+    for example in range(batch):
+        model.zero_grad()
+        F.cross_entropy(model(images[example]), labels[example].expand(views)).backward()
+        for name, param in model.named_parameters():
+            torch.testing.assert_close(grads[name][example], param.grad, rtol=1e-5, atol=1e-6)
+
+
 def test_sample_gradient_does_not_depend_on_the_others():
     model = _perturbed(equivariant_resnet9("D4"))
     views, labels = torch.randn(4, 2, 3, 32, 32), torch.randint(0, 10, (4,))
@@ -109,6 +136,23 @@ def test_shared_parameters_are_refused_by_the_static_check():
         check_bookkeeping_supported(model)
     with pytest.raises(BookkeepingUnsupportedError, match="shared by layers"):  # refused before training
         DPTrainer(model, target_epsilon=8.0, per_sample_method="bookkeeping", progress=False, device="cpu")
+
+
+def test_auto_takes_bookkeeping_and_falls_back_to_vmap_where_it_cannot():
+    images = torch.randint(0, 256, (32, 3, 8, 8), dtype=torch.uint8)
+    data = (images, torch.randint(0, 2, (32,)))
+    options = dict(target_epsilon=8.0, batch_size=8, steps=1, aug_mult=1, augment_padding=2, progress=False,
+                   device="cpu")
+    assert DPTrainer(equivariant_resnet9("D4"), **options).per_sample_method == "bookkeeping"
+    shared = TwiceNet()
+    shared.other = nn.Linear(3, 2)
+    shared.other.weight = shared.head.weight
+    assert DPTrainer(shared, **options).per_sample_method == "vmap"  # the static check refuses book-keeping
+    twice = DPTrainer(TwiceNet(), **options)
+    assert twice.per_sample_method == "bookkeeping"  # a layer run twice shows only when the model runs
+    with pytest.warns(UserWarning, match="'conv' runs more than once.*using vmap"):
+        twice.fit(data)
+    assert twice.per_sample_method == "vmap" and twice.step == 1
 
 
 def test_trainer_steps_agree_between_methods():

@@ -7,10 +7,11 @@ only (parameters are detached for it), and every layer that owns parameters keep
 input and receives the gradient of its output. Its per-example parameter gradient is
 then formed from those two:
 
-- convolutions (plain and steerable) and linear layers: one batched matrix product of
-  the output gradient with the unfolded input, summed over the example's K views; a
-  steerable filter gradient then goes to coefficient space (basis, weight
-  standardization) by the vector-Jacobian product of the layer's filter expansion;
+- convolutions (plain and steerable) and linear layers: batched matrix products of the
+  output gradient with the input (stride-1 convs: one per filter tap on a shifted view of
+  the input, no unfolding), summed over the example's K views; a
+  steerable filter gradient then goes to coefficient space by the transpose of the
+  basis expansion and the vector-Jacobian product of the weight standardization;
 - any other layer with parameters (norms): the vmapped vector-Jacobian product of that
   layer alone, on the example's K inputs.
 
@@ -43,17 +44,79 @@ def _pair(value) -> tuple[int, int]:
 
 
 def _filter_gradients(module: nn.Module, inputs: torch.Tensor, grad_out: torch.Tensor, views: int) -> torch.Tensor:
-    """Per-example gradient of the dense conv filter, (B, C_out, C_in * k * k), summed over each example's views."""
+    """Per-example gradient of the dense conv filter, (B, C_out, C_in, kh, kw), summed over each example's views.
+
+    The result may be a strided view: consumers reshape it once, into the layout they need.
+    """
     kernel, stride, dilation = _pair(module.kernel_size), _pair(module.stride), _pair(module.dilation)
     padding = _pair(module.padding)
     if module.padding_mode != "zeros":
         inputs = F.pad(inputs, (padding[1], padding[1], padding[0], padding[0]), mode=module.padding_mode)
         padding = (0, 0)
+    if stride == (1, 1) and dilation == (1, 1):
+        return _shifted_filter_gradients(inputs, grad_out, views, kernel, padding)
     columns = F.unfold(inputs, kernel, dilation=dilation, padding=padding, stride=stride)  # (N, C_in k k, L)
     batch = inputs.shape[0] // views
     columns = columns.reshape(batch, views, columns.shape[1], columns.shape[2])
     grad_out = grad_out.reshape(batch, views, grad_out.shape[1], -1)  # (B, K, C_out, L)
-    return torch.einsum("bkol,bkdl->bod", grad_out, columns)
+    dense = torch.einsum("bkol,bkdl->bod", grad_out, columns)
+    return dense.reshape(batch, grad_out.shape[2], inputs.shape[1], *kernel)
+
+
+def _shifted_filter_gradients(
+    inputs: torch.Tensor, grad_out: torch.Tensor, views: int, kernel: tuple[int, int], padding: tuple[int, int]
+) -> torch.Tensor:
+    """`_filter_gradients` of a stride-1 conv without unfolding: one batched product per filter tap.
+
+    The padded input and the output gradient (placed at the top-left of a grid of the padded
+    size) are flattened per example over (views, rows, columns). In that flat layout, filter
+    tap (dy, dx) reads the input shifted by dy * padded_width + dx, so its per-example gradient
+    is one `bmm` of the output gradient with a strided view of the input: k*k products, no
+    k*k-fold copy of the input. Positions the shift carries past a row or view meet zeros
+    of the placed gradient, and a zero tail keeps the last shift inside the buffer.
+    """
+    (kh, kw), (ph, pw) = kernel, padding
+    total, channels_in, height, width = inputs.shape
+    channels_out, out_h, out_w = grad_out.shape[1:]
+    batch = total // views
+    padded_h, padded_w = height + 2 * ph, width + 2 * pw
+    grid = padded_h * padded_w
+    tail = (kh - 1) * padded_w + (kw - 1)
+    flat_inputs = inputs.new_zeros(batch, channels_in, views * grid + tail)
+    flat_inputs[:, :, : views * grid].view(batch, channels_in, views, padded_h, padded_w)[
+        :, :, :, ph : ph + height, pw : pw + width
+    ] = inputs.view(batch, views, channels_in, height, width).transpose(1, 2)
+    placed = grad_out.new_zeros(batch, channels_out, views, padded_h, padded_w)
+    placed[:, :, :, :out_h, :out_w] = grad_out.view(batch, views, channels_out, out_h, out_w).transpose(1, 2)
+    placed = placed.view(batch, channels_out, views * grid)
+    size, strides = (batch, views * grid, channels_in), (flat_inputs.stride(0), 1, flat_inputs.stride(1))
+    start = flat_inputs.storage_offset()
+    # Taps are written in place into (B, C_out, taps, C_in): each tap's (C_out, C_in) block is a matrix with
+    # leading dimension taps * C_in, which cuBLAS writes directly (stacking taps last would copy everything).
+    by_tap = placed.new_empty(batch, channels_out, kh * kw, channels_in)
+    with _matmul_precision_of_convolutions(inputs):
+        for tap in range(kh * kw):
+            shift = (tap // kw) * padded_w + tap % kw
+            torch.bmm(placed, flat_inputs.as_strided(size, strides, start + shift), out=by_tap[:, :, tap])
+    return by_tap.view(batch, channels_out, kh, kw, channels_in).permute(0, 1, 4, 2, 3)
+
+
+@contextlib.contextmanager
+def _matmul_precision_of_convolutions(like: torch.Tensor) -> Iterator[None]:
+    """On CUDA, run the products in the precision PyTorch gives the convolution's own weight gradient.
+
+    These products are that weight gradient, per example; cuDNN computes it in TF32 unless
+    `torch.backends.cudnn.allow_tf32` is off, while plain fp32 matmuls default to full precision.
+    """
+    if like.device.type != "cuda":
+        yield
+        return
+    previous = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = previous
 
 
 def _channel_sums(grad_out: torch.Tensor, batch: int, views: int) -> torch.Tensor:
@@ -63,7 +126,7 @@ def _channel_sums(grad_out: torch.Tensor, batch: int, views: int) -> torch.Tenso
 
 def _conv_rule(module: nn.Conv2d, inputs: torch.Tensor, grad_out: torch.Tensor, views: int) -> dict[str, torch.Tensor]:
     filters = _filter_gradients(module, inputs, grad_out, views)
-    grads = {"weight": filters.reshape(filters.shape[0], *module.weight.shape)}
+    grads = {"weight": filters.contiguous()}
     if module.bias is not None:
         grads["bias"] = _channel_sums(grad_out, filters.shape[0], views)
     return grads
@@ -72,13 +135,18 @@ def _conv_rule(module: nn.Conv2d, inputs: torch.Tensor, grad_out: torch.Tensor, 
 def _steerable_conv_rule(
     module: SteerableConv2d, inputs: torch.Tensor, grad_out: torch.Tensor, views: int
 ) -> dict[str, torch.Tensor]:
+    """Dense filter gradients to coefficient space: the transpose of the basis expansion, then of the standardization."""
     filters = _filter_gradients(module, inputs, grad_out, views)
-    dense_shape = (module.out_channels, module.in_channels // module.groups, module.kernel_size, module.kernel_size)
-    _, filter_vjp = vjp(module.expand_filter, module.weight.detach())
-    grads = {"weight": vmap(lambda g: filter_vjp(g)[0])(filters.reshape(filters.shape[0], *dense_shape))}
+    batch, k = filters.shape[0], module.kernel_size
+    blocks = filters.reshape(batch, module.out_fields, module.out_size, -1, module.in_size, k, k)
+    coefficients = torch.einsum("bxsyijk,nsijk->bxyn", blocks, module.basis)  # (B, out fields, in fields, basis)
+    if module.weight_standardization:
+        _, standardization_vjp = vjp(module.coefficients, module.weight.detach())
+        coefficients = vmap(lambda g: standardization_vjp(g)[0])(coefficients)
+    grads = {"weight": coefficients}
     if module.bias is not None:
         _, bias_vjp = vjp(module.expand_bias, module.bias.detach())
-        grads["bias"] = vmap(lambda g: bias_vjp(g)[0])(_channel_sums(grad_out, filters.shape[0], views))
+        grads["bias"] = vmap(lambda g: bias_vjp(g)[0])(_channel_sums(grad_out, batch, views))
     return grads
 
 

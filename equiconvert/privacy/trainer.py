@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import time
+import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -24,14 +25,14 @@ from .augment import augment_views
 from .checkpoint import load, save_atomic
 from .ema import ExponentialMovingAverage
 from .metrics import evaluate
-from .bookkeeping import check_bookkeeping_supported, per_sample_gradients_bookkeeping
+from .bookkeeping import BookkeepingUnsupportedError, check_bookkeeping_supported, per_sample_gradients_bookkeeping
 from .per_sample import clip_and_sum, per_sample_gradients
 from .sampling import PoissonSampler, physical_chunks
 from .validate import validate_dp_safe
 
 TensorData = tuple[torch.Tensor, torch.Tensor]
 OPTIMIZERS = ("sgd", "nadam")
-PER_SAMPLE_METHODS = ("vmap", "bookkeeping")
+PER_SAMPLE_METHODS = ("auto", "bookkeeping", "vmap")
 CUSTOM_SCHEDULE = "custom"  # a callable step -> lr given to DPTrainer
 LR_SCHEDULES = ("constant", "cosine", CUSTOM_SCHEDULE)
 
@@ -64,9 +65,9 @@ class DPConfig:
     checkpoint_every: int | None = None
     log_train_loss: bool = True  # a non-private diagnostic: computed on private data
     epsilon_every: int = 10  # log epsilon every this many steps (PRV's get_epsilon is slow)
-    # "vmap": torch.func, fastest on an H200 (benchmarks/throughput.py); "bookkeeping": ~1.2x the non-private
-    # step's memory instead of ~1.8x, but 1.3-1.8x slower than vmap there
-    per_sample_method: str = "vmap"
+    # "bookkeeping": fastest and leanest measured (benchmarks/throughput.py, H200); "vmap": torch.func, for any
+    # model; "auto": bookkeeping unless the model cannot use it (a layer run twice, a shared parameter), then vmap
+    per_sample_method: str = "auto"
 
 
 class DPTrainer:
@@ -92,8 +93,7 @@ class DPTrainer:
         self.config = DPConfig(lr_schedule=CUSTOM_SCHEDULE if custom_schedule else lr_schedule, **options)
         self._check_config()
         validate_dp_safe(model)
-        if self.config.per_sample_method == "bookkeeping":
-            check_bookkeeping_supported(model)
+        self.per_sample_method = self._resolve_per_sample_method(model)
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.model = model.to(self.device)
         self.out_dir = Path(out_dir) if out_dir is not None else None
@@ -125,6 +125,19 @@ class DPTrainer:
             raise ValueError(f"noise_multiplier must be > 0 for a private run, got {c.noise_multiplier}")
         if c.aug_mult < 1 or c.batch_size < 1 or c.steps < 0 or c.max_grad_norm <= 0:
             raise ValueError("aug_mult and batch_size must be >= 1, steps >= 0, max_grad_norm > 0")
+
+    def _resolve_per_sample_method(self, model: nn.Module) -> str:
+        """The method this run uses; "auto" takes book-keeping when the model's static check allows it."""
+        requested = self.config.per_sample_method
+        if requested == "vmap":
+            return "vmap"
+        try:
+            check_bookkeeping_supported(model)
+        except BookkeepingUnsupportedError:
+            if requested == "bookkeeping":
+                raise
+            return "vmap"
+        return "bookkeeping"
 
     def _make_optimizer(self) -> torch.optim.Optimizer:
         params = list(self.model.parameters())
@@ -174,8 +187,14 @@ class DPTrainer:
         return noisy, len(indices), float(loss_sum) / max(len(indices), 1)
 
     def _per_sample_gradients(self, params, buffers, views, labels) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-        if self.config.per_sample_method == "bookkeeping":
-            return per_sample_gradients_bookkeeping(self.model, views, labels)
+        if self.per_sample_method == "bookkeeping":
+            try:
+                return per_sample_gradients_bookkeeping(self.model, views, labels)
+            except BookkeepingUnsupportedError as error:  # found only by running: a layer called twice
+                if self.config.per_sample_method != "auto":
+                    raise
+                warnings.warn(f"per-sample gradients: book-keeping cannot run this model ({error}); using vmap")
+                self.per_sample_method = "vmap"  # both give the same gradients (tests/test_bookkeeping.py)
         return per_sample_gradients(self.model, params, buffers, views, labels)
 
     def train_step(self, images: torch.Tensor, labels: torch.Tensor) -> dict[str, Any]:

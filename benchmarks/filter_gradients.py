@@ -1,0 +1,109 @@
+"""Per-example conv filter gradients: book-keeping's kernel against the alternatives, layer by layer.
+
+For B examples x K views of a 3x3, stride-1, padding-1 convolution of each shape, times:
+  aggregate       cuDNN's ordinary weight gradient of the whole batch (the floor: no per-example split)
+  unfold_einsum   unfold the input (k*k-fold copy), one einsum with the output gradient (book-keeping before)
+  bookkeeping     equiconvert's kernel: one bmm per filter tap on a shifted strided view of the padded input
+  grouped_conv    cuDNN's weight gradient of a grouped convolution with the examples as groups
+and the relative error of each per-example result against unfold_einsum. Writes JSON.
+Usage: python benchmarks/filter_gradients.py --device cuda --batch 512 --aug-mult 4
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from equiconvert.privacy.bookkeeping import _shifted_filter_gradients  # noqa: E402
+
+# (C_in, C_out, size): the paper's D4 Equivariant-ResNet9 layers' channel counts at 32x32 input
+SHAPES = [(3, 48, 32), (48, 104, 32), (104, 104, 32), (104, 312, 32), (312, 156, 16), (156, 156, 8)]
+Kernel = Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]
+
+
+def aggregate(x: torch.Tensor, g: torch.Tensor, views: int) -> torch.Tensor:
+    weight = x.new_empty(g.shape[1], x.shape[1], 3, 3)
+    return torch.ops.aten.convolution_backward(g, x, weight, None, [1, 1], [1, 1], [1, 1], False, [0, 0], 1,
+                                               [False, True, False])[1]
+
+
+def unfold_einsum(x: torch.Tensor, g: torch.Tensor, views: int) -> torch.Tensor:
+    batch = x.shape[0] // views
+    columns = F.unfold(x, 3, padding=1)
+    columns = columns.reshape(batch, views, columns.shape[1], columns.shape[2])
+    return torch.einsum("bkol,bkdl->bod", g.reshape(batch, views, g.shape[1], -1), columns)
+
+
+def bookkeeping(x: torch.Tensor, g: torch.Tensor, views: int) -> torch.Tensor:
+    return _shifted_filter_gradients(x, g, views, (3, 3), (1, 1)).reshape(x.shape[0] // views, g.shape[1], -1)
+
+
+def grouped_conv(x: torch.Tensor, g: torch.Tensor, views: int) -> torch.Tensor:
+    batch, (channels_in, size), channels_out = x.shape[0] // views, x.shape[1:3], g.shape[1]
+    xk = x.view(batch, views, channels_in, size, size).transpose(0, 1).reshape(views, batch * channels_in, size, size)
+    gk = g.view(batch, views, channels_out, size, size).transpose(0, 1).reshape(views, batch * channels_out, size, size)
+    weight = x.new_empty(batch * channels_out, channels_in, 3, 3)
+    grads = torch.ops.aten.convolution_backward(gk, xk, weight, None, [1, 1], [1, 1], [1, 1], False, [0, 0], batch,
+                                                [False, True, False])[1]
+    return grads.view(batch, channels_out, channels_in * 9)
+
+
+KERNELS: dict[str, Kernel] = {"aggregate": aggregate, "unfold_einsum": unfold_einsum, "bookkeeping": bookkeeping,
+                              "grouped_conv": grouped_conv}
+
+
+def milliseconds(kernel: Kernel, x: torch.Tensor, g: torch.Tensor, views: int, iters: int) -> float:
+    kernel(x, g, views)
+    if x.is_cuda:
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(iters):
+        kernel(x, g, views)
+    if x.is_cuda:
+        torch.cuda.synchronize()
+    return 1e3 * (time.perf_counter() - start) / iters
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--batch", type=int, default=512)
+    parser.add_argument("--aug-mult", type=int, default=4)
+    parser.add_argument("--iters", type=int, default=5)
+    parser.add_argument("--out", default="benchmarks/results/filter_gradients.json")
+    args = parser.parse_args(argv)
+    device, views = torch.device(args.device), args.aug_mult
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32  # the reference in conv precision too
+    rows = []
+    for channels_in, channels_out, size in SHAPES:
+        x = torch.randn(args.batch * views, channels_in, size, size, device=device)
+        g = torch.randn(args.batch * views, channels_out, size, size, device=device)
+        reference = unfold_einsum(x, g, views)
+        row: dict[str, float | int] = {"c_in": channels_in, "c_out": channels_out, "size": size}
+        for name, kernel in KERNELS.items():
+            row[f"{name}_ms"] = milliseconds(kernel, x, g, views, args.iters)
+            if name not in ("aggregate", "unfold_einsum"):
+                result = kernel(x, g, views).reshape(reference.shape)
+                row[f"{name}_relative_error"] = float((result - reference).norm() / reference.norm())
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    report = {"command": " ".join(["python", "benchmarks/filter_gradients.py", *(argv or sys.argv[1:])]),
+              "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+              "torch": torch.__version__, "batch": args.batch, "aug_mult": views,
+              "tf32": {"cudnn": torch.backends.cudnn.allow_tf32, "matmul": torch.backends.cuda.matmul.allow_tf32},
+              "rows": rows}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(report, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from equiconvert.privacy.bookkeeping import _shifted_filter_gradients  # noqa: E402
+from equiconvert.privacy.filter_gradients import per_example_filter_gradients  # noqa: E402
 
 # (C_in, C_out, size): the paper's D4 Equivariant-ResNet9 layers' channel counts at 32x32 input
 SHAPES = [(3, 48, 32), (48, 104, 32), (104, 104, 32), (104, 312, 32), (312, 156, 16), (156, 156, 8)]
@@ -43,7 +43,7 @@ def unfold_einsum(x: torch.Tensor, g: torch.Tensor, views: int) -> torch.Tensor:
 
 
 def bookkeeping(x: torch.Tensor, g: torch.Tensor, views: int) -> torch.Tensor:
-    return _shifted_filter_gradients(x, g, views, (3, 3), (1, 1)).reshape(x.shape[0] // views, g.shape[1], -1)
+    return per_example_filter_gradients(x, g, views, kernel=3, padding=1).reshape(x.shape[0] // views, g.shape[1], -1)
 
 
 def grouped_conv(x: torch.Tensor, g: torch.Tensor, views: int) -> torch.Tensor:

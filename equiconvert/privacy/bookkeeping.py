@@ -30,6 +30,7 @@ from torch import nn
 from torch.func import functional_call, vjp, vmap
 
 from ..nn.conv import SteerableConv2d
+from .filter_gradients import per_example_filter_gradients
 from .per_sample import Gradients, LossFn
 
 PerSampleRule = Callable[[nn.Module, torch.Tensor, torch.Tensor, int], dict[str, torch.Tensor]]
@@ -39,84 +40,11 @@ class BookkeepingUnsupportedError(ValueError):
     """The model cannot use book-keeping; the message names the layer and says why."""
 
 
-def _pair(value) -> tuple[int, int]:
-    return (value, value) if isinstance(value, int) else tuple(value)
-
-
 def _filter_gradients(module: nn.Module, inputs: torch.Tensor, grad_out: torch.Tensor, views: int) -> torch.Tensor:
-    """Per-example gradient of the dense conv filter, (B, C_out, C_in, kh, kw), summed over each example's views.
-
-    The result may be a strided view: consumers reshape it once, into the layout they need.
-    """
-    kernel, stride, dilation = _pair(module.kernel_size), _pair(module.stride), _pair(module.dilation)
-    padding = _pair(module.padding)
-    if module.padding_mode != "zeros":
-        inputs = F.pad(inputs, (padding[1], padding[1], padding[0], padding[0]), mode=module.padding_mode)
-        padding = (0, 0)
-    if stride == (1, 1) and dilation == (1, 1):
-        return _shifted_filter_gradients(inputs, grad_out, views, kernel, padding)
-    columns = F.unfold(inputs, kernel, dilation=dilation, padding=padding, stride=stride)  # (N, C_in k k, L)
-    batch = inputs.shape[0] // views
-    columns = columns.reshape(batch, views, columns.shape[1], columns.shape[2])
-    grad_out = grad_out.reshape(batch, views, grad_out.shape[1], -1)  # (B, K, C_out, L)
-    dense = torch.einsum("bkol,bkdl->bod", grad_out, columns)
-    return dense.reshape(batch, grad_out.shape[2], inputs.shape[1], *kernel)
-
-
-def _shifted_filter_gradients(
-    inputs: torch.Tensor, grad_out: torch.Tensor, views: int, kernel: tuple[int, int], padding: tuple[int, int]
-) -> torch.Tensor:
-    """`_filter_gradients` of a stride-1 conv without unfolding: one batched product per filter tap.
-
-    The padded input and the output gradient (placed at the top-left of a grid of the padded
-    size) are flattened per example over (views, rows, columns). In that flat layout, filter
-    tap (dy, dx) reads the input shifted by dy * padded_width + dx, so its per-example gradient
-    is one `bmm` of the output gradient with a strided view of the input: k*k products, no
-    k*k-fold copy of the input. Positions the shift carries past a row or view meet zeros
-    of the placed gradient, and a zero tail keeps the last shift inside the buffer.
-    """
-    (kh, kw), (ph, pw) = kernel, padding
-    total, channels_in, height, width = inputs.shape
-    channels_out, out_h, out_w = grad_out.shape[1:]
-    batch = total // views
-    padded_h, padded_w = height + 2 * ph, width + 2 * pw
-    grid = padded_h * padded_w
-    tail = (kh - 1) * padded_w + (kw - 1)
-    flat_inputs = inputs.new_zeros(batch, channels_in, views * grid + tail)
-    flat_inputs[:, :, : views * grid].view(batch, channels_in, views, padded_h, padded_w)[
-        :, :, :, ph : ph + height, pw : pw + width
-    ] = inputs.view(batch, views, channels_in, height, width).transpose(1, 2)
-    placed = grad_out.new_zeros(batch, channels_out, views, padded_h, padded_w)
-    placed[:, :, :, :out_h, :out_w] = grad_out.view(batch, views, channels_out, out_h, out_w).transpose(1, 2)
-    placed = placed.view(batch, channels_out, views * grid)
-    size, strides = (batch, views * grid, channels_in), (flat_inputs.stride(0), 1, flat_inputs.stride(1))
-    start = flat_inputs.storage_offset()
-    # Taps are written in place into (B, C_out, taps, C_in): each tap's (C_out, C_in) block is a matrix with
-    # leading dimension taps * C_in, which cuBLAS writes directly (stacking taps last would copy everything).
-    by_tap = placed.new_empty(batch, channels_out, kh * kw, channels_in)
-    with _matmul_precision_of_convolutions(inputs):
-        for tap in range(kh * kw):
-            shift = (tap // kw) * padded_w + tap % kw
-            torch.bmm(placed, flat_inputs.as_strided(size, strides, start + shift), out=by_tap[:, :, tap])
-    return by_tap.view(batch, channels_out, kh, kw, channels_in).permute(0, 1, 4, 2, 3)
-
-
-@contextlib.contextmanager
-def _matmul_precision_of_convolutions(like: torch.Tensor) -> Iterator[None]:
-    """On CUDA, run the products in the precision PyTorch gives the convolution's own weight gradient.
-
-    These products are that weight gradient, per example; cuDNN computes it in TF32 unless
-    `torch.backends.cudnn.allow_tf32` is off, while plain fp32 matmuls default to full precision.
-    """
-    if like.device.type != "cuda":
-        yield
-        return
-    previous = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32
-    try:
-        yield
-    finally:
-        torch.backends.cuda.matmul.allow_tf32 = previous
+    """Per-example gradient of the layer's dense filter, (B, C_out, C_in, kh, kw), summed over each example's views."""
+    return per_example_filter_gradients(inputs, grad_out, views, kernel=module.kernel_size, stride=module.stride,
+                                        padding=module.padding, dilation=module.dilation,
+                                        padding_mode=module.padding_mode)
 
 
 def _channel_sums(grad_out: torch.Tensor, batch: int, views: int) -> torch.Tensor:

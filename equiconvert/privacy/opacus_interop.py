@@ -63,6 +63,7 @@ from torch import nn  # noqa: E402
 from ..nn.conv import SteerableConv2d  # noqa: E402
 from ..nn.irrep_fields import GroupStandardization  # noqa: E402
 from ..nn.norm import FieldGroupNorm  # noqa: E402
+from .filter_gradients import per_example_filter_gradients  # noqa: E402
 
 try:  # Opacus >= 1.5 (ghost clipping)
     from opacus.grad_sample import register_norm_sampler  # noqa: E402
@@ -111,6 +112,21 @@ def _through_standardization(module: SteerableConv2d, coeff_grads: torch.Tensor)
     return torch.func.vmap(pullback)(coeff_grads)[0]
 
 
+def _grouped_filter_gradients(module: SteerableConv2d, x: torch.Tensor, backprops: torch.Tensor) -> torch.Tensor:
+    """(m, G, out_channels/G, in_channels/G * k * k): per-sample filter gradients of a grouped conv, by unfolding."""
+    padding = _pair(module.padding)
+    if module.padding_mode != "zeros":  # the forward pads with F.pad, then convolves without padding
+        x = F.pad(x, (padding[1], padding[1], padding[0], padding[0]), mode=module.padding_mode)
+        padding = (0, 0)
+    m, positions, k = x.shape[0], backprops.shape[-2] * backprops.shape[-1], module.kernel_size
+    cols = F.unfold(x, k, dilation=_pair(module.dilation), padding=padding, stride=_pair(module.stride))
+    if cols.shape[-1] != positions:
+        raise RuntimeError(f"SteerableConv2d grad sampler: unfolded {cols.shape[-1]} positions but the output has {positions}")
+    cols = cols.reshape(m, module.groups, -1, positions)  # (m, G, in_per_group*in_size*k*k, L)
+    grads = backprops.reshape(m, module.groups, -1, positions)  # (m, G, out_per_group*out_size, L)
+    return grads @ cols.transpose(-1, -2)
+
+
 def _conv_coefficient_grads(module: SteerableConv2d, x: torch.Tensor, backprops: torch.Tensor) -> torch.Tensor:
     """(n, out_fields, in_fields/groups, num_basis): per-sample gradients w.r.t. `coefficients()`, the
     coefficient vectors the filter is expanded from (after weight standardization, when that is on)."""
@@ -120,11 +136,6 @@ def _conv_coefficient_grads(module: SteerableConv2d, x: torch.Tensor, backprops:
     out_size, in_size = module.out_size, module.in_size
     basis = module.basis.to(backprops.dtype).reshape(module.num_basis, -1)  # (nb, out_size*in_size*k*k)
 
-    padding = _pair(module.padding)
-    if module.padding_mode != "zeros":  # the forward pads with F.pad, then convolves without padding
-        x = F.pad(x, (padding[1], padding[1], padding[0], padding[0]), mode=module.padding_mode)
-        padding = (0, 0)
-
     positions = backprops.shape[-2] * backprops.shape[-1]
     per_sample = module.in_channels * k * k * positions + module.out_channels * (module.in_channels // groups) * k * k
     chunk = max(1, _CHUNK_ELEMENTS // max(per_sample, 1))
@@ -132,19 +143,17 @@ def _conv_coefficient_grads(module: SteerableConv2d, x: torch.Tensor, backprops:
     for start in range(0, n, chunk):
         xs, gs = x[start:start + chunk], backprops[start:start + chunk]
         m = xs.shape[0]
-        cols = F.unfold(xs, k, dilation=_pair(module.dilation), padding=padding, stride=_pair(module.stride))
-        if cols.shape[-1] != positions:
-            raise RuntimeError(
-                f"SteerableConv2d grad sampler: unfolded {cols.shape[-1]} positions but the output has {positions}"
-            )
-        cols = cols.reshape(m, groups, -1, positions)  # (m, G, in_per_group*in_size*k*k, L)
-        gs = gs.reshape(m, groups, -1, positions)  # (m, G, out_per_group*out_size, L)
-        filter_grad = gs @ cols.transpose(-1, -2)  # per-sample gradient of the expanded filter, per group
+        if groups == 1:  # the book-keeping kernel: no unfolded copy for stride-1 convs
+            filter_grad = per_example_filter_gradients(
+                xs, gs, 1, kernel=k, stride=module.stride, padding=module.padding, dilation=module.dilation,
+                padding_mode=module.padding_mode).reshape(m, 1, module.out_channels, -1)
+        else:
+            filter_grad = _grouped_filter_gradients(module, xs, gs)
         # (m, G, out_fields/G, out_size, in_per_group, in_size*k*k) -> field pairs first: transpose of expand_filter
         filter_grad = filter_grad.reshape(m, groups, out_fields // groups, out_size, in_per_group, in_size * k * k)
         filter_grad = filter_grad.transpose(3, 4).reshape(m, out_fields, in_per_group, out_size * in_size * k * k)
         pieces.append(filter_grad @ basis.T)  # (m, out_fields, in_per_group, nb)
-        del cols, filter_grad
+        del filter_grad
     return torch.cat(pieces) if pieces else backprops.new_zeros((0, out_fields, in_per_group, module.num_basis))
 
 

@@ -53,7 +53,7 @@ class DemoSettings:
     progress: bool = True
 
 
-# On the 2-core CPU of the README (its first section): ~1.6 s a step when idle, 480 s of training, 79.8%.
+# On the 2-core CPU of the README (its first section): ~1.7 s a step, 508 s of training, 79.1%.
 CPU_DEFAULTS = DemoSettings()
 
 

@@ -195,6 +195,7 @@ def test_train_on_synthetic_data_writes_result(tmp_path, capsys):
                 "params", "wall_time_s", "group", "model"):
         assert key in result, key
     assert result["steps"] == 2 and 0 < result["epsilon"] <= 8 and result["group"] == "C4"
+    assert result["per_sample_method"] == "bookkeeping"  # what the default "auto" chose for this model
     assert result["max_equivariance_error"] <= 1e-5
     assert (out / "log.jsonl").exists()
     assert json.loads(capsys.readouterr().out)["test_accuracy"] == result["test_accuracy"]

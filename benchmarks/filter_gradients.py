@@ -5,7 +5,8 @@ For B examples x K views of a 3x3, stride-1, padding-1 convolution of each shape
   unfold_einsum   unfold the input (k*k-fold copy), one einsum with the output gradient (book-keeping before)
   bookkeeping     equiconvert's kernel: one bmm per filter tap on a shifted strided view of the padded input
   grouped_conv    cuDNN's weight gradient of a grouped convolution with the examples as groups
-and the relative error of each per-example result against unfold_einsum. Writes JSON.
+and the relative error of each per-example result against unfold_einsum, all matmuls in the precision
+of the convolutions (TF32 on CUDA by default), so the error checks the layouts, not the precision. JSON.
 Usage: python benchmarks/filter_gradients.py --device cuda --batch 512 --aug-mult 4
 """
 from __future__ import annotations
@@ -98,6 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     report = {"command": " ".join(["python", "benchmarks/filter_gradients.py", *(argv or sys.argv[1:])]),
               "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
               "torch": torch.__version__, "batch": args.batch, "aug_mult": views,
+              "relative_error_reference": "unfold_einsum, matmuls in the precision given under tf32",
               "tf32": {"cudnn": torch.backends.cudnn.allow_tf32, "matmul": torch.backends.cuda.matmul.allow_tf32},
               "rows": rows}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

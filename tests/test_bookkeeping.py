@@ -11,7 +11,7 @@ import equiconvert
 from equiconvert.models import equivariant_resnet9, resnet9
 from equiconvert.models.equivariant_resnet9 import plain_paper_resnet9
 from equiconvert.privacy.bookkeeping import (BookkeepingUnsupportedError, check_bookkeeping_supported,
-                                             per_sample_gradients_bookkeeping)
+                                             per_sample_gradients_bookkeeping, verify_bookkeeping)
 from equiconvert.privacy.per_sample import per_sample_gradients
 from equiconvert.privacy.trainer import DPTrainer
 
@@ -138,21 +138,75 @@ def test_shared_parameters_are_refused_by_the_static_check():
         DPTrainer(model, target_epsilon=8.0, per_sample_method="bookkeeping", progress=False, device="cpu")
 
 
-def test_auto_takes_bookkeeping_and_falls_back_to_vmap_where_it_cannot():
-    images = torch.randint(0, 256, (32, 3, 8, 8), dtype=torch.uint8)
-    data = (images, torch.randint(0, 2, (32,)))
-    options = dict(target_epsilon=8.0, batch_size=8, steps=1, aug_mult=1, augment_padding=2, progress=False,
-                   device="cpu")
-    assert DPTrainer(equivariant_resnet9("D4"), **options).per_sample_method == "bookkeeping"
+class FunctionalBatchStatsNet(nn.Module):
+    """Mixes examples through batch statistics that no module type reveals (F.batch_norm in training mode)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x):
+        x = F.batch_norm(self.conv(x), None, None, training=True)
+        return self.head(F.relu(x).mean((2, 3)))
+
+
+class ReusedWeightNet(nn.Module):
+    """Uses a conv's weight a second time outside the conv module: book-keeping would miss that use."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 3, 3, padding=1)
+        self.head = nn.Linear(3, 2)
+
+    def forward(self, x):
+        h = torch.tanh(self.conv(x))
+        return self.head(F.conv2d(h, self.conv.weight, padding=1).mean((2, 3)))
+
+
+PROBE_OPTIONS = dict(target_epsilon=8.0, batch_size=8, steps=2, aug_mult=2, augment_padding=2, progress=False,
+                     device="cpu", physical_batch_size=4)
+
+
+def _fit(model, method, data):
+    trainer = DPTrainer(copy.deepcopy(model), per_sample_method=method, **PROBE_OPTIONS)
+    trainer.fit(data)
+    return trainer
+
+
+@pytest.mark.parametrize("model, reason", [
+    (TwiceNet(), "'conv' runs more than once"),
+    (FunctionalBatchStatsNet(), "changes with the other examples of its batch"),
+    (ReusedWeightNet(), "differs from torch.func's"),
+])
+def test_auto_falls_back_to_vmap_where_bookkeeping_fails_its_probe(model, reason):
+    torch.manual_seed(0)
+    data = (torch.randint(0, 256, (32, 3, 8, 8), dtype=torch.uint8), torch.randint(0, 2, (32,)))
+    with pytest.raises(BookkeepingUnsupportedError, match=reason):
+        verify_bookkeeping(model, (2, 3, 8, 8))
+    with pytest.warns(UserWarning, match="book-keeping cannot run this model.*using vmap"):
+        auto = _fit(model, "auto", data)
+    assert auto.per_sample_method == "vmap"
+    reference = _fit(model, "vmap", data)  # the probe used no RNG of the run: bit-identical to plain vmap
+    for (name, value), expected in zip(auto.model.state_dict().items(), reference.model.state_dict().values()):
+        assert torch.equal(value, expected), name
+    with pytest.raises(BookkeepingUnsupportedError, match=reason):
+        _fit(model, "bookkeeping", data)
+
+
+def test_auto_takes_bookkeeping_where_its_probe_passes():
+    torch.manual_seed(0)
+    data = (torch.randint(0, 256, (32, 3, 16, 16), dtype=torch.uint8), torch.randint(0, 4, (32,)))
+    model = equiconvert.make_equivariant(resnet9(widths=(8, 8, 8), num_classes=4), "C4", head="invariant")
+    cpu_state = torch.get_rng_state()
+    verify_bookkeeping(model, (2, 3, 16, 16))
+    assert torch.equal(torch.get_rng_state(), cpu_state)  # the probe leaves the caller's RNG alone
+    trainer = _fit(model, "auto", data)
+    assert trainer.per_sample_method == "bookkeeping"
     shared = TwiceNet()
     shared.other = nn.Linear(3, 2)
     shared.other.weight = shared.head.weight
-    assert DPTrainer(shared, **options).per_sample_method == "vmap"  # the static check refuses book-keeping
-    twice = DPTrainer(TwiceNet(), **options)
-    assert twice.per_sample_method == "bookkeeping"  # a layer run twice shows only when the model runs
-    with pytest.warns(UserWarning, match="'conv' runs more than once.*using vmap"):
-        twice.fit(data)
-    assert twice.per_sample_method == "vmap" and twice.step == 1
+    assert DPTrainer(shared, **PROBE_OPTIONS).per_sample_method == "vmap"  # the static check, before any step
 
 
 def test_trainer_steps_agree_between_methods():

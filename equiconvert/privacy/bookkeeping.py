@@ -22,6 +22,7 @@ own its parameters; `check_bookkeeping_supported` says why a model does not qual
 from __future__ import annotations
 
 import contextlib
+import copy
 from typing import Callable, Iterator
 
 import torch
@@ -31,7 +32,7 @@ from torch.func import functional_call, vjp, vmap
 
 from ..nn.conv import SteerableConv2d
 from .filter_gradients import per_example_filter_gradients
-from .per_sample import Gradients, LossFn
+from .per_sample import Gradients, LossFn, per_sample_gradients
 
 PerSampleRule = Callable[[nn.Module, torch.Tensor, torch.Tensor, int], dict[str, torch.Tensor]]
 
@@ -205,3 +206,45 @@ def per_sample_gradients_bookkeeping(
             grads[f"{name}.{param_name}" if name else param_name] = value
     order = [name for name, p in model.named_parameters() if p.requires_grad]
     return {name: grads[name] for name in order}, losses.detach()
+
+
+def verify_bookkeeping(model: nn.Module, view_shape: tuple[int, ...], loss_fn: LossFn = F.cross_entropy) -> None:
+    """Raise BookkeepingUnsupportedError unless book-keeping is exact and keeps examples apart on this model.
+
+    Book-keeping runs the whole batch through one forward, so unlike vmap it relies on the model
+    not mixing examples; `validate_dp_safe` refuses known batch-statistics layers, but a layer
+    may compute them functionally, or use a parameter outside the layer that owns it. This probe,
+    on a float64 CPU copy of the model and random inputs (no data, no RNG state of the caller
+    used or changed), checks that (train mode) example 0's gradient ignores the other examples
+    of its batch and (eval mode) book-keeping's gradients equal torch.func's. view_shape is
+    (K, C, H, W) of one example's views.
+    """
+    probe = copy.deepcopy(model).to(device="cpu", dtype=torch.float64)
+    inputs = torch.Generator().manual_seed(0)
+    views = torch.randn(3, *view_shape, generator=inputs, dtype=torch.float64)
+    others = views.clone()
+    others[1:] = torch.randn(others[1:].shape, generator=inputs, dtype=torch.float64)
+    with torch.random.fork_rng(devices=[]):
+        probe.train()
+        torch.default_generator.manual_seed(0)  # the same dropout masks in both runs
+        num_classes = probe(views[:1, 0]).shape[-1]
+        labels = torch.arange(3) % num_classes
+        torch.default_generator.manual_seed(0)
+        first, _ = per_sample_gradients_bookkeeping(probe, views, labels, loss_fn)
+        torch.default_generator.manual_seed(0)
+        changed, _ = per_sample_gradients_bookkeeping(probe, others, labels, loss_fn)
+    for name in first:
+        if not torch.allclose(first[name][0], changed[name][0], rtol=1e-9, atol=1e-12):
+            raise BookkeepingUnsupportedError(
+                f"an example's gradient of {name!r} changes with the other examples of its batch: a layer mixes "
+                "examples (batch statistics?); book-keeping runs the batch through one forward, vmap does not")
+    probe.eval()
+    params = {n: p.detach() for n, p in probe.named_parameters()}
+    exact, _ = per_sample_gradients(probe, params, dict(probe.named_buffers()), views, labels, loss_fn)
+    kept, _ = per_sample_gradients_bookkeeping(probe, views, labels, loss_fn)
+    for name, value in exact.items():
+        error = float((kept[name] - value).norm() / value.norm().clamp_min(1e-30))
+        if error > 1e-8:
+            raise BookkeepingUnsupportedError(
+                f"book-keeping's gradient of {name!r} differs from torch.func's by {error:.1e} (relative): a "
+                "parameter used outside the layer that owns it?")

@@ -35,19 +35,20 @@ def per_example_filter_gradients(
     """(B, C_out, C_in, kh, kw): each example's filter gradient of an ungrouped conv, summed over its K views.
 
     inputs (B*K, C_in, H, W) and grad_out (B*K, C_out, H', W') hold each example's K views
-    consecutively. The result may be a strided view: consumers reshape it once, into the layout
-    they need.
+    consecutively; neither is differentiated through. The result may be a strided view:
+    consumers reshape it once, into the layout they need.
     """
     kernel, stride, dilation, padding = pair(kernel), pair(stride), pair(dilation), pair(padding)
+    inputs, grad_out = inputs.detach(), grad_out.detach()
     if padding_mode != "zeros":  # the layer pads with F.pad, then convolves without padding
         inputs = F.pad(inputs, (padding[1], padding[1], padding[0], padding[0]), mode=padding_mode)
         padding = (0, 0)
     if stride == (1, 1) and dilation == (1, 1):
         return _shifted_products(inputs, grad_out, views, kernel, padding)
     columns = F.unfold(inputs, kernel, dilation=dilation, padding=padding, stride=stride)  # (N, C_in k k, L)
-    batch = inputs.shape[0] // views
-    columns = columns.reshape(batch, views, columns.shape[1], columns.shape[2])
-    grad_out = grad_out.reshape(batch, views, grad_out.shape[1], -1)  # (B, K, C_out, L)
+    batch, positions = inputs.shape[0] // views, columns.shape[2]
+    columns = columns.reshape(batch, views, columns.shape[1], positions)
+    grad_out = grad_out.reshape(batch, views, grad_out.shape[1], positions)  # (B, K, C_out, L)
     dense = torch.einsum("bkol,bkdl->bod", grad_out, columns)
     return dense.reshape(batch, grad_out.shape[2], inputs.shape[1], *kernel)
 
@@ -69,6 +70,9 @@ def _shifted_products(
     channels_out, out_h, out_w = grad_out.shape[1:]
     batch = total // views
     padded_h, padded_w = height + 2 * ph, width + 2 * pw
+    if (out_h, out_w) != (padded_h - kh + 1, padded_w - kw + 1):
+        raise ValueError(f"output gradient of size {out_h}x{out_w} does not fit a {kh}x{kw} stride-1 conv of a "
+                         f"{height}x{width} input padded by {ph}, {pw}")
     grid = padded_h * padded_w
     tail = (kh - 1) * padded_w + (kw - 1)
     flat_inputs = inputs.new_zeros(batch, channels_in, views * grid + tail)
@@ -83,7 +87,7 @@ def _shifted_products(
     # Taps are written in place into (B, C_out, taps, C_in): each tap's (C_out, C_in) block is a matrix with
     # leading dimension taps * C_in, which cuBLAS writes directly (stacking taps last would copy everything).
     by_tap = placed.new_empty(batch, channels_out, kh * kw, channels_in)
-    with _matmul_precision_of_convolutions(inputs):
+    with matmuls_in_convolution_precision(inputs.is_cuda):
         for tap in range(kh * kw):
             shift = (tap // kw) * padded_w + tap % kw
             torch.bmm(placed, flat_inputs.as_strided(size, strides, start + shift), out=by_tap[:, :, tap])
@@ -91,18 +95,29 @@ def _shifted_products(
 
 
 @contextlib.contextmanager
-def _matmul_precision_of_convolutions(like: torch.Tensor) -> Iterator[None]:
-    """On CUDA, run the products in the precision PyTorch gives the convolution's own weight gradient.
+def matmuls_in_convolution_precision(enabled: bool) -> Iterator[None]:
+    """Run fp32 matmuls in TF32 inside the block when convolutions run in TF32 and matmuls in full fp32.
 
-    These products are that weight gradient, per example; cuDNN computes it in TF32 unless
-    `torch.backends.cudnn.allow_tf32` is off, while plain fp32 matmuls default to full precision.
+    The products here are a convolution's weight gradient, per example; cuDNN computes that
+    gradient in TF32 unless `torch.backends.cudnn.allow_tf32` is off, while fp32 matmuls default to
+    full precision (and run ~1.6x slower on an H100/H200). Only PyTorch's default state is
+    changed, and restored on exit: if the user chose a matmul precision, or uses the per-backend
+    `fp32_precision` settings (reading the legacy flags then raises), nothing is touched. The flag
+    is process-wide, so matmuls of other threads inside the block run in TF32 too.
     """
-    if like.device.type != "cuda":
+    if not enabled:
         yield
         return
-    previous = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32
+    try:
+        switch = (torch.backends.cudnn.allow_tf32 and not torch.backends.cuda.matmul.allow_tf32
+                  and torch.get_float32_matmul_precision() == "highest")
+    except RuntimeError:  # settings made through the per-backend API: leave them as they are
+        switch = False
+    if not switch:
+        yield
+        return
+    torch.backends.cuda.matmul.allow_tf32 = True
     try:
         yield
     finally:
-        torch.backends.cuda.matmul.allow_tf32 = previous
+        torch.backends.cuda.matmul.allow_tf32 = False

@@ -25,7 +25,8 @@ from .augment import augment_views
 from .checkpoint import load, save_atomic
 from .ema import ExponentialMovingAverage
 from .metrics import evaluate
-from .bookkeeping import BookkeepingUnsupportedError, check_bookkeeping_supported, per_sample_gradients_bookkeeping
+from .bookkeeping import (BookkeepingUnsupportedError, check_bookkeeping_supported, per_sample_gradients_bookkeeping,
+                          verify_bookkeeping)
 from .per_sample import clip_and_sum, per_sample_gradients
 from .sampling import PoissonSampler, physical_chunks
 from .validate import validate_dp_safe
@@ -66,7 +67,7 @@ class DPConfig:
     log_train_loss: bool = True  # a non-private diagnostic: computed on private data
     epsilon_every: int = 10  # log epsilon every this many steps (PRV's get_epsilon is slow)
     # "bookkeeping": fastest and leanest measured (benchmarks/throughput.py, H200); "vmap": torch.func, for any
-    # model; "auto": bookkeeping unless the model cannot use it (a layer run twice, a shared parameter), then vmap
+    # model; "auto": bookkeeping unless the model fails its checks (static, then a probe at the first step), then vmap
     per_sample_method: str = "auto"
 
 
@@ -94,6 +95,7 @@ class DPTrainer:
         self._check_config()
         validate_dp_safe(model)
         self.per_sample_method = self._resolve_per_sample_method(model)
+        self._bookkeeping_verified = False  # verify_bookkeeping runs once, at the first per-sample computation
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.model = model.to(self.device)
         self.out_dir = Path(out_dir) if out_dir is not None else None
@@ -187,15 +189,25 @@ class DPTrainer:
         return noisy, len(indices), float(loss_sum) / max(len(indices), 1)
 
     def _per_sample_gradients(self, params, buffers, views, labels) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        if self.per_sample_method == "bookkeeping" and not self._bookkeeping_verified:
+            self._verify_bookkeeping(tuple(views.shape[1:]))
         if self.per_sample_method == "bookkeeping":
-            try:
-                return per_sample_gradients_bookkeeping(self.model, views, labels)
-            except BookkeepingUnsupportedError as error:  # found only by running: a layer called twice
-                if self.config.per_sample_method != "auto":
-                    raise
-                warnings.warn(f"per-sample gradients: book-keeping cannot run this model ({error}); using vmap")
-                self.per_sample_method = "vmap"  # both give the same gradients (tests/test_bookkeeping.py)
+            return per_sample_gradients_bookkeeping(self.model, views, labels)
         return per_sample_gradients(self.model, params, buffers, views, labels)
+
+    def _verify_bookkeeping(self, view_shape: tuple[int, ...]) -> None:
+        """The probe of verify_bookkeeping; "auto" falls back to vmap where it fails, "bookkeeping" raises.
+
+        The probe uses random inputs and leaves every RNG as it was, so a resumed run decides the same.
+        """
+        try:
+            verify_bookkeeping(self.model, view_shape)
+        except Exception as error:  # noqa: BLE001  (any failure of the probe: vmap is always exact)
+            if self.config.per_sample_method == "bookkeeping":
+                raise
+            warnings.warn(f"per-sample gradients: book-keeping cannot run this model ({error}); using vmap")
+            self.per_sample_method = "vmap"
+        self._bookkeeping_verified = True
 
     def train_step(self, images: torch.Tensor, labels: torch.Tensor) -> dict[str, Any]:
         """One DP-SGD step on the private data (images, labels); returns its log record."""

@@ -31,7 +31,7 @@ from torch import nn
 from torch.func import functional_call, vjp, vmap
 
 from ..nn.conv import SteerableConv2d
-from .filter_gradients import per_example_filter_gradients
+from .filter_gradients import per_example_filter_gradients, steerable_weight_gradients
 from .per_sample import Gradients, LossFn, per_sample_gradients
 
 PerSampleRule = Callable[[nn.Module, torch.Tensor, torch.Tensor, int], dict[str, torch.Tensor]]
@@ -64,18 +64,11 @@ def _conv_rule(module: nn.Conv2d, inputs: torch.Tensor, grad_out: torch.Tensor, 
 def _steerable_conv_rule(
     module: SteerableConv2d, inputs: torch.Tensor, grad_out: torch.Tensor, views: int
 ) -> dict[str, torch.Tensor]:
-    """Dense filter gradients to coefficient space: the transpose of the basis expansion, then of the standardization."""
     filters = _filter_gradients(module, inputs, grad_out, views)
-    batch, k = filters.shape[0], module.kernel_size
-    blocks = filters.reshape(batch, module.out_fields, module.out_size, -1, module.in_size, k, k)
-    coefficients = torch.einsum("bxsyijk,nsijk->bxyn", blocks, module.basis)  # (B, out fields, in fields, basis)
-    if module.weight_standardization:
-        _, standardization_vjp = vjp(module.coefficients, module.weight.detach())
-        coefficients = vmap(lambda g: standardization_vjp(g)[0])(coefficients)
-    grads = {"weight": coefficients}
+    grads = {"weight": steerable_weight_gradients(module, filters)}
     if module.bias is not None:
         _, bias_vjp = vjp(module.expand_bias, module.bias.detach())
-        grads["bias"] = vmap(lambda g: bias_vjp(g)[0])(_channel_sums(grad_out, batch, views))
+        grads["bias"] = vmap(lambda g: bias_vjp(g)[0])(_channel_sums(grad_out, filters.shape[0], views))
     return grads
 
 

@@ -13,6 +13,9 @@ from typing import Iterator
 
 import torch
 import torch.nn.functional as F
+from torch.func import vjp, vmap
+
+from ..nn.conv import SteerableConv2d
 
 IntPair = int | tuple[int, int]
 
@@ -31,8 +34,9 @@ def per_example_filter_gradients(
     padding: IntPair = 0,
     dilation: IntPair = 1,
     padding_mode: str = "zeros",
+    groups: int = 1,
 ) -> torch.Tensor:
-    """(B, C_out, C_in, kh, kw): each example's filter gradient of an ungrouped conv, summed over its K views.
+    """(B, C_out, C_in/groups, kh, kw): each example's filter gradient of a conv, summed over its K views.
 
     inputs (B*K, C_in, H, W) and grad_out (B*K, C_out, H', W') hold each example's K views
     consecutively; neither is differentiated through. The result may be a strided view:
@@ -43,14 +47,33 @@ def per_example_filter_gradients(
     if padding_mode != "zeros":  # the layer pads with F.pad, then convolves without padding
         inputs = F.pad(inputs, (padding[1], padding[1], padding[0], padding[0]), mode=padding_mode)
         padding = (0, 0)
-    if stride == (1, 1) and dilation == (1, 1):
+    if stride == (1, 1) and dilation == (1, 1) and groups == 1:
         return _shifted_products(inputs, grad_out, views, kernel, padding)
     columns = F.unfold(inputs, kernel, dilation=dilation, padding=padding, stride=stride)  # (N, C_in k k, L)
     batch, positions = inputs.shape[0] // views, columns.shape[2]
-    columns = columns.reshape(batch, views, columns.shape[1], positions)
-    grad_out = grad_out.reshape(batch, views, grad_out.shape[1], positions)  # (B, K, C_out, L)
-    dense = torch.einsum("bkol,bkdl->bod", grad_out, columns)
-    return dense.reshape(batch, grad_out.shape[2], inputs.shape[1], *kernel)
+    if grad_out.shape[-2] * grad_out.shape[-1] != positions:
+        raise ValueError(f"output gradient of size {tuple(grad_out.shape[-2:])} does not match the {positions} "
+                         f"positions of a {kernel} conv (stride {stride}, dilation {dilation}) of its input")
+    columns = columns.reshape(batch, views, groups, columns.shape[1] // groups, positions)
+    grad_out = grad_out.reshape(batch, views, groups, grad_out.shape[1] // groups, positions)  # (B, K, G, C_out/G, L)
+    dense = torch.einsum("bkgol,bkgdl->bgod", grad_out, columns)
+    return dense.reshape(batch, grad_out.shape[2] * grad_out.shape[3], inputs.shape[1] // groups, *kernel)
+
+
+def steerable_weight_gradients(module: SteerableConv2d, filters: torch.Tensor) -> torch.Tensor:
+    """Per-example gradients of module.weight from those of its expanded filter (B, C_out, C_in/groups, k, k).
+
+    The transpose of SteerableConv2d.expand_filter: the basis contraction, then the
+    vector-Jacobian product of the weight standardization when the layer has it.
+    Returns (B, out_fields, in_fields/groups, num_basis).
+    """
+    batch, k = filters.shape[0], module.kernel_size
+    blocks = filters.reshape(batch, module.out_fields, module.out_size, -1, module.in_size, k, k)
+    coefficients = torch.einsum("bxsyijk,nsijk->bxyn", blocks, module.basis.to(filters.dtype))
+    if not module.weight_standardization or batch == 0:
+        return coefficients
+    _, standardization_vjp = vjp(module.coefficients, module.weight.detach().to(filters.dtype))
+    return vmap(lambda g: standardization_vjp(g)[0])(coefficients)
 
 
 def _shifted_products(

@@ -12,17 +12,16 @@ How the samplers work
 ``SteerableConv2d``: the forward pass is ``F.conv2d(x, W(c), b(beta))`` with
 the expanded filter ``W = coefficients x basis``. Opacus' hooks give the layer
 input ``x`` and ``dL/dy`` per sample. The per-sample gradient of the expanded
-filter is, as for ``nn.Conv2d``, the product of the backprops with the
-unfolded (im2col) input, done per convolution group; inputs of layers with a
-``padding_mode`` other than zeros are padded with ``F.pad`` first, exactly as
-the layer's forward does. That filter gradient is contracted at once with the
-basis -- the transpose of ``expand_filter`` -- to give the gradient of each
-(output field, input field) coefficient vector. The batch is processed in
-chunks so that the unfolded input and the full-size filter gradient only ever
-exist for a few samples at a time. With ``weight_standardization`` the filter
-is built from ``standardize(weight)``; the coefficient gradient is pulled back
-through the layer's own ``coefficients()`` with ``torch.func.vjp`` (one vjp,
-vmapped over the samples). The bias gradient is ``dL/dy`` summed over space
+filter comes from ``filter_gradients.per_example_filter_gradients``, the kernel
+book-keeping uses (one product per filter tap on a shifted view of the padded
+input for ungrouped stride-1 convs, the unfolded input otherwise; other
+``padding_mode``\ s padded with ``F.pad`` first, as the layer's forward does).
+``filter_gradients.steerable_weight_gradients`` then takes it to the gradient of
+``weight``: the basis contraction (the transpose of ``expand_filter``) and, with
+``weight_standardization``, the vjp of the layer's own ``coefficients()``
+vmapped over the samples. The batch is processed in chunks so that the
+full-size filter gradient only ever exists for a few samples at a time.
+The bias gradient is ``dL/dy`` summed over space
 and over the channels of each output field (with ``bias_channels``, irrep fields: summed over space
 only, on each listed trivial channel of each field).
 
@@ -63,7 +62,7 @@ from torch import nn  # noqa: E402
 from ..nn.conv import SteerableConv2d  # noqa: E402
 from ..nn.irrep_fields import GroupStandardization  # noqa: E402
 from ..nn.norm import FieldGroupNorm  # noqa: E402
-from .filter_gradients import per_example_filter_gradients  # noqa: E402
+from .filter_gradients import per_example_filter_gradients, steerable_weight_gradients  # noqa: E402
 
 try:  # Opacus >= 1.5 (ghost clipping)
     from opacus.grad_sample import register_norm_sampler  # noqa: E402
@@ -82,7 +81,7 @@ __all__ = [
 
 SUPPORTED_MODULES = (SteerableConv2d, FieldGroupNorm, GroupStandardization)
 
-# Upper bound on the elements of the unfolded input plus the full-size filter
+# Upper bound on the elements of the input patches plus the full-size filter
 # gradient held at once (2**24 float32 = 64 MiB); at least one sample per chunk.
 _CHUNK_ELEMENTS = 1 << 24
 _NORM_CHUNK = 64  # samples per step of the norm samplers
@@ -90,71 +89,19 @@ _NORM_CHUNK = 64  # samples per step of the norm samplers
 GradSamples = Dict[nn.Parameter, torch.Tensor]
 
 
-def _pair(value) -> tuple[int, int]:
-    return (value, value) if isinstance(value, int) else (int(value[0]), int(value[1]))
-
-
-class _WithWeight:
-    """The layer seen with `weight` replaced, so its own `coefficients()` can be differentiated."""
-
-    def __init__(self, module: nn.Module, weight: torch.Tensor) -> None:
-        self._module = module
-        self.weight = weight
-
-    def __getattr__(self, name: str):
-        return getattr(self._module, name)
-
-
-def _through_standardization(module: SteerableConv2d, coeff_grads: torch.Tensor) -> torch.Tensor:
-    """Per-sample d(loss)/d(weight) from per-sample d(loss)/d(coefficients) (vjp of the standardization)."""
-    coefficients = type(module).coefficients
-    _, pullback = torch.func.vjp(lambda w: coefficients(_WithWeight(module, w)), module.weight.detach().to(coeff_grads.dtype))
-    return torch.func.vmap(pullback)(coeff_grads)[0]
-
-
-def _grouped_filter_gradients(module: SteerableConv2d, x: torch.Tensor, backprops: torch.Tensor) -> torch.Tensor:
-    """(m, G, out_channels/G, in_channels/G * k * k): per-sample filter gradients of a grouped conv, by unfolding."""
-    padding = _pair(module.padding)
-    if module.padding_mode != "zeros":  # the forward pads with F.pad, then convolves without padding
-        x = F.pad(x, (padding[1], padding[1], padding[0], padding[0]), mode=module.padding_mode)
-        padding = (0, 0)
-    m, positions, k = x.shape[0], backprops.shape[-2] * backprops.shape[-1], module.kernel_size
-    cols = F.unfold(x, k, dilation=_pair(module.dilation), padding=padding, stride=_pair(module.stride))
-    if cols.shape[-1] != positions:
-        raise RuntimeError(f"SteerableConv2d grad sampler: unfolded {cols.shape[-1]} positions but the output has {positions}")
-    cols = cols.reshape(m, module.groups, -1, positions)  # (m, G, in_per_group*in_size*k*k, L)
-    grads = backprops.reshape(m, module.groups, -1, positions)  # (m, G, out_per_group*out_size, L)
-    return grads @ cols.transpose(-1, -2)
-
-
-def _conv_coefficient_grads(module: SteerableConv2d, x: torch.Tensor, backprops: torch.Tensor) -> torch.Tensor:
-    """(n, out_fields, in_fields/groups, num_basis): per-sample gradients w.r.t. `coefficients()`, the
-    coefficient vectors the filter is expanded from (after weight standardization, when that is on)."""
-    n = x.shape[0]
-    groups, k = module.groups, module.kernel_size
-    out_fields, in_per_group = module.out_fields, module.in_fields // module.groups
-    out_size, in_size = module.out_size, module.in_size
-    basis = module.basis.to(backprops.dtype).reshape(module.num_basis, -1)  # (nb, out_size*in_size*k*k)
-
+def _weight_grads(module: SteerableConv2d, x: torch.Tensor, backprops: torch.Tensor) -> torch.Tensor:
+    """(n, out_fields, in_fields/groups, num_basis): per-sample gradients of `weight`, in chunks of samples."""
+    k, n = module.kernel_size, x.shape[0]
     positions = backprops.shape[-2] * backprops.shape[-1]
-    per_sample = module.in_channels * k * k * positions + module.out_channels * (module.in_channels // groups) * k * k
+    per_sample = module.in_channels * k * k * positions + module.out_channels * (module.in_channels // module.groups) * k * k
     chunk = max(1, _CHUNK_ELEMENTS // max(per_sample, 1))
-    pieces = []
-    for start in range(0, n, chunk):
-        xs, gs = x[start:start + chunk], backprops[start:start + chunk]
-        m = xs.shape[0]
-        if groups == 1:  # the book-keeping kernel: no unfolded copy for stride-1 convs
-            filter_grad = per_example_filter_gradients(
-                xs, gs, 1, kernel=k, stride=module.stride, padding=module.padding, dilation=module.dilation,
-                padding_mode=module.padding_mode).reshape(m, 1, module.out_channels, -1)
-        else:
-            filter_grad = _grouped_filter_gradients(module, xs, gs)
-        # (m, G, out_fields/G, out_size, in_per_group, in_size*k*k) -> field pairs first: transpose of expand_filter
-        filter_grad = filter_grad.reshape(m, groups, out_fields // groups, out_size, in_per_group, in_size * k * k)
-        filter_grad = filter_grad.transpose(3, 4).reshape(m, out_fields, in_per_group, out_size * in_size * k * k)
-        pieces.append(filter_grad @ basis.T)  # (m, out_fields, in_per_group, nb)
-        del filter_grad
-    return torch.cat(pieces) if pieces else backprops.new_zeros((0, out_fields, in_per_group, module.num_basis))
+    pieces = [
+        steerable_weight_gradients(module, per_example_filter_gradients(
+            x[start:start + chunk], backprops[start:start + chunk], 1, kernel=k, stride=module.stride,
+            padding=module.padding, dilation=module.dilation, padding_mode=module.padding_mode, groups=module.groups))
+        for start in range(0, n, chunk)
+    ]
+    return torch.cat(pieces) if pieces else backprops.new_zeros((0, *module.weight.shape))
 
 
 @register_grad_sampler(SteerableConv2d)
@@ -165,10 +112,7 @@ def compute_steerable_conv_grad_sample(
     x = activations[0].to(backprops.dtype)
     ret: GradSamples = {}
     if layer.weight.requires_grad:
-        grads = _conv_coefficient_grads(layer, x, backprops)
-        if layer.weight_standardization and grads.shape[0] > 0:
-            grads = _through_standardization(layer, grads)
-        ret[layer.weight] = grads
+        ret[layer.weight] = _weight_grads(layer, x, backprops)
     if layer.bias is not None and layer.bias.requires_grad:
         per_channel = backprops.unflatten(1, (layer.out_fields, layer.out_size)).flatten(3).sum(-1)  # (n, fields, size)
         channels = getattr(layer, "bias_channels", None)

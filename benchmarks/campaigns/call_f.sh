@@ -8,25 +8,9 @@ START=$(date +%s); DEADLINE=${DEADLINE:-520}
 FM="--dataset fashion-mnist --data-dir .data/fashion-mnist --epsilon 3 --delta 1e-5 --batch-size 2048 --steps 1000 --aug-mult 8 --lr 2 --max-grad-norm 2 --ema-decay 0.999 --physical-batch-size 1024 --eval-every 250 --checkpoint-every 50"
 PAPER="--model equiconvert:equivariant_resnet9"
 
-finished() { [ -f "$RUNS/$1/result.json" ] && python -c "import json,sys; d=json.load(open('$RUNS/$1/result.json')); sys.exit(0 if d['steps'] == d['requested_steps'] else 1)"; }
-
-# queue GPU RUN... : the runs one after another on card GPU, each limited to the time left before the deadline
-queue() {
-    local gpu=$1; shift
-    for spec in "$@"; do
-        local group=${spec%%:*} seed=${spec##*:} name="fmnist_paper_${spec%%:*}_eps3_k8_s${spec##*:}"
-        finished "$name" && continue
-        local left=$((START + DEADLINE - $(date +%s)))
-        [ "$left" -lt 30 ] && break
-        train "$gpu" "$name" $PAPER --group "$group" $FM --seed "$seed" --time-limit "$left"
-        wait $!
-    done
-}
-queue 0 D1:0 D1:1 none:2 &
-queue 1 D1:2 none:0 none:1 &
+BASE="$PAPER $FM"
+run() { echo "fmnist_paper_$1_eps3_k8_s$2|--group $1 --seed $2"; }
+queue 0 "$(run D1 0)" "$(run D1 1)" "$(run none 2)" &
+queue 1 "$(run D1 2)" "$(run none 0)" "$(run none 1)" &
 wait
-nvidia-smi --query-gpu=name,memory.total --format=csv > "$RESULTS/gpus.csv"
-for dir in "$RUNS"/fmnist_paper_*_k8_*; do tar czf "$RESULTS/$(basename "$dir").tgz" -C "$RUNS" "$(basename "$dir")"; done
-for f in "$RUNS"/fmnist_paper_*_k8_*/result.json; do
-    echo "$f $(python -c "import json; d=json.load(open('$f')); print(d['steps'], d.get('stopped_reason'), round(d['test_accuracy'],4), round(d['epsilon'],3), d.get('per_sample_method'), round(d.get('train_time_s',0)))")"
-done
+pack_each "fmnist_paper_*_k8_*"

@@ -13,6 +13,8 @@ import pytest
 import torch
 from scipy.optimize import brentq
 from scipy.stats import norm
+from opacus.accountants import RDPAccountant
+from opacus.accountants.analysis import rdp as rdp_analysis
 from torch import nn
 
 from equiconvert.errors import EquiconvertError
@@ -100,9 +102,65 @@ def test_calibration_repairs_a_proposal_above_or_far_below_target(monkeypatch, f
 
 
 def test_unreachable_target_is_a_clear_error() -> None:
-    with pytest.raises(PrivacyBudgetError, match="unreachable"):
+    with pytest.raises(PrivacyBudgetError, match=r"unreachable.*smallest epsilon RDP certifies here is 0\.0084; the PRV"):
         calibrate_noise_multiplier(1e-7, DELTA, RATE, 2000, "rdp")
     assert issubclass(PrivacyBudgetError, EquiconvertError)
+
+
+# --- RDP orders beyond Opacus' default 63 -----------------------------------------
+def _opacus_rdp_epsilon(sigma: float, rate: float, steps: int, orders: list[float]) -> float:
+    """Epsilon straight from Opacus' analysis functions over explicit orders (no accountant class)."""
+    rdp = rdp_analysis.compute_rdp(q=rate, noise_multiplier=sigma, steps=steps, orders=orders)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return float(rdp_analysis.get_privacy_spent(orders=orders, rdp=rdp, delta=DELTA)[0])
+
+
+def test_small_budgets_get_the_tighter_bound_of_more_orders() -> None:
+    # With Opacus' default orders (<= 63) no noise certifies epsilon 0.1 here: the bound stays above 0.1029.
+    default_orders = RDPAccountant.DEFAULT_ALPHAS
+    wide_orders = default_orders + [80, 96, 128, 160, 192, 256, 320, 384, 512]
+    sigma = calibrate_noise_multiplier(0.1, DELTA, 0.01, 100, "rdp")
+    eps = compute_epsilon("rdp", sigma, 0.01, 100, DELTA)
+    assert 0.09 <= eps <= 0.1
+    assert eps == pytest.approx(_opacus_rdp_epsilon(sigma, 0.01, 100, wide_orders), rel=1e-12)
+    assert _opacus_rdp_epsilon(sigma, 0.01, 100, default_orders) > 0.1
+    assert _opacus_rdp_epsilon(1e6, 0.01, 100, default_orders) > 0.1
+    # RDP stays an upper bound: PRV (close to exact, measured 0.0959 here) is not above it.
+    assert compute_epsilon("prv", sigma, 0.01, 100, DELTA) <= eps
+
+
+def test_more_orders_leave_ordinary_budgets_unchanged() -> None:
+    for sigma, rate, steps in [(SIGMA, RATE, 2250), (1.8115, 2048 / 60000, 1000), (4.98, 8192 / 50000, 2200)]:
+        assert compute_epsilon("rdp", sigma, rate, steps, DELTA) == pytest.approx(
+            _opacus_rdp_epsilon(sigma, rate, steps, RDPAccountant.DEFAULT_ALPHAS), rel=1e-12)
+
+
+@pytest.mark.parametrize("kind", ACCOUNTANTS)
+def test_calibration_and_accounting_do_not_warn_for_an_ordinary_run(kind: str) -> None:
+    # Opacus' search (and PRV's domain sizing) visit sigmas whose best order is the largest one;
+    # those warnings said nothing about the run and used to appear in every log.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        sigma = calibrate_noise_multiplier(3.0, DELTA, 2048 / 60000, 1000, kind)
+        compute_epsilon(kind, sigma, 2048 / 60000, 1000, DELTA)
+
+
+def test_prv_small_budgets_do_not_warn_about_its_internal_domain_bound() -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert 0.0 < compute_epsilon("prv", 20.0, 0.01, 100, DELTA) < 0.05  # measured 0.0228
+
+
+def test_epsilon_is_never_reported_below_zero() -> None:
+    # Opacus' conversion gives -0.000645 here (a valid but meaningless bound).
+    with pytest.warns(UserWarning, match="largest alpha"):  # and RDP says its bound is loose
+        assert compute_epsilon("rdp", 1e6, 1e-4, 10**7, 1e-3) == 0.0
+
+
+def test_a_final_epsilon_at_the_largest_order_still_warns() -> None:
+    with pytest.warns(UserWarning, match="largest alpha"):
+        compute_epsilon("rdp", 50.0, 0.01, 10, DELTA)
 
 
 # --- ledger --------------------------------------------------------------------

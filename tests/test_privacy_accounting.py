@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -150,6 +151,21 @@ def test_prv_small_budgets_do_not_warn_about_its_internal_domain_bound() -> None
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert 0.0 < compute_epsilon("prv", 20.0, 0.01, 100, DELTA) < 0.05  # measured 0.0228
+
+
+@pytest.mark.filterwarnings("ignore:Optimal order is the smallest alpha")  # true of 1e12 full-batch steps
+def test_a_target_reachable_only_near_the_noise_ceiling_is_calibrated() -> None:
+    # Opacus' proposal gives up once its doubling passes sigma 1e6 (here 1.28e6), although 7.9e5 suffices.
+    steps = 10**12
+    sigma = calibrate_noise_multiplier(6.24, DELTA, 1.0, steps, "rdp")
+    assert 6.23 <= compute_epsilon("rdp", sigma, 1.0, steps, DELTA) <= 6.24
+
+
+def test_silencing_from_threads_leaves_no_warning_filter_behind() -> None:
+    filters_before = list(warnings.filters)
+    with ThreadPoolExecutor(4) as pool:
+        list(pool.map(lambda _: calibrate_noise_multiplier(3.0, DELTA, 2048 / 60000, 1000, "rdp"), range(8)))
+    assert warnings.filters == filters_before
 
 
 def test_epsilon_is_never_reported_below_zero() -> None:

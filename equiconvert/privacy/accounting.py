@@ -11,7 +11,10 @@ from __future__ import annotations
 import copy
 import math
 import operator
+import threading
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from opacus.accountants import IAccountant, PRVAccountant, RDPAccountant
@@ -28,6 +31,16 @@ _MAX_SEARCH_STEPS = 2**40  # max_steps() gives up (raises) beyond this many step
 _MAX_REFINEMENTS = 100  # bracketing / bisection rounds in calibrate_noise_multiplier
 _CACHE_SIZE = 4096
 _LARGEST_ORDER_WARNING = "Optimal order is the largest alpha"
+# warnings.catch_warnings swaps process-global state: two threads interleaving it can leave a filter behind.
+_WARNINGS_LOCK = threading.RLock()
+
+
+@contextmanager
+def _largest_order_warning_silenced() -> Iterator[None]:
+    """Opacus' "largest alpha" warning off, for epsilons that are not the one reported."""
+    with _WARNINGS_LOCK, warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=_LARGEST_ORDER_WARNING)
+        yield
 
 
 class WideRangeRDPAccountant(RDPAccountant):
@@ -100,10 +113,9 @@ def _epsilon_of_history(kind: str, history: History, delta: float) -> float:
     accountant = make_accountant(kind)
     accountant.history = [tuple(entry) for entry in history]
     if kind == "prv":
-        with warnings.catch_warnings():
-            # Opacus' PRV sizes its discretisation domain with an RDP bound at a tiny delta, whose
-            # "largest alpha" warning concerns that domain only, not the epsilon returned.
-            warnings.filterwarnings("ignore", message=_LARGEST_ORDER_WARNING)
+        # Opacus' PRV sizes its discretisation domain with an RDP bound at a tiny delta, whose
+        # "largest alpha" warning concerns that domain only, not the epsilon returned.
+        with _largest_order_warning_silenced():
             epsilon = float(accountant.get_epsilon(delta=delta))
     else:
         epsilon = float(accountant.get_epsilon(delta=delta))
@@ -150,8 +162,7 @@ def calibrate_noise_multiplier(
     def unreachable() -> PrivacyBudgetError:
         floor = ""
         if kind == "rdp":
-            with warnings.catch_warnings():
-                warnings.filterwarnings("ignore", message=_LARGEST_ORDER_WARNING)
+            with _largest_order_warning_silenced():
                 smallest = eps(_MAX_SIGMA)
             floor = f" (the smallest epsilon RDP certifies here is {smallest:.4f}; the PRV accountant goes lower)"
         return PrivacyBudgetError(
@@ -161,17 +172,18 @@ def calibrate_noise_multiplier(
         )
 
     orders = {"alphas": WideRangeRDPAccountant.DEFAULT_ALPHAS} if kind == "rdp" else {}
-    with warnings.catch_warnings():
-        # Candidates far above the answer have their optimum at the largest order; only the final
-        # sigma's epsilon, computed again by the caller's ledger, should warn about that.
-        warnings.filterwarnings("ignore", message=_LARGEST_ORDER_WARNING)
+    # Candidates far above the answer have their optimum at the largest order; only the final
+    # sigma's epsilon, computed again by the caller's ledger, should warn about that.
+    with _largest_order_warning_silenced():
         try:
             sigma = float(get_noise_multiplier(
                 target_epsilon=target_epsilon, target_delta=delta, sample_rate=sample_rate, steps=steps,
                 accountant=kind, epsilon_tolerance=tolerance, **orders,
             ))
-        except ValueError as error:  # Opacus: "The privacy budget is too low."
-            raise unreachable() from error
+        except ValueError as error:  # Opacus: "The privacy budget is too low." (it stops doubling past 1e6)
+            if eps(_MAX_SIGMA) > target_epsilon:
+                raise unreachable() from error
+            sigma = _MAX_SIGMA  # reachable at the ceiling itself: bisect down from there
 
     # Bracket: eps(lo) > target >= eps(hi); then bisect until eps(hi) is within tolerance.
     eps_sigma = eps(sigma)

@@ -297,6 +297,13 @@ def _demo_training(args: argparse.Namespace) -> int:
 def _cmd_train(args: argparse.Namespace) -> int:
     from .privacy.run import RunSpec, run_training
 
+    if args.threads is not None:
+        if args.threads < 1:
+            raise CLIError(f"--threads {args.threads}: give at least 1 CPU thread")
+        import torch
+
+        torch.set_num_threads(args.threads)
+
     spec = RunSpec(model=args.model, group=args.group, dataset=args.dataset, data_dir=args.data_dir, out=args.out,
                    width=args.width, model_widths=args.widths, device=args.device, resume=args.resume,
                    progress=not args.no_progress, time_limit_s=args.time_limit)
@@ -348,6 +355,9 @@ def _add_train_parser(sub) -> None:
     train.add_argument("--checkpoint-every", type=int, default=50)
     train.add_argument("--seed", type=int, default=0)
     train.add_argument("--device", default=None, help="cpu, cuda, cuda:1 (default: cuda if available)")
+    train.add_argument("--threads", type=int, default=None,
+                       help="CPU threads of this process (default: PyTorch's, one per core); give several runs on "
+                            "one host a share each")
     train.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.pt")
     train.add_argument("--no-progress", action="store_true")
     train.set_defaults(handler=_cmd_train)

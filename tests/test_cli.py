@@ -201,6 +201,23 @@ def test_train_on_synthetic_data_writes_result(tmp_path, capsys):
     assert json.loads(capsys.readouterr().out)["test_accuracy"] == result["test_accuracy"]
 
 
+def test_train_threads_sets_the_processes_cpu_threads(tmp_path, capsys):
+    import torch
+
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        code = main(["train", "--dataset", "synthetic", "--model", "equiconvert:resnet9", "--widths", "8,16,32",
+                     "--group", "none", "--steps", "1", "--batch-size", "8", "--epsilon", "8", "--threads", "1",
+                     "--out", str(tmp_path / "run"), "--no-progress", "--device", "cpu"])
+        assert code == 0 and torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+    capsys.readouterr()
+    assert "--threads 0: give at least 1" in run_error(capsys, "train", "--dataset", "synthetic", "--threads", "0",
+                                                       "--out", str(tmp_path / "bad"))
+
+
 def test_train_baseline_replaces_batch_norm_and_widths_only_for_resnet9(tmp_path, capsys):
     code = main(["train", "--dataset", "synthetic", "--model", "torchvision:resnet18", "--widths", "8,16,32",
                  "--group", "none", "--steps", "1", "--out", str(tmp_path)])

@@ -19,6 +19,7 @@ import sys
 import time
 from typing import Any, Callable, Sequence
 
+import torch
 from torch import nn
 
 MODEL_PREFIXES = ("torchvision", "timm", "equiconvert")
@@ -300,8 +301,6 @@ def _cmd_train(args: argparse.Namespace) -> int:
     if args.threads is not None:
         if args.threads < 1:
             raise CLIError(f"--threads {args.threads}: give at least 1 CPU thread")
-        import torch
-
         torch.set_num_threads(args.threads)
 
     spec = RunSpec(model=args.model, group=args.group, dataset=args.dataset, data_dir=args.data_dir, out=args.out,

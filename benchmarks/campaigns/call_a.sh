@@ -23,4 +23,4 @@ train 1 rotmnist_resnet9_C8_eps8_s0 --model equiconvert:resnet9 --group C8 $RM -
 train 1 rotmnist_resnet9_none_eps8_s0 --model equiconvert:resnet9 --group none $RM --seed 0 --time-limit $((LIMIT - 150))
 wait
 nvidia-smi --query-gpu=name,memory.total --format=csv > "$RESULTS/gpus.csv"
-pack
+pack_each "*"

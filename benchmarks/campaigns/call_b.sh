@@ -15,4 +15,4 @@ for s in 1 2; do
     train 3 rotmnist_resnet9_none_eps8_s$s --model equiconvert:resnet9 --group none $RM --seed $s --time-limit $LIMIT
 done
 wait
-pack
+pack_each "*"

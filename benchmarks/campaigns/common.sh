@@ -39,12 +39,6 @@ queue() {
     done
 }
 
-# pack: the run folders, checkpoints included, into $OUT (comes back), and a one-line summary per run
-pack() {
-    tar czf "$RESULTS/runs.tgz" .runs
-    for f in "$RUNS"/*/result.json; do echo "$f $(python -c "import json,sys; d=json.load(open('$f')); print(d['steps'], d.get('stopped_reason'), round(d['test_accuracy'],4), round(d['epsilon'],3))")"; done
-}
-
 # pack_each GLOB: the card list, and each run folder matching GLOB (checkpoints included) as its own archive in $OUT,
 # so that no archive passes the 16 MiB transfer limit; then a one-line summary per run
 pack_each() {

@@ -8,13 +8,13 @@ calibrated noise, a wider range of RDP orders, and a ledger that stops training
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 import operator
 import threading
 import warnings
 from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 from opacus.accountants import IAccountant, PRVAccountant, RDPAccountant
@@ -35,7 +35,7 @@ _LARGEST_ORDER_WARNING = "Optimal order is the largest alpha"
 _WARNINGS_LOCK = threading.RLock()
 
 
-@contextmanager
+@contextlib.contextmanager
 def _largest_order_warning_silenced() -> Iterator[None]:
     """Opacus' "largest alpha" warning off, for epsilons that are not the one reported."""
     with _WARNINGS_LOCK, warnings.catch_warnings():
@@ -47,8 +47,9 @@ class WideRangeRDPAccountant(RDPAccountant):
     """Opacus' RDP accountant, minimising over orders up to 512 instead of 63.
 
     With orders up to 63, epsilon can never drop below 0.103 at delta=1e-5
-    however much noise is added, and small budgets get a loose bound. More orders only tighten the minimum (each order is a valid bound);
-    512 keeps Opacus' binomial sums (scipy.special.binom) finite.
+    however much noise is added, and small budgets get a loose bound. More
+    orders only tighten the minimum (each order is a valid bound); 512 keeps
+    Opacus' binomial sums (scipy.special.binom) finite.
     """
 
     DEFAULT_ALPHAS = RDPAccountant.DEFAULT_ALPHAS + [80, 96, 128, 160, 192, 256, 320, 384, 512]
@@ -112,12 +113,9 @@ def _epsilon_of_history(kind: str, history: History, delta: float) -> float:
         return 0.0
     accountant = make_accountant(kind)
     accountant.history = [tuple(entry) for entry in history]
-    if kind == "prv":
-        # Opacus' PRV sizes its discretisation domain with an RDP bound at a tiny delta, whose
-        # "largest alpha" warning concerns that domain only, not the epsilon returned.
-        with _largest_order_warning_silenced():
-            epsilon = float(accountant.get_epsilon(delta=delta))
-    else:
+    # Opacus' PRV sizes its discretisation domain with an RDP bound at a tiny delta, whose
+    # "largest alpha" warning concerns that domain only, not the epsilon returned.
+    with _largest_order_warning_silenced() if kind == "prv" else contextlib.nullcontext():
         epsilon = float(accountant.get_epsilon(delta=delta))
     # Opacus' RDP conversion goes slightly negative for large delta at high orders (about -6e-4 at
     # delta=1e-3); raising a bound to 0 keeps it valid and a reported epsilon meaningful.

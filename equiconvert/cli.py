@@ -305,7 +305,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
     spec = RunSpec(model=args.model, group=args.group, dataset=args.dataset, data_dir=args.data_dir, out=args.out,
                    width=args.width, model_widths=args.widths, device=args.device, resume=args.resume,
-                   progress=not args.no_progress, time_limit_s=args.time_limit)
+                   progress=not args.no_progress, time_limit_s=args.time_limit, init_gain=args.init_gain)
     result = run_training(
         spec, target_epsilon=args.epsilon, delta=args.delta, batch_size=args.batch_size, steps=args.steps,
         aug_mult=args.aug_mult, max_grad_norm=args.max_grad_norm, lr=args.lr, momentum=args.momentum,
@@ -348,6 +348,9 @@ def _add_train_parser(sub) -> None:
                        help="stop training after this long, with a checkpoint; --resume continues the run")
     train.add_argument("--ema-decay", type=float, default=0.999, help="0 disables the EMA")
     train.add_argument("--width", type=_width, default=None, help="width policy of the conversion")
+    train.add_argument("--init-gain", type=float, default=None,
+                       help="initial std of the steerable filters as gain/sqrt(fan-in): sqrt(2) He (default), 1 escnn's "
+                            "scale; with weight standardization, lower gains make the filters learn faster")
     train.add_argument("--widths", type=_widths, default=None,
                        help="channel widths of equiconvert:resnet9 before conversion, e.g. 16,32,64")
     train.add_argument("--eval-every", type=int, default=None)

@@ -218,6 +218,19 @@ def test_train_threads_sets_the_processes_cpu_threads(tmp_path, capsys):
                                                        "--out", str(tmp_path / "bad"))
 
 
+def test_train_init_gain_reaches_the_model_and_the_result(tmp_path, capsys):
+    out = tmp_path / "run"
+    code = main(["train", "--dataset", "synthetic", "--model", "equiconvert:resnet9", "--widths", "8,16,32",
+                 "--group", "C4", "--steps", "1", "--batch-size", "8", "--aug-mult", "1", "--epsilon", "8",
+                 "--physical-batch-size", "8", "--init-gain", "0.5", "--out", str(out), "--no-progress",
+                 "--device", "cpu"])
+    assert code == 0 and json.loads((out / "result.json").read_text())["init_gain"] == 0.5
+    capsys.readouterr()
+    error = run_error(capsys, "train", "--dataset", "synthetic", "--group", "none", "--init-gain", "1",
+                      "--out", str(tmp_path / "bad"))
+    assert "--init-gain" in error and "--group none" in error
+
+
 def test_train_baseline_replaces_batch_norm_and_widths_only_for_resnet9(tmp_path, capsys):
     code = main(["train", "--dataset", "synthetic", "--model", "torchvision:resnet18", "--widths", "8,16,32",
                  "--group", "none", "--steps", "1", "--out", str(tmp_path)])

@@ -189,7 +189,10 @@ def test_per_sample_gradients_through_every_irrep_layer_match_naive_loop():
         for m in model.modules():
             if isinstance(m, SteerableConv2d) and m.bias is not None:
                 m.bias.normal_(0, 0.1)
-    assert_per_sample_gradients_match_loop(model, torch.randn(3, 3, 16, 16), torch.tensor([1, 4, 7]))
+    # float64: in float32 the two orders of summation already differ by ~1e-5 relative, so 1e-6 in float64
+    # is the test that would catch a wrong gradient and not rounding
+    assert_per_sample_gradients_match_loop(model.double(), torch.randn(3, 3, 16, 16, dtype=torch.float64),
+                                           torch.tensor([1, 4, 7]), tolerance=1e-6)
 
 
 class _Functional(nn.Module):

@@ -1,4 +1,6 @@
 """The plain-tensor equivariant modules, each checked against the group action."""
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -77,6 +79,22 @@ def test_he_initialisation_preserves_second_moment():
     x = torch.randn(4, conv.in_channels, 16, 16)
     second_moment = conv(x)[..., 1:-1, 1:-1].pow(2).mean()
     assert 1.4 < float(second_moment) < 2.6
+
+
+def test_init_gain_sets_the_initial_filter_scale():
+    """std = gain/sqrt(fan-in): gain 1 gives output variance 1, and the coefficients are He's divided by sqrt(2)."""
+    group = parse_group("C4")
+    torch.manual_seed(1)
+    he = _conv(group, "regular", 64, 64, padding=1, bias=False)
+    torch.manual_seed(1)
+    unit = _conv(group, "regular", 64, 64, padding=1, bias=False, init_gain=1.0)
+    assert torch.allclose(he.weight, unit.weight * math.sqrt(2.0))
+    x = torch.randn(4, unit.in_channels, 16, 16)
+    with torch.no_grad():
+        assert 0.7 < float(unit(x)[..., 1:-1, 1:-1].pow(2).mean()) < 1.3
+    for bad in (0.0, -1.0, float("nan")):
+        with pytest.raises(ValueError, match="init_gain must be positive"):
+            _conv(group, "regular", 2, 2, init_gain=bad)
 
 
 def test_weight_standardization_standardizes_each_output_field():

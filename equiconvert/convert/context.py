@@ -1,6 +1,7 @@
 """State shared by the conversion rules while they rewrite one traced graph."""
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -26,6 +27,7 @@ class ConversionConfig:
     head: str = "keep"  # "keep" or "invariant"
     invariant_pool: str = "max"  # group pooling before the classifier
     weight_standardization: bool = False
+    init_gain: float = math.sqrt(2.0)  # steerable filters start with std gain/sqrt(fan-in); 1 = escnn's scale
     basis_cutoff: float | None = None  # band limit c*r per ring; None = escnn's default (3.0 = paper's code)
     restrict: Any = None  # see convert/restrict.py
     batchnorm_groups: int = 32  # BatchNorm2d becomes a field-aligned GroupNorm with this many groups

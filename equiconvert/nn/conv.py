@@ -48,8 +48,11 @@ class SteerableConv2d(nn.Module):
         weight_standardization: bool = False,
         eps: float = 1e-5,
         bias_channels: tuple[int, ...] | None = None,
+        init_gain: float = math.sqrt(2.0),
     ) -> None:
         super().__init__()
+        if not init_gain > 0:
+            raise ValueError(f"init_gain must be positive, got {init_gain}")
         if basis.ndim != 5 or basis.shape[0] == 0:
             raise ValueError(f"basis must have shape (num_basis>0, out, in, k, k), got {tuple(basis.shape)}")
         if in_fields % groups or out_fields % groups:
@@ -68,6 +71,7 @@ class SteerableConv2d(nn.Module):
         self.padding_mode = padding_mode
         self.weight_standardization = weight_standardization
         self.eps = eps
+        self.init_gain = init_gain
         # A constant, not a buffer: Opacus refuses trainable modules with buffers (make_private
         # would fail), and it is no state to save. `_apply` moves and casts it with the module.
         self.basis = basis.detach().clone().float()
@@ -93,10 +97,14 @@ class SteerableConv2d(nn.Module):
         return int(self.basis.shape[0])
 
     def reset_parameters(self) -> None:
-        """He initialisation of the expanded filter: each output channel gets input variance 2."""
+        """Expanded filter with std init_gain/sqrt(fan-in) per output channel (sqrt(2): He; 1: escnn's scale).
+
+        Under weight standardization the forward pass ignores this scale, but the gradient goes as 1/scale:
+        it sets how fast the filters learn and how much of a clipped per-sample gradient they get.
+        """
         energy = self.basis.pow(2).sum(dim=(0, 2, 3, 4)).mean()  # per output channel, one input field
         fan_in_fields = self.in_fields // self.groups
-        std = math.sqrt(2.0 / (fan_in_fields * float(energy)))
+        std = self.init_gain / math.sqrt(fan_in_fields * float(energy))
         with torch.no_grad():
             self.weight.normal_(0.0, std)
             if self.bias is not None:

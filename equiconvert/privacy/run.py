@@ -18,6 +18,7 @@ from torch import nn
 
 from ..check import check_equivariance
 from ..convert import make_equivariant
+from ..nn.conv import SteerableConv2d
 from .trainer import DPTrainer
 
 BASELINE_GROUP = "none"
@@ -38,6 +39,7 @@ class RunSpec:
     resume: bool = False
     progress: bool = True
     time_limit_s: float | None = None  # stop (with a checkpoint) after this much training time; --resume continues
+    init_gain: float | None = None  # ConversionConfig.init_gain; None keeps the model's default
 
 
 def _count(model: nn.Module) -> int:
@@ -64,7 +66,11 @@ def _paper_model(spec: RunSpec, num_classes: int, channels: int) -> tuple[nn.Mod
     plain = plain_paper_resnet9(num_classes, channels)
     if spec.group.lower() == BASELINE_GROUP:
         return plain, _count(plain)
-    return equivariant_resnet9(spec.group, num_classes, channels), _count(plain)
+    return equivariant_resnet9(spec.group, num_classes, channels, **_conversion_options(spec)), _count(plain)
+
+
+def _conversion_options(spec: RunSpec) -> dict[str, Any]:
+    return {} if spec.init_gain is None else {"init_gain": spec.init_gain}
 
 
 def _eval_history(log: Path) -> list[dict[str, Any]]:
@@ -104,6 +110,9 @@ def run_training(spec: RunSpec, **trainer_options: Any) -> dict[str, Any]:
     test = load_dataset(spec.dataset, spec.data_dir, split="test")
     channels, size = train.images.shape[1], train.images.shape[-1]
     result: dict[str, Any] = {"model": spec.model, "group": spec.group, "dataset": spec.dataset}
+    if spec.init_gain is not None and spec.group.lower() == BASELINE_GROUP:
+        raise ValueError("--init-gain sets the steerable filters' initial scale; the unconverted baseline (--group none) "
+                         "has none: drop --init-gain, or pick a group")
     if spec.model == PAPER_MODEL:
         model, params_before = _paper_model(spec, len(train.classes), channels)
     else:
@@ -112,11 +121,13 @@ def run_training(spec: RunSpec, **trainer_options: Any) -> dict[str, Any]:
         if spec.group.lower() == BASELINE_GROUP:
             model = _replace_batch_norm(model)
         else:
-            model = make_equivariant(model, spec.group, width=spec.width, head="invariant")
+            model = make_equivariant(model, spec.group, width=spec.width, head="invariant",
+                                     config=_conversion_options(spec))
     if spec.group.lower() == BASELINE_GROUP:
         input_size = size
     else:
         input_size = padded_size(model, size)
+        result["init_gain"] = next((m.init_gain for m in model.modules() if isinstance(m, SteerableConv2d)), None)
         check = check_equivariance(model, input_size=input_size, batch_size=1)
         result["max_equivariance_error"] = check.max_error
         # the paper's head (AdaptiveAvgPool2d(2) + Flatten + Linear) is equivariant up to the head, not invariant

@@ -78,6 +78,7 @@ def convert_conv2d(ctx: ConversionContext, node: fx.Node) -> FieldType:
         bias=conv.bias is not None,
         padding_mode=conv.padding_mode,
         weight_standardization=ctx.config.weight_standardization,
+        init_gain=ctx.config.init_gain,
         bias_channels=t_in.group.bias_channels(out_repr),
     )
     ctx.replace_module(node, new)

@@ -349,8 +349,9 @@ def _add_train_parser(sub) -> None:
     train.add_argument("--ema-decay", type=float, default=0.999, help="0 disables the EMA")
     train.add_argument("--width", type=_width, default=None, help="width policy of the conversion")
     train.add_argument("--init-gain", type=float, default=None,
-                       help="initial std of the steerable filters as gain/sqrt(fan-in): sqrt(2) He (default), 1 escnn's "
-                            "scale; with weight standardization, lower gains make the filters learn faster")
+                       help="initial std of the steerable filters, gain/sqrt(fan-in) (default: the model's, He's sqrt(2) "
+                            "for conversions, 1/sqrt(2) for equiconvert:equivariant_resnet9; 1 is escnn's scale); under "
+                            "weight standardization lower gains make the filters learn faster")
     train.add_argument("--widths", type=_widths, default=None,
                        help="channel widths of equiconvert:resnet9 before conversion, e.g. 16,32,64")
     train.add_argument("--eval-every", type=int, default=None)

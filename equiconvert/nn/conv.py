@@ -99,7 +99,7 @@ class SteerableConv2d(nn.Module):
     def reset_parameters(self) -> None:
         """Expanded filter with std init_gain/sqrt(fan-in) per output channel (sqrt(2): He; 1: escnn's scale).
 
-        Under weight standardization the forward pass ignores this scale, but the gradient goes as 1/scale:
+        Under weight standardization the forward pass ignores this scale (up to eps), but the gradient goes as 1/scale:
         it sets how fast the filters learn and how much of a clipped per-sample gradient they get.
         """
         energy = self.basis.pow(2).sum(dim=(0, 2, 3, 4)).mean()  # per output channel, one input field

@@ -1,0 +1,69 @@
+"""Initial filter scale under weight standardization: the forward pass ignores it, the gradient goes as 1/scale.
+
+This is what `init_gain` relies on, checked exactly, and benchmarks/gradient_shares.py reporting it.
+"""
+from __future__ import annotations
+
+import copy
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from equiconvert.models import equivariant_resnet9
+from equiconvert.nn import SteerableConv2d
+
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "gradient_shares.py"
+
+
+def _logits_after_backward(model):
+    torch.manual_seed(1)
+    x, y = torch.randn(4, 1, 32, 32, dtype=torch.float64), torch.tensor([0, 3, 5, 9])
+    logits = model(x)
+    F.cross_entropy(logits, y).backward()
+    return logits.detach()
+
+
+def test_weight_standardized_filters_forward_alike_and_their_gradients_scale_as_one_over_their_scale():
+    """Filters c times smaller (what init_gain does, tests/test_equivariant_resnet9.py): same logits, gradients c x."""
+    torch.manual_seed(0)
+    he = equivariant_resnet9("D1", in_channels=1, layout=(8, 16, 16)).eval().double()
+    small = copy.deepcopy(he)
+    c = 2 ** 0.5 / 0.5  # He's gain over 0.5
+    convs = [(a, b) for a, b in zip(he.modules(), small.modules()) if isinstance(a, SteerableConv2d)]
+    with torch.no_grad():
+        for a, b in convs:
+            a.eps = b.eps = 0.0  # exact without the standardization's eps (1e-5, on variances ~1e-3)
+            b.weight.div_(c)
+    assert len(convs) == 8
+    assert torch.allclose(_logits_after_backward(he), _logits_after_backward(small), rtol=1e-10, atol=1e-12)
+    for (name, a), (_, b) in zip(he.named_modules(), small.named_modules()):
+        if isinstance(a, SteerableConv2d):
+            assert torch.allclose(a.weight.grad * c, b.weight.grad, rtol=1e-9, atol=1e-14), name
+            assert torch.allclose(a.bias.grad, b.bias.grad, rtol=1e-9, atol=1e-14), name
+        elif isinstance(a, torch.nn.Linear):
+            assert torch.allclose(a.weight.grad, b.weight.grad, rtol=1e-9, atol=1e-14), name
+
+
+def _load_benchmark():
+    spec = importlib.util.spec_from_file_location("gradient_shares_benchmark", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_benchmark_reports_the_classifier_share_falling_with_the_gain(tmp_path, capsys):
+    out = tmp_path / "shares.json"
+    assert _load_benchmark().main(["--dataset", "synthetic", "--group", "D1", "--gains", "1.4142,0.5",
+                                   "--examples", "6", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert json.loads(capsys.readouterr().out) == result
+    he, small = result["converted"]["1.4142"], result["converted"]["0.5"]
+    assert 0 < small["classifier_share"] < he["classifier_share"] < 1
+    assert small["median_norm"] > he["median_norm"]  # conv gradients 2.83x larger, classifier's alike
+    assert 0 < result["plain"]["classifier_share"] < 1
+    assert any(name.endswith("head.2.weight") for name in he["layer_shares"])

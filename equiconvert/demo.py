@@ -78,7 +78,6 @@ def run_main_job(settings: DemoSettings = CPU_DEFAULTS) -> dict[str, Any]:
     s = settings
     threads = s.threads or cpu_threads()
     torch.set_num_threads(threads)
-    torch.manual_seed(s.seed)  # the model's initial weights
     out = Path(s.out)
     out.mkdir(parents=True, exist_ok=True)
     _clear_outputs(out)

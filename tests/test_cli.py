@@ -231,6 +231,24 @@ def test_train_init_gain_reaches_the_model_and_the_result(tmp_path, capsys):
     assert "--init-gain" in error and "--group none" in error
 
 
+def test_train_seed_fixes_the_initial_weights_too(tmp_path, capsys):
+    """Same --seed, same run (initial weights, sampling, noise); another seed, another run."""
+    import torch
+
+    def final_loss(seed: str, name: str) -> float:
+        torch.manual_seed(int(name[-1]) + 100)  # whatever the global RNG held before must not matter
+        out = tmp_path / name
+        assert main(["train", "--dataset", "synthetic", "--model", "equiconvert:resnet9", "--widths", "4,8,8",
+                     "--group", "C4", "--steps", "1", "--batch-size", "8", "--aug-mult", "1", "--epsilon", "8",
+                     "--physical-batch-size", "8", "--checkpoint-every", "0", "--seed", seed, "--out", str(out),
+                     "--no-progress", "--device", "cpu"]) == 0
+        return json.loads((out / "result.json").read_text())["test_loss"]
+
+    first, again, other = final_loss("3", "a1"), final_loss("3", "a2"), final_loss("4", "b3")
+    capsys.readouterr()
+    assert first == again and first != other
+
+
 def test_train_baseline_replaces_batch_norm_and_widths_only_for_resnet9(tmp_path, capsys):
     code = main(["train", "--dataset", "synthetic", "--model", "torchvision:resnet18", "--widths", "8,16,32",
                  "--group", "none", "--steps", "1", "--out", str(tmp_path)])

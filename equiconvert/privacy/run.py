@@ -19,7 +19,7 @@ from torch import nn
 from ..check import check_equivariance
 from ..convert import make_equivariant
 from ..nn.conv import SteerableConv2d
-from .trainer import DPTrainer
+from .trainer import DPConfig, DPTrainer
 
 BASELINE_GROUP = "none"
 
@@ -113,6 +113,8 @@ def run_training(spec: RunSpec, **trainer_options: Any) -> dict[str, Any]:
     if spec.init_gain is not None and spec.group.lower() == BASELINE_GROUP:
         raise ValueError("--init-gain sets the steerable filters' initial scale; the unconverted baseline (--group none) "
                          "has none: drop --init-gain, or pick a group")
+    # the model's initial weights come from the run's seed too, so one seed gives one run
+    torch.manual_seed(trainer_options.get("seed", DPConfig.seed))
     if spec.model == PAPER_MODEL:
         model, params_before = _paper_model(spec, len(train.classes), channels)
     else:

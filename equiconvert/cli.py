@@ -267,6 +267,7 @@ def demo_settings(args: argparse.Namespace):
         epsilon=args.epsilon, delta=args.delta, batch_size=args.batch_size, physical_batch_size=args.physical_batch_size,
         steps=args.steps, aug_mult=args.aug_mult, max_grad_norm=args.max_grad_norm, lr=args.lr,
         momentum=args.momentum, seed=args.seed, time_limit_s=args.time_limit, device=args.device, threads=args.threads,
+        init_gain=args.init_gain,
         out=args.out, progress=False if args.no_progress else None,
     )
     if args.time_limit == 0:  # no cap
@@ -407,6 +408,8 @@ def _add_demo_parser(sub) -> None:
                            f"step it stopped and the epsilon it spent")
     demo.add_argument("--threads", type=int, default=None, help="CPU threads (default: the cores this process may use)")
     demo.add_argument("--seed", type=int, default=None, help=f"default {d.seed}")
+    demo.add_argument("--init-gain", type=float, default=None,
+                      help=f"initial std of the steerable filters, gain/sqrt(fan-in), default {d.init_gain:.4f}")
     demo.add_argument("--no-progress", action="store_true")
     demo.add_argument("--json", action="store_true", help="print one JSON object")
     demo.set_defaults(handler=_cmd_demo)

@@ -38,6 +38,7 @@ def test_demo_trains_and_reports(tmp_path, capsys):
     assert json.loads((out / SUMMARY_FILE).read_text()) == summary
     result = json.loads((out / "result.json").read_text())  # run_training's own record of the same run
     assert result["test_accuracy"] == summary["test_accuracy"] and result["evals"] == []
+    assert result["init_gain"] == summary["settings"]["init_gain"] == CPU_DEFAULTS.init_gain == 2 ** -0.5
 
     text = format_summary(summary)
     for needle in ("parameters", "max error", "epsilon", "delta", "test accuracy", "wall time", "DP-SGD: 3 steps"):
@@ -66,6 +67,7 @@ def test_demo_defaults_live_in_one_place():
                                    "--widths", "16,32,64", "--aug-mult", "4", "--time-limit", "0"]))
     assert (big.device, big.steps, big.batch_size, big.widths, big.aug_mult) == ("cuda", 1000, 2048, (16, 32, 64), 4)
     assert big.time_limit_s is None and big.epsilon == CPU_DEFAULTS.epsilon
+    assert cli.demo_settings(parse(["demo", "--init-gain", "1.4142"])).init_gain == 1.4142
 
 
 def test_missing_fashion_mnist_says_where_to_put_it(tmp_path, capsys):

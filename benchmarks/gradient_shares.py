@@ -17,7 +17,6 @@ import sys
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -25,7 +24,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from equiconvert.data import load_dataset  # noqa: E402
 from equiconvert.models.equivariant_resnet9 import equivariant_resnet9, plain_paper_resnet9  # noqa: E402
 from equiconvert.privacy.per_sample import per_sample_gradients  # noqa: E402
-from equiconvert.privacy.run import padded_size  # noqa: E402
+from equiconvert.privacy.run import pad_images, padded_size  # noqa: E402
+from equiconvert.privacy.trainer import DPConfig  # noqa: E402
 
 
 def classifier_prefix(model: nn.Module) -> str:
@@ -51,9 +51,8 @@ def shares(model: nn.Module, images: torch.Tensor, labels: torch.Tensor) -> dict
 
 
 def normalized(images: torch.Tensor, size: int) -> torch.Tensor:
-    """The trainer's input: padded to `size`, scaled to [-1, 1] (mean/std 0.5)."""
-    margin = (size - images.shape[-1]) // 2
-    return F.pad(images, (margin,) * 4).float().div(255).sub(0.5).div(0.5)
+    """The trainer's input: padded to `size`, normalized with DPTrainer's default mean/std."""
+    return (pad_images(images, size).float() / 255 - DPConfig.normalize_mean) / DPConfig.normalize_std
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -95,7 +95,8 @@ def padded_size(model: Any, size: int) -> int:
     raise ValueError(f"no valid input size >= {size} with the parity of {size}: {model.report.valid_input_rule}")
 
 
-def _pad(images: torch.Tensor, size: int) -> torch.Tensor:
+def pad_images(images: torch.Tensor, size: int) -> torch.Tensor:
+    """Zero-pad square images symmetrically to `size` (the converted model's valid input size)."""
     margin = (size - images.shape[-1]) // 2
     return images if margin == 0 else F.pad(images, (margin,) * 4)
 
@@ -105,14 +106,14 @@ def run_training(spec: RunSpec, **trainer_options: Any) -> dict[str, Any]:
     from ..cli import build_model
     from ..data import load_dataset
 
+    if spec.init_gain is not None and spec.group.lower() == BASELINE_GROUP:
+        raise ValueError("--init-gain sets the steerable filters' initial scale; the unconverted baseline (--group none) "
+                         "has none: drop --init-gain, or pick a group")
     start = time.perf_counter()
     train = load_dataset(spec.dataset, spec.data_dir, split="train")
     test = load_dataset(spec.dataset, spec.data_dir, split="test")
     channels, size = train.images.shape[1], train.images.shape[-1]
     result: dict[str, Any] = {"model": spec.model, "group": spec.group, "dataset": spec.dataset}
-    if spec.init_gain is not None and spec.group.lower() == BASELINE_GROUP:
-        raise ValueError("--init-gain sets the steerable filters' initial scale; the unconverted baseline (--group none) "
-                         "has none: drop --init-gain, or pick a group")
     # the model's initial weights come from the run's seed too, so one seed gives one run
     torch.manual_seed(trainer_options.get("seed", DPConfig.seed))
     if spec.model == PAPER_MODEL:
@@ -134,7 +135,7 @@ def run_training(spec: RunSpec, **trainer_options: Any) -> dict[str, Any]:
         result["max_equivariance_error"] = check.max_error
         # the paper's head (AdaptiveAvgPool2d(2) + Flatten + Linear) is equivariant up to the head, not invariant
         result["invariant_head"] = spec.model != PAPER_MODEL
-    images_train, images_test = _pad(train.images, input_size), _pad(test.images, input_size)
+    images_train, images_test = pad_images(train.images, input_size), pad_images(test.images, input_size)
     trainer = DPTrainer(model, device=spec.device, out_dir=spec.out, progress=spec.progress, **trainer_options)
     trainer.fit((images_train, train.labels), eval_set=(images_test, test.labels), resume=spec.resume,
                 time_limit_s=spec.time_limit_s)

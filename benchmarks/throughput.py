@@ -12,6 +12,8 @@ batch of B examples x K views of a converted ResNet9 (D4 unless --group says oth
   nested_vmap  the paper's code's approach: vmap over examples of vmap over views
                of grad, summed over views, clipping, noise, step
 
+--precision bf16 runs nonprivate and bookkeeping under bf16 autocast (DPTrainer's precision="bf16";
+per-sample gradients, clipping and noise in fp32); the other methods are fp32 only.
 Writes JSON (times in ms, throughput in augmented samples/s, peak memory, ratios).
 Usage: python benchmarks/throughput.py --device cuda --batch 512 --aug-mult 4
 """
@@ -39,6 +41,8 @@ from equiconvert.privacy.bookkeeping import per_sample_gradients_bookkeeping  # 
 from equiconvert.privacy.per_sample import clip_and_sum, per_sample_gradients  # noqa: E402
 
 MAX_GRAD_NORM, NOISE = 2.0, 1.0
+PRECISIONS = {"fp32": None, "bf16": torch.bfloat16}
+AUTOCAST_DTYPE: torch.dtype | None = None  # set from --precision; used by the nonprivate and bookkeeping steps
 
 
 PAPER_CODE_DP_SAMPLES_PER_S = 12_100  # hlzl/equivariant, D4 Equivariant-ResNet9, H200, fp32, 512 x 4 (the issue)
@@ -71,7 +75,9 @@ def _noisy_step(model, optimizer, summed: dict[str, torch.Tensor], batch: int) -
 
 def step_nonprivate(model, optimizer, views, labels):
     flat = views.flatten(0, 1)
-    loss = F.cross_entropy(model(flat), labels.repeat_interleave(views.shape[1]))
+    with torch.autocast(views.device.type, dtype=AUTOCAST_DTYPE, enabled=AUTOCAST_DTYPE is not None):
+        logits = model(flat)
+    loss = F.cross_entropy(logits.float(), labels.repeat_interleave(views.shape[1]))
     loss.backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
@@ -88,7 +94,7 @@ def make_equiconvert_step(chunk: int, method: str = "vmap"):
         for start in range(0, views.shape[0], chunk):
             part, part_labels = views[start:start + chunk], labels[start:start + chunk]
             if method == "bookkeeping":
-                grads, _ = per_sample_gradients_bookkeeping(model, part, part_labels)
+                grads, _ = per_sample_gradients_bookkeeping(model, part, part_labels, autocast_dtype=AUTOCAST_DTYPE)
             else:
                 grads, _ = per_sample_gradients(model, params, buffers, part, part_labels)
             clipped, _ = clip_and_sum(grads, MAX_GRAD_NORM)
@@ -172,8 +178,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--iters", type=int, default=5)
     parser.add_argument("--cudnn-benchmark", action="store_true",
                         help="let cuDNN time its algorithms per shape (torch.backends.cudnn.benchmark) for every method")
+    parser.add_argument("--precision", choices=tuple(PRECISIONS), default="fp32",
+                        help="bf16: nonprivate and bookkeeping under bf16 autocast (the other methods are fp32 only)")
     parser.add_argument("--out", default="benchmarks/results/throughput.json")
     args = parser.parse_args(argv)
+    fp32_only = [m for m in args.methods.split(",") if m.partition("@")[0] not in ("nonprivate", "bookkeeping")]
+    if args.precision != "fp32" and fp32_only:
+        parser.error(f"--precision {args.precision} applies to nonprivate and bookkeeping only; drop {fp32_only}")
+    global AUTOCAST_DTYPE
+    AUTOCAST_DTYPE = PRECISIONS[args.precision]
     torch.backends.cudnn.benchmark = args.cudnn_benchmark
 
     device = torch.device(args.device)
@@ -219,6 +232,7 @@ def main(argv: list[str] | None = None) -> int:
                   "kappa": args.kappa if args.model == "resnet9" else None, "params": params},
         "paper_code_dp_samples_per_s": PAPER_CODE_DP_SAMPLES_PER_S,
         "batch": args.batch, "aug_mult": args.aug_mult, "dtype": "float32",
+        "autocast": args.precision if args.precision != "fp32" else None,
         "tf32": {"cudnn": torch.backends.cudnn.allow_tf32, "matmul": torch.backends.cuda.matmul.allow_tf32},
         "cudnn_benchmark": args.cudnn_benchmark,
         "results": results,

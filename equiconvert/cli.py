@@ -313,6 +313,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
         optimizer=args.optimizer, lr_schedule=args.lr_schedule, augment_flip=not args.no_flip, ema_decay=args.ema_decay or None, accountant=args.accountant,
         noise_multiplier=args.noise_multiplier, physical_batch_size=args.physical_batch_size, seed=args.seed,
         eval_every=args.eval_every, checkpoint_every=args.checkpoint_every, per_sample_method=args.per_sample,
+        precision=args.precision,
     )
     print(json.dumps(result, indent=2))
     return 0
@@ -342,6 +343,9 @@ def _add_train_parser(sub) -> None:
     train.add_argument("--per-sample", choices=("auto", "bookkeeping", "vmap"), default="auto",
                        help="per-sample gradients: book-keeping (fastest, least memory measured), torch.func vmap "
                             "(any model), or auto: book-keeping where the model allows it")
+    train.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
+                       help="bf16: forward and backward under bf16 autocast (book-keeping only); per-sample gradients, "
+                            "clipping and noise stay fp32")
     train.add_argument("--no-flip", action="store_true",
                        help="augment by crops only (digits: a flipped 2 is not a 2)")
     train.add_argument("--lr-schedule", choices=("constant", "cosine"), default="constant")

@@ -226,3 +226,12 @@ def test_params_width_matches_the_parameter_count(name):
     before, after = model.report.params_before, model.report.params_after
     print(f"{name} resnet9 width='params': {after:,} parameters for {before:,}")
     assert abs(after - before) <= 0.02 * before
+
+
+def test_group_standardization_statistics_stay_fp32_under_bf16_autocast():
+    layout = parse_group("O2").layout
+    norm = GroupStandardization(4, layout, 2)
+    x = (3 + 5 * torch.randn(2, 4 * layout.size, 5, 5)).bfloat16()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        low = norm(x)
+    assert low.dtype == torch.float32 and torch.allclose(low, norm(x.float()), atol=1e-5)

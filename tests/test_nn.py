@@ -159,3 +159,14 @@ def test_group_pool_is_invariant(mode):
 def test_group_pool_rejects_unknown_mode():
     with pytest.raises(ValueError, match="max"):
         GroupPool(3, 8, "median")
+
+
+@pytest.mark.parametrize("num_fields, num_groups", [(6, 3), (5, 2)], ids=["even", "uneven"])
+def test_group_norm_statistics_stay_fp32_under_bf16_autocast(num_fields, num_groups):
+    """Like F.group_norm under autocast: bf16 activations in, statistics and output in fp32."""
+    norm = FieldGroupNorm(num_fields=num_fields, field_size=4, num_groups=num_groups)
+    x = (3 + 5 * torch.randn(2, num_fields * 4, 5, 5)).bfloat16()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        low = norm(x)
+    assert low.dtype == torch.float32
+    assert torch.allclose(low, norm(x.float()), atol=1e-5)

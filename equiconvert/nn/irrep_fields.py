@@ -13,6 +13,7 @@ from torch import nn
 
 from ..groups import FieldLayout
 from .conv import apply_to_constants
+from .norm import at_least_fp32
 
 
 def _gate_index(layout: FieldLayout) -> torch.Tensor:
@@ -87,7 +88,8 @@ class GroupStandardization(nn.Module):
         return torch.cat([centred, rotating], dim=2) * scale[:, :, None, None]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.standardize(x)
+        with torch.autocast(x.device.type, enabled=False):  # statistics in fp32 under bf16 autocast
+            out = self.standardize(at_least_fp32(x))
         if self.weight is not None:
             out = out * self.weight[:, None, None]
             shift = torch.zeros(self.num_fields, self.field_size, 1, dtype=out.dtype, device=out.device)

@@ -19,6 +19,11 @@ def field_groups(num_fields: int, num_groups: int) -> torch.Tensor:
     return assignment
 
 
+def at_least_fp32(x: torch.Tensor) -> torch.Tensor:
+    """x in fp32 if it is in a lower precision: norm statistics of bf16 activations (under autocast) in fp32."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
 def normalize_field_groups(fields: torch.Tensor, to_groups: torch.Tensor, to_fields: torch.Tensor,
                            eps: float) -> torch.Tensor:
     """Standardize (batch, fields, rest) per sample over groups of whole fields.
@@ -70,10 +75,13 @@ class FieldGroupNorm(nn.Module):
         return normalize_field_groups(fields, to_groups, to_fields, self.eps).reshape(x.shape)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.num_fields % self.num_groups == 0:
-            x = F.group_norm(x, self.num_groups, None, None, self.eps)
-        else:
-            x = self._normalize_uneven(x)
+        # statistics in at least fp32 under bf16 autocast (CUDA's autocast does so for F.group_norm, CPU's does not)
+        with torch.autocast(x.device.type, enabled=False):
+            x = at_least_fp32(x)
+            if self.num_fields % self.num_groups == 0:
+                x = F.group_norm(x, self.num_groups, None, None, self.eps)
+            else:
+                x = self._normalize_uneven(x)
         if self.weight is None:
             return x
         shape = (1, -1) + (1,) * (x.ndim - 2)

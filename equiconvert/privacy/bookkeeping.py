@@ -16,7 +16,10 @@ then formed from those two:
   layer alone, on the example's K inputs.
 
 The result equals `per_sample.per_sample_gradients` (each example's gradient of its mean
-loss over its K views). It needs every parametrised layer to run once per forward and to
+loss over its K views). Under bf16 autocast (`autocast_dtype`) the forward and backward run
+in bf16 where autocast puts them and each layer's products take the operands it computed
+with; every per-example gradient is returned in its parameter's dtype, so norms, clipping
+and noise stay in fp32: the sensitivity bound holds for whatever each example's gradient is. It needs every parametrised layer to run once per forward and to
 own its parameters; `check_bookkeeping_supported` says why a model does not qualify.
 """
 from __future__ import annotations
@@ -54,21 +57,22 @@ def _channel_sums(grad_out: torch.Tensor, batch: int, views: int) -> torch.Tenso
 
 
 def _conv_rule(module: nn.Conv2d, inputs: torch.Tensor, grad_out: torch.Tensor, views: int) -> dict[str, torch.Tensor]:
-    filters = _filter_gradients(module, inputs, grad_out, views)
+    filters = _filter_gradients(module, inputs, grad_out, views).to(module.weight.dtype)
     grads = {"weight": filters.contiguous()}
     if module.bias is not None:
-        grads["bias"] = _channel_sums(grad_out, filters.shape[0], views)
+        grads["bias"] = _channel_sums(grad_out.to(module.bias.dtype), filters.shape[0], views)
     return grads
 
 
 def _steerable_conv_rule(
     module: SteerableConv2d, inputs: torch.Tensor, grad_out: torch.Tensor, views: int
 ) -> dict[str, torch.Tensor]:
-    filters = _filter_gradients(module, inputs, grad_out, views)
+    filters = _filter_gradients(module, inputs, grad_out, views).to(module.weight.dtype)
     grads = {"weight": steerable_weight_gradients(module, filters)}
     if module.bias is not None:
         _, bias_vjp = vjp(module.expand_bias, module.bias.detach())
-        grads["bias"] = vmap(lambda g: bias_vjp(g)[0])(_channel_sums(grad_out, filters.shape[0], views))
+        channel_sums = _channel_sums(grad_out.to(module.bias.dtype), filters.shape[0], views)
+        grads["bias"] = vmap(lambda g: bias_vjp(g)[0])(channel_sums)
     return grads
 
 
@@ -76,9 +80,9 @@ def _linear_rule(module: nn.Linear, inputs: torch.Tensor, grad_out: torch.Tensor
     batch = inputs.shape[0] // views
     inputs = inputs.reshape(batch, -1, inputs.shape[-1])  # views and any middle dimensions together
     grad_out = grad_out.reshape(batch, -1, grad_out.shape[-1])
-    grads = {"weight": torch.einsum("bno,bni->boi", grad_out, inputs)}
+    grads = {"weight": torch.einsum("bno,bni->boi", grad_out, inputs).to(module.weight.dtype)}
     if module.bias is not None:
-        grads["bias"] = grad_out.sum(dim=1)
+        grads["bias"] = grad_out.to(module.bias.dtype).sum(dim=1)
     return grads
 
 
@@ -171,22 +175,42 @@ def _parameters_frozen(model: nn.Module) -> Iterator[None]:
             p.requires_grad_(True)
 
 
+def _rule_operands(module: nn.Module, rule: PerSampleRule, inputs: torch.Tensor,
+                   grad_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The layer's input and output gradient in the dtypes its rule computes with.
+
+    Products (conv, linear rules) take the input in the dtype the layer computed its output in
+    (bf16 under autocast: what the layer itself multiplied); the generic VJP re-runs the layer,
+    so it gets both in its parameters' dtype.
+    """
+    if rule is _layer_vjp_rule:
+        dtype = next(module.parameters(recurse=False)).dtype
+        return inputs.to(dtype), grad_out.to(dtype)
+    return inputs.to(grad_out.dtype), grad_out
+
+
 def per_sample_gradients_bookkeeping(
     model: nn.Module,
     views: torch.Tensor,
     labels: torch.Tensor,
     loss_fn: LossFn = F.cross_entropy,
+    autocast_dtype: torch.dtype | None = None,
 ) -> tuple[Gradients, torch.Tensor]:
     """Each example's gradient of its mean loss over its K views, and that loss (as per_sample_gradients).
 
-    views (B, K, C, H, W) -> ({parameter name: (B, *shape)}, (B,)).
+    views (B, K, C, H, W) -> ({parameter name: (B, *shape)}, (B,)). autocast_dtype (torch.bfloat16):
+    run the forward under autocast in that dtype; the gradients come back in the parameters' dtype.
     """
     batch, num_views = views.shape[:2]
     layers = parametrised_layers(model)
     recorder = _Recorder(layers)
     inputs = views.reshape(batch * num_views, *views.shape[2:]).detach().requires_grad_(True)
+    autocast = torch.autocast(views.device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None)
     with _parameters_frozen(model), recorder.attached():
-        logits = model(inputs)
+        with autocast:
+            logits = model(inputs)
+        if autocast_dtype is not None:
+            logits = logits.float()  # the loss in fp32, as autocast itself would compute it
         per_view = loss_fn(logits, labels.repeat_interleave(num_views), reduction="none")
         losses = per_view.reshape(batch, num_views).mean(dim=1)
         torch.autograd.grad(losses.sum(), inputs)
@@ -194,7 +218,8 @@ def per_sample_gradients_bookkeeping(
     for name, module in layers.items():
         if name not in recorder.grads:
             raise BookkeepingUnsupportedError(f"layer {name!r} did not take part in the forward pass")
-        per_layer = _rule_for(module)(module, recorder.inputs[name], recorder.grads[name], num_views)
+        rule = _rule_for(module)
+        per_layer = rule(module, *_rule_operands(module, rule, recorder.inputs[name], recorder.grads[name]), num_views)
         for param_name, value in per_layer.items():
             grads[f"{name}.{param_name}" if name else param_name] = value
     order = [name for name, p in model.named_parameters() if p.requires_grad]

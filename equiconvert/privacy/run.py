@@ -147,7 +147,7 @@ def run_training(spec: RunSpec, **trainer_options: Any) -> dict[str, Any]:
         noise_multiplier=trainer.noise_multiplier, steps=trainer.step, batch_size=c.batch_size, aug_mult=c.aug_mult,
         max_grad_norm=c.max_grad_norm, lr=c.lr, ema_decay=c.ema_decay, params=_count(model), params_before=params_before,
         input_size=input_size, train_examples=len(train), test_examples=len(test), device=_device_name(trainer.device),
-        lr_schedule=c.lr_schedule, per_sample_method=trainer.per_sample_method, seed=c.seed,
+        lr_schedule=c.lr_schedule, per_sample_method=trainer.per_sample_method, precision=c.precision, seed=c.seed,
         requested_steps=c.steps, stopped_reason=trainer.stopped_reason,
         evals=_eval_history(Path(spec.out) / "log.jsonl"),
         train_time_s=max((r["time_s"] for r in trainer.history if "time_s" in r), default=0.0),  # this call's

@@ -36,6 +36,8 @@ OPTIMIZERS = ("sgd", "nadam")
 PER_SAMPLE_METHODS = ("auto", "bookkeeping", "vmap")
 CUSTOM_SCHEDULE = "custom"  # a callable step -> lr given to DPTrainer
 LR_SCHEDULES = ("constant", "cosine", CUSTOM_SCHEDULE)
+# forward/backward dtype under autocast (None: the model's own); per-sample gradients, clipping and noise stay fp32
+PRECISIONS: dict[str, torch.dtype | None] = {"fp32": None, "bf16": torch.bfloat16}
 
 
 @dataclass
@@ -69,6 +71,9 @@ class DPConfig:
     # "bookkeeping": fastest and leanest measured (benchmarks/throughput.py, H200); "vmap": torch.func, for any
     # model; "auto": bookkeeping unless the model fails its checks (static, then a probe at the first step), then vmap
     per_sample_method: str = "auto"
+    # "bf16": the forward and backward of the per-sample computation under bf16 autocast (book-keeping only;
+    # tensor-core speed); each example's gradient is formed, clipped and noised in fp32, so the privacy bound holds
+    precision: str = "fp32"
 
 
 class DPTrainer:
@@ -119,6 +124,11 @@ class DPTrainer:
             raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {c.optimizer!r}")
         if c.per_sample_method not in PER_SAMPLE_METHODS:
             raise ValueError(f"per_sample_method must be one of {PER_SAMPLE_METHODS}, got {c.per_sample_method!r}")
+        if c.precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {tuple(PRECISIONS)}, got {c.precision!r}")
+        if c.precision != "fp32" and c.per_sample_method == "vmap":
+            raise ValueError(f"precision {c.precision!r} needs book-keeping per-sample gradients "
+                             "(per_sample_method 'bookkeeping' or 'auto'); vmap runs in fp32 only")
         if c.lr_schedule not in LR_SCHEDULES:
             raise ValueError(f"lr_schedule must be one of {LR_SCHEDULES}, got {c.lr_schedule!r}")
         if c.target_epsilon is None and c.noise_multiplier is None:
@@ -135,11 +145,18 @@ class DPTrainer:
             return "vmap"
         try:
             check_bookkeeping_supported(model)
-        except BookkeepingUnsupportedError:
+        except BookkeepingUnsupportedError as error:
             if requested == "bookkeeping":
                 raise
+            if self.config.precision != "fp32":
+                raise self._precision_needs_bookkeeping(error) from error
             return "vmap"
         return "bookkeeping"
+
+    def _precision_needs_bookkeeping(self, error: Exception) -> BookkeepingUnsupportedError:
+        """Where "auto" would fall back to vmap: vmap runs in fp32 only, so a bf16 run stops instead."""
+        return BookkeepingUnsupportedError(f"precision {self.config.precision!r} needs book-keeping, which this model "
+                                           f"cannot use ({error}); train it with precision 'fp32'")
 
     def _make_optimizer(self) -> torch.optim.Optimizer:
         params = list(self.model.parameters())
@@ -192,7 +209,8 @@ class DPTrainer:
         if self.per_sample_method == "bookkeeping" and not self._bookkeeping_verified:
             self._verify_bookkeeping(tuple(views.shape[1:]))
         if self.per_sample_method == "bookkeeping":
-            return per_sample_gradients_bookkeeping(self.model, views, labels)
+            return per_sample_gradients_bookkeeping(self.model, views, labels,
+                                                    autocast_dtype=PRECISIONS[self.config.precision])
         return per_sample_gradients(self.model, params, buffers, views, labels)
 
     def _verify_bookkeeping(self, view_shape: tuple[int, ...]) -> None:
@@ -205,6 +223,8 @@ class DPTrainer:
         except Exception as error:  # noqa: BLE001  (any failure of the probe: vmap is always exact)
             if self.config.per_sample_method == "bookkeeping":
                 raise
+            if self.config.precision != "fp32":
+                raise self._precision_needs_bookkeeping(error) from error
             warnings.warn(f"per-sample gradients: book-keeping cannot run this model ({error}); using vmap")
             self.per_sample_method = "vmap"
         self._bookkeeping_verified = True
@@ -329,8 +349,11 @@ class DPTrainer:
         if not path.exists():
             return
         state = load(path)
-        if _resume_identity(state["config"]) != _resume_identity(asdict(self.config)):
-            raise ValueError(f"checkpoint {path} was written with a different configuration; refusing to resume")
+        saved, current = _resume_identity(state["config"]), _resume_identity(asdict(self.config))
+        if saved != current:
+            differing = {key: (saved.get(key), current.get(key)) for key in current if saved.get(key) != current.get(key)}
+            raise ValueError(f"checkpoint {path} was written with a different configuration ((checkpoint, now): "
+                             f"{differing}); refusing to resume")
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         if self.ema is not None:
@@ -350,8 +373,13 @@ METHOD_ONLY_OPTIONS = ("per_sample_method",)  # how gradients are computed, not 
 
 
 def _resume_identity(config: dict[str, Any]) -> dict[str, Any]:
-    """The options a resumed run must share with its checkpoint."""
-    return {key: value for key, value in config.items() if key not in METHOD_ONLY_OPTIONS}
+    """The options a resumed run must share with its checkpoint.
+
+    An option added after the checkpoint was written counts at its default, the behaviour of the version that
+    wrote it (new options default to the old behaviour: precision "fp32").
+    """
+    full = {**asdict(DPConfig()), **config}
+    return {key: value for key, value in full.items() if key not in METHOD_ONLY_OPTIONS}
 
 
 def _named_schedule(config: DPConfig) -> Callable[[int], float] | None:

@@ -336,7 +336,24 @@ def export_field_restriction(module: FieldRestriction, ctx: ExportContext) -> nn
     return _trace_torch_only(_ChannelSelect(module.index), "ChannelSelect")
 
 
-@register_exporter(GatedNonlinearity, GroupStandardization, NormMaxPool2d, InvariantMap, ReflectionRestriction)
+class _GroupStandardizationOps(nn.Module):
+    """GroupStandardization's forward without its autocast guard, which symbolic tracing cannot follow."""
+
+    def __init__(self, layer: GroupStandardization) -> None:
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layer.normalize(x)
+
+
+@register_exporter(GroupStandardization)
+def export_group_standardization(module: GroupStandardization, ctx: ExportContext) -> nn.Module:
+    """Traced like the field layers below, from the same ops (the guard only matters under autocast)."""
+    return _trace_torch_only(_GroupStandardizationOps(module), "GroupStandardizationOps")
+
+
+@register_exporter(GatedNonlinearity, NormMaxPool2d, InvariantMap, ReflectionRestriction)
 def export_irrep_field_layer(module: nn.Module, ctx: ExportContext) -> nn.Module:
     """SO(2)/O(2) field layers and the O(2) -> D1 restriction: their forward is torch ops on buffers
     and torch submodules only, so symbolic tracing re-homes it into a GraphModule of torch classes

@@ -89,7 +89,11 @@ class GroupStandardization(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         with torch.autocast(x.device.type, enabled=False):  # statistics in fp32 under bf16 autocast
-            out = self.standardize(at_least_fp32(x))
+            return self.normalize(at_least_fp32(x))
+
+    def normalize(self, x: torch.Tensor) -> torch.Tensor:
+        """Standardization and affine map in x's dtype: forward without its autocast guard (what the export traces)."""
+        out = self.standardize(x)
         if self.weight is not None:
             out = out * self.weight[:, None, None]
             shift = torch.zeros(self.num_fields, self.field_size, 1, dtype=out.dtype, device=out.device)

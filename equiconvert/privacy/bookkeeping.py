@@ -19,8 +19,9 @@ The result equals `per_sample.per_sample_gradients` (each example's gradient of 
 loss over its K views). Under bf16 autocast (`autocast_dtype`) the forward and backward run
 in bf16 where autocast puts them and each layer's products take the operands it computed
 with; every per-example gradient is returned in its parameter's dtype, so norms, clipping
-and noise stay in fp32: the sensitivity bound holds for whatever each example's gradient is. It needs every parametrised layer to run once per forward and to
-own its parameters; `check_bookkeeping_supported` says why a model does not qualify.
+and noise stay in fp32: the sensitivity bound holds for whatever each example's gradient is.
+It needs every parametrised layer to run once per forward and to own its parameters;
+`check_bookkeeping_supported` says why a model does not qualify.
 """
 from __future__ import annotations
 
@@ -219,7 +220,8 @@ def per_sample_gradients_bookkeeping(
         if name not in recorder.grads:
             raise BookkeepingUnsupportedError(f"layer {name!r} did not take part in the forward pass")
         rule = _rule_for(module)
-        per_layer = rule(module, *_rule_operands(module, rule, recorder.inputs[name], recorder.grads[name]), num_views)
+        operands = _rule_operands(module, rule, recorder.inputs[name], recorder.grads[name])
+        per_layer = rule(module, *operands, num_views)
         for param_name, value in per_layer.items():
             grads[f"{name}.{param_name}" if name else param_name] = value
     order = [name for name, p in model.named_parameters() if p.requires_grad]

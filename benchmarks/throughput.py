@@ -39,10 +39,9 @@ from equiconvert.models.equivariant_resnet9 import plain_paper_resnet9  # noqa: 
 from equiconvert.privacy.augment import augment_views  # noqa: E402
 from equiconvert.privacy.bookkeeping import per_sample_gradients_bookkeeping  # noqa: E402
 from equiconvert.privacy.per_sample import clip_and_sum, per_sample_gradients  # noqa: E402
+from equiconvert.privacy.trainer import PRECISIONS  # noqa: E402
 
 MAX_GRAD_NORM, NOISE = 2.0, 1.0
-PRECISIONS = {"fp32": None, "bf16": torch.bfloat16}
-AUTOCAST_DTYPE: torch.dtype | None = None  # set from --precision; used by the nonprivate and bookkeeping steps
 
 
 PAPER_CODE_DP_SAMPLES_PER_S = 12_100  # hlzl/equivariant, D4 Equivariant-ResNet9, H200, fp32, 512 x 4 (the issue)
@@ -73,19 +72,24 @@ def _noisy_step(model, optimizer, summed: dict[str, torch.Tensor], batch: int) -
     optimizer.zero_grad(set_to_none=True)
 
 
-def step_nonprivate(model, optimizer, views, labels):
-    flat = views.flatten(0, 1)
-    with torch.autocast(views.device.type, dtype=AUTOCAST_DTYPE, enabled=AUTOCAST_DTYPE is not None):
-        logits = model(flat)
-    loss = F.cross_entropy(logits.float(), labels.repeat_interleave(views.shape[1]))
-    loss.backward()
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
+def make_nonprivate_step(autocast_dtype: torch.dtype | None = None):
+    """Forward/backward on the B*K views and an SGD step, under autocast in autocast_dtype if given."""
+
+    def step(model, optimizer, views, labels):
+        flat = views.flatten(0, 1)
+        with torch.autocast(views.device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
+            logits = model(flat)
+        loss = F.cross_entropy(logits.float(), labels.repeat_interleave(views.shape[1]))
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return step
 
 
-def make_equiconvert_step(chunk: int, method: str = "vmap"):
+def make_equiconvert_step(chunk: int, method: str = "vmap", autocast_dtype: torch.dtype | None = None):
     """DPTrainer's computation: the batch in chunks of `chunk` examples (as its physical batches), per-sample
-    gradients by torch.func vmap or by book-keeping."""
+    gradients by torch.func vmap or by book-keeping (under autocast in autocast_dtype if given)."""
 
     def step(model, optimizer, views, labels):
         params = {n: p.detach() for n, p in model.named_parameters()}
@@ -94,7 +98,7 @@ def make_equiconvert_step(chunk: int, method: str = "vmap"):
         for start in range(0, views.shape[0], chunk):
             part, part_labels = views[start:start + chunk], labels[start:start + chunk]
             if method == "bookkeeping":
-                grads, _ = per_sample_gradients_bookkeeping(model, part, part_labels, autocast_dtype=AUTOCAST_DTYPE)
+                grads, _ = per_sample_gradients_bookkeeping(model, part, part_labels, autocast_dtype=autocast_dtype)
             else:
                 grads, _ = per_sample_gradients(model, params, buffers, part, part_labels)
             clipped, _ = clip_and_sum(grads, MAX_GRAD_NORM)
@@ -185,8 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     fp32_only = [m for m in args.methods.split(",") if m.partition("@")[0] not in ("nonprivate", "bookkeeping")]
     if args.precision != "fp32" and fp32_only:
         parser.error(f"--precision {args.precision} applies to nonprivate and bookkeeping only; drop {fp32_only}")
-    global AUTOCAST_DTYPE
-    AUTOCAST_DTYPE = PRECISIONS[args.precision]
+    autocast_dtype = PRECISIONS[args.precision]
     torch.backends.cudnn.benchmark = args.cudnn_benchmark
 
     device = torch.device(args.device)
@@ -200,10 +203,10 @@ def main(argv: list[str] | None = None) -> int:
     for method in args.methods.split(","):
         model = build_model(args.model, widths, args.kappa, device, args.group)
         params = sum(p.numel() for p in model.parameters())
-        step = {"nonprivate": step_nonprivate, "nested_vmap": step_nested_vmap}.get(method)
+        step = {"nonprivate": make_nonprivate_step(autocast_dtype), "nested_vmap": step_nested_vmap}.get(method)
         if method.startswith("equiconvert") or method.startswith("bookkeeping"):
             kind = "bookkeeping" if method.startswith("bookkeeping") else "vmap"
-            step = make_equiconvert_step(int(method.partition("@")[2] or args.batch), kind)
+            step = make_equiconvert_step(int(method.partition("@")[2] or args.batch), kind, autocast_dtype)
         if method == "opacus":
             step, _ = make_opacus_step(model)
         try:

@@ -306,14 +306,16 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
     spec = RunSpec(model=args.model, group=args.group, dataset=args.dataset, data_dir=args.data_dir, out=args.out,
                    width=args.width, model_widths=args.widths, device=args.device, resume=args.resume,
-                   progress=not args.no_progress, time_limit_s=args.time_limit, init_gain=args.init_gain)
+                   progress=not args.no_progress, time_limit_s=args.time_limit, init_gain=args.init_gain,
+                   head=args.head)
+    normalize = {} if args.normalize is None else dict(zip(("normalize_mean", "normalize_std"), args.normalize))
     result = run_training(
         spec, target_epsilon=args.epsilon, delta=args.delta, batch_size=args.batch_size, steps=args.steps,
         aug_mult=args.aug_mult, max_grad_norm=args.max_grad_norm, lr=args.lr, momentum=args.momentum,
         optimizer=args.optimizer, lr_schedule=args.lr_schedule, augment_flip=not args.no_flip, ema_decay=args.ema_decay or None, accountant=args.accountant,
         noise_multiplier=args.noise_multiplier, physical_batch_size=args.physical_batch_size, seed=args.seed,
         eval_every=args.eval_every, checkpoint_every=args.checkpoint_every, per_sample_method=args.per_sample,
-        precision=args.precision,
+        precision=args.precision, **normalize,
     )
     print(json.dumps(result, indent=2))
     return 0
@@ -359,6 +361,12 @@ def _add_train_parser(sub) -> None:
                             "weight standardization lower gains make the filters learn faster")
     train.add_argument("--widths", type=_widths, default=None,
                        help="channel widths of equiconvert:resnet9 before conversion, e.g. 16,32,64")
+    train.add_argument("--head", choices=("keep", "invariant"), default=None,
+                       help="the converted model's head: 'invariant' (global pooling; the default, except for "
+                            "equiconvert:equivariant_resnet9) or 'keep' (the network's own, e.g. the paper's 2x2 pooling)")
+    train.add_argument("--normalize", type=_mean_std, default=None,
+                       metavar="MEAN,STD", help="pixels in [0, 1] -> (x - MEAN) / STD on the training device "
+                                                "(default 0.5,0.5; Fashion-MNIST's own statistics: 0.286,0.353)")
     train.add_argument("--eval-every", type=int, default=None)
     train.add_argument("--checkpoint-every", type=int, default=50)
     train.add_argument("--seed", type=int, default=0)
@@ -369,6 +377,16 @@ def _add_train_parser(sub) -> None:
     train.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.pt")
     train.add_argument("--no-progress", action="store_true")
     train.set_defaults(handler=_cmd_train)
+
+
+def _mean_std(text: str) -> tuple[float, float]:
+    try:
+        mean, std = (float(v) for v in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not MEAN,STD, e.g. 0.286,0.353") from None
+    if not std > 0:
+        raise argparse.ArgumentTypeError(f"the STD of --normalize must be positive, got {std:g}")
+    return mean, std
 
 
 def _widths(text: str) -> tuple[int, ...]:

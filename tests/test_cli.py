@@ -267,3 +267,21 @@ def test_train_paper_model_preset_and_its_unconverted_network(tmp_path, group, p
     assert [e["step"] for e in result["evals"]] == [1, 2]
     if group == "D4":  # the paper's head pools a 2x2 grid: equivariant up to the head, not invariant
         assert result["invariant_head"] is False
+
+
+def test_train_head_and_normalize_reach_the_model_the_trainer_and_the_result(tmp_path, capsys):
+    """--head invariant makes the paper preset's logits flip-invariant (its own head is not); --normalize is used."""
+    out = tmp_path / "run"
+    code = main(["train", "--dataset", "synthetic", "--model", "equiconvert:equivariant_resnet9", "--group", "D1",
+                 "--head", "invariant", "--normalize", "0.25,0.4", "--steps", "1", "--batch-size", "8",
+                 "--aug-mult", "1", "--physical-batch-size", "8", "--out", str(out), "--no-progress", "--device", "cpu"])
+    assert code == 0
+    result = json.loads((out / "result.json").read_text())
+    assert result["invariant_head"] is True and result["max_equivariance_error"] < 1e-4
+    assert (result["normalize_mean"], result["normalize_std"]) == (0.25, 0.4)
+    capsys.readouterr()
+    assert "--head" in run_error(capsys, "train", "--dataset", "synthetic", "--group", "none", "--head", "invariant",
+                                 "--out", str(tmp_path / "bad"))
+    with pytest.raises(SystemExit):
+        main(["train", "--dataset", "synthetic", "--normalize", "0.5,0", "--out", str(tmp_path / "bad")])
+    assert "the STD of --normalize must be positive" in capsys.readouterr().err

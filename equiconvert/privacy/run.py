@@ -40,6 +40,7 @@ class RunSpec:
     progress: bool = True
     time_limit_s: float | None = None  # stop (with a checkpoint) after this much training time; --resume continues
     init_gain: float | None = None  # ConversionConfig.init_gain; None keeps the model's default
+    head: str | None = None  # "keep" or "invariant"; None: the paper preset's own head, "invariant" for other models
 
 
 def _count(model: nn.Module) -> int:
@@ -66,7 +67,8 @@ def _paper_model(spec: RunSpec, num_classes: int, channels: int) -> tuple[nn.Mod
     plain = plain_paper_resnet9(num_classes, channels)
     if spec.group.lower() == BASELINE_GROUP:
         return plain, _count(plain)
-    return equivariant_resnet9(spec.group, num_classes, channels, **_conversion_options(spec)), _count(plain)
+    head = {} if spec.head is None else {"head": spec.head}
+    return equivariant_resnet9(spec.group, num_classes, channels, **head, **_conversion_options(spec)), _count(plain)
 
 
 def _conversion_options(spec: RunSpec) -> dict[str, Any]:
@@ -109,6 +111,9 @@ def run_training(spec: RunSpec, **trainer_options: Any) -> dict[str, Any]:
     if spec.init_gain is not None and spec.group.lower() == BASELINE_GROUP:
         raise ValueError("--init-gain sets the steerable filters' initial scale; the unconverted baseline (--group none) "
                          "has none: drop --init-gain, or pick a group")
+    if spec.head is not None and spec.group.lower() == BASELINE_GROUP:
+        raise ValueError("--head chooses the converted model's head; the unconverted baseline (--group none) keeps "
+                         "its own: drop --head, or pick a group")
     start = time.perf_counter()
     train = load_dataset(spec.dataset, spec.data_dir, split="train")
     test = load_dataset(spec.dataset, spec.data_dir, split="test")
@@ -124,7 +129,7 @@ def run_training(spec: RunSpec, **trainer_options: Any) -> dict[str, Any]:
         if spec.group.lower() == BASELINE_GROUP:
             model = _replace_batch_norm(model)
         else:
-            model = make_equivariant(model, spec.group, width=spec.width, head="invariant",
+            model = make_equivariant(model, spec.group, width=spec.width, head=spec.head or "invariant",
                                      config=_conversion_options(spec))
     if spec.group.lower() == BASELINE_GROUP:
         input_size = size
@@ -134,7 +139,7 @@ def run_training(spec: RunSpec, **trainer_options: Any) -> dict[str, Any]:
         check = check_equivariance(model, input_size=input_size, batch_size=1)
         result["max_equivariance_error"] = check.max_error
         # the paper's head (AdaptiveAvgPool2d(2) + Flatten + Linear) is equivariant up to the head, not invariant
-        result["invariant_head"] = spec.model != PAPER_MODEL
+        result["invariant_head"] = (spec.head or ("keep" if spec.model == PAPER_MODEL else "invariant")) == "invariant"
     images_train, images_test = pad_images(train.images, input_size), pad_images(test.images, input_size)
     trainer = DPTrainer(model, device=spec.device, out_dir=spec.out, progress=spec.progress, **trainer_options)
     trainer.fit((images_train, train.labels), eval_set=(images_test, test.labels), resume=spec.resume,
@@ -149,6 +154,7 @@ def run_training(spec: RunSpec, **trainer_options: Any) -> dict[str, Any]:
         input_size=input_size, train_examples=len(train), test_examples=len(test), device=_device_name(trainer.device),
         lr_schedule=c.lr_schedule, per_sample_method=trainer.per_sample_method, precision=c.precision, seed=c.seed,
         requested_steps=c.steps, stopped_reason=trainer.stopped_reason,
+        normalize_mean=c.normalize_mean, normalize_std=c.normalize_std,
         evals=_eval_history(Path(spec.out) / "log.jsonl"),
         train_time_s=max((r["time_s"] for r in trainer.history if "time_s" in r), default=0.0),  # this call's
         wall_time_s=time.perf_counter() - start,

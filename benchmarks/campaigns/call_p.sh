@@ -3,7 +3,7 @@
 # Card 1: benchmarks/throughput.py on the paper's D4 model with the physical batch grown from the reference's 512 x 4
 # to 4096 x 4 (bf16 and fp32, cuDNN autotuning on), non-private vs book-keeping in one process per setting.
 # Card 0: call O's control (Fashion-MNIST, D1, epsilon 3, batch 2048 x 2, 4000 steps, cosine, seed 0: 89.66%) with
-# the clipping bound and learning rate changed, lr x clip kept at 4 on cards 1-2. At the control's final weights 80% of
+# the clipping bound at 0.1 and the learning rate at 40 (lr x clip kept at 4). At the control's final weights 80% of
 # the per-example gradient norms are below 0.4 and the rest above 2 (median 0.0076), so clipping at 2 weighs only
 # the hard examples; 0.1 weighs most of them.
 source benchmarks/campaigns/common.sh

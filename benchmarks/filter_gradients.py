@@ -25,8 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from equiconvert.privacy.filter_gradients import per_example_filter_gradients  # noqa: E402
 
-# (C_in, C_out, size): the paper's D4 Equivariant-ResNet9 layers' channel counts at 32x32 input
-SHAPES = [(3, 48, 32), (48, 104, 32), (104, 104, 32), (104, 312, 32), (312, 156, 16), (156, 156, 8)]
+# (C_in, C_out, size): the paper's D4 Equivariant-ResNet9 layers at 32x32 input (channels and feature-map size)
+SHAPES = [(3, 48, 32), (48, 104, 32), (104, 104, 16), (104, 312, 16), (312, 156, 8), (156, 156, 4)]
 Kernel = Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]
 
 

@@ -6,8 +6,13 @@ goes as 1/(its initial scale), so `init_gain` moves this budget between the conv
 For the paper's Equivariant-ResNet9 converted to --group at each --gains value, and for the plain network
 it is converted from, on --examples training images (one unaugmented view each): the median per-example
 gradient norm, and the median share of the squared norm of the classifier and of each layer. JSON.
+With --checkpoint (a DPTrainer checkpoint.pt of the paper's model converted to --group), the same at the trained
+weights it holds, instead of at initialisation, with quantiles of the per-example norm: which examples a clipping
+bound cuts.
 Usage: python benchmarks/gradient_shares.py --dataset fashion-mnist --data-dir /usr/share/datasets/fashion-mnist \
            --group D1 --gains 1.4142,1,0.7071,0.5
+       python benchmarks/gradient_shares.py --data-dir /usr/share/datasets/fashion-mnist --group D1 --examples 128 \
+           --checkpoint benchmarks/results/campaign/call_o/fmo_control_s0/checkpoint.pt
 """
 from __future__ import annotations
 
@@ -43,11 +48,23 @@ def shares(model: nn.Module, images: torch.Tensor, labels: torch.Tensor) -> dict
     total = torch.stack(list(squares.values())).sum(0)
     head = classifier_prefix(model)
     classifier = sum(s for n, s in squares.items() if n.startswith(head))
+    norms = total.sqrt()
     return {
-        "median_norm": float(total.sqrt().median()),
+        "median_norm": float(norms.median()),
+        "norm_quantiles": {str(q): float(norms.quantile(q)) for q in QUANTILES},
         "classifier_share": float((classifier / total).median()),
         "layer_shares": {n: round(float((s / total).median()), 4) for n, s in squares.items() if n.endswith("weight")},
     }
+
+
+QUANTILES = (0.1, 0.25, 0.5, 0.75, 0.9)
+
+
+def trained(path: str, group: str, classes: int, channels: int) -> nn.Module:
+    """The paper's model converted to `group` with the weights of a DPTrainer checkpoint (not its EMA)."""
+    model = equivariant_resnet9(group, classes, channels)
+    model.load_state_dict(torch.load(path, map_location="cpu", weights_only=False)["model"])
+    return model
 
 
 def normalized(images: torch.Tensor, size: int) -> torch.Tensor:
@@ -63,14 +80,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gains", default="1.4142,1,0.7071,0.5", help="comma-separated init gains")
     parser.add_argument("--examples", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--checkpoint", default=None, help="a DPTrainer checkpoint.pt: its weights, not initial ones")
     parser.add_argument("--out", default=None, help="JSON file (default: print only)")
     args = parser.parse_args(argv)
 
     data = load_dataset(args.dataset, args.data_dir, split="train")
     images, labels = data.images[: args.examples], data.labels[: args.examples]
     channels, classes = images.shape[1], len(data.classes)
-    result: dict = {"dataset": args.dataset, "group": args.group, "examples": len(labels), "seed": args.seed,
-                    "converted": {}}
+    result: dict = {"dataset": args.dataset, "group": args.group, "examples": len(labels), "seed": args.seed}
+    if args.checkpoint:
+        model = trained(args.checkpoint, args.group, classes, channels)
+        result["checkpoint"] = args.checkpoint
+        result["trained"] = shares(model, normalized(images, padded_size(model, images.shape[-1])), labels)
+        return _write(result, args.out)
+    result["converted"] = {}
     for gain in (float(g) for g in args.gains.split(",")):
         torch.manual_seed(args.seed)
         model = equivariant_resnet9(args.group, classes, channels, init_gain=gain)
@@ -78,10 +101,14 @@ def main(argv: list[str] | None = None) -> int:
         result["converted"][str(gain)] = shares(model, normalized(images, size), labels)
     torch.manual_seed(args.seed)
     result["plain"] = shares(plain_paper_resnet9(classes, channels), normalized(images, images.shape[-1]), labels)
+    return _write(result, args.out)
+
+
+def _write(result: dict, out: str | None) -> int:
     text = json.dumps(result, indent=2)
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(text + "\n")
+    if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(text + "\n")
     print(text)
     return 0
 

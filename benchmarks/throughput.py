@@ -6,7 +6,9 @@ batch of B examples x K views of a converted ResNet9 (D4 unless --group says oth
   equiconvert  torch.func vmap over examples of grad over their K views (averaged
                before clipping), clipping, noise, step (DPTrainer's per_sample_method="vmap")
   bookkeeping  one forward/backward on the B*K views, per-layer per-example gradients
-               from kept inputs and output gradients (DPTrainer's "bookkeeping")
+               from kept inputs and output gradients (DPTrainer's "bookkeeping"); a suffix
+               :products, :grouped or :fastest fixes its conv filter-gradient kernel
+               (DPTrainer's filter_gradients; default "auto", i.e. :fastest on CUDA)
   opacus       Opacus GradSampleModule hooks (equiconvert's registered samplers) on
                the B*K views, per-example mean over views, clipping, noise, step
   nested_vmap  the paper's code's approach: vmap over examples of vmap over views
@@ -38,6 +40,7 @@ from equiconvert.models import equivariant_resnet9, resnet9  # noqa: E402
 from equiconvert.models.equivariant_resnet9 import plain_paper_resnet9  # noqa: E402
 from equiconvert.privacy.augment import augment_views  # noqa: E402
 from equiconvert.privacy.bookkeeping import per_sample_gradients_bookkeeping  # noqa: E402
+from equiconvert.privacy.filter_gradients import fastest_choices, filter_gradient_method  # noqa: E402
 from equiconvert.privacy.per_sample import clip_and_sum, per_sample_gradients  # noqa: E402
 from equiconvert.privacy.trainer import PRECISIONS  # noqa: E402
 
@@ -87,9 +90,11 @@ def make_nonprivate_step(autocast_dtype: torch.dtype | None = None):
     return step
 
 
-def make_equiconvert_step(chunk: int, method: str = "vmap", autocast_dtype: torch.dtype | None = None):
+def make_equiconvert_step(chunk: int, method: str = "vmap", autocast_dtype: torch.dtype | None = None,
+                          filter_gradients: str = "auto"):
     """DPTrainer's computation: the batch in chunks of `chunk` examples (as its physical batches), per-sample
-    gradients by torch.func vmap or by book-keeping (under autocast in autocast_dtype if given)."""
+    gradients by torch.func vmap or by book-keeping (under autocast in autocast_dtype if given, its conv filter
+    gradients by the `filter_gradients` kernel)."""
 
     def step(model, optimizer, views, labels):
         params = {n: p.detach() for n, p in model.named_parameters()}
@@ -98,7 +103,8 @@ def make_equiconvert_step(chunk: int, method: str = "vmap", autocast_dtype: torc
         for start in range(0, views.shape[0], chunk):
             part, part_labels = views[start:start + chunk], labels[start:start + chunk]
             if method == "bookkeeping":
-                grads, _ = per_sample_gradients_bookkeeping(model, part, part_labels, autocast_dtype=autocast_dtype)
+                with filter_gradient_method(filter_gradients):
+                    grads, _ = per_sample_gradients_bookkeeping(model, part, part_labels, autocast_dtype=autocast_dtype)
             else:
                 grads, _ = per_sample_gradients(model, params, buffers, part, part_labels)
             clipped, _ = clip_and_sum(grads, MAX_GRAD_NORM)
@@ -186,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="bf16: nonprivate and bookkeeping under bf16 autocast (the other methods are fp32 only)")
     parser.add_argument("--out", default="benchmarks/results/throughput.json")
     args = parser.parse_args(argv)
-    fp32_only = [m for m in args.methods.split(",") if m.partition("@")[0] not in ("nonprivate", "bookkeeping")]
+    fp32_only = [m for m in args.methods.split(",") if m.partition("@")[0].partition(":")[0] not in ("nonprivate", "bookkeeping")]
     if args.precision != "fp32" and fp32_only:
         parser.error(f"--precision {args.precision} applies to nonprivate and bookkeeping only; drop {fp32_only}")
     autocast_dtype = PRECISIONS[args.precision]
@@ -206,7 +212,8 @@ def main(argv: list[str] | None = None) -> int:
         step = {"nonprivate": make_nonprivate_step(autocast_dtype), "nested_vmap": step_nested_vmap}.get(method)
         if method.startswith("equiconvert") or method.startswith("bookkeeping"):
             kind = "bookkeeping" if method.startswith("bookkeeping") else "vmap"
-            step = make_equiconvert_step(int(method.partition("@")[2] or args.batch), kind, autocast_dtype)
+            name, _, kernel = method.partition(":")
+            step = make_equiconvert_step(int(name.partition("@")[2] or args.batch), kind, autocast_dtype, kernel or "auto")
         if method == "opacus":
             step, _ = make_opacus_step(model)
         try:
@@ -239,6 +246,7 @@ def main(argv: list[str] | None = None) -> int:
         "tf32": {"cudnn": torch.backends.cudnn.allow_tf32, "matmul": torch.backends.cuda.matmul.allow_tf32},
         "cudnn_benchmark": args.cudnn_benchmark,
         "results": results,
+        "fastest_filter_gradient_kernels": fastest_choices(),
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2))

@@ -315,13 +315,15 @@ def _cmd_train(args: argparse.Namespace) -> int:
         optimizer=args.optimizer, lr_schedule=args.lr_schedule, augment_flip=not args.no_flip, ema_decay=args.ema_decay or None, accountant=args.accountant,
         noise_multiplier=args.noise_multiplier, physical_batch_size=args.physical_batch_size, seed=args.seed,
         eval_every=args.eval_every, checkpoint_every=args.checkpoint_every, per_sample_method=args.per_sample,
-        precision=args.precision, **normalize,
+        precision=args.precision, filter_gradients=args.filter_gradients, **normalize,
     )
     print(json.dumps(result, indent=2))
     return 0
 
 
 def _add_train_parser(sub) -> None:
+    from .privacy.filter_gradients import FILTER_GRADIENT_METHODS
+
     train = sub.add_parser("train", help="train a (converted) model with DP-SGD and write OUT/result.json")
     train.add_argument("--model", default="equiconvert:resnet9",
                        help="torchvision:<name>, timm:<name>, equiconvert:resnet9, or equiconvert:equivariant_resnet9 "
@@ -348,6 +350,9 @@ def _add_train_parser(sub) -> None:
     train.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
                        help="bf16: forward and backward under bf16 autocast (book-keeping only); per-sample gradients, "
                             "clipping and noise stay fp32")
+    train.add_argument("--filter-gradients", choices=FILTER_GRADIENT_METHODS, default="auto",
+                       help="book-keeping's per-example conv filter gradients: batched products or cuDNN's grouped "
+                            "weight gradient; auto: the faster per layer on CUDA (timed once), products on CPU")
     train.add_argument("--no-flip", action="store_true",
                        help="augment by crops only (digits: a flipped 2 is not a 2)")
     train.add_argument("--lr-schedule", choices=("constant", "cosine"), default="constant")

@@ -1,7 +1,6 @@
 """benchmarks/accuracy.py: a real tiny grid through `equiconvert train`, the report on known numbers, failures."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import statistics
@@ -10,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from benchmark_scripts import load_benchmark
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = REPO_ROOT / "benchmarks" / "accuracy.py"
@@ -19,15 +19,7 @@ TINY_TRAIN = ["--widths", "4,8,8", "--steps", "1", "--batch-size", "16", "--phys
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
-def _load_benchmark():
-    spec = importlib.util.spec_from_file_location("accuracy_benchmark", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
-
-
-accuracy = _load_benchmark()
+accuracy = load_benchmark("accuracy")
 
 
 def _run(out: Path, *options: str) -> subprocess.CompletedProcess:

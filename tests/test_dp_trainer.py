@@ -5,7 +5,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 import torchvision
-from torch import nn
 
 import equiconvert
 from equiconvert.models import resnet9

@@ -43,3 +43,143 @@ def test_an_empty_batch_gives_an_empty_result_on_both_paths():
         grads = per_example_filter_gradients(torch.randn(0, 3, 6, 6), torch.randn(0, 4, out, out), 2,
                                              kernel=3, padding=1, stride=stride)
         assert grads.shape == (0, 4, 3, 3, 3)
+
+
+def naive_filter_gradients(inputs, grad_out, views, weight_shape, **conv):
+    """Each example's filter gradient by autograd through its own K-view convolution, one example at a time."""
+    padding_mode = conv.pop("padding_mode", "zeros")
+    grads = []
+    for b in range(inputs.shape[0] // views):
+        weight = torch.zeros(weight_shape, dtype=inputs.dtype, requires_grad=True)
+        x = inputs[b * views:(b + 1) * views]
+        if padding_mode != "zeros":
+            pad = conv.pop("padding")
+            x = torch.nn.functional.pad(x, (pad, pad, pad, pad), mode=padding_mode)
+            conv["padding"] = 0
+            out = torch.nn.functional.conv2d(x, weight, **conv)
+            conv["padding"] = pad
+        else:
+            out = torch.nn.functional.conv2d(x, weight, **conv)
+        (out * grad_out[b * views:(b + 1) * views]).sum().backward()
+        grads.append(weight.grad)
+    return torch.stack(grads)
+
+
+GEOMETRIES = [  # (C_in, C_out, size, conv arguments)
+    (3, 5, 7, dict(kernel=3, padding=1)),
+    (4, 6, 8, dict(kernel=3, padding=1, stride=2)),
+    (4, 6, 6, dict(kernel=1)),
+    (4, 6, 9, dict(kernel=3, padding=2, dilation=2)),
+    (4, 6, 6, dict(kernel=3, padding=1, groups=2)),
+    (3, 4, 6, dict(kernel=3, padding=1, padding_mode="circular")),
+]
+
+
+@pytest.mark.parametrize("method", ["products", "grouped"])
+@pytest.mark.parametrize("c_in, c_out, size, conv", GEOMETRIES)
+@pytest.mark.parametrize("views", [1, 3])
+def test_both_kernels_equal_a_per_example_autograd_loop(method, c_in, c_out, size, conv, views):
+    from equiconvert.privacy.filter_gradients import filter_gradient_method
+
+    conv = dict(conv)
+    kernel, groups = conv.pop("kernel"), conv.get("groups", 1)
+    generator = torch.Generator().manual_seed(0)
+    inputs = torch.randn(4 * views, c_in, size, size, generator=generator, dtype=torch.float64)
+    padded = size + 2 * conv.get("padding", 0) if conv.get("padding_mode", "zeros") != "zeros" else None
+    zero_filter = torch.zeros(c_out, c_in // groups, kernel, kernel, dtype=torch.float64)
+    probe = torch.nn.functional.conv2d(  # only for the output's shape
+        inputs.new_zeros(1, c_in, padded, padded) if padded else inputs[:1], zero_filter,
+        **{k: (0 if padded and k == "padding" else v) for k, v in conv.items() if k != "padding_mode"})
+    grad_out = torch.randn(4 * views, *probe.shape[1:], generator=generator, dtype=torch.float64)
+    expected = naive_filter_gradients(inputs, grad_out, views, (c_out, c_in // groups, kernel, kernel), **conv)
+    with filter_gradient_method(method):
+        got = per_example_filter_gradients(inputs, grad_out, views, kernel=kernel, **conv)
+    assert got.shape == expected.shape == (4, c_out, c_in // groups, kernel, kernel)
+    torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-10)
+
+
+@pytest.fixture
+def spied_kernels(monkeypatch):
+    """Both kernels wrapped to record their calls; the "fastest" cache emptied and restored."""
+    from equiconvert.privacy import filter_gradients
+
+    calls = []
+    for name, kernel in dict(filter_gradients.KERNELS).items():
+        def spy(*args, _name=name, _kernel=kernel):
+            calls.append(_name)
+            return _kernel(*args)
+        monkeypatch.setitem(filter_gradients.KERNELS, name, spy)
+    monkeypatch.setattr(filter_gradients, "_fastest", {})
+    return calls
+
+
+def test_the_method_in_force_picks_the_kernel(spied_kernels):
+    from equiconvert.privacy.filter_gradients import filter_gradient_method
+
+    inputs, grad_out = torch.randn(4, 3, 6, 6), torch.randn(4, 5, 6, 6)
+    per_example_filter_gradients(inputs, grad_out, 2, kernel=3, padding=1)
+    assert spied_kernels == ["products"]  # "auto" off CUDA: never a timing
+    with filter_gradient_method("grouped"):
+        per_example_filter_gradients(inputs, grad_out, 2, kernel=3, padding=1)
+    assert spied_kernels == ["products", "grouped"]
+    with pytest.raises(ValueError, match="must be one of"), filter_gradient_method("cudnn"):
+        pass
+
+
+def test_fastest_times_both_kernels_once_per_geometry_and_keeps_the_faster(spied_kernels, monkeypatch):
+    from equiconvert.privacy import filter_gradients
+    from equiconvert.privacy.filter_gradients import fastest_choices, filter_gradient_method
+
+    timings = {"products": 2.0, "grouped": 1.0}
+    monkeypatch.setattr(filter_gradients, "_seconds", lambda kernel, *args: timings[spied_name(kernel)])
+    names = {id(kernel): name for name, kernel in filter_gradients.KERNELS.items()}
+
+    def spied_name(kernel):
+        return names[id(kernel)]
+
+    with filter_gradient_method("fastest"):
+        per_example_filter_gradients(torch.randn(4, 3, 6, 6), torch.randn(4, 5, 6, 6), 2, kernel=3, padding=1)
+        timings.update(products=0.5)  # a second timing would now choose products: there must be none
+        per_example_filter_gradients(torch.randn(6, 3, 6, 6), torch.randn(6, 5, 6, 6), 2, kernel=3, padding=1)
+        assert spied_kernels == ["grouped", "grouped"]  # the same geometry at another batch size: no re-timing
+        per_example_filter_gradients(torch.randn(4, 3, 8, 8), torch.randn(4, 5, 8, 8), 2, kernel=3, padding=1)
+    assert spied_kernels[-1] == "products"  # a new geometry is timed again
+    assert sorted(fastest_choices().values()) == ["grouped", "products"]
+
+
+def test_dptrainer_runs_the_kernel_it_is_given_and_both_take_the_same_steps(spied_kernels):
+    import copy
+
+    import equiconvert
+    from equiconvert.models import resnet9
+    from equiconvert.privacy.trainer import DPTrainer
+
+    torch.manual_seed(0)
+    model = equiconvert.make_equivariant(resnet9(widths=(8, 8, 8), num_classes=4), "C4", head="invariant")
+    generator = torch.Generator().manual_seed(0)
+    data = torch.randint(0, 256, (32, 3, 16, 16), dtype=torch.uint8, generator=generator), torch.arange(32) % 4
+    options = dict(target_epsilon=8.0, batch_size=8, steps=2, aug_mult=2, lr=0.5, progress=False, device="cpu",
+                   physical_batch_size=8, per_sample_method="bookkeeping")
+    runs = {}
+    for method in ("products", "grouped"):
+        spied_kernels.clear()
+        trainer = DPTrainer(copy.deepcopy(model), filter_gradients=method, **options)
+        trainer.fit(data)
+        assert spied_kernels and set(spied_kernels) == {method}
+        runs[method] = torch.cat([p.detach().flatten() for p in trainer.model.parameters()])
+    torch.testing.assert_close(runs["grouped"], runs["products"], rtol=1e-4, atol=1e-5)
+    with pytest.raises(ValueError, match="filter_gradients must be one of"):
+        DPTrainer(copy.deepcopy(model), filter_gradients="cudnn", **options)
+
+
+def test_fastest_never_chooses_a_kernel_that_fails_on_the_shape(spied_kernels, monkeypatch):
+    from equiconvert.privacy import filter_gradients
+    from equiconvert.privacy.filter_gradients import filter_gradient_method
+
+    def no_algorithm(*args):
+        raise RuntimeError("no algorithm for this shape")
+
+    monkeypatch.setitem(filter_gradients.KERNELS, "grouped", no_algorithm)
+    with filter_gradient_method("fastest"):
+        grads = per_example_filter_gradients(torch.randn(4, 3, 6, 6), torch.randn(4, 5, 6, 6), 2, kernel=3, padding=1)
+    assert grads.shape == (2, 5, 3, 3, 3) and set(spied_kernels) == {"products"}

@@ -5,18 +5,14 @@ This is what `init_gain` relies on, checked exactly, and benchmarks/gradient_sha
 from __future__ import annotations
 
 import copy
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from benchmark_scripts import load_benchmark
 from equiconvert.models import equivariant_resnet9
 from equiconvert.nn import SteerableConv2d
-
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "gradient_shares.py"
 
 
 def _logits_after_backward(model):
@@ -48,17 +44,9 @@ def test_weight_standardized_filters_forward_alike_and_their_gradients_scale_as_
             assert torch.allclose(a.weight.grad, b.weight.grad, rtol=1e-9, atol=1e-14), name
 
 
-def _load_benchmark():
-    spec = importlib.util.spec_from_file_location("gradient_shares_benchmark", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_benchmark_reports_the_classifier_share_falling_with_the_gain(tmp_path, capsys):
     out = tmp_path / "shares.json"
-    assert _load_benchmark().main(["--dataset", "synthetic", "--group", "D1", "--gains", "1.4142,0.5",
+    assert load_benchmark("gradient_shares").main(["--dataset", "synthetic", "--group", "D1", "--gains", "1.4142,0.5",
                                    "--examples", "6", "--out", str(out)]) == 0
     result = json.loads(out.read_text())
     assert json.loads(capsys.readouterr().out) == result
@@ -67,3 +55,35 @@ def test_benchmark_reports_the_classifier_share_falling_with_the_gain(tmp_path, 
     assert small["median_norm"] > he["median_norm"]  # conv gradients 2.83x larger, classifier's alike
     assert 0 < result["plain"]["classifier_share"] < 1
     assert any(name.endswith("head.2.weight") for name in he["layer_shares"])
+
+
+def test_benchmark_at_a_checkpoint_reports_the_trained_weights_norms(tmp_path, capsys):
+    """--checkpoint: the per-example norms of the checkpoint's weights, against a per-example autograd loop."""
+    from equiconvert.data import load_dataset
+    from equiconvert.models.equivariant_resnet9 import equivariant_resnet9
+    from equiconvert.privacy.run import pad_images, padded_size
+
+    data = load_dataset("synthetic", None, split="train")
+    images, labels = data.images[:6], data.labels[:6]
+    torch.manual_seed(5)
+    model = equivariant_resnet9("D1", len(data.classes), images.shape[1])
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(1.5)  # not what a fresh model would hold
+    torch.save({"model": model.state_dict()}, tmp_path / "checkpoint.pt")
+    out = tmp_path / "trained.json"
+    assert load_benchmark("gradient_shares").main(["--dataset", "synthetic", "--group", "D1", "--examples", "6",
+                                   "--checkpoint", str(tmp_path / "checkpoint.pt"), "--out", str(out)]) == 0
+    capsys.readouterr()
+    trained = json.loads(out.read_text())["trained"]
+    x = (pad_images(images, padded_size(model, images.shape[-1])).float() / 255 - 0.5) / 0.5
+    model.eval()
+    norms = []
+    for i in range(len(labels)):
+        model.zero_grad()
+        torch.nn.functional.cross_entropy(model(x[i:i + 1]), labels[i:i + 1]).backward()
+        norms.append(torch.cat([p.grad.flatten() for p in model.parameters()]).norm())
+    norms = torch.stack(norms)
+    assert abs(trained["median_norm"] - float(norms.median())) < 1e-4 * float(norms.median())
+    quantiles = [trained["norm_quantiles"][q] for q in ("0.1", "0.25", "0.5", "0.75", "0.9")]
+    assert quantiles == sorted(quantiles) and abs(quantiles[2] - float(norms.quantile(0.5))) < 1e-4 * quantiles[2]

@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
 # GPU call Q (2 cards, session 7): call P's Fashion-MNIST recipe (clip 0.1, lr 40; seed 0: 89.84% against the
-# control's 89.66%) on seeds 1 and 2, one per card. The session's device time left stops them before step 4000;
-# run again with .runs carried back to resume them from their checkpoints.
+# control's 89.66%) on seeds 1 and 2, one per card. Session 7's device time stopped them at steps 2867 and 2860; their
+# folders (checkpoints included) are in benchmarks/results/campaign/call_q, from which a run resumes when .runs lacks it.
 source benchmarks/campaigns/common.sh
+for name in fmq_clip0.1_lr40_s1 fmq_clip0.1_lr40_s2; do
+    [ -d "$RUNS/$name" ] || cp -r "benchmarks/results/campaign/call_q/$name" "$RUNS/"
+done
 START=$(date +%s); DEADLINE=${DEADLINE:-380}
 left() { echo $((START + DEADLINE - $(date +%s))); }
 FM="--model equiconvert:equivariant_resnet9 --group D1 --dataset fashion-mnist --data-dir .data/fashion-mnist --epsilon 3 --delta 1e-5 --accountant prv --eval-every 500 --checkpoint-every 50 --lr-schedule cosine --ema-decay 0.995 --steps 4000 --aug-mult 2 --batch-size 2048 --physical-batch-size 2304 --max-grad-norm 0.1 --lr 40"

@@ -2,14 +2,27 @@
 
 Book-keeping and the Opacus grad sampler of SteerableConv2d both need, for every example,
 the filter gradient sum over its views and positions of (output gradient x input patch).
-Unfolding the input into patches copies it k*k times and is memory-bound on a GPU; for
-stride-1 convolutions this module instead runs one batched product per filter tap on a
-shifted, strided view of the padded input (benchmarks/filter_gradients.py compares them).
+Two kernels compute it, and which is faster depends on the layer's shape and the card
+(benchmarks/filter_gradients.py: on an H200, cuDNN's is 1.6x faster on the paper model's
+104 -> 312 channel conv at 32x32 and 3x slower on its 156 -> 156 convs at 8x8):
+
+- "products": batched matrix products. Stride-1 convolutions run one product per filter
+  tap on a shifted, strided view of the padded input; unfolding the input into patches
+  (the other geometries) copies it k*k times and is memory-bound on a GPU.
+- "grouped": the weight gradient of one convolution whose groups are the examples
+  (cuDNN on a GPU), with the views as its batch.
+
+The method in force (`filter_gradient_method`) is "auto" unless a caller says otherwise:
+"fastest" on CUDA, which times both kernels once per layer geometry and device and keeps
+the faster, and "products" elsewhere, so CPU results never depend on a timing.
 """
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+import time
+from contextvars import ContextVar
+from dataclasses import dataclass
+from typing import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -22,6 +35,20 @@ IntPair = int | tuple[int, int]
 
 def pair(value: IntPair) -> tuple[int, int]:
     return (value, value) if isinstance(value, int) else (int(value[0]), int(value[1]))
+
+
+@dataclass(frozen=True)
+class ConvGeometry:
+    """A convolution's shape parameters, padding already applied to the input unless it is zero padding."""
+
+    kernel: tuple[int, int]
+    stride: tuple[int, int]
+    padding: tuple[int, int]
+    dilation: tuple[int, int]
+    groups: int
+
+
+FilterGradientKernel = Callable[[torch.Tensor, torch.Tensor, int, ConvGeometry], torch.Tensor]
 
 
 def per_example_filter_gradients(
@@ -42,22 +69,116 @@ def per_example_filter_gradients(
     consecutively; neither is differentiated through. The result may be a strided view:
     consumers reshape it once, into the layout they need.
     """
-    kernel, stride, dilation, padding = pair(kernel), pair(stride), pair(dilation), pair(padding)
+    padding = pair(padding)
     inputs, grad_out = inputs.detach(), grad_out.detach()
     if padding_mode != "zeros":  # the layer pads with F.pad, then convolves without padding
         inputs = F.pad(inputs, (padding[1], padding[1], padding[0], padding[0]), mode=padding_mode)
         padding = (0, 0)
-    if stride == (1, 1) and dilation == (1, 1) and groups == 1:
-        return _shifted_products(inputs, grad_out, views, kernel, padding)
-    columns = F.unfold(inputs, kernel, dilation=dilation, padding=padding, stride=stride)  # (N, C_in k k, L)
+    geometry = ConvGeometry(pair(kernel), pair(stride), padding, pair(dilation), groups)
+    return KERNELS[_kernel_for(inputs, grad_out, views, geometry)](inputs, grad_out, views, geometry)
+
+
+def _products(inputs: torch.Tensor, grad_out: torch.Tensor, views: int, geometry: ConvGeometry) -> torch.Tensor:
+    """Batched products: one per filter tap for stride-1 ungrouped convs, an unfold and one einsum otherwise."""
+    g = geometry
+    if g.stride == (1, 1) and g.dilation == (1, 1) and g.groups == 1:
+        return _shifted_products(inputs, grad_out, views, g.kernel, g.padding)
+    columns = F.unfold(inputs, g.kernel, dilation=g.dilation, padding=g.padding, stride=g.stride)  # (N, C_in k k, L)
     batch, positions = inputs.shape[0] // views, columns.shape[2]
     if grad_out.shape[-2] * grad_out.shape[-1] != positions:
         raise ValueError(f"output gradient of size {tuple(grad_out.shape[-2:])} does not match the {positions} "
-                         f"positions of a {kernel} conv (stride {stride}, dilation {dilation}) of its input")
-    columns = columns.reshape(batch, views, groups, columns.shape[1] // groups, positions)
-    grad_out = grad_out.reshape(batch, views, groups, grad_out.shape[1] // groups, positions)  # (B, K, G, C_out/G, L)
+                         f"positions of a {g.kernel} conv (stride {g.stride}, dilation {g.dilation}) of its input")
+    columns = columns.reshape(batch, views, g.groups, columns.shape[1] // g.groups, positions)
+    grad_out = grad_out.reshape(batch, views, g.groups, grad_out.shape[1] // g.groups, positions)  # (B, K, G, C_out/G, L)
     dense = torch.einsum("bkgol,bkgdl->bgod", grad_out, columns)
-    return dense.reshape(batch, grad_out.shape[2] * grad_out.shape[3], inputs.shape[1] // groups, *kernel)
+    return dense.reshape(batch, grad_out.shape[2] * grad_out.shape[3], inputs.shape[1] // g.groups, *g.kernel)
+
+
+def _grouped_convolution(inputs: torch.Tensor, grad_out: torch.Tensor, views: int, geometry: ConvGeometry) -> torch.Tensor:
+    """The weight gradient of one convolution with B * groups groups (example-major) and the K views as its batch."""
+    g = geometry
+    total, channels_in, height, width = inputs.shape
+    batch, channels_out = total // views, grad_out.shape[1]
+    by_view = inputs.reshape(batch, views, channels_in, height, width).transpose(0, 1)
+    grad_by_view = grad_out.reshape(batch, views, channels_out, *grad_out.shape[2:]).transpose(0, 1)
+    weight = inputs.new_empty(batch * channels_out, channels_in // g.groups, *g.kernel)
+    filters = torch.ops.aten.convolution_backward(
+        grad_by_view.reshape(views, batch * channels_out, *grad_out.shape[2:]),
+        by_view.reshape(views, batch * channels_in, height, width),
+        weight, None, list(g.stride), list(g.padding), list(g.dilation), False, [0, 0], batch * g.groups,
+        [False, True, False])[1]
+    return filters.view(batch, channels_out, channels_in // g.groups, *g.kernel)
+
+
+KERNELS: dict[str, FilterGradientKernel] = {"products": _products, "grouped": _grouped_convolution}
+FILTER_GRADIENT_METHODS = ("auto", "fastest", *KERNELS)
+
+_method: ContextVar[str] = ContextVar("filter_gradient_method", default="auto")
+_fastest: dict[tuple, str] = {}  # (device, dtype, shapes without the batch, geometry) -> the faster kernel's name
+TIMING_REPEATS = 3
+
+
+@contextlib.contextmanager
+def filter_gradient_method(method: str) -> Iterator[None]:
+    """Inside the block, per-example filter gradients use `method` (one of FILTER_GRADIENT_METHODS)."""
+    if method not in FILTER_GRADIENT_METHODS:
+        raise ValueError(f"filter gradient method must be one of {FILTER_GRADIENT_METHODS}, got {method!r}")
+    token = _method.set(method)
+    try:
+        yield
+    finally:
+        _method.reset(token)
+
+
+def fastest_choices() -> dict[str, str]:
+    """What "fastest" chose so far, by layer (for benchmark reports)."""
+    def describe(device: str, dtype: str, inputs: tuple, outputs: tuple, views: int, g: ConvGeometry) -> str:
+        return (f"{device} {dtype.removeprefix('torch.')} {inputs} -> {outputs} x{views} views, kernel {g.kernel} "
+                f"stride {g.stride} padding {g.padding} dilation {g.dilation} groups {g.groups}")
+
+    return {describe(*key): name for key, name in _fastest.items()}
+
+
+def _kernel_for(inputs: torch.Tensor, grad_out: torch.Tensor, views: int, geometry: ConvGeometry) -> str:
+    method = _method.get()
+    if method == "auto":
+        method = "fastest" if inputs.is_cuda else "products"
+    if inputs.shape[0] == 0:  # no examples: a convolution with zero groups does not exist
+        return "products"
+    if method != "fastest":
+        return method
+    # keyed without the batch size: Poisson batches give every last chunk of a step its own size
+    key = (str(inputs.device), str(inputs.dtype), tuple(inputs.shape[1:]), tuple(grad_out.shape[1:]), views, geometry)
+    if key not in _fastest:
+        timings = {name: _seconds(kernel, inputs, grad_out, views, geometry) for name, kernel in KERNELS.items()}
+        _fastest[key] = min(timings, key=timings.__getitem__)
+    return _fastest[key]
+
+
+def _seconds(kernel: FilterGradientKernel, inputs: torch.Tensor, grad_out: torch.Tensor, views: int,
+             geometry: ConvGeometry) -> float:
+    """Best of TIMING_REPEATS runs after a warm-up (which also lets cuDNN pick its algorithm).
+
+    A kernel that fails on this shape (no cuDNN algorithm, or not enough memory for its
+    workspace) is infinitely slow: it is not chosen, and the run goes on with the other one.
+    """
+    best = float("inf")
+    try:
+        for attempt in range(TIMING_REPEATS + 1):
+            _synchronize(inputs.device)
+            start = time.perf_counter()
+            kernel(inputs, grad_out, views, geometry)
+            _synchronize(inputs.device)
+            if attempt:
+                best = min(best, time.perf_counter() - start)
+    except RuntimeError:  # torch.OutOfMemoryError is one
+        return float("inf")
+    return best
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def steerable_weight_gradients(module: SteerableConv2d, filters: torch.Tensor) -> torch.Tensor:

@@ -41,7 +41,6 @@ def classification_metrics(logits: torch.Tensor, labels: torch.Tensor, num_bins:
     correct = (prediction == labels).to(torch.float64)
     # Bin b holds confidences in (b/num_bins, (b+1)/num_bins]; confidence >= 1/C > 0 always.
     bins = (torch.ceil(confidence * num_bins).long() - 1).clamp(0, num_bins - 1)
-    bin_count = torch.bincount(bins, minlength=num_bins).to(torch.float64)
     bin_correct = torch.zeros(num_bins, dtype=torch.float64, device=logits.device).index_add_(0, bins, correct)
     bin_confidence = torch.zeros(num_bins, dtype=torch.float64, device=logits.device).index_add_(0, bins, confidence)
     ece = (bin_correct - bin_confidence).abs().sum() / count  # sum_b |B_b|/N * |acc_b - conf_b|

@@ -153,6 +153,7 @@ def run_training(spec: RunSpec, **trainer_options: Any) -> dict[str, Any]:
         max_grad_norm=c.max_grad_norm, lr=c.lr, ema_decay=c.ema_decay, params=_count(model), params_before=params_before,
         input_size=input_size, train_examples=len(train), test_examples=len(test), device=_device_name(trainer.device),
         lr_schedule=c.lr_schedule, per_sample_method=trainer.per_sample_method, precision=c.precision, seed=c.seed,
+        filter_gradients=c.filter_gradients,
         requested_steps=c.steps, stopped_reason=trainer.stopped_reason,
         normalize_mean=c.normalize_mean, normalize_std=c.normalize_std,
         evals=_eval_history(Path(spec.out) / "log.jsonl"),

@@ -27,6 +27,7 @@ from .ema import ExponentialMovingAverage
 from .metrics import evaluate
 from .bookkeeping import (BookkeepingUnsupportedError, check_bookkeeping_supported, per_sample_gradients_bookkeeping,
                           verify_bookkeeping)
+from .filter_gradients import FILTER_GRADIENT_METHODS, filter_gradient_method
 from .per_sample import clip_and_sum, per_sample_gradients
 from .sampling import PoissonSampler, physical_chunks
 from .validate import validate_dp_safe
@@ -74,6 +75,9 @@ class DPConfig:
     # "bf16": the forward and backward of the per-sample computation under bf16 autocast (book-keeping only;
     # tensor-core speed); each example's gradient is formed, clipped and noised in fp32, so the privacy bound holds
     precision: str = "fp32"
+    # book-keeping's per-example conv filter gradients (filter_gradients.py): "auto" times both kernels per layer on
+    # CUDA and keeps the faster, and uses batched products on CPU; "products" or "grouped" fixes the kernel
+    filter_gradients: str = "auto"
 
 
 class DPTrainer:
@@ -122,6 +126,8 @@ class DPTrainer:
         c = self.config
         if c.optimizer not in OPTIMIZERS:
             raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {c.optimizer!r}")
+        if c.filter_gradients not in FILTER_GRADIENT_METHODS:
+            raise ValueError(f"filter_gradients must be one of {FILTER_GRADIENT_METHODS}, got {c.filter_gradients!r}")
         if c.per_sample_method not in PER_SAMPLE_METHODS:
             raise ValueError(f"per_sample_method must be one of {PER_SAMPLE_METHODS}, got {c.per_sample_method!r}")
         if c.precision not in PRECISIONS:
@@ -206,11 +212,12 @@ class DPTrainer:
         return noisy, len(indices), float(loss_sum) / max(len(indices), 1)
 
     def _per_sample_gradients(self, params, buffers, views, labels) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-        if self.per_sample_method == "bookkeeping" and not self._bookkeeping_verified:
-            self._verify_bookkeeping(tuple(views.shape[1:]))
-        if self.per_sample_method == "bookkeeping":
-            return per_sample_gradients_bookkeeping(self.model, views, labels,
-                                                    autocast_dtype=PRECISIONS[self.config.precision])
+        with filter_gradient_method(self.config.filter_gradients):  # the probe checks the kernel the run uses
+            if self.per_sample_method == "bookkeeping" and not self._bookkeeping_verified:
+                self._verify_bookkeeping(tuple(views.shape[1:]))
+            if self.per_sample_method == "bookkeeping":
+                return per_sample_gradients_bookkeeping(self.model, views, labels,
+                                                        autocast_dtype=PRECISIONS[self.config.precision])
         return per_sample_gradients(self.model, params, buffers, views, labels)
 
     def _verify_bookkeeping(self, view_shape: tuple[int, ...]) -> None:

@@ -285,3 +285,18 @@ def test_train_head_and_normalize_reach_the_model_the_trainer_and_the_result(tmp
     with pytest.raises(SystemExit):
         main(["train", "--dataset", "synthetic", "--normalize", "0.5,0", "--out", str(tmp_path / "bad")])
     assert "the STD of --normalize must be positive" in capsys.readouterr().err
+
+
+def test_train_width_rescales_the_paper_preset_and_is_refused_for_its_baseline(tmp_path, capsys):
+    out = tmp_path / "narrow"
+    code = main(["train", "--dataset", "synthetic", "--model", "equiconvert:equivariant_resnet9", "--group", "D4",
+                 "--width", "1.0", "--steps", "1", "--batch-size", "8", "--aug-mult", "1", "--physical-batch-size", "8",
+                 "--out", str(out), "--no-progress", "--device", "cpu"])
+    assert code == 0
+    result = json.loads((out / "result.json").read_text())
+    # kappa 1 instead of the preset's 1.5: fewer fields per layer, so fewer than Table 1's 255,675 parameters
+    assert result["width"] == 1.0 and 0 < result["params"] < 255_675
+    capsys.readouterr()
+    error = run_error(capsys, "train", "--dataset", "synthetic", "--model", "equiconvert:equivariant_resnet9",
+                      "--group", "none", "--width", "1.0", "--out", str(tmp_path / "bad"))
+    assert "--width" in error and "--group none" in error

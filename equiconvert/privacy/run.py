@@ -62,13 +62,17 @@ def _paper_model(spec: RunSpec, num_classes: int, channels: int) -> tuple[nn.Mod
     network it is converted from; also the parameter count of that plain network."""
     from ..models.equivariant_resnet9 import equivariant_resnet9, plain_paper_resnet9
 
-    if spec.model_widths is not None or spec.width is not None:
-        raise ValueError(f"{PAPER_MODEL} has the paper's widths; --widths/--width do not apply to it")
+    if spec.model_widths is not None:
+        raise ValueError(f"{PAPER_MODEL} has the paper's layout (16, 32, 64); --widths does not apply to it "
+                         "(--width changes its conversion's width rule)")
     plain = plain_paper_resnet9(num_classes, channels)
     if spec.group.lower() == BASELINE_GROUP:
+        if spec.width is not None:
+            raise ValueError("--width sets the converted model's width rule; the unconverted baseline (--group none) "
+                             "has none: drop --width, or pick a group")
         return plain, _count(plain)
-    head = {} if spec.head is None else {"head": spec.head}
-    return equivariant_resnet9(spec.group, num_classes, channels, **head, **_conversion_options(spec)), _count(plain)
+    options = {key: value for key, value in (("head", spec.head), ("width", spec.width)) if value is not None}
+    return equivariant_resnet9(spec.group, num_classes, channels, **options, **_conversion_options(spec)), _count(plain)
 
 
 def _conversion_options(spec: RunSpec) -> dict[str, Any]:
@@ -118,7 +122,7 @@ def run_training(spec: RunSpec, **trainer_options: Any) -> dict[str, Any]:
     train = load_dataset(spec.dataset, spec.data_dir, split="train")
     test = load_dataset(spec.dataset, spec.data_dir, split="test")
     channels, size = train.images.shape[1], train.images.shape[-1]
-    result: dict[str, Any] = {"model": spec.model, "group": spec.group, "dataset": spec.dataset}
+    result: dict[str, Any] = {"model": spec.model, "group": spec.group, "dataset": spec.dataset, "width": spec.width}
     # the model's initial weights come from the run's seed too, so one seed gives one run
     torch.manual_seed(trainer_options.get("seed", DPConfig.seed))
     if spec.model == PAPER_MODEL:

@@ -300,3 +300,19 @@ def test_train_width_rescales_the_paper_preset_and_is_refused_for_its_baseline(t
     error = run_error(capsys, "train", "--dataset", "synthetic", "--model", "equiconvert:equivariant_resnet9",
                       "--group", "none", "--width", "1.0", "--out", str(tmp_path / "bad"))
     assert "--width" in error and "--group none" in error
+
+
+def test_train_filter_gradients_fastest_records_each_layers_kernel(tmp_path, capsys, monkeypatch):
+    from equiconvert.privacy import filter_gradients
+
+    monkeypatch.setattr(filter_gradients, "_fastest", {})
+    out = tmp_path / "run"
+    code = main(["train", "--dataset", "synthetic", "--model", "equiconvert:resnet9", "--widths", "4,8,8",
+                 "--group", "C4", "--steps", "1", "--batch-size", "8", "--aug-mult", "2", "--physical-batch-size", "8",
+                 "--per-sample", "bookkeeping", "--filter-gradients", "fastest", "--out", str(out), "--no-progress",
+                 "--device", "cpu"])
+    assert code == 0
+    result = json.loads((out / "result.json").read_text())
+    kernels = result["filter_gradient_kernels"]
+    assert result["filter_gradients"] == "fastest" and kernels and set(kernels.values()) <= {"products", "grouped"}
+    assert any("float32" in layer for layer in kernels)  # the training's layers, not only the float64 probe's

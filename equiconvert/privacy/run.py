@@ -19,6 +19,7 @@ from torch import nn
 from ..check import check_equivariance
 from ..convert import make_equivariant
 from ..nn.conv import SteerableConv2d
+from .filter_gradients import fastest_choices
 from .trainer import DPConfig, DPTrainer
 
 BASELINE_GROUP = "none"
@@ -158,6 +159,7 @@ def run_training(spec: RunSpec, **trainer_options: Any) -> dict[str, Any]:
         input_size=input_size, train_examples=len(train), test_examples=len(test), device=_device_name(trainer.device),
         lr_schedule=c.lr_schedule, per_sample_method=trainer.per_sample_method, precision=c.precision, seed=c.seed,
         filter_gradients=c.filter_gradients,
+        filter_gradient_kernels=fastest_choices(),  # what "fastest" chose in this process (one run per `train`)
         requested_steps=c.steps, stopped_reason=trainer.stopped_reason,
         normalize_mean=c.normalize_mean, normalize_std=c.normalize_std,
         evals=_eval_history(Path(spec.out) / "log.jsonl"),

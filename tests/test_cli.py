@@ -23,6 +23,14 @@ def run_json(capsys, *argv: str) -> dict:
     return json.loads(out)
 
 
+def tiny_train_result(tmp_path, *flags: str) -> dict:
+    """One step of `train` on the synthetic data set, batch 8, on the CPU; its result.json (later flags win)."""
+    out = tmp_path / "run"
+    assert main(["train", "--dataset", "synthetic", "--steps", "1", "--batch-size", "8", "--aug-mult", "1",
+                 "--physical-batch-size", "8", "--out", str(out), "--no-progress", "--device", "cpu", *flags]) == 0
+    return json.loads((out / "result.json").read_text())
+
+
 def run_error(capsys, *argv: str) -> str:
     assert main(list(argv)) == 2
     captured = capsys.readouterr()
@@ -271,12 +279,8 @@ def test_train_paper_model_preset_and_its_unconverted_network(tmp_path, group, p
 
 def test_train_head_and_normalize_reach_the_model_the_trainer_and_the_result(tmp_path, capsys):
     """--head invariant makes the paper preset's logits flip-invariant (its own head is not); --normalize is used."""
-    out = tmp_path / "run"
-    code = main(["train", "--dataset", "synthetic", "--model", "equiconvert:equivariant_resnet9", "--group", "D1",
-                 "--head", "invariant", "--normalize", "0.25,0.4", "--steps", "1", "--batch-size", "8",
-                 "--aug-mult", "1", "--physical-batch-size", "8", "--out", str(out), "--no-progress", "--device", "cpu"])
-    assert code == 0
-    result = json.loads((out / "result.json").read_text())
+    result = tiny_train_result(tmp_path, "--model", "equiconvert:equivariant_resnet9", "--group", "D1",
+                               "--head", "invariant", "--normalize", "0.25,0.4")
     assert result["invariant_head"] is True and result["max_equivariance_error"] < 1e-4
     assert (result["normalize_mean"], result["normalize_std"]) == (0.25, 0.4)
     capsys.readouterr()
@@ -288,12 +292,7 @@ def test_train_head_and_normalize_reach_the_model_the_trainer_and_the_result(tmp
 
 
 def test_train_width_rescales_the_paper_preset_and_is_refused_for_its_baseline(tmp_path, capsys):
-    out = tmp_path / "narrow"
-    code = main(["train", "--dataset", "synthetic", "--model", "equiconvert:equivariant_resnet9", "--group", "D4",
-                 "--width", "1.0", "--steps", "1", "--batch-size", "8", "--aug-mult", "1", "--physical-batch-size", "8",
-                 "--out", str(out), "--no-progress", "--device", "cpu"])
-    assert code == 0
-    result = json.loads((out / "result.json").read_text())
+    result = tiny_train_result(tmp_path, "--model", "equiconvert:equivariant_resnet9", "--group", "D4", "--width", "1.0")
     # kappa 1 instead of the preset's 1.5: fewer fields per layer, so fewer than Table 1's 255,675 parameters
     assert result["width"] == 1.0 and 0 < result["params"] < 255_675
     capsys.readouterr()
@@ -306,13 +305,8 @@ def test_train_filter_gradients_fastest_records_each_layers_kernel(tmp_path, cap
     from equiconvert.privacy import filter_gradients
 
     monkeypatch.setattr(filter_gradients, "_fastest", {})
-    out = tmp_path / "run"
-    code = main(["train", "--dataset", "synthetic", "--model", "equiconvert:resnet9", "--widths", "4,8,8",
-                 "--group", "C4", "--steps", "1", "--batch-size", "8", "--aug-mult", "2", "--physical-batch-size", "8",
-                 "--per-sample", "bookkeeping", "--filter-gradients", "fastest", "--out", str(out), "--no-progress",
-                 "--device", "cpu"])
-    assert code == 0
-    result = json.loads((out / "result.json").read_text())
+    result = tiny_train_result(tmp_path, "--model", "equiconvert:resnet9", "--widths", "4,8,8", "--group", "C4",
+                               "--aug-mult", "2", "--per-sample", "bookkeeping", "--filter-gradients", "fastest")
     kernels = result["filter_gradient_kernels"]
     assert result["filter_gradients"] == "fastest" and kernels and set(kernels.values()) <= {"products", "grouped"}
     assert any("float32" in layer for layer in kernels)  # the training's layers, not only the float64 probe's

@@ -227,12 +227,9 @@ def test_train_threads_sets_the_processes_cpu_threads(tmp_path, capsys):
 
 
 def test_train_init_gain_reaches_the_model_and_the_result(tmp_path, capsys):
-    out = tmp_path / "run"
-    code = main(["train", "--dataset", "synthetic", "--model", "equiconvert:resnet9", "--widths", "8,16,32",
-                 "--group", "C4", "--steps", "1", "--batch-size", "8", "--aug-mult", "1", "--epsilon", "8",
-                 "--physical-batch-size", "8", "--init-gain", "0.5", "--out", str(out), "--no-progress",
-                 "--device", "cpu"])
-    assert code == 0 and json.loads((out / "result.json").read_text())["init_gain"] == 0.5
+    result = tiny_train_result(tmp_path, "--model", "equiconvert:resnet9", "--widths", "8,16,32", "--group", "C4",
+                               "--epsilon", "8", "--init-gain", "0.5")
+    assert result["init_gain"] == 0.5
     capsys.readouterr()
     error = run_error(capsys, "train", "--dataset", "synthetic", "--group", "none", "--init-gain", "1",
                       "--out", str(tmp_path / "bad"))
@@ -296,9 +293,10 @@ def test_train_width_rescales_the_paper_preset_and_is_refused_for_its_baseline(t
     # kappa 1 instead of the preset's 1.5: fewer fields per layer, so fewer than Table 1's 255,675 parameters
     assert result["width"] == 1.0 and 0 < result["params"] < 255_675
     capsys.readouterr()
-    error = run_error(capsys, "train", "--dataset", "synthetic", "--model", "equiconvert:equivariant_resnet9",
-                      "--group", "none", "--width", "1.0", "--out", str(tmp_path / "bad"))
-    assert "--width" in error and "--group none" in error
+    for model in ("equiconvert:equivariant_resnet9", "equiconvert:resnet9"):  # never silently ignored
+        error = run_error(capsys, "train", "--dataset", "synthetic", "--model", model,
+                          "--group", "none", "--width", "1.0", "--out", str(tmp_path / "bad"))
+        assert "--width" in error and "--group none" in error
 
 
 def test_train_filter_gradients_fastest_records_each_layers_kernel(tmp_path, capsys, monkeypatch):

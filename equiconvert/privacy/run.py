@@ -68,12 +68,30 @@ def _paper_model(spec: RunSpec, num_classes: int, channels: int) -> tuple[nn.Mod
                          "(--width changes its conversion's width rule)")
     plain = plain_paper_resnet9(num_classes, channels)
     if spec.group.lower() == BASELINE_GROUP:
-        if spec.width is not None:
-            raise ValueError("--width sets the converted model's width rule; the unconverted baseline (--group none) "
-                             "has none: drop --width, or pick a group")
         return plain, _count(plain)
-    options = {key: value for key, value in (("head", spec.head), ("width", spec.width)) if value is not None}
-    return equivariant_resnet9(spec.group, num_classes, channels, **options, **_conversion_options(spec)), _count(plain)
+    width = {} if spec.width is None else {"width": spec.width}
+    model = equivariant_resnet9(spec.group, num_classes, channels, head=_head(spec), **width, **_conversion_options(spec))
+    return model, _count(plain)
+
+
+def _head(spec: RunSpec) -> str:
+    """The converted model's head: as asked, else the paper preset's own (its 2x2 grid), else global pooling."""
+    return spec.head or ("keep" if spec.model == PAPER_MODEL else "invariant")
+
+
+# options that only a converted model has, and what each sets: refused for the unconverted baseline
+_CONVERSION_FLAGS = {"init_gain": ("--init-gain", "the steerable filters' initial scale"),
+                     "head": ("--head", "the converted model's head"),
+                     "width": ("--width", "the conversion's width rule")}
+
+
+def _refuse_conversion_options_for_baseline(spec: RunSpec) -> None:
+    if spec.group.lower() != BASELINE_GROUP:
+        return
+    for field, (flag, what) in _CONVERSION_FLAGS.items():
+        if getattr(spec, field) is not None:
+            raise ValueError(f"{flag} sets {what}; the unconverted baseline (--group none) has none: drop {flag}, "
+                             "or pick a group")
 
 
 def _conversion_options(spec: RunSpec) -> dict[str, Any]:
@@ -113,12 +131,7 @@ def run_training(spec: RunSpec, **trainer_options: Any) -> dict[str, Any]:
     from ..cli import build_model
     from ..data import load_dataset
 
-    if spec.init_gain is not None and spec.group.lower() == BASELINE_GROUP:
-        raise ValueError("--init-gain sets the steerable filters' initial scale; the unconverted baseline (--group none) "
-                         "has none: drop --init-gain, or pick a group")
-    if spec.head is not None and spec.group.lower() == BASELINE_GROUP:
-        raise ValueError("--head chooses the converted model's head; the unconverted baseline (--group none) keeps "
-                         "its own: drop --head, or pick a group")
+    _refuse_conversion_options_for_baseline(spec)
     start = time.perf_counter()
     train = load_dataset(spec.dataset, spec.data_dir, split="train")
     test = load_dataset(spec.dataset, spec.data_dir, split="test")
@@ -134,7 +147,7 @@ def run_training(spec: RunSpec, **trainer_options: Any) -> dict[str, Any]:
         if spec.group.lower() == BASELINE_GROUP:
             model = _replace_batch_norm(model)
         else:
-            model = make_equivariant(model, spec.group, width=spec.width, head=spec.head or "invariant",
+            model = make_equivariant(model, spec.group, width=spec.width, head=_head(spec),
                                      config=_conversion_options(spec))
     if spec.group.lower() == BASELINE_GROUP:
         input_size = size
@@ -144,7 +157,7 @@ def run_training(spec: RunSpec, **trainer_options: Any) -> dict[str, Any]:
         check = check_equivariance(model, input_size=input_size, batch_size=1)
         result["max_equivariance_error"] = check.max_error
         # the paper's head (AdaptiveAvgPool2d(2) + Flatten + Linear) is equivariant up to the head, not invariant
-        result["invariant_head"] = (spec.head or ("keep" if spec.model == PAPER_MODEL else "invariant")) == "invariant"
+        result["invariant_head"] = _head(spec) == "invariant"
     images_train, images_test = pad_images(train.images, input_size), pad_images(test.images, input_size)
     trainer = DPTrainer(model, device=spec.device, out_dir=spec.out, progress=spec.progress, **trainer_options)
     trainer.fit((images_train, train.labels), eval_set=(images_test, test.labels), resume=spec.resume,

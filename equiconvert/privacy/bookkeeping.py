@@ -32,6 +32,7 @@ from typing import Callable, Iterator
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.profiler import record_function
 from torch.func import functional_call, vjp, vmap
 
 from ..nn.conv import SteerableConv2d
@@ -207,7 +208,7 @@ def per_sample_gradients_bookkeeping(
     recorder = _Recorder(layers)
     inputs = views.reshape(batch * num_views, *views.shape[2:]).detach().requires_grad_(True)
     autocast = torch.autocast(views.device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None)
-    with _parameters_frozen(model), recorder.attached():
+    with _parameters_frozen(model), recorder.attached(), record_function("equiconvert/forward_backward"):
         with autocast:
             logits = model(inputs)
         if autocast_dtype is not None:
@@ -220,8 +221,9 @@ def per_sample_gradients_bookkeeping(
         if name not in recorder.grads:
             raise BookkeepingUnsupportedError(f"layer {name!r} did not take part in the forward pass")
         rule = _rule_for(module)
-        operands = _rule_operands(module, rule, recorder.inputs[name], recorder.grads[name])
-        per_layer = rule(module, *operands, num_views)
+        with record_function(f"equiconvert/per_example/{type(module).__name__}"):
+            operands = _rule_operands(module, rule, recorder.inputs[name], recorder.grads[name])
+            per_layer = rule(module, *operands, num_views)
         for param_name, value in per_layer.items():
             grads[f"{name}.{param_name}" if name else param_name] = value
     order = [name for name, p in model.named_parameters() if p.requires_grad]

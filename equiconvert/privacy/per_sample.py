@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call, grad_and_value, vmap
+from torch.profiler import record_function
 
 Gradients = dict[str, torch.Tensor]
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -52,7 +53,8 @@ def clip_factors(norms: torch.Tensor, max_grad_norm: float) -> torch.Tensor:
 
 def clip_and_sum(gradients: Gradients, max_grad_norm: float) -> tuple[Gradients, torch.Tensor]:
     """Sum of per-sample gradients, each scaled to norm <= max_grad_norm; also returns the norms before clipping."""
-    norms = per_sample_norms(gradients)
-    factors = clip_factors(norms, max_grad_norm)
-    summed = {name: torch.einsum("b,b...->...", factors, g) for name, g in gradients.items()}
+    with record_function("equiconvert/clip_and_sum"):
+        norms = per_sample_norms(gradients)
+        factors = clip_factors(norms, max_grad_norm)
+        summed = {name: torch.einsum("b,b...->...", factors, g) for name, g in gradients.items()}
     return summed, norms

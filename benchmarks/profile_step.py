@@ -1,0 +1,98 @@
+"""Where a DP step's time goes: torch.profiler over book-keeping and non-private steps of the same model and batch.
+
+Complements throughput.py (which times whole steps): for each method, the device time of every kernel (summed
+over the profiled steps, per step) and of the step's phases, which equiconvert marks with `record_function`
+ranges: `equiconvert/forward_backward` (one forward and an activation-only backward), `equiconvert/per_example/
+<layer type>` (each layer's per-example gradients), `equiconvert/clip_and_sum`.
+Writes JSON; prints the tables.
+Usage: python benchmarks/profile_step.py --device cuda --model paper --batch 512 --aug-mult 4 --precision bf16
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from throughput import build_model, make_equiconvert_step, make_nonprivate_step  # noqa: E402
+
+from equiconvert.privacy.augment import augment_views  # noqa: E402
+from equiconvert.privacy.trainer import PRECISIONS  # noqa: E402
+
+
+def _device_ms(event) -> float:
+    return getattr(event, "device_time_total", 0.0) / 1e3
+
+
+def profile_method(step, model, views, labels, device: torch.device, steps: int, top: int) -> dict:
+    """Kernels and equiconvert phases of `steps` profiled steps (after two warm-up steps), in ms per step."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    for _ in range(2):
+        step(model, optimizer, views, labels)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        for _ in range(steps):
+            step(model, optimizer, views, labels)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+    events = prof.key_averages()
+    phases = {e.key: {"device_ms": _device_ms(e) / steps, "cpu_ms": e.cpu_time_total / 1e3 / steps}
+              for e in events if e.key.startswith("equiconvert/")}
+    kernels = sorted((e for e in events if e.device_type == torch.autograd.DeviceType.CUDA),
+                     key=_device_ms, reverse=True)
+    kernel_rows = [{"name": e.key[:160], "device_ms": _device_ms(e) / steps, "calls": e.count // steps}
+                   for e in kernels[:top]]
+    return {"phases": phases, "kernel_device_ms_total": sum(_device_ms(e) for e in kernels) / steps,
+            "kernels": kernel_rows}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--model", choices=("resnet9", "paper"), default="paper")
+    parser.add_argument("--group", default="D4")
+    parser.add_argument("--batch", type=int, default=512)
+    parser.add_argument("--aug-mult", type=int, default=4)
+    parser.add_argument("--precision", choices=tuple(PRECISIONS), default="fp32")
+    parser.add_argument("--filter-gradients", default="auto", help="book-keeping's conv filter-gradient kernel")
+    parser.add_argument("--cudnn-benchmark", action="store_true")
+    parser.add_argument("--steps", type=int, default=3, help="profiled steps per method")
+    parser.add_argument("--top", type=int, default=25, help="kernels listed per method")
+    parser.add_argument("--out", default="benchmarks/results/profile_step.json")
+    args = parser.parse_args(argv)
+    torch.backends.cudnn.benchmark = args.cudnn_benchmark
+    device = torch.device(args.device)
+    autocast_dtype = PRECISIONS[args.precision]
+    torch.manual_seed(0)
+    images = torch.randn(args.batch, 3, 32, 32, device=device)
+    views = augment_views(images, args.aug_mult, torch.Generator(device=device).manual_seed(0))
+    labels = torch.randint(0, 10, (args.batch,), device=device)
+    steps = {"nonprivate": make_nonprivate_step(autocast_dtype),
+             "bookkeeping": make_equiconvert_step(args.batch, "bookkeeping", autocast_dtype, args.filter_gradients)}
+    results = {}
+    for method, step in steps.items():
+        model = build_model(args.model, (16, 32, 64), 1.5, device, args.group)
+        results[method] = profile_method(step, model, views, labels, device, args.steps, args.top)
+        print(f"== {method}: kernels {results[method]['kernel_device_ms_total']:.2f} ms/step")
+        for name, phase in results[method]["phases"].items():
+            print(f"   {phase['device_ms']:8.2f} ms device {phase['cpu_ms']:8.2f} ms cpu  {name}")
+        for row in results[method]["kernels"]:
+            print(f"   {row['device_ms']:8.2f} ms {row['calls']:4d}x  {row['name'][:110]}")
+    report = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+              "command": " ".join(["python", "benchmarks/profile_step.py", *(argv if argv is not None else sys.argv[1:])]),
+              "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+              "torch": torch.__version__, "batch": args.batch, "aug_mult": args.aug_mult, "precision": args.precision,
+              "filter_gradients": args.filter_gradients, "cudnn_benchmark": args.cudnn_benchmark, "results": results}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(report, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

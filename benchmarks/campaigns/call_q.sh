@@ -2,6 +2,7 @@
 # GPU call Q (2 cards, session 7): call P's Fashion-MNIST recipe (clip 0.1, lr 40; seed 0: 89.84% against the
 # control's 89.66%) on seeds 1 and 2, one per card. Session 7's device time stopped them at steps 2867 and 2860; their
 # folders (checkpoints included) are in benchmarks/results/campaign/call_q, from which a run resumes when .runs lacks it.
+# Session 8: both finished in call R (call_r.sh resumed them); their folders now hold the finished runs, without checkpoints.
 source benchmarks/campaigns/common.sh
 for name in fmq_clip0.1_lr40_s1 fmq_clip0.1_lr40_s2; do
     [ -d "$RUNS/$name" ] || cp -r "benchmarks/results/campaign/call_q/$name" "$RUNS/"

@@ -69,7 +69,7 @@ def _conv_rule(module: nn.Conv2d, inputs: torch.Tensor, grad_out: torch.Tensor, 
 def _steerable_conv_rule(
     module: SteerableConv2d, inputs: torch.Tensor, grad_out: torch.Tensor, views: int
 ) -> dict[str, torch.Tensor]:
-    filters = _filter_gradients(module, inputs, grad_out, views).to(module.weight.dtype)
+    filters = _filter_gradients(module, inputs, grad_out, views)
     grads = {"weight": steerable_weight_gradients(module, filters)}
     if module.bias is not None:
         _, bias_vjp = vjp(module.expand_bias, module.bias.detach())
@@ -208,14 +208,15 @@ def per_sample_gradients_bookkeeping(
     recorder = _Recorder(layers)
     inputs = views.reshape(batch * num_views, *views.shape[2:]).detach().requires_grad_(True)
     autocast = torch.autocast(views.device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None)
-    with _parameters_frozen(model), recorder.attached(), record_function("equiconvert/forward_backward"):
-        with autocast:
+    with _parameters_frozen(model), recorder.attached():
+        with autocast, record_function("equiconvert/forward"):
             logits = model(inputs)
         if autocast_dtype is not None:
             logits = logits.float()  # the loss in fp32, as autocast itself would compute it
         per_view = loss_fn(logits, labels.repeat_interleave(num_views), reduction="none")
         losses = per_view.reshape(batch, num_views).mean(dim=1)
-        torch.autograd.grad(losses.sum(), inputs)
+        with record_function("equiconvert/backward"):
+            torch.autograd.grad(losses.sum(), inputs)
     grads: Gradients = {}
     for name, module in layers.items():
         if name not in recorder.grads:

@@ -186,14 +186,18 @@ def steerable_weight_gradients(module: SteerableConv2d, filters: torch.Tensor) -
 
     The transpose of SteerableConv2d.expand_filter: the basis contraction, then the
     vector-Jacobian product of the weight standardization when the layer has it.
+    The contraction runs in the filters' dtype (bf16 ones, from autocast, are not copied
+    to fp32 first: the filter gradient is this step's largest tensor); the result, and
+    the standardization's product, are in the weight's dtype.
     Returns (B, out_fields, in_fields/groups, num_basis).
     """
     batch, k = filters.shape[0], module.kernel_size
     blocks = filters.reshape(batch, module.out_fields, module.out_size, -1, module.in_size, k, k)
     coefficients = torch.einsum("bxsyijk,nsijk->bxyn", blocks, module.basis.to(filters.dtype))
+    coefficients = coefficients.to(module.weight.dtype)
     if not module.weight_standardization or batch == 0:
         return coefficients
-    _, standardization_vjp = vjp(module.coefficients, module.weight.detach().to(filters.dtype))
+    _, standardization_vjp = vjp(module.coefficients, module.weight.detach())
     return vmap(lambda g: standardization_vjp(g)[0])(coefficients)
 
 

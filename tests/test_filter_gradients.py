@@ -2,7 +2,11 @@
 import pytest
 import torch
 
-from equiconvert.privacy.filter_gradients import matmuls_in_convolution_precision, per_example_filter_gradients
+from equiconvert.privacy.filter_gradients import (
+    filter_gradient_method,
+    matmuls_in_convolution_precision,
+    per_example_filter_gradients,
+)
 
 
 @pytest.fixture
@@ -72,6 +76,7 @@ GEOMETRIES = [  # (C_in, C_out, size, conv arguments)
     (4, 6, 9, dict(kernel=3, padding=2, dilation=2)),
     (4, 6, 6, dict(kernel=3, padding=1, groups=2)),
     (3, 4, 6, dict(kernel=3, padding=1, padding_mode="circular")),
+    (10, 3, 9, dict(kernel=5, padding=2)),
 ]
 
 
@@ -183,3 +188,41 @@ def test_fastest_never_chooses_a_kernel_that_fails_on_the_shape(spied_kernels, m
     with filter_gradient_method("fastest"):
         grads = per_example_filter_gradients(torch.randn(4, 3, 6, 6), torch.randn(4, 5, 6, 6), 2, kernel=3, padding=1)
     assert grads.shape == (2, 5, 3, 3, 3) and set(spied_kernels) == {"products"}
+
+
+def test_products_run_in_the_gradients_dtype_whatever_the_inputs_dtype():
+    """Under bf16 autocast the recorded activations are fp32 and the output gradient bf16; the kernels cast the input."""
+    generator = torch.Generator().manual_seed(0)
+    inputs = torch.randn(6, 3, 7, 7, generator=generator)
+    grad_out = torch.randn(6, 5, 7, 7, generator=generator, dtype=torch.float64)
+    expected = naive_filter_gradients(inputs.double(), grad_out, 2, (5, 3, 3, 3), padding=1)
+    for method in ("products", "grouped"):
+        with filter_gradient_method(method):
+            got = per_example_filter_gradients(inputs, grad_out, 2, kernel=3, padding=1)
+        assert got.dtype == torch.float64
+        torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-10)
+
+
+def test_every_tap_product_gets_aligned_operands(monkeypatch):
+    """cuBLAS's tensor-core kernels need 16-byte aligned pointers and leading dimensions (8 bf16 elements); a
+    misaligned tap (a shift of one column) ran on an H200 in kernels several times slower, so none may be."""
+    from equiconvert.privacy import filter_gradients
+
+    seen = []
+    real_bmm = torch.bmm
+
+    def spy(a, b, *, out):
+        seen.append((a, b, out))
+        return real_bmm(a, b, out=out)
+
+    monkeypatch.setattr(filter_gradients.torch, "bmm", spy)
+    inputs, grad_out = torch.randn(6, 13, 7, 7), torch.randn(6, 11, 7, 7)  # odd widths and channel counts
+    with filter_gradient_method("products"):
+        per_example_filter_gradients(inputs, grad_out, 2, kernel=3, padding=1)
+    assert len(seen) == 9
+    for operands in seen:
+        for tensor in operands:
+            inner = [stride for stride in tensor.stride()[1:] if stride != 1]
+            assert tensor.storage_offset() % filter_gradients.ALIGNMENT == 0
+            assert all(stride % filter_gradients.ALIGNMENT == 0 for stride in inner), tensor.stride()
+            assert 1 in tensor.stride()[1:]

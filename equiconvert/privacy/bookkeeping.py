@@ -183,11 +183,14 @@ def _rule_operands(module: nn.Module, rule: PerSampleRule, inputs: torch.Tensor,
 
     Products (conv, linear rules) take the input in the dtype the layer computed its output in
     (bf16 under autocast: what the layer itself multiplied); the generic VJP re-runs the layer,
-    so it gets both in its parameters' dtype.
+    so it gets both in its parameters' dtype. The conv rules' filter-gradient kernels cast the
+    input themselves, as they lay it out (one pass over it instead of two).
     """
     if rule is _layer_vjp_rule:
         dtype = next(module.parameters(recurse=False)).dtype
         return inputs.to(dtype), grad_out.to(dtype)
+    if rule in (_conv_rule, _steerable_conv_rule):
+        return inputs, grad_out
     return inputs.to(grad_out.dtype), grad_out
 
 

@@ -66,8 +66,9 @@ def per_example_filter_gradients(
     """(B, C_out, C_in/groups, kh, kw): each example's filter gradient of a conv, summed over its K views.
 
     inputs (B*K, C_in, H, W) and grad_out (B*K, C_out, H', W') hold each example's K views
-    consecutively; neither is differentiated through. The result may be a strided view:
-    consumers reshape it once, into the layout they need.
+    consecutively; neither is differentiated through. The products run in grad_out's dtype
+    (inputs in another, such as fp32 activations under bf16 autocast, are cast on the way).
+    The result may be a strided view: consumers reshape it once, into the layout they need.
     """
     padding = pair(padding)
     inputs, grad_out = inputs.detach(), grad_out.detach()
@@ -83,7 +84,7 @@ def _products(inputs: torch.Tensor, grad_out: torch.Tensor, views: int, geometry
     g = geometry
     if g.stride == (1, 1) and g.dilation == (1, 1) and g.groups == 1:
         return _shifted_products(inputs, grad_out, views, g.kernel, g.padding)
-    columns = F.unfold(inputs, g.kernel, dilation=g.dilation, padding=g.padding, stride=g.stride)  # (N, C_in k k, L)
+    columns = F.unfold(inputs.to(grad_out.dtype), g.kernel, dilation=g.dilation, padding=g.padding, stride=g.stride)  # (N, C_in k k, L)
     batch, positions = inputs.shape[0] // views, columns.shape[2]
     if grad_out.shape[-2] * grad_out.shape[-1] != positions:
         raise ValueError(f"output gradient of size {tuple(grad_out.shape[-2:])} does not match the {positions} "
@@ -97,6 +98,7 @@ def _products(inputs: torch.Tensor, grad_out: torch.Tensor, views: int, geometry
 def _grouped_convolution(inputs: torch.Tensor, grad_out: torch.Tensor, views: int, geometry: ConvGeometry) -> torch.Tensor:
     """The weight gradient of one convolution with B * groups groups (example-major) and the K views as its batch."""
     g = geometry
+    inputs = inputs.to(grad_out.dtype)
     total, channels_in, height, width = inputs.shape
     batch, channels_out = total // views, grad_out.shape[1]
     by_view = inputs.reshape(batch, views, channels_in, height, width).transpose(0, 1)
@@ -148,7 +150,7 @@ def _kernel_for(inputs: torch.Tensor, grad_out: torch.Tensor, views: int, geomet
     if method != "fastest":
         return method
     # keyed without the batch size: Poisson batches give every last chunk of a step its own size
-    key = (str(inputs.device), str(inputs.dtype), tuple(inputs.shape[1:]), tuple(grad_out.shape[1:]), views, geometry)
+    key = (str(inputs.device), str(grad_out.dtype), tuple(inputs.shape[1:]), tuple(grad_out.shape[1:]), views, geometry)
     if key not in _fastest:
         timings = {name: _seconds(kernel, inputs, grad_out, views, geometry) for name, kernel in KERNELS.items()}
         _fastest[key] = min(timings, key=timings.__getitem__)
@@ -201,17 +203,26 @@ def steerable_weight_gradients(module: SteerableConv2d, filters: torch.Tensor) -
     return vmap(lambda g: standardization_vjp(g)[0])(coefficients)
 
 
+ALIGNMENT = 8  # elements: 16 bytes in bf16, what cuBLAS's tensor-core kernels need of pointers and leading dimensions
+
+
+def _aligned(size: int) -> int:
+    return -(-size // ALIGNMENT) * ALIGNMENT
+
+
 def _shifted_products(
     inputs: torch.Tensor, grad_out: torch.Tensor, views: int, kernel: tuple[int, int], padding: tuple[int, int]
 ) -> torch.Tensor:
     """The stride-1 case without unfolding: one batched product per filter tap.
 
-    The padded input and the output gradient (placed at the top-left of a grid of the padded
-    size) are flattened per example over (views, rows, columns). In that flat layout, filter
-    tap (dy, dx) reads the input shifted by dy * padded_width + dx, so its per-example gradient
-    is one `bmm` of the output gradient with a strided view of the input: k*k products, no
-    k*k-fold copy of the input. Positions the shift carries past a row or view meet zeros
-    of the placed gradient, and a zero tail keeps the last shift inside the buffer.
+    The padded input is laid out per example over (views, rows, columns) in rows of an
+    aligned width; the output gradient is placed in the same grid once per column shift dx
+    (at columns dx..). Filter tap (dy, dx) then pairs the gradient placed at dx with the input
+    read dy rows further on: one `bmm` per tap, no k*k-fold copy of the input, and every
+    operand pointer and leading dimension a multiple of ALIGNMENT (a shift of dx elements in
+    the input would misalign it and send cuBLAS to kernels several times slower). Positions
+    the row shift carries past a view meet zeros of the placed gradient, and a zero tail keeps
+    the last shift inside the buffer. The input is cast to the gradient's dtype as it is placed.
     """
     (kh, kw), (ph, pw) = kernel, padding
     total, channels_in, height, width = inputs.shape
@@ -221,25 +232,27 @@ def _shifted_products(
     if (out_h, out_w) != (padded_h - kh + 1, padded_w - kw + 1):
         raise ValueError(f"output gradient of size {out_h}x{out_w} does not fit a {kh}x{kw} stride-1 conv of a "
                          f"{height}x{width} input padded by {ph}, {pw}")
-    grid = padded_h * padded_w
-    tail = (kh - 1) * padded_w + (kw - 1)
-    flat_inputs = inputs.new_zeros(batch, channels_in, views * grid + tail)
-    flat_inputs[:, :, : views * grid].view(batch, channels_in, views, padded_h, padded_w)[
+    row = _aligned(padded_w)
+    length = views * padded_h * row
+    flat_inputs = grad_out.new_zeros(batch, channels_in, _aligned(length + (kh - 1) * row))
+    flat_inputs[:, :, :length].view(batch, channels_in, views, padded_h, row)[
         :, :, :, ph : ph + height, pw : pw + width
     ] = inputs.reshape(batch, views, channels_in, height, width).transpose(1, 2)
-    placed = grad_out.new_zeros(batch, channels_out, views, padded_h, padded_w)
-    placed[:, :, :, :out_h, :out_w] = grad_out.reshape(batch, views, channels_out, out_h, out_w).transpose(1, 2)
-    placed = placed.view(batch, channels_out, views * grid)
-    size, strides = (batch, views * grid, channels_in), (flat_inputs.stride(0), 1, flat_inputs.stride(1))
-    start = flat_inputs.storage_offset()
-    # Taps are written in place into (B, C_out, taps, C_in): each tap's (C_out, C_in) block is a matrix with
-    # leading dimension taps * C_in, which cuBLAS writes directly (stacking taps last would copy everything).
-    by_tap = placed.new_empty(batch, channels_out, kh * kw, channels_in)
+    by_view = grad_out.reshape(batch, views, channels_out, out_h, out_w).transpose(1, 2)
+    size, strides = (batch, length, channels_in), (flat_inputs.stride(0), 1, flat_inputs.stride(1))
+    # Taps are written in place into (B, C_out, taps, C_in padded to ALIGNMENT): each tap's (C_out, C_in) block is a
+    # matrix with an aligned leading dimension, which cuBLAS writes directly (stacking taps last would copy everything).
+    padded_in = _aligned(channels_in)
+    by_tap = grad_out.new_empty(batch, channels_out, kh * kw, padded_in)
     with matmuls_in_convolution_precision(inputs.is_cuda):
-        for tap in range(kh * kw):
-            shift = (tap // kw) * padded_w + tap % kw
-            torch.bmm(placed, flat_inputs.as_strided(size, strides, start + shift), out=by_tap[:, :, tap])
-    return by_tap.view(batch, channels_out, kh, kw, channels_in).permute(0, 1, 4, 2, 3)
+        for dx in range(kw):
+            placed = grad_out.new_zeros(batch, channels_out, views, padded_h, row)
+            placed[:, :, :, :out_h, dx : dx + out_w] = by_view
+            placed = placed.view(batch, channels_out, length)
+            for dy in range(kh):
+                tap = dy * kw + dx
+                torch.bmm(placed, flat_inputs.as_strided(size, strides, dy * row), out=by_tap[:, :, tap, :channels_in])
+    return by_tap[..., :channels_in].unflatten(2, (kh, kw)).permute(0, 1, 4, 2, 3)
 
 
 @contextlib.contextmanager

@@ -204,8 +204,8 @@ def test_products_run_in_the_gradients_dtype_whatever_the_inputs_dtype():
 
 
 def test_every_tap_product_gets_aligned_operands(monkeypatch):
-    """cuBLAS's tensor-core kernels need 16-byte aligned pointers and leading dimensions (8 bf16 elements); a
-    misaligned tap (a shift of one column) ran on an H200 in kernels several times slower, so none may be."""
+    """Every pointer and leading dimension handed to cuBLAS is a multiple of 8 elements (16 bytes in bf16): a tap
+    shifted by one column was misaligned, and cuBLAS then picked its 1- and 2-element-aligned kernels."""
     from equiconvert.privacy import filter_gradients
 
     seen = []

@@ -203,7 +203,7 @@ def steerable_weight_gradients(module: SteerableConv2d, filters: torch.Tensor) -
     return vmap(lambda g: standardization_vjp(g)[0])(coefficients)
 
 
-ALIGNMENT = 8  # elements: 16 bytes in bf16, what cuBLAS's tensor-core kernels need of pointers and leading dimensions
+ALIGNMENT = 8  # elements: 16 bytes in bf16, the alignment cuBLAS's widest tensor-core kernels ask of every operand
 
 
 def _aligned(size: int) -> int:
@@ -219,8 +219,9 @@ def _shifted_products(
     aligned width; the output gradient is placed in the same grid once per column shift dx
     (at columns dx..). Filter tap (dy, dx) then pairs the gradient placed at dx with the input
     read dy rows further on: one `bmm` per tap, no k*k-fold copy of the input, and every
-    operand pointer and leading dimension a multiple of ALIGNMENT (a shift of dx elements in
-    the input would misalign it and send cuBLAS to kernels several times slower). Positions
+    operand pointer and leading dimension a multiple of ALIGNMENT (shifting the input by dx
+    elements instead made cuBLAS pick its 1- and 2-element-aligned kernels; profile in
+    benchmarks/RESULTS.md). Positions
     the row shift carries past a view meet zeros of the placed gradient, and a zero tail keeps
     the last shift inside the buffer. The input is cast to the gradient's dtype as it is placed.
     """

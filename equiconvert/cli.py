@@ -307,7 +307,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
     spec = RunSpec(model=args.model, group=args.group, dataset=args.dataset, data_dir=args.data_dir, out=args.out,
                    width=args.width, model_widths=args.widths, device=args.device, resume=args.resume,
                    progress=not args.no_progress, time_limit_s=args.time_limit, init_gain=args.init_gain,
-                   head=args.head)
+                   head=args.head, activation=args.activation)
     normalize = {} if args.normalize is None else dict(zip(("normalize_mean", "normalize_std"), args.normalize))
     result = run_training(
         spec, target_epsilon=args.epsilon, delta=args.delta, batch_size=args.batch_size, steps=args.steps,
@@ -322,6 +322,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
 
 def _add_train_parser(sub) -> None:
+    from .models.equivariant_resnet9 import PAPER_ACTIVATIONS
     from .privacy.filter_gradients import FILTER_GRADIENT_METHODS
 
     train = sub.add_parser("train", help="train a (converted) model with DP-SGD and write OUT/result.json")
@@ -369,6 +370,9 @@ def _add_train_parser(sub) -> None:
     train.add_argument("--head", choices=("keep", "invariant"), default=None,
                        help="the converted model's head: 'invariant' (global pooling; the default, except for "
                             "equiconvert:equivariant_resnet9) or 'keep' (the network's own, e.g. the paper's 2x2 pooling)")
+    train.add_argument("--activation", choices=tuple(PAPER_ACTIVATIONS), default=None,
+                       help="equiconvert:equivariant_resnet9's activation, for it and its unconverted network (default: "
+                            "the paper's mish)")
     train.add_argument("--normalize", type=_mean_std, default=None,
                        metavar="MEAN,STD", help="pixels in [0, 1] -> (x - MEAN) / STD on the training device "
                                                 "(default 0.5,0.5; Fashion-MNIST's own statistics: 0.286,0.353)")

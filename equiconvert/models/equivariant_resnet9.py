@@ -36,16 +36,22 @@ PAPER_RESTRICTION = {"layer3": "halved"}  # "before conv4", the last stage
 # gradient; measured (benchmarks/RESULTS.md, calls I-L): CIFAR-10 D4 65.0% at step 300 vs 62.0% (gain 1) and 60.0%
 # (He, sqrt(2)); Fashion-MNIST D1 median 89.85% vs 89.46% (He).
 PAPER_INIT_GAIN = 2 ** -0.5
+# Pointwise activations the preset can be built with (Mish: the paper's). Tempered sigmoids (tanh) and SELU are the
+# DP literature's alternatives (Papernot et al. 2021; Cheng et al.'s DPNAS); every one is equivariant on regular fields.
+PAPER_ACTIVATIONS: dict[str, type[nn.Module]] = {
+    "mish": nn.Mish, "tanh": nn.Tanh, "selu": nn.SELU, "elu": nn.ELU, "relu": nn.ReLU, "silu": nn.SiLU, "gelu": nn.GELU,
+}
 
 TABLE1_PARAMS = {  # 10 classes
     "C4": 258_328, "C8": 255_675, "C16": 244_397, "D4": 255_675, "D8": 244_397, "D16": 237_995, "O2": 215_000,
 }
 
 
-def plain_paper_resnet9(num_classes: int = 10, in_channels: int = 3, layout=PAPER_LAYOUT) -> ResNet9:
-    """The non-equivariant network the preset converts: conv -> Mish -> GroupNorm(8, no affine) -> pool."""
+def plain_paper_resnet9(num_classes: int = 10, in_channels: int = 3, layout=PAPER_LAYOUT,
+                        act: type[nn.Module] = nn.Mish) -> ResNet9:
+    """The non-equivariant network the preset converts: conv -> act (Mish) -> GroupNorm(8, no affine) -> pool."""
     options = BlockOptions(block_order="conv-act-norm", conv_bias=True, norm_affine=False, norm_groups=PAPER_NORM_GROUPS)
-    return ResNet9(num_classes, in_channels, layout, norm="group", scale_norm=True, act=nn.Mish,
+    return ResNet9(num_classes, in_channels, layout, norm="group", scale_norm=True, act=act,
                    options=options, head_pool="avg")
 
 
@@ -60,6 +66,7 @@ def equivariant_resnet9(
     width: Any = None,
     input_size: int = 32,
     frequency: int | None = None,
+    act: type[nn.Module] = nn.Mish,
     **config: Any,
 ) -> EquivariantModel:
     """The paper's Equivariant-ResNet9 for `group` ("C4", "D4", ..., "SO2", "O2").
@@ -68,6 +75,7 @@ def equivariant_resnet9(
     paper) and nothing otherwise; pass None, a step or a schedule to change it.
     head="keep": group pooling, AdaptiveAvgPool2d(2), Flatten, Linear (the paper;
     not rotation invariant); head="invariant": global pooling, exactly invariant.
+    act: the pointwise activation (the paper's Mish; PAPER_ACTIVATIONS names the others).
     Extra keyword arguments are ConversionConfig fields.
     """
     options = {"weight_standardization": True, "basis_cutoff": PAPER_BASIS_CUTOFF, "init_gain": PAPER_INIT_GAIN,
@@ -76,7 +84,7 @@ def equivariant_resnet9(
         restrict = _paper_restriction(group)
     cfg = ConversionConfig(**options)
     cfg.restrict = restrict
-    plain = plain_paper_resnet9(num_classes, in_channels, layout)
+    plain = plain_paper_resnet9(num_classes, in_channels, layout, act)
     if width is None:
         width = kappa_width(PAPER_KAPPA if _is_continuous(group) else RELEASED_CODE_KAPPA)
     return make_equivariant(plain, group, width=width, input_size=input_size, config=cfg, head=head,

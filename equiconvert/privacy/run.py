@@ -42,6 +42,7 @@ class RunSpec:
     time_limit_s: float | None = None  # stop (with a checkpoint) after this much training time; --resume continues
     init_gain: float | None = None  # ConversionConfig.init_gain; None keeps the model's default
     head: str | None = None  # "keep" or "invariant"; None: the paper preset's own head, "invariant" for other models
+    activation: str | None = None  # the paper preset's activation (PAPER_ACTIVATIONS); None: its own, Mish
 
 
 def _count(model: nn.Module) -> int:
@@ -61,17 +62,33 @@ PAPER_MODEL = "equiconvert:equivariant_resnet9"
 def _paper_model(spec: RunSpec, num_classes: int, channels: int) -> tuple[nn.Module, int]:
     """Hölzl et al.'s Equivariant-ResNet9 for spec.group (its own widths and head), or, for "none", the plain
     network it is converted from; also the parameter count of that plain network."""
-    from ..models.equivariant_resnet9 import equivariant_resnet9, plain_paper_resnet9
+    from ..models.equivariant_resnet9 import PAPER_ACTIVATIONS, equivariant_resnet9, plain_paper_resnet9
 
     if spec.model_widths is not None:
         raise ValueError(f"{PAPER_MODEL} has the paper's layout (16, 32, 64); --widths does not apply to it "
                          "(--width changes its conversion's width rule)")
-    plain = plain_paper_resnet9(num_classes, channels)
+    act = PAPER_ACTIVATIONS[_activation(spec)]
+    plain = plain_paper_resnet9(num_classes, channels, act=act)
     if spec.group.lower() == BASELINE_GROUP:
         return plain, _count(plain)
     width = {} if spec.width is None else {"width": spec.width}
-    model = equivariant_resnet9(spec.group, num_classes, channels, head=_head(spec), **width, **_conversion_options(spec))
+    model = equivariant_resnet9(spec.group, num_classes, channels, head=_head(spec), act=act, **width,
+                                **_conversion_options(spec))
     return model, _count(plain)
+
+
+def _activation(spec: RunSpec) -> str | None:
+    """The paper preset's activation, by name: as asked, else the paper's Mish; None for other models (their own)."""
+    from ..models.equivariant_resnet9 import PAPER_ACTIVATIONS
+
+    if spec.model != PAPER_MODEL:
+        if spec.activation is not None:
+            raise ValueError(f"--activation applies to {PAPER_MODEL} only (its conv -> activation -> norm blocks), "
+                             f"not {spec.model!r}: drop it, or train {PAPER_MODEL}")
+        return None
+    if spec.activation is not None and spec.activation not in PAPER_ACTIVATIONS:
+        raise ValueError(f"--activation {spec.activation!r} is not one of {sorted(PAPER_ACTIVATIONS)}")
+    return spec.activation or "mish"
 
 
 def _head(spec: RunSpec) -> str:
@@ -96,6 +113,23 @@ def _refuse_conversion_options_for_baseline(spec: RunSpec) -> None:
 
 def _conversion_options(spec: RunSpec) -> dict[str, Any]:
     return {} if spec.init_gain is None else {"init_gain": spec.init_gain}
+
+
+def _refuse_resuming_another_model(out: Path, model: nn.Module, resume: bool) -> None:
+    """A checkpoint restores parameters by name and shape, so a change without parameters (another --activation)
+    would resume silently into another network: OUT/model.txt keeps the architecture the run started with."""
+    record, description = out / "model.txt", repr(model)
+    if resume and record.exists():
+        saved = record.read_text()
+        if saved != description:
+            first = next((pair for pair in zip(saved.splitlines(), description.splitlines()) if pair[0] != pair[1]),
+                         ("...", "..."))
+            raise ValueError(f"{out} holds a run of another network (its {record.name} has {first[0].strip()!r} where "
+                             f"this one has {first[1].strip()!r}); refusing to resume: repeat the run's own options, "
+                             "or give a new --out")
+        return
+    out.mkdir(parents=True, exist_ok=True)
+    record.write_text(description)
 
 
 def _eval_history(log: Path) -> list[dict[str, Any]]:
@@ -132,11 +166,13 @@ def run_training(spec: RunSpec, **trainer_options: Any) -> dict[str, Any]:
     from ..data import load_dataset
 
     _refuse_conversion_options_for_baseline(spec)
+    activation = _activation(spec)
     start = time.perf_counter()
     train = load_dataset(spec.dataset, spec.data_dir, split="train")
     test = load_dataset(spec.dataset, spec.data_dir, split="test")
     channels, size = train.images.shape[1], train.images.shape[-1]
-    result: dict[str, Any] = {"model": spec.model, "group": spec.group, "dataset": spec.dataset, "width": spec.width}
+    result: dict[str, Any] = {"model": spec.model, "group": spec.group, "dataset": spec.dataset, "width": spec.width,
+                              "activation": activation}
     # the model's initial weights come from the run's seed too, so one seed gives one run
     torch.manual_seed(trainer_options.get("seed", DPConfig.seed))
     if spec.model == PAPER_MODEL:
@@ -158,6 +194,7 @@ def run_training(spec: RunSpec, **trainer_options: Any) -> dict[str, Any]:
         result["max_equivariance_error"] = check.max_error
         # the paper's head (AdaptiveAvgPool2d(2) + Flatten + Linear) is equivariant up to the head, not invariant
         result["invariant_head"] = _head(spec) == "invariant"
+    _refuse_resuming_another_model(Path(spec.out), model, spec.resume)
     images_train, images_test = pad_images(train.images, input_size), pad_images(test.images, input_size)
     trainer = DPTrainer(model, device=spec.device, out_dir=spec.out, progress=spec.progress, **trainer_options)
     trainer.fit((images_train, train.labels), eval_set=(images_test, test.labels), resume=spec.resume,

@@ -32,8 +32,8 @@ from typing import Callable, Iterator
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.profiler import record_function
 from torch.func import functional_call, vjp, vmap
+from torch.profiler import record_function
 
 from ..nn.conv import SteerableConv2d
 from .filter_gradients import per_example_filter_gradients, steerable_weight_gradients

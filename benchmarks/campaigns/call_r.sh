@@ -6,9 +6,7 @@
 # Then a wider D1 (--width 3: 405k parameters instead of 200k) on call P's Fashion-MNIST recipe (clip 0.1, lr 40), seed 0.
 # Card 1: call Q's two stopped seeds of that recipe, resumed side by side on one card; then the wider D1, seed 1.
 source benchmarks/campaigns/common.sh
-for name in fmq_clip0.1_lr40_s1 fmq_clip0.1_lr40_s2; do
-    [ -d "$RUNS/$name" ] || cp -r "benchmarks/results/campaign/call_q/$name" "$RUNS/"
-done
+restore benchmarks/results/campaign/call_q fmq_clip0.1_lr40_s1 fmq_clip0.1_lr40_s2
 START=$(date +%s); DEADLINE=${DEADLINE:-540}
 left() { echo $((START + DEADLINE - $(date +%s))); }
 FM="--model equiconvert:equivariant_resnet9 --group D1 --dataset fashion-mnist --data-dir .data/fashion-mnist --epsilon 3 --delta 1e-5 --accountant prv --eval-every 500 --checkpoint-every 50 --lr-schedule cosine --ema-decay 0.995 --steps 4000 --aug-mult 2 --batch-size 2048 --physical-batch-size 2304 --max-grad-norm 0.1 --lr 40"

@@ -11,6 +11,13 @@ if [ -f .data/cifar/cifar10-jpeg.tar.xz ] && [ ! -d /tmp/cifar/cifar10 ]; then
     mkdir -p /tmp/cifar && tar xJf .data/cifar/cifar10-jpeg.tar.xz -C /tmp/cifar
 fi
 
+# restore DIR NAME...: each run folder NAME missing from $RUNS copied from DIR (a committed campaign folder, checkpoint
+# included), so that `train` resumes it
+restore() {
+    local dir=$1; shift
+    for name in "$@"; do [ -d "$RUNS/$name" ] || cp -r "$dir/$name" "$RUNS/"; done
+}
+
 # train GPU NAME ARGS...: one `equiconvert train` run on card GPU, in the background, log in $RUNS/NAME/stdout.log.
 # 8 CPU threads each: four processes with a thread per core each ran 1.5x slower (call G).
 train() {

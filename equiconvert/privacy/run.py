@@ -59,15 +59,15 @@ def _replace_batch_norm(model: nn.Module) -> nn.Module:
 PAPER_MODEL = "equiconvert:equivariant_resnet9"
 
 
-def _paper_model(spec: RunSpec, num_classes: int, channels: int) -> tuple[nn.Module, int]:
+def _paper_model(spec: RunSpec, activation: str, num_classes: int, channels: int) -> tuple[nn.Module, int]:
     """Hölzl et al.'s Equivariant-ResNet9 for spec.group (its own widths and head), or, for "none", the plain
-    network it is converted from; also the parameter count of that plain network."""
+    network it is converted from, with `activation` (a PAPER_ACTIVATIONS name); also the plain network's size."""
     from ..models.equivariant_resnet9 import PAPER_ACTIVATIONS, equivariant_resnet9, plain_paper_resnet9
 
     if spec.model_widths is not None:
         raise ValueError(f"{PAPER_MODEL} has the paper's layout (16, 32, 64); --widths does not apply to it "
                          "(--width changes its conversion's width rule)")
-    act = PAPER_ACTIVATIONS[_activation(spec)]
+    act = PAPER_ACTIVATIONS[activation]
     plain = plain_paper_resnet9(num_classes, channels, act=act)
     if spec.group.lower() == BASELINE_GROUP:
         return plain, _count(plain)
@@ -176,7 +176,7 @@ def run_training(spec: RunSpec, **trainer_options: Any) -> dict[str, Any]:
     # the model's initial weights come from the run's seed too, so one seed gives one run
     torch.manual_seed(trainer_options.get("seed", DPConfig.seed))
     if spec.model == PAPER_MODEL:
-        model, params_before = _paper_model(spec, len(train.classes), channels)
+        model, params_before = _paper_model(spec, activation, len(train.classes), channels)
     else:
         model = build_model(spec.model, len(train.classes), channels, spec.model_widths)
         params_before = _count(model)

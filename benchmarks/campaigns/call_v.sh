@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU call V (2 cards; prepared in session 8, not yet run): the activation of the paper's layout on Fashion-MNIST, paired
+# GPU call V (2 cards; prepared in session 8, run in session 9: tanh 22.09%, SELU 89.61%): the activation of the paper's layout on Fashion-MNIST, paired
 # with call P's seed-0 run (D1, clip 0.1, lr 40, Mish: 89.84%; same initial-weight seed, sampling and noise): tanh (the
 # tempered sigmoid of Papernot et al. 2021) on card 0, SELU (Cheng et al.'s DPNAS) on card 1. If one gains more than
 # 0.3 points, run seeds 1 and 2 and the unconverted network with the same activation (`--group none --activation ...`).

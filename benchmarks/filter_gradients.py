@@ -3,11 +3,13 @@
 For B examples x K views of a 3x3, stride-1, padding-1 convolution of each shape, times:
   aggregate       cuDNN's ordinary weight gradient of the whole batch (the floor: no per-example split)
   unfold_einsum   unfold the input (k*k-fold copy), one einsum with the output gradient (book-keeping before)
-  bookkeeping     equiconvert's kernel: one bmm per filter tap on a shifted strided view of the padded input
-  grouped_conv    cuDNN's weight gradient of a grouped convolution with the examples as groups
+  products        equiconvert's kernels (equiconvert/privacy/filter_gradients.py KERNELS), each forced:
+  grouped           one bmm per filter tap; cuDNN's weight gradient of a grouped convolution with the
+  unfolded          examples as groups; the taps stacked into one wide bmm per slice of examples
 and the relative error of each per-example result against unfold_einsum, all matmuls in the precision
-of the convolutions (TF32 on CUDA by default), so the error checks the layouts, not the precision. JSON.
-Usage: python benchmarks/filter_gradients.py --device cuda --batch 512 --aug-mult 4
+of the convolutions (TF32 on CUDA by default; --dtype bf16: the tensors in bf16, as under autocast),
+so the error checks the layouts, not the precision. JSON.
+Usage: python benchmarks/filter_gradients.py --device cuda --batch 512 --aug-mult 4 [--dtype bf16]
 """
 from __future__ import annotations
 
@@ -23,7 +25,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from equiconvert.privacy.filter_gradients import per_example_filter_gradients  # noqa: E402
+from equiconvert.privacy.filter_gradients import KERNELS as EQUICONVERT_KERNELS  # noqa: E402
+from equiconvert.privacy.filter_gradients import filter_gradient_method, per_example_filter_gradients  # noqa: E402
 
 # (C_in, C_out, size): the paper's D4 Equivariant-ResNet9 layers at 32x32 input (channels and feature-map size)
 SHAPES = [(3, 48, 32), (48, 104, 32), (104, 104, 16), (104, 312, 16), (312, 156, 8), (156, 156, 4)]
@@ -43,22 +46,17 @@ def unfold_einsum(x: torch.Tensor, g: torch.Tensor, views: int) -> torch.Tensor:
     return torch.einsum("bkol,bkdl->bod", g.reshape(batch, views, g.shape[1], -1), columns)
 
 
-def bookkeeping(x: torch.Tensor, g: torch.Tensor, views: int) -> torch.Tensor:
-    return per_example_filter_gradients(x, g, views, kernel=3, padding=1).reshape(x.shape[0] // views, g.shape[1], -1)
+def equiconvert_kernel(name: str) -> Kernel:
+    def kernel(x: torch.Tensor, g: torch.Tensor, views: int) -> torch.Tensor:
+        with filter_gradient_method(name):
+            grads = per_example_filter_gradients(x, g, views, kernel=3, padding=1)
+        return grads.reshape(x.shape[0] // views, g.shape[1], -1)
+
+    return kernel
 
 
-def grouped_conv(x: torch.Tensor, g: torch.Tensor, views: int) -> torch.Tensor:
-    batch, (channels_in, size), channels_out = x.shape[0] // views, x.shape[1:3], g.shape[1]
-    xk = x.view(batch, views, channels_in, size, size).transpose(0, 1).reshape(views, batch * channels_in, size, size)
-    gk = g.view(batch, views, channels_out, size, size).transpose(0, 1).reshape(views, batch * channels_out, size, size)
-    weight = x.new_empty(batch * channels_out, channels_in, 3, 3)
-    grads = torch.ops.aten.convolution_backward(gk, xk, weight, None, [1, 1], [1, 1], [1, 1], False, [0, 0], batch,
-                                                [False, True, False])[1]
-    return grads.view(batch, channels_out, channels_in * 9)
-
-
-KERNELS: dict[str, Kernel] = {"aggregate": aggregate, "unfold_einsum": unfold_einsum, "bookkeeping": bookkeeping,
-                              "grouped_conv": grouped_conv}
+KERNELS: dict[str, Kernel] = {"aggregate": aggregate, "unfold_einsum": unfold_einsum,
+                              **{name: equiconvert_kernel(name) for name in EQUICONVERT_KERNELS}}
 
 
 def milliseconds(kernel: Kernel, x: torch.Tensor, g: torch.Tensor, views: int, iters: int) -> float:
@@ -79,26 +77,28 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=512)
     parser.add_argument("--aug-mult", type=int, default=4)
     parser.add_argument("--iters", type=int, default=5)
+    parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
     parser.add_argument("--out", default="benchmarks/results/filter_gradients.json")
     args = parser.parse_args(argv)
     device, views = torch.device(args.device), args.aug_mult
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32  # the reference in conv precision too
     rows = []
     for channels_in, channels_out, size in SHAPES:
-        x = torch.randn(args.batch * views, channels_in, size, size, device=device)
-        g = torch.randn(args.batch * views, channels_out, size, size, device=device)
-        reference = unfold_einsum(x, g, views)
+        x = torch.randn(args.batch * views, channels_in, size, size, device=device, dtype=dtype)
+        g = torch.randn(args.batch * views, channels_out, size, size, device=device, dtype=dtype)
+        reference = unfold_einsum(x, g, views).float()
         row: dict[str, float | int] = {"c_in": channels_in, "c_out": channels_out, "size": size}
         for name, kernel in KERNELS.items():
             row[f"{name}_ms"] = milliseconds(kernel, x, g, views, args.iters)
             if name not in ("aggregate", "unfold_einsum"):
-                result = kernel(x, g, views).reshape(reference.shape)
+                result = kernel(x, g, views).reshape(reference.shape).float()
                 row[f"{name}_relative_error"] = float((result - reference).norm() / reference.norm())
         rows.append(row)
         print(json.dumps(row), flush=True)
     report = {"command": " ".join(["python", "benchmarks/filter_gradients.py", *(argv or sys.argv[1:])]),
               "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-              "torch": torch.__version__, "batch": args.batch, "aug_mult": views,
+              "torch": torch.__version__, "batch": args.batch, "aug_mult": views, "dtype": args.dtype,
               "relative_error_reference": "unfold_einsum, matmuls in the precision given under tf32",
               "tf32": {"cudnn": torch.backends.cudnn.allow_tf32, "matmul": torch.backends.cuda.matmul.allow_tf32},
               "rows": rows}

@@ -7,7 +7,7 @@ batch of B examples x K views of a converted ResNet9 (D4 unless --group says oth
                before clipping), clipping, noise, step (DPTrainer's per_sample_method="vmap")
   bookkeeping  one forward/backward on the B*K views, per-layer per-example gradients
                from kept inputs and output gradients (DPTrainer's "bookkeeping"); a suffix
-               :products, :grouped or :fastest fixes its conv filter-gradient kernel
+               :products, :grouped, :unfolded or :fastest fixes its conv filter-gradient kernel
                (DPTrainer's filter_gradients; default "auto", i.e. :fastest on CUDA)
   opacus       Opacus GradSampleModule hooks (equiconvert's registered samplers) on
                the B*K views, per-example mean over views, clipping, noise, step

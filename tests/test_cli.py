@@ -306,7 +306,7 @@ def test_train_filter_gradients_fastest_records_each_layers_kernel(tmp_path, cap
     result = tiny_train_result(tmp_path, "--model", "equiconvert:resnet9", "--widths", "4,8,8", "--group", "C4",
                                "--aug-mult", "2", "--per-sample", "bookkeeping", "--filter-gradients", "fastest")
     kernels = result["filter_gradient_kernels"]
-    assert result["filter_gradients"] == "fastest" and kernels and set(kernels.values()) <= {"products", "grouped"}
+    assert result["filter_gradients"] == "fastest" and kernels and set(kernels.values()) <= {"products", "grouped", "unfolded"}
     assert any("float32" in layer for layer in kernels)  # the training's layers, not only the float64 probe's
 
 

@@ -80,10 +80,10 @@ GEOMETRIES = [  # (C_in, C_out, size, conv arguments)
 ]
 
 
-@pytest.mark.parametrize("method", ["products", "grouped"])
+@pytest.mark.parametrize("method", ["products", "grouped", "unfolded"])
 @pytest.mark.parametrize("c_in, c_out, size, conv", GEOMETRIES)
 @pytest.mark.parametrize("views", [1, 3])
-def test_both_kernels_equal_a_per_example_autograd_loop(method, c_in, c_out, size, conv, views):
+def test_every_kernel_equals_a_per_example_autograd_loop(method, c_in, c_out, size, conv, views):
     from equiconvert.privacy.filter_gradients import filter_gradient_method
 
     conv = dict(conv)
@@ -131,11 +131,11 @@ def test_the_method_in_force_picks_the_kernel(spied_kernels):
         pass
 
 
-def test_fastest_times_both_kernels_once_per_geometry_and_keeps_the_faster(spied_kernels, monkeypatch):
+def test_fastest_times_every_kernel_once_per_geometry_and_keeps_the_fastest(spied_kernels, monkeypatch):
     from equiconvert.privacy import filter_gradients
     from equiconvert.privacy.filter_gradients import fastest_choices, filter_gradient_method
 
-    timings = {"products": 2.0, "grouped": 1.0}
+    timings = {"products": 2.0, "grouped": 1.0, "unfolded": 3.0}
     monkeypatch.setattr(filter_gradients, "_seconds", lambda kernel, *args: timings[spied_name(kernel)])
     names = {id(kernel): name for name, kernel in filter_gradients.KERNELS.items()}
 
@@ -166,13 +166,14 @@ def test_dptrainer_runs_the_kernel_it_is_given_and_both_take_the_same_steps(spie
     options = dict(target_epsilon=8.0, batch_size=8, steps=2, aug_mult=2, lr=0.5, progress=False, device="cpu",
                    physical_batch_size=8, per_sample_method="bookkeeping")
     runs = {}
-    for method in ("products", "grouped"):
+    for method in ("products", "grouped", "unfolded"):
         spied_kernels.clear()
         trainer = DPTrainer(copy.deepcopy(model), filter_gradients=method, **options)
         trainer.fit(data)
         assert spied_kernels and set(spied_kernels) == {method}
         runs[method] = torch.cat([p.detach().flatten() for p in trainer.model.parameters()])
     torch.testing.assert_close(runs["grouped"], runs["products"], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(runs["unfolded"], runs["products"], rtol=1e-4, atol=1e-5)
     with pytest.raises(ValueError, match="filter_gradients must be one of"):
         DPTrainer(copy.deepcopy(model), filter_gradients="cudnn", **options)
 
@@ -187,7 +188,8 @@ def test_fastest_never_chooses_a_kernel_that_fails_on_the_shape(spied_kernels, m
     monkeypatch.setitem(filter_gradients.KERNELS, "grouped", no_algorithm)
     with filter_gradient_method("fastest"):
         grads = per_example_filter_gradients(torch.randn(4, 3, 6, 6), torch.randn(4, 5, 6, 6), 2, kernel=3, padding=1)
-    assert grads.shape == (2, 5, 3, 3, 3) and set(spied_kernels) == {"products"}
+    assert grads.shape == (2, 5, 3, 3, 3) and set(spied_kernels) == {"products", "unfolded"}  # timed, run
+    assert set(filter_gradients.fastest_choices().values()) <= {"products", "unfolded"}
 
 
 def test_products_run_in_the_gradients_dtype_whatever_the_inputs_dtype():
@@ -196,14 +198,15 @@ def test_products_run_in_the_gradients_dtype_whatever_the_inputs_dtype():
     inputs = torch.randn(6, 3, 7, 7, generator=generator)
     grad_out = torch.randn(6, 5, 7, 7, generator=generator, dtype=torch.float64)
     expected = naive_filter_gradients(inputs.double(), grad_out, 2, (5, 3, 3, 3), padding=1)
-    for method in ("products", "grouped"):
+    for method in ("products", "grouped", "unfolded"):
         with filter_gradient_method(method):
             got = per_example_filter_gradients(inputs, grad_out, 2, kernel=3, padding=1)
         assert got.dtype == torch.float64
         torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-10)
 
 
-def test_every_tap_product_gets_aligned_operands(monkeypatch):
+@pytest.mark.parametrize("method, products", [("products", 9), ("unfolded", 1)])
+def test_every_product_gets_aligned_operands(monkeypatch, method, products):
     """Every pointer and leading dimension handed to cuBLAS is a multiple of 8 elements (16 bytes in bf16): a tap
     shifted by one column was misaligned, and cuBLAS then picked its 1- and 2-element-aligned kernels."""
     from equiconvert.privacy import filter_gradients
@@ -217,12 +220,36 @@ def test_every_tap_product_gets_aligned_operands(monkeypatch):
 
     monkeypatch.setattr(filter_gradients.torch, "bmm", spy)
     inputs, grad_out = torch.randn(6, 13, 7, 7), torch.randn(6, 11, 7, 7)  # odd widths and channel counts
-    with filter_gradient_method("products"):
+    with filter_gradient_method(method):
         per_example_filter_gradients(inputs, grad_out, 2, kernel=3, padding=1)
-    assert len(seen) == 9
+    assert len(seen) == products
     for operands in seen:
         for tensor in operands:
             inner = [stride for stride in tensor.stride()[1:] if stride != 1]
             assert tensor.storage_offset() % filter_gradients.ALIGNMENT == 0
             assert all(stride % filter_gradients.ALIGNMENT == 0 for stride in inner), tensor.stride()
             assert 1 in tensor.stride()[1:]
+
+
+def test_unfolded_products_over_slices_of_the_examples_equal_the_loop(monkeypatch):
+    """A slice budget smaller than the batch's stacked input: several slices (the last one shorter), same result."""
+    from equiconvert.privacy import filter_gradients
+
+    seen = []
+    real_bmm = torch.bmm
+
+    def spy(a, b, *, out):
+        seen.append(a.shape[0])
+        return real_bmm(a, b, out=out)
+
+    generator = torch.Generator().manual_seed(1)
+    inputs = torch.randn(5 * 2, 3, 6, 6, generator=generator, dtype=torch.float64)
+    grad_out = torch.randn(5 * 2, 4, 6, 6, generator=generator, dtype=torch.float64)
+    one_example = filter_gradients._aligned(27) * 2 * 8 * 8 * 8  # stacked rows x grid positions x bytes
+    monkeypatch.setattr(filter_gradients, "UNFOLD_SLICE_BYTES", 2 * one_example)
+    monkeypatch.setattr(filter_gradients.torch, "bmm", spy)
+    with filter_gradient_method("unfolded"):
+        got = per_example_filter_gradients(inputs, grad_out, 2, kernel=3, padding=1)
+    assert seen == [2, 2, 1]
+    expected = naive_filter_gradients(inputs, grad_out, 2, (4, 3, 3, 3), padding=1)
+    torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-10)

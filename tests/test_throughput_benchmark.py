@@ -14,5 +14,5 @@ def test_kernel_suffixes_run_side_by_side_and_fastest_is_reported(tmp_path, caps
     assert list(report["results"]) == methods.split(",")
     assert all(record["ms_per_step"] > 0 for record in report["results"].values())
     choices = report["fastest_filter_gradient_kernels"]
-    assert choices and set(choices.values()) <= {"products", "grouped"}
+    assert choices and set(choices.values()) <= {"products", "grouped", "unfolded"}
     assert all(key.startswith("cpu float32") for key in choices)

@@ -11,6 +11,10 @@ Two kernels compute it, and which is faster depends on the layer's shape and the
   (the other geometries) copies it k*k times and is memory-bound on a GPU.
 - "grouped": the weight gradient of one convolution whose groups are the examples
   (cuDNN on a GPU), with the views as its batch.
+- "unfolded": stride-1 convolutions only (the other geometries as "products"): every tap's
+  input stacked in the products' aligned layout, then one wide product per slice of examples,
+  which reads the output gradient once instead of once per tap, at the cost of a k*k-fold
+  copy of the input (a slice of the batch at a time, so memory stays bounded).
 
 The method in force (`filter_gradient_method`) is "auto" unless a caller says otherwise:
 "fastest" on CUDA, which times both kernels once per layer geometry and device and keeps
@@ -112,7 +116,17 @@ def _grouped_convolution(inputs: torch.Tensor, grad_out: torch.Tensor, views: in
     return filters.view(batch, channels_out, channels_in // g.groups, *g.kernel)
 
 
-KERNELS: dict[str, FilterGradientKernel] = {"products": _products, "grouped": _grouped_convolution}
+def _unfolded(inputs: torch.Tensor, grad_out: torch.Tensor, views: int, geometry: ConvGeometry) -> torch.Tensor:
+    """Stride-1 ungrouped convs: the taps stacked (see _unfolded_products); other geometries as "products"."""
+    g = geometry
+    if g.stride == (1, 1) and g.dilation == (1, 1) and g.groups == 1:
+        return _unfolded_products(inputs, grad_out, views, g.kernel, g.padding)
+    return _products(inputs, grad_out, views, geometry)
+
+
+KERNELS: dict[str, FilterGradientKernel] = {
+    "products": _products, "grouped": _grouped_convolution, "unfolded": _unfolded,
+}
 FILTER_GRADIENT_METHODS = ("auto", "fastest", *KERNELS)
 
 _method: ContextVar[str] = ContextVar("filter_gradient_method", default="auto")
@@ -210,6 +224,52 @@ def _aligned(size: int) -> int:
     return -(-size // ALIGNMENT) * ALIGNMENT
 
 
+@dataclass(frozen=True)
+class _Grid:
+    """Each example's views, padded, one after another in rows of an aligned width (`row` elements)."""
+
+    padded_h: int
+    row: int
+    length: int  # views * padded_h * row: the positions a product runs over
+
+
+def _laid_out_inputs(inputs: torch.Tensor, views: int, dtype: torch.dtype, kernel: tuple[int, int],
+                     padding: tuple[int, int]) -> tuple[torch.Tensor, _Grid]:
+    """(B, C_in, room) zeros holding the padded input in the grid, cast to `dtype` as it is placed.
+
+    A zero tail of (kh - 1) rows and kw - 1 elements keeps every tap's shifted read inside the buffer.
+    """
+    (kh, kw), (ph, pw) = kernel, padding
+    total, channels_in, height, width = inputs.shape
+    batch, padded_h = total // views, height + 2 * ph
+    row = _aligned(width + 2 * pw)
+    grid = _Grid(padded_h, row, views * padded_h * row)
+    flat = inputs.new_zeros(batch, channels_in, _aligned(grid.length + (kh - 1) * row + kw - 1), dtype=dtype)
+    flat[:, :, : grid.length].view(batch, channels_in, views, padded_h, row)[
+        :, :, :, ph : ph + height, pw : pw + width
+    ] = inputs.reshape(batch, views, channels_in, height, width).transpose(1, 2)
+    return flat, grid
+
+
+def _placed_gradient(grad_out: torch.Tensor, views: int, grid: _Grid, dx: int) -> torch.Tensor:
+    """(B, C_out, grid.length): the output gradient in the grid, at columns dx.. of each row, zeros elsewhere."""
+    channels_out, out_h, out_w = grad_out.shape[1:]
+    batch = grad_out.shape[0] // views
+    placed = grad_out.new_zeros(batch, channels_out, views, grid.padded_h, grid.row)
+    placed[:, :, :, :out_h, dx : dx + out_w] = grad_out.reshape(batch, views, channels_out, out_h, out_w).transpose(1, 2)
+    return placed.view(batch, channels_out, grid.length)
+
+
+def _check_stride1_shapes(inputs: torch.Tensor, grad_out: torch.Tensor, kernel: tuple[int, int],
+                          padding: tuple[int, int]) -> None:
+    (kh, kw), (ph, pw) = kernel, padding
+    height, width = inputs.shape[-2:]
+    out_h, out_w = grad_out.shape[-2:]
+    if (out_h, out_w) != (height + 2 * ph - kh + 1, width + 2 * pw - kw + 1):
+        raise ValueError(f"output gradient of size {out_h}x{out_w} does not fit a {kh}x{kw} stride-1 conv of a "
+                         f"{height}x{width} input padded by {ph}, {pw}")
+
+
 def _shifted_products(
     inputs: torch.Tensor, grad_out: torch.Tensor, views: int, kernel: tuple[int, int], padding: tuple[int, int]
 ) -> torch.Tensor:
@@ -225,35 +285,61 @@ def _shifted_products(
     the row shift carries past a view meet zeros of the placed gradient, and a zero tail keeps
     the last shift inside the buffer. The input is cast to the gradient's dtype as it is placed.
     """
-    (kh, kw), (ph, pw) = kernel, padding
-    total, channels_in, height, width = inputs.shape
-    channels_out, out_h, out_w = grad_out.shape[1:]
-    batch = total // views
-    padded_h, padded_w = height + 2 * ph, width + 2 * pw
-    if (out_h, out_w) != (padded_h - kh + 1, padded_w - kw + 1):
-        raise ValueError(f"output gradient of size {out_h}x{out_w} does not fit a {kh}x{kw} stride-1 conv of a "
-                         f"{height}x{width} input padded by {ph}, {pw}")
-    row = _aligned(padded_w)
-    length = views * padded_h * row
-    flat_inputs = grad_out.new_zeros(batch, channels_in, _aligned(length + (kh - 1) * row))
-    flat_inputs[:, :, :length].view(batch, channels_in, views, padded_h, row)[
-        :, :, :, ph : ph + height, pw : pw + width
-    ] = inputs.reshape(batch, views, channels_in, height, width).transpose(1, 2)
-    by_view = grad_out.reshape(batch, views, channels_out, out_h, out_w).transpose(1, 2)
-    size, strides = (batch, length, channels_in), (flat_inputs.stride(0), 1, flat_inputs.stride(1))
+    _check_stride1_shapes(inputs, grad_out, kernel, padding)
+    kh, kw = kernel
+    batch, channels_in, channels_out = inputs.shape[0] // views, inputs.shape[1], grad_out.shape[1]
+    flat_inputs, grid = _laid_out_inputs(inputs, views, grad_out.dtype, kernel, padding)
+    size, strides = (batch, grid.length, channels_in), (flat_inputs.stride(0), 1, flat_inputs.stride(1))
     # Taps are written in place into (B, C_out, taps, C_in padded to ALIGNMENT): each tap's (C_out, C_in) block is a
     # matrix with an aligned leading dimension, which cuBLAS writes directly (stacking taps last would copy everything).
     padded_in = _aligned(channels_in)
     by_tap = grad_out.new_empty(batch, channels_out, kh * kw, padded_in)
     with matmuls_in_convolution_precision(inputs.is_cuda):
         for dx in range(kw):
-            placed = grad_out.new_zeros(batch, channels_out, views, padded_h, row)
-            placed[:, :, :, :out_h, dx : dx + out_w] = by_view
-            placed = placed.view(batch, channels_out, length)
+            placed = _placed_gradient(grad_out, views, grid, dx)
             for dy in range(kh):
                 tap = dy * kw + dx
-                torch.bmm(placed, flat_inputs.as_strided(size, strides, dy * row), out=by_tap[:, :, tap, :channels_in])
+                torch.bmm(placed, flat_inputs.as_strided(size, strides, dy * grid.row),
+                          out=by_tap[:, :, tap, :channels_in])
     return by_tap[..., :channels_in].unflatten(2, (kh, kw)).permute(0, 1, 4, 2, 3)
+
+
+UNFOLD_SLICE_BYTES = 1 << 29  # the stacked input of at most this many bytes at a time (a slice of the examples)
+
+
+def _unfolded_products(
+    inputs: torch.Tensor, grad_out: torch.Tensor, views: int, kernel: tuple[int, int], padding: tuple[int, int]
+) -> torch.Tensor:
+    """The stride-1 case as one wide product: every tap's input stacked, the gradient placed once.
+
+    In _shifted_products' grid, tap (dy, dx) pairs the gradient placed at column 0 with the
+    input read dy rows and dx columns further on; copying those k*k shifted reads into rows
+    (tap, C_in) of one aligned matrix turns the k*k narrow products (C_out x C_in each) into
+    one of C_out x k*k*C_in per example, which keeps the tensor cores busier and reads the
+    output gradient once. The stacked copy is made for a slice of the examples at a time
+    (UNFOLD_SLICE_BYTES), into one buffer.
+    """
+    _check_stride1_shapes(inputs, grad_out, kernel, padding)
+    kh, kw = kernel
+    batch, channels_in, channels_out = inputs.shape[0] // views, inputs.shape[1], grad_out.shape[1]
+    flat_inputs, grid = _laid_out_inputs(inputs, views, grad_out.dtype, kernel, padding)
+    placed = _placed_gradient(grad_out, views, grid, 0)
+    stacked_rows, positions = kh * kw * channels_in, _aligned(grid.length)
+    # every tap's shifted read of the input as one strided view: (B, kh, kw, C_in, positions of the grid)
+    shifted = flat_inputs.as_strided((batch, kh, kw, channels_in, grid.length),
+                                     (flat_inputs.stride(0), grid.row, 1, flat_inputs.stride(1), 1))
+    per_example = _aligned(stacked_rows) * positions * flat_inputs.element_size()
+    slice_size = max(1, min(batch, UNFOLD_SLICE_BYTES // per_example))
+    stacked = flat_inputs.new_empty(slice_size, _aligned(stacked_rows), positions)
+    stacked[:, stacked_rows:].zero_()  # alignment rows: their products are dropped, but must stay finite
+    result = grad_out.new_empty(batch, channels_out, _aligned(stacked_rows))
+    with matmuls_in_convolution_precision(inputs.is_cuda):
+        for start in range(0, batch, slice_size):
+            stop = min(batch, start + slice_size)
+            rows = stacked[: stop - start]
+            rows[:, :stacked_rows, : grid.length].unflatten(1, (kh, kw, channels_in)).copy_(shifted[start:stop])
+            torch.bmm(placed[start:stop], rows[:, :, : grid.length].transpose(1, 2), out=result[start:stop])
+    return result[..., :stacked_rows].unflatten(2, (kh, kw, channels_in)).permute(0, 1, 4, 2, 3)
 
 
 @contextlib.contextmanager

@@ -15,11 +15,11 @@ FM="--model equiconvert:equivariant_resnet9 --dataset fashion-mnist --data-dir .
 train 1 fmx_D1_bf16_s0 $FM --group D1 --steps 4000 --precision bf16 --seed 0 --time-limit "$(left)"
 export CUDA_VISIBLE_DEVICES=0
 T="--device cuda --model paper --batch 512 --aug-mult 4 --cudnn-benchmark --iters 10"
-(cd .old && python benchmarks/throughput.py $T --precision bf16 --methods nonprivate,bookkeeping:products,bookkeeping:fastest --out $RESULTS/throughput_paper_d4_512x4_bf16_before.json) 2>&1 | tail -2
-python benchmarks/throughput.py $T --precision bf16 --methods nonprivate,bookkeeping:products,bookkeeping:unfolded,bookkeeping:fastest --out $RESULTS/throughput_paper_d4_512x4_bf16_after.json 2>&1 | tail -2
-python benchmarks/throughput.py $T --precision fp32 --methods nonprivate,bookkeeping:products,bookkeeping:unfolded,bookkeeping:fastest --out $RESULTS/throughput_paper_d4_512x4_fp32_after.json 2>&1 | tail -2
-python benchmarks/filter_gradients.py --device cuda --batch 512 --aug-mult 4 --dtype bf16 --out $RESULTS/filter_gradients_bf16.json 2>&1 | tail -1
-python benchmarks/profile_step.py --device cuda --model paper --batch 512 --aug-mult 4 --precision bf16 --cudnn-benchmark --filter-gradients fastest --top 12 --out $RESULTS/profile_paper_d4_512x4_bf16.json 2>&1 | tail -1
+(cd .old && timeout 150 python benchmarks/throughput.py $T --precision bf16 --methods nonprivate,bookkeeping:products,bookkeeping:fastest --out $RESULTS/throughput_paper_d4_512x4_bf16_before.json) 2>&1 | tail -2
+timeout 150 python benchmarks/throughput.py $T --precision bf16 --methods nonprivate,bookkeeping:products,bookkeeping:unfolded,bookkeeping:fastest --out $RESULTS/throughput_paper_d4_512x4_bf16_after.json 2>&1 | tail -2
+timeout 150 python benchmarks/throughput.py $T --precision fp32 --methods nonprivate,bookkeeping:products,bookkeeping:unfolded,bookkeeping:fastest --out $RESULTS/throughput_paper_d4_512x4_fp32_after.json 2>&1 | tail -2
+timeout 150 python benchmarks/filter_gradients.py --device cuda --batch 512 --aug-mult 4 --dtype bf16 --out $RESULTS/filter_gradients_bf16.json 2>&1 | tail -1
+timeout 150 python benchmarks/profile_step.py --device cuda --model paper --batch 512 --aug-mult 4 --precision bf16 --cudnn-benchmark --filter-gradients fastest --top 12 --out $RESULTS/profile_paper_d4_512x4_bf16.json 2>&1 | tail -1
 unset CUDA_VISIBLE_DEVICES
 wait
 pack_each "fmx_*"

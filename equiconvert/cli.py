@@ -352,8 +352,9 @@ def _add_train_parser(sub) -> None:
                        help="bf16: forward and backward under bf16 autocast (book-keeping only); per-sample gradients, "
                             "clipping and noise stay fp32")
     train.add_argument("--filter-gradients", choices=FILTER_GRADIENT_METHODS, default="auto",
-                       help="book-keeping's per-example conv filter gradients: batched products or cuDNN's grouped "
-                            "weight gradient; auto: the faster per layer on CUDA (timed once), products on CPU")
+                       help="book-keeping's per-example conv filter gradients: batched products per tap, cuDNN's "
+                            "grouped weight gradient, or the taps unfolded into one product; auto: the fastest "
+                            "per layer on CUDA (timed once), products on CPU")
     train.add_argument("--no-flip", action="store_true",
                        help="augment by crops only (digits: a flipped 2 is not a 2)")
     train.add_argument("--lr-schedule", choices=("constant", "cosine"), default="constant")

@@ -3,7 +3,9 @@
 # (`.old`: the tree of commit c2021e8), while card 1 trains Fashion-MNIST with the new bf16 numerics:
 # - "unfolded": a third per-example filter-gradient kernel (the taps stacked into one wide product), which "fastest"
 #   times with the other two;
-# - FieldGroupNorm returns its input's dtype (bf16 under autocast) instead of fp32, statistics still in fp32.
+# - FieldGroupNorm returns its input's dtype (bf16 under autocast) instead of fp32, statistics still in fp32 (commit
+#   d4642eb; reverted after this call: no speed gain, benchmarks/RESULTS.md). Rerunning this script today measures the
+#   "unfolded" kernel alone.
 # Before the call, in the checkout:
 #   echo /.old/ >> .git/info/exclude; rm -rf .old; mkdir .old && git archive c2021e8 equiconvert benchmarks/throughput.py | tar x -C .old
 # and carry .old with .gpul, .eqc and .data/fashion-mnist.

@@ -75,25 +75,19 @@ class FieldGroupNorm(nn.Module):
         return normalize_field_groups(fields, to_groups, to_fields, self.eps).reshape(x.shape)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Statistics and the affine step in at least fp32; the result in x's dtype.
-
-        Under bf16 autocast the statistics stay fp32 (as CUDA autocast's F.group_norm keeps
-        them; CPU's would not), but the output is rounded back to bf16 once: the pooling,
-        residual sums and next conv after a norm then move half the bytes of fp32
-        activations (the next conv rounds its input to bf16 anyway).
-        """
-        dtype = x.dtype
+        # statistics in at least fp32 under bf16 autocast (CUDA's autocast does so for F.group_norm, CPU's does not)
         with torch.autocast(x.device.type, enabled=False):
             x = at_least_fp32(x)
             if self.num_fields % self.num_groups == 0:
                 x = F.group_norm(x, self.num_groups, None, None, self.eps)
             else:
                 x = self._normalize_uneven(x)
-            if self.weight is not None:
-                shape = (1, -1) + (1,) * (x.ndim - 2)
-                x = (x * self.weight.repeat_interleave(self.field_size).reshape(shape)
-                     + self.bias.repeat_interleave(self.field_size).reshape(shape))
-        return x.to(dtype)
+        if self.weight is None:
+            return x
+        shape = (1, -1) + (1,) * (x.ndim - 2)
+        weight = self.weight.repeat_interleave(self.field_size).reshape(shape)
+        bias = self.bias.repeat_interleave(self.field_size).reshape(shape)
+        return x * weight + bias
 
     def extra_repr(self) -> str:
         return (

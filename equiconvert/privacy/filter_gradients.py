@@ -2,9 +2,10 @@
 
 Book-keeping and the Opacus grad sampler of SteerableConv2d both need, for every example,
 the filter gradient sum over its views and positions of (output gradient x input patch).
-Two kernels compute it, and which is faster depends on the layer's shape and the card
-(benchmarks/filter_gradients.py: on an H200, cuDNN's is 1.6x faster on the paper model's
-104 -> 312 channel conv at 32x32 and 3x slower on its 156 -> 156 convs at 8x8):
+Three kernels compute it, and which is fastest depends on the layer's shape and the card
+(benchmarks/filter_gradients.py, bf16 on an H200, the paper model's convs: "unfolded" wins
+at 3 -> 48 channels and 32x32 and at 156 -> 156 and 4x4, "grouped" at 104 -> 104 and 16x16,
+"products" on the other three):
 
 - "products": batched matrix products. Stride-1 convolutions run one product per filter
   tap on a shifted, strided view of the padded input; unfolding the input into patches
@@ -17,8 +18,8 @@ Two kernels compute it, and which is faster depends on the layer's shape and the
   copy of the input (a slice of the batch at a time, so memory stays bounded).
 
 The method in force (`filter_gradient_method`) is "auto" unless a caller says otherwise:
-"fastest" on CUDA, which times both kernels once per layer geometry and device and keeps
-the faster, and "products" elsewhere, so CPU results never depend on a timing.
+"fastest" on CUDA, which times every kernel once per layer geometry and device and keeps
+the fastest, and "products" elsewhere, so CPU results never depend on a timing.
 """
 from __future__ import annotations
 

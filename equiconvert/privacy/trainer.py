@@ -75,8 +75,8 @@ class DPConfig:
     # "bf16": the forward and backward of the per-sample computation under bf16 autocast (book-keeping only;
     # tensor-core speed); each example's gradient is formed, clipped and noised in fp32, so the privacy bound holds
     precision: str = "fp32"
-    # book-keeping's per-example conv filter gradients (filter_gradients.py): "auto" times both kernels per layer on
-    # CUDA and keeps the faster, and uses batched products on CPU; "products" or "grouped" fixes the kernel
+    # book-keeping's per-example conv filter gradients (filter_gradients.py): "auto" times every kernel per layer on
+    # CUDA and keeps the fastest, and uses batched products on CPU; "products", "grouped" or "unfolded" fixes it
     filter_gradients: str = "auto"
 
 

@@ -52,6 +52,11 @@ class ConvGeometry:
     dilation: tuple[int, int]
     groups: int
 
+    @property
+    def dense_stride1(self) -> bool:
+        """Stride 1, no dilation, no groups: the case the grid-layout kernels handle without unfolding."""
+        return self.stride == (1, 1) and self.dilation == (1, 1) and self.groups == 1
+
 
 FilterGradientKernel = Callable[[torch.Tensor, torch.Tensor, int, ConvGeometry], torch.Tensor]
 
@@ -87,7 +92,7 @@ def per_example_filter_gradients(
 def _products(inputs: torch.Tensor, grad_out: torch.Tensor, views: int, geometry: ConvGeometry) -> torch.Tensor:
     """Batched products: one per filter tap for stride-1 ungrouped convs, an unfold and one einsum otherwise."""
     g = geometry
-    if g.stride == (1, 1) and g.dilation == (1, 1) and g.groups == 1:
+    if g.dense_stride1:
         return _shifted_products(inputs, grad_out, views, g.kernel, g.padding)
     columns = F.unfold(inputs.to(grad_out.dtype), g.kernel, dilation=g.dilation, padding=g.padding, stride=g.stride)  # (N, C_in k k, L)
     batch, positions = inputs.shape[0] // views, columns.shape[2]
@@ -120,7 +125,7 @@ def _grouped_convolution(inputs: torch.Tensor, grad_out: torch.Tensor, views: in
 def _unfolded(inputs: torch.Tensor, grad_out: torch.Tensor, views: int, geometry: ConvGeometry) -> torch.Tensor:
     """Stride-1 ungrouped convs: the taps stacked (see _unfolded_products); other geometries as "products"."""
     g = geometry
-    if g.stride == (1, 1) and g.dilation == (1, 1) and g.groups == 1:
+    if g.dense_stride1:
         return _unfolded_products(inputs, grad_out, views, g.kernel, g.padding)
     return _products(inputs, grad_out, views, geometry)
 
@@ -231,7 +236,7 @@ class _Grid:
 
     padded_h: int
     row: int
-    length: int  # views * padded_h * row: the positions a product runs over
+    length: int  # views * padded_h * row (a multiple of ALIGNMENT): the positions a product runs over
 
 
 def _laid_out_inputs(inputs: torch.Tensor, views: int, dtype: torch.dtype, kernel: tuple[int, int],
@@ -325,21 +330,21 @@ def _unfolded_products(
     batch, channels_in, channels_out = inputs.shape[0] // views, inputs.shape[1], grad_out.shape[1]
     flat_inputs, grid = _laid_out_inputs(inputs, views, grad_out.dtype, kernel, padding)
     placed = _placed_gradient(grad_out, views, grid, 0)
-    stacked_rows, positions = kh * kw * channels_in, _aligned(grid.length)
+    stacked_rows = kh * kw * channels_in
     # every tap's shifted read of the input as one strided view: (B, kh, kw, C_in, positions of the grid)
     shifted = flat_inputs.as_strided((batch, kh, kw, channels_in, grid.length),
                                      (flat_inputs.stride(0), grid.row, 1, flat_inputs.stride(1), 1))
-    per_example = _aligned(stacked_rows) * positions * flat_inputs.element_size()
+    per_example = _aligned(stacked_rows) * grid.length * flat_inputs.element_size()
     slice_size = max(1, min(batch, UNFOLD_SLICE_BYTES // per_example))
-    stacked = flat_inputs.new_empty(slice_size, _aligned(stacked_rows), positions)
+    stacked = flat_inputs.new_empty(slice_size, _aligned(stacked_rows), grid.length)
     stacked[:, stacked_rows:].zero_()  # alignment rows: their products are dropped, but must stay finite
     result = grad_out.new_empty(batch, channels_out, _aligned(stacked_rows))
     with matmuls_in_convolution_precision(inputs.is_cuda):
         for start in range(0, batch, slice_size):
             stop = min(batch, start + slice_size)
             rows = stacked[: stop - start]
-            rows[:, :stacked_rows, : grid.length].unflatten(1, (kh, kw, channels_in)).copy_(shifted[start:stop])
-            torch.bmm(placed[start:stop], rows[:, :, : grid.length].transpose(1, 2), out=result[start:stop])
+            rows[:, :stacked_rows].unflatten(1, (kh, kw, channels_in)).copy_(shifted[start:stop])
+            torch.bmm(placed[start:stop], rows.transpose(1, 2), out=result[start:stop])
     return result[..., :stacked_rows].unflatten(2, (kh, kw, channels_in)).permute(0, 1, 4, 2, 3)
 
 

@@ -307,12 +307,13 @@ def _cmd_train(args: argparse.Namespace) -> int:
     spec = RunSpec(model=args.model, group=args.group, dataset=args.dataset, data_dir=args.data_dir, out=args.out,
                    width=args.width, model_widths=args.widths, device=args.device, resume=args.resume,
                    progress=not args.no_progress, time_limit_s=args.time_limit, init_gain=args.init_gain,
-                   head=args.head, activation=args.activation)
+                   head=args.head, activation=args.activation, norm_groups=args.norm_groups)
     normalize = {} if args.normalize is None else dict(zip(("normalize_mean", "normalize_std"), args.normalize))
     result = run_training(
         spec, target_epsilon=args.epsilon, delta=args.delta, batch_size=args.batch_size, steps=args.steps,
         aug_mult=args.aug_mult, max_grad_norm=args.max_grad_norm, lr=args.lr, momentum=args.momentum,
-        optimizer=args.optimizer, lr_schedule=args.lr_schedule, augment_flip=not args.no_flip, ema_decay=args.ema_decay or None, accountant=args.accountant,
+        optimizer=args.optimizer, lr_schedule=args.lr_schedule, augment_flip=not args.no_flip,
+        augment_padding=args.crop_padding, ema_decay=args.ema_decay or None, accountant=args.accountant,
         noise_multiplier=args.noise_multiplier, physical_batch_size=args.physical_batch_size, seed=args.seed,
         eval_every=args.eval_every, checkpoint_every=args.checkpoint_every, per_sample_method=args.per_sample,
         precision=args.precision, filter_gradients=args.filter_gradients, **normalize,
@@ -357,6 +358,9 @@ def _add_train_parser(sub) -> None:
                             "per layer on CUDA (timed once), products on CPU")
     train.add_argument("--no-flip", action="store_true",
                        help="augment by crops only (digits: a flipped 2 is not a 2)")
+    train.add_argument("--crop-padding", type=int, default=4, metavar="PIXELS",
+                       help="random crops of the reflection-padded image shift it by up to this many pixels (default "
+                            "4, CIFAR's; 0: no crops)")
     train.add_argument("--lr-schedule", choices=("constant", "cosine"), default="constant")
     train.add_argument("--time-limit", type=float, default=None, metavar="SECONDS",
                        help="stop training after this long, with a checkpoint; --resume continues the run")
@@ -374,6 +378,9 @@ def _add_train_parser(sub) -> None:
     train.add_argument("--activation", choices=tuple(PAPER_ACTIVATIONS), default=None,
                        help="equiconvert:equivariant_resnet9's activation, for it and its unconverted network (default: "
                             "the paper's mish)")
+    train.add_argument("--norm-groups", type=int, default=None,
+                       help="equiconvert:equivariant_resnet9's GroupNorm groups, for it and its unconverted network "
+                            "(default: the paper's 8; a converted norm takes groups of whole fields, at most one per field)")
     train.add_argument("--normalize", type=_mean_std, default=None,
                        metavar="MEAN,STD", help="pixels in [0, 1] -> (x - MEAN) / STD on the training device "
                                                 "(default 0.5,0.5; Fashion-MNIST's own statistics: 0.286,0.353)")

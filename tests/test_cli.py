@@ -341,3 +341,23 @@ def test_resuming_into_another_activation_is_refused(tmp_path, capsys):
     resumed = tiny_train_result(tmp_path, "--model", "equiconvert:equivariant_resnet9", "--group", "none",
                                 "--activation", "tanh", "--steps", "2", "--resume")
     assert resumed["steps"] == 2
+
+
+def test_train_norm_groups_and_crop_padding_reach_the_model_and_the_augmentation(tmp_path, capsys):
+    converted = tiny_train_result(tmp_path / "d1", "--model", "equiconvert:equivariant_resnet9", "--group", "D1",
+                                  "--norm-groups", "2", "--crop-padding", "2", "--aug-mult", "2")
+    assert converted["norm_groups"] == 2 and converted["augment_padding"] == 2
+    assert "num_groups=2," in (tmp_path / "d1" / "run" / "model.txt").read_text()
+    assert "num_groups=8," not in (tmp_path / "d1" / "run" / "model.txt").read_text()
+    plain = tiny_train_result(tmp_path / "none", "--model", "equiconvert:equivariant_resnet9", "--group", "none",
+                              "--norm-groups", "16")
+    assert plain["norm_groups"] == 16 and "GroupNorm(16, 16" in (tmp_path / "none" / "run" / "model.txt").read_text()
+    capsys.readouterr()
+    error = run_error(capsys, "train", "--dataset", "synthetic", "--model", "equiconvert:equivariant_resnet9",
+                      "--group", "none", "--norm-groups", "3", "--out", str(tmp_path / "bad"))
+    assert "--norm-groups 3" in error and "must divide every width" in error
+    error = run_error(capsys, "train", "--dataset", "synthetic", "--model", "equiconvert:resnet9", "--group", "D4",
+                      "--norm-groups", "4", "--out", str(tmp_path / "bad"))  # never silently ignored
+    assert "--norm-groups applies to equiconvert:equivariant_resnet9 only" in error
+    error = run_error(capsys, "train", "--dataset", "synthetic", "--crop-padding", "-1", "--out", str(tmp_path / "bad"))
+    assert "augment_padding" in error and "-1" in error

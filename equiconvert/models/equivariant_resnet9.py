@@ -48,9 +48,12 @@ TABLE1_PARAMS = {  # 10 classes
 
 
 def plain_paper_resnet9(num_classes: int = 10, in_channels: int = 3, layout=PAPER_LAYOUT,
-                        act: type[nn.Module] = nn.Mish) -> ResNet9:
+                        act: type[nn.Module] = nn.Mish, norm_groups: int = PAPER_NORM_GROUPS) -> ResNet9:
     """The non-equivariant network the preset converts: conv -> act (Mish) -> GroupNorm(8, no affine) -> pool."""
-    options = BlockOptions(block_order="conv-act-norm", conv_bias=True, norm_affine=False, norm_groups=PAPER_NORM_GROUPS)
+    if norm_groups < 1 or any(channels % norm_groups for channels in layout):
+        raise ValueError(f"norm_groups={norm_groups} must divide every width of the layout {tuple(layout)} "
+                         "(GroupNorm splits channels evenly), e.g. 1, 2, 4, 8 or 16 for (16, 32, 64)")
+    options = BlockOptions(block_order="conv-act-norm", conv_bias=True, norm_affine=False, norm_groups=norm_groups)
     return ResNet9(num_classes, in_channels, layout, norm="group", scale_norm=True, act=act,
                    options=options, head_pool="avg")
 
@@ -67,6 +70,7 @@ def equivariant_resnet9(
     input_size: int = 32,
     frequency: int | None = None,
     act: type[nn.Module] = nn.Mish,
+    norm_groups: int = PAPER_NORM_GROUPS,
     **config: Any,
 ) -> EquivariantModel:
     """The paper's Equivariant-ResNet9 for `group` ("C4", "D4", ..., "SO2", "O2").
@@ -76,6 +80,8 @@ def equivariant_resnet9(
     head="keep": group pooling, AdaptiveAvgPool2d(2), Flatten, Linear (the paper;
     not rotation invariant); head="invariant": global pooling, exactly invariant.
     act: the pointwise activation (the paper's Mish; PAPER_ACTIVATIONS names the others).
+    norm_groups: the GroupNorm groups of the plain network (the paper's 8); a converted norm gets as many groups of
+    whole fields, at most one per field.
     Extra keyword arguments are ConversionConfig fields.
     """
     options = {"weight_standardization": True, "basis_cutoff": PAPER_BASIS_CUTOFF, "init_gain": PAPER_INIT_GAIN,
@@ -84,7 +90,7 @@ def equivariant_resnet9(
         restrict = _paper_restriction(group)
     cfg = ConversionConfig(**options)
     cfg.restrict = restrict
-    plain = plain_paper_resnet9(num_classes, in_channels, layout, act)
+    plain = plain_paper_resnet9(num_classes, in_channels, layout, act, norm_groups)
     if width is None:
         width = kappa_width(PAPER_KAPPA if _is_continuous(group) else RELEASED_CODE_KAPPA)
     return make_equivariant(plain, group, width=width, input_size=input_size, config=cfg, head=head,

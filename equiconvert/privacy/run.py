@@ -43,6 +43,7 @@ class RunSpec:
     init_gain: float | None = None  # ConversionConfig.init_gain; None keeps the model's default
     head: str | None = None  # "keep" or "invariant"; None: the paper preset's own head, "invariant" for other models
     activation: str | None = None  # the paper preset's activation (PAPER_ACTIVATIONS); None: its own, Mish
+    norm_groups: int | None = None  # the paper preset's GroupNorm groups; None: its own, 8
 
 
 def _count(model: nn.Module) -> int:
@@ -68,12 +69,16 @@ def _paper_model(spec: RunSpec, activation: str, num_classes: int, channels: int
         raise ValueError(f"{PAPER_MODEL} has the paper's layout (16, 32, 64); --widths does not apply to it "
                          "(--width changes its conversion's width rule)")
     act = PAPER_ACTIVATIONS[activation]
-    plain = plain_paper_resnet9(num_classes, channels, act=act)
+    norm_groups = {} if spec.norm_groups is None else {"norm_groups": spec.norm_groups}
+    try:
+        plain = plain_paper_resnet9(num_classes, channels, act=act, **norm_groups)
+    except ValueError as exc:
+        raise ValueError(f"--norm-groups {spec.norm_groups}: {exc}") from exc
     if spec.group.lower() == BASELINE_GROUP:
         return plain, _count(plain)
     width = {} if spec.width is None else {"width": spec.width}
     model = equivariant_resnet9(spec.group, num_classes, channels, head=_head(spec), act=act, **width,
-                                **_conversion_options(spec))
+                                **norm_groups, **_conversion_options(spec))
     return model, _count(plain)
 
 
@@ -82,13 +87,23 @@ def _activation(spec: RunSpec) -> str | None:
     from ..models.equivariant_resnet9 import PAPER_ACTIVATIONS
 
     if spec.model != PAPER_MODEL:
-        if spec.activation is not None:
-            raise ValueError(f"--activation applies to {PAPER_MODEL} only (its conv -> activation -> norm blocks), "
-                             f"not {spec.model!r}: drop it, or train {PAPER_MODEL}")
+        for flag, value in (("--activation", spec.activation), ("--norm-groups", spec.norm_groups)):
+            if value is not None:
+                raise ValueError(f"{flag} applies to {PAPER_MODEL} only (its conv -> activation -> norm blocks), "
+                                 f"not {spec.model!r}: drop it, or train {PAPER_MODEL}")
         return None
     if spec.activation is not None and spec.activation not in PAPER_ACTIVATIONS:
         raise ValueError(f"--activation {spec.activation!r} is not one of {sorted(PAPER_ACTIVATIONS)}")
     return spec.activation or "mish"
+
+
+def _norm_groups(spec: RunSpec) -> int | None:
+    """The paper preset's GroupNorm groups as built (None for other models: their own norms)."""
+    from ..models.equivariant_resnet9 import PAPER_NORM_GROUPS
+
+    if spec.model != PAPER_MODEL:
+        return None
+    return PAPER_NORM_GROUPS if spec.norm_groups is None else spec.norm_groups
 
 
 def _head(spec: RunSpec) -> str:
@@ -211,7 +226,8 @@ def run_training(spec: RunSpec, **trainer_options: Any) -> dict[str, Any]:
         filter_gradients=c.filter_gradients,
         filter_gradient_kernels=fastest_choices(),  # what "fastest" chose in this process (one run per `train`)
         requested_steps=c.steps, stopped_reason=trainer.stopped_reason,
-        normalize_mean=c.normalize_mean, normalize_std=c.normalize_std,
+        normalize_mean=c.normalize_mean, normalize_std=c.normalize_std, augment_padding=c.augment_padding,
+        augment_flip=c.augment_flip, norm_groups=_norm_groups(spec),
         evals=_eval_history(Path(spec.out) / "log.jsonl"),
         train_time_s=max((r["time_s"] for r in trainer.history if "time_s" in r), default=0.0),  # this call's
         wall_time_s=time.perf_counter() - start,

@@ -143,6 +143,8 @@ class DPTrainer:
             raise ValueError(f"noise_multiplier must be > 0 for a private run, got {c.noise_multiplier}")
         if c.aug_mult < 1 or c.batch_size < 1 or c.steps < 0 or c.max_grad_norm <= 0:
             raise ValueError("aug_mult and batch_size must be >= 1, steps >= 0, max_grad_norm > 0")
+        if c.augment_padding < 0:
+            raise ValueError(f"augment_padding (crop shift in pixels) must be >= 0, got {c.augment_padding}")
 
     def _resolve_per_sample_method(self, model: nn.Module) -> str:
         """The method this run uses; "auto" takes book-keeping when the model's static check allows it."""

@@ -347,6 +347,7 @@ def test_train_norm_groups_and_crop_padding_reach_the_model_and_the_augmentation
     converted = tiny_train_result(tmp_path / "d1", "--model", "equiconvert:equivariant_resnet9", "--group", "D1",
                                   "--norm-groups", "2", "--crop-padding", "2", "--aug-mult", "2")
     assert converted["norm_groups"] == 2 and converted["augment_padding"] == 2
+    assert converted["ema_final_decay"] == pytest.approx(0.1)  # one step: the warm-up's (1 + 0) / (10 + 0)
     assert "num_groups=2," in (tmp_path / "d1" / "run" / "model.txt").read_text()
     assert "num_groups=8," not in (tmp_path / "d1" / "run" / "model.txt").read_text()
     plain = tiny_train_result(tmp_path / "none", "--model", "equiconvert:equivariant_resnet9", "--group", "none",

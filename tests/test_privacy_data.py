@@ -273,6 +273,33 @@ def test_ema_warmup_formula() -> None:
         assert torch.allclose(ema.params[name], 0.55 * (0.1 * old[name] + 0.9 * p) + 0.45 * p)
 
 
+def test_an_ema_decay_the_warmup_never_reaches_is_named_and_trains_the_same_ema() -> None:
+    # 0.995 is passed at step 1,790 (< 4,000); 0.998 and 0.999 are not (the cap at step 3,999 is 4000/4009)
+    assert ExponentialMovingAverage(_model(), decay=0.995).unreached_warning(4000) is None
+    message = ExponentialMovingAverage(_model(), decay=0.999).unreached_warning(4000)
+    assert message is not None and "0.999" in message and "8990 steps" in message and f"{4000 / 4009:.4f}" in message
+    assert ExponentialMovingAverage(_model(), decay=0.999).unreached_warning(9000) is None
+    model, steps = _model(), 4000
+    shadows = [ExponentialMovingAverage(model, decay=d) for d in (0.998, 0.999)]
+    generator = torch.Generator().manual_seed(0)
+    for step in range(steps):
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn(p.shape, generator=generator))
+        for ema in shadows:
+            ema.update(model, step)
+    for name in shadows[0].params:
+        assert torch.equal(shadows[0].params[name], shadows[1].params[name])
+
+
+def test_the_trainer_warns_when_its_ema_decay_is_never_reached() -> None:
+    from equiconvert.privacy import DPTrainer
+
+    with pytest.warns(UserWarning, match="EMA decay 0.999 is never reached in 300 steps"):
+        DPTrainer(nn.Sequential(nn.Flatten(), nn.Linear(4, 2)), device="cpu", steps=300, ema_decay=0.999,
+                  noise_multiplier=1.0, progress=False)
+
+
 def test_ema_converges_to_constant_params_and_copies_buffers() -> None:
     model = _model()
     ema = ExponentialMovingAverage(model, decay=0.9)

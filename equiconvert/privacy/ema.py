@@ -7,6 +7,7 @@ decay_t = min(decay, (1 + t) / (10 + t)).
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
@@ -15,6 +16,11 @@ import torch
 from torch import nn
 
 Target = nn.Module | Mapping[str, torch.Tensor]
+
+
+def warmup_cap(step: int) -> float:
+    """De et al.'s bound on the decay at optimisation step `step` (0-based): (1 + t) / (10 + t)."""
+    return (1.0 + step) / (10.0 + step)
 
 
 def _tensors(target: Target) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
@@ -49,7 +55,20 @@ class ExponentialMovingAverage:
 
     def decay_at(self, step: int) -> float:
         """De et al.'s warmed-up decay for optimisation step `step` (0-based)."""
-        return min(self.decay, (1.0 + step) / (10.0 + step))
+        return min(self.decay, warmup_cap(step))
+
+    def unreached_warning(self, steps: int) -> str | None:
+        """Why the decay asked for never applies in a run of `steps` steps, or None when it does.
+
+        The warm-up cap (1 + t) / (10 + t) passes `decay` only after (10 decay - 1) / (1 - decay) steps (1,790 for
+        0.995, 8,990 for 0.999): in a shorter run every decay above the last step's cap trains the same EMA.
+        """
+        if steps < 1 or self.decay_at(steps - 1) >= self.decay:
+            return None
+        needed = math.ceil((10.0 * self.decay - 1.0) / (1.0 - self.decay))
+        return (f"EMA decay {self.decay:g} is never reached in {steps} steps: De et al.'s warm-up caps step t's decay "
+                f"at (1 + t) / (10 + t), {warmup_cap(steps - 1):.4f} at the last step, and {self.decay:g} needs "
+                f"{needed} steps; every decay above {warmup_cap(steps - 1):.4f} gives this run the same EMA")
 
     @torch.no_grad()
     def update(self, model: Target, step: int) -> None:

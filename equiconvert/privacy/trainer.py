@@ -112,6 +112,8 @@ class DPTrainer:
         self.progress = progress
         self.optimizer = self._make_optimizer()
         self.ema = ExponentialMovingAverage(self.model, self.config.ema_decay) if self.config.ema_decay else None
+        if self.ema is not None and (unreached := self.ema.unreached_warning(self.config.steps)):
+            warnings.warn(unreached)
         self.step = 0
         self.stopped_reason: str | None = None  # "budget" or "time_limit" when fit ended before `steps`
         self.history: list[dict[str, Any]] = []

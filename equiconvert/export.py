@@ -218,9 +218,9 @@ class _FieldGroupNormOps(nn.Module):
     """FieldGroupNorm in plain torch ops; only ever used traced.
 
     Normalises with an nn.GroupNorm(affine=False) submodule when the groups are
-    even (FieldGroupNorm calls the same F.group_norm), else with the function that
-    FieldGroupNorm._normalize_uneven calls (normalize_field_groups, traced into its
-    torch ops). The per-field affine step is the same separate multiply and add, on
+    even (FieldGroupNorm calls the same F.group_norm), else with normalize_field_groups,
+    traced into its torch ops: the forward ops FieldGroupNorm._normalize_uneven runs
+    (inside an autograd.Function that only replaces the backward). The per-field affine step is the same separate multiply and add, on
     the (batch, field, rest) view so that it works at any rank: bit-identical
     outputs, and weight/bias stay per field.
     """

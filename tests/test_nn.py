@@ -170,3 +170,61 @@ def test_group_norm_statistics_stay_fp32_under_bf16_autocast(num_fields, num_gro
         low = norm(x)
     assert low.dtype == torch.float32
     assert torch.allclose(low, norm(x.float()), atol=1e-5)
+
+
+@pytest.mark.parametrize("num_fields, field_size, num_groups", [(13, 8, 8), (5, 4, 2), (39, 4, 8)])
+def test_uneven_group_norm_backward_equals_autograd_of_its_forward(num_fields, field_size, num_groups):
+    """FieldGroupNorm's hand-written backward against autograd through the same ops (float64, with eps)."""
+    from equiconvert.nn.norm import field_groups, normalize_field_groups
+
+    norm = FieldGroupNorm(num_fields, field_size, num_groups, affine=True, eps=1e-2).double()  # a large eps: its term counts
+    with torch.no_grad():
+        norm.weight.normal_()
+        norm.bias.normal_()
+    generator = torch.Generator().manual_seed(0)
+    x = (torch.randn(3, num_fields * field_size, 5, 5, generator=generator, dtype=torch.float64) * 2 + 1)
+    x.requires_grad_(True)
+    upstream = torch.randn(x.shape, generator=generator, dtype=torch.float64)
+    grads = torch.autograd.grad((norm(x) * upstream).sum(), (x, norm.weight, norm.bias))
+
+    reference = x.detach().clone().requires_grad_(True)
+    assignment = field_groups(num_fields, num_groups).double()
+    fields = reference.reshape(3, num_fields, -1)
+    normalized = normalize_field_groups(fields, assignment / assignment.sum(0), assignment.T, norm.eps)
+    out = normalized * norm.weight.unsqueeze(-1) + norm.bias.unsqueeze(-1)
+    expected = torch.autograd.grad((out.reshape(x.shape) * upstream).sum(), (reference, norm.weight, norm.bias))
+    for got, want in zip(grads, expected):
+        assert float((got - want).abs().max() / want.abs().max()) < 1e-12
+    small = x[:1, :, :2, :2].detach().clone().requires_grad_(True)
+    assert torch.autograd.gradcheck(norm, (small,)) and torch.autograd.gradgradcheck(norm, (small,))
+
+
+def test_uneven_group_norm_per_sample_gradients_under_torch_func():
+    """vmap(grad) through the hand-written backward equals a loop over samples."""
+    from torch.func import functional_call, grad, vmap
+
+    norm = FieldGroupNorm(5, 4, 2).double()
+    with torch.no_grad():
+        norm.weight.normal_()
+        norm.bias.normal_()
+    params = {name: p.detach() for name, p in norm.named_parameters()}
+    x = torch.randn(4, 20, 3, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+
+    def loss(p, sample):
+        return functional_call(norm, p, (sample.unsqueeze(0),)).pow(3).sum()
+
+    batched = vmap(grad(loss), in_dims=(None, 0))(params, x)
+    for i in range(4):
+        single = grad(loss)(params, x[i])
+        for name in params:
+            assert torch.allclose(batched[name][i], single[name], rtol=1e-10, atol=1e-12)
+
+
+def test_uneven_group_norm_output_may_be_overwritten_in_place():
+    """An in-place activation after a norm without affine step (a converted ReLU(inplace=True)) keeps backward exact."""
+    norm = FieldGroupNorm(5, 4, 2, affine=False).double()
+    x = torch.randn(2, 20, 3, 3, dtype=torch.float64, requires_grad=True)
+    torch.relu_(norm(x)).sum().backward()
+    expected = x.detach().clone().requires_grad_(True)
+    torch.relu(norm(expected)).sum().backward()
+    assert torch.allclose(x.grad, expected.grad, rtol=1e-12, atol=1e-14)

@@ -44,8 +44,8 @@ class DemoSettings:
     max_grad_norm: float = 2.0
     lr: float = 0.5
     momentum: float = 0.9
-    # De et al.'s warm-up caps step t's EMA decay at (1 + t) / (10 + t): 0.971 at the last of 300 steps, so 0.97 is
-    # about what any larger decay (the 0.999 of earlier sessions) gave; 0.999 would need 8,990 steps
+    # De et al.'s warm-up caps step t's EMA decay at (1 + t) / (10 + t): 0.971 at the last of 300 steps, so any
+    # larger decay trains about the same EMA as 0.97 here (0.999 would need 8,990 steps to apply)
     ema_decay: float = 0.97
     seed: int = 0
     # Filters start at 1/sqrt 2 of He's scale: 80.3 / 80.9% vs 79.1 / 79.9% at He's (seeds 0 / 1, benchmarks/RESULTS.md)

@@ -87,10 +87,6 @@ def _activation(spec: RunSpec) -> str | None:
     from ..models.equivariant_resnet9 import PAPER_ACTIVATIONS
 
     if spec.model != PAPER_MODEL:
-        for flag, value in (("--activation", spec.activation), ("--norm-groups", spec.norm_groups)):
-            if value is not None:
-                raise ValueError(f"{flag} applies to {PAPER_MODEL} only (its conv -> activation -> norm blocks), "
-                                 f"not {spec.model!r}: drop it, or train {PAPER_MODEL}")
         return None
     if spec.activation is not None and spec.activation not in PAPER_ACTIVATIONS:
         raise ValueError(f"--activation {spec.activation!r} is not one of {sorted(PAPER_ACTIVATIONS)}")
@@ -106,6 +102,11 @@ def _norm_groups(spec: RunSpec) -> int | None:
     return PAPER_NORM_GROUPS if spec.norm_groups is None else spec.norm_groups
 
 
+def _final_ema_decay(trainer: DPTrainer) -> float | None:
+    """The decay the EMA's last update used (the warm-up may keep it under the one asked for); None without one."""
+    return trainer.ema.decay_at(trainer.step - 1) if trainer.ema is not None and trainer.step else None
+
+
 def _head(spec: RunSpec) -> str:
     """The converted model's head: as asked, else the paper preset's own (its 2x2 grid), else global pooling."""
     return spec.head or ("keep" if spec.model == PAPER_MODEL else "invariant")
@@ -115,6 +116,19 @@ def _head(spec: RunSpec) -> str:
 _CONVERSION_FLAGS = {"init_gain": ("--init-gain", "the steerable filters' initial scale"),
                      "head": ("--head", "the converted model's head"),
                      "width": ("--width", "the conversion's width rule")}
+
+
+# options that only the paper preset has (its conv -> activation -> norm blocks): refused for other models
+_PRESET_FLAGS = {"activation": "--activation", "norm_groups": "--norm-groups"}
+
+
+def _refuse_preset_options_for_other_models(spec: RunSpec) -> None:
+    if spec.model == PAPER_MODEL:
+        return
+    for field, flag in _PRESET_FLAGS.items():
+        if getattr(spec, field) is not None:
+            raise ValueError(f"{flag} applies to {PAPER_MODEL} only (its conv -> activation -> norm blocks), "
+                             f"not {spec.model!r}: drop it, or train {PAPER_MODEL}")
 
 
 def _refuse_conversion_options_for_baseline(spec: RunSpec) -> None:
@@ -181,6 +195,7 @@ def run_training(spec: RunSpec, **trainer_options: Any) -> dict[str, Any]:
     from ..data import load_dataset
 
     _refuse_conversion_options_for_baseline(spec)
+    _refuse_preset_options_for_other_models(spec)
     activation = _activation(spec)
     start = time.perf_counter()
     train = load_dataset(spec.dataset, spec.data_dir, split="train")
@@ -220,8 +235,8 @@ def run_training(spec: RunSpec, **trainer_options: Any) -> dict[str, Any]:
         test_accuracy=final["accuracy"], test_loss=final["loss"], brier=final["brier"], ece=final["ece"],
         epsilon=trainer.epsilon, delta=c.delta, target_epsilon=c.target_epsilon, accountant=c.accountant,
         noise_multiplier=trainer.noise_multiplier, steps=trainer.step, batch_size=c.batch_size, aug_mult=c.aug_mult,
-        max_grad_norm=c.max_grad_norm, lr=c.lr, ema_decay=c.ema_decay,
-        ema_final_decay=trainer.ema.decay_at(trainer.step - 1) if trainer.ema is not None and trainer.step else None, params=_count(model), params_before=params_before,
+        max_grad_norm=c.max_grad_norm, lr=c.lr, ema_decay=c.ema_decay, ema_final_decay=_final_ema_decay(trainer),
+        params=_count(model), params_before=params_before,
         input_size=input_size, train_examples=len(train), test_examples=len(test), device=_device_name(trainer.device),
         lr_schedule=c.lr_schedule, per_sample_method=trainer.per_sample_method, precision=c.precision, seed=c.seed,
         filter_gradients=c.filter_gradients,

@@ -76,7 +76,8 @@ GEOMETRIES = [  # (C_in, C_out, size, conv arguments)
     (4, 6, 9, dict(kernel=3, padding=2, dilation=2)),
     (4, 6, 6, dict(kernel=3, padding=1, groups=2)),
     (3, 4, 6, dict(kernel=3, padding=1, padding_mode="circular")),
-    (10, 3, 9, dict(kernel=5, padding=2)),
+    (10, 3, 9, dict(kernel=5, padding=2)),  # fewer output channels: the gradient is placed once per column shift
+    (3, 6, 8, dict(kernel=5, padding=2)),  # fewer input channels: the input is copied once per column shift
 ]
 
 
@@ -206,7 +207,8 @@ def test_products_run_in_the_gradients_dtype_whatever_the_inputs_dtype():
 
 
 @pytest.mark.parametrize("method, products", [("products", 9), ("unfolded", 1)])
-def test_every_product_gets_aligned_operands(monkeypatch, method, products):
+@pytest.mark.parametrize("channels_in, channels_out", [(13, 11), (11, 13)])  # the gradient or the input shifted
+def test_every_product_gets_aligned_operands(monkeypatch, method, products, channels_in, channels_out):
     """Every pointer and leading dimension handed to cuBLAS is a multiple of 8 elements (16 bytes in bf16): a tap
     shifted by one column was misaligned, and cuBLAS then picked its 1- and 2-element-aligned kernels."""
     from equiconvert.privacy import filter_gradients
@@ -219,7 +221,7 @@ def test_every_product_gets_aligned_operands(monkeypatch, method, products):
         return real_bmm(a, b, out=out)
 
     monkeypatch.setattr(filter_gradients.torch, "bmm", spy)
-    inputs, grad_out = torch.randn(6, 13, 7, 7), torch.randn(6, 11, 7, 7)  # odd widths and channel counts
+    inputs, grad_out = torch.randn(6, channels_in, 7, 7), torch.randn(6, channels_out, 7, 7)  # odd widths, channels
     with filter_gradient_method(method):
         per_example_filter_gradients(inputs, grad_out, 2, kernel=3, padding=1)
     assert len(seen) == products
@@ -253,3 +255,4 @@ def test_unfolded_products_over_slices_of_the_examples_equal_the_loop(monkeypatc
     assert seen == [2, 2, 1]
     expected = naive_filter_gradients(inputs, grad_out, 2, (4, 3, 3, 3), padding=1)
     torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-10)
+

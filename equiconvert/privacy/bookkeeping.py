@@ -53,16 +53,19 @@ def _filter_gradients(module: nn.Module, inputs: torch.Tensor, grad_out: torch.T
                                         padding_mode=module.padding_mode)
 
 
-def _channel_sums(grad_out: torch.Tensor, batch: int, views: int) -> torch.Tensor:
-    """Per-example gradient of a per-channel conv bias, (B, C_out): the output gradient summed over views and positions."""
-    return grad_out.reshape(batch, views, grad_out.shape[1], -1).sum(dim=(1, 3))
+def _channel_sums(grad_out: torch.Tensor, batch: int, views: int, dtype: torch.dtype) -> torch.Tensor:
+    """Per-example gradient of a per-channel conv bias, (B, C_out): the output gradient summed over views and positions.
+
+    Accumulated and returned in `dtype` (the bias's) without a copy of a bf16 gradient in fp32 first.
+    """
+    return grad_out.reshape(batch, views, grad_out.shape[1], -1).sum(dim=(1, 3), dtype=dtype)
 
 
 def _conv_rule(module: nn.Conv2d, inputs: torch.Tensor, grad_out: torch.Tensor, views: int) -> dict[str, torch.Tensor]:
     filters = _filter_gradients(module, inputs, grad_out, views).to(module.weight.dtype)
     grads = {"weight": filters.contiguous()}
     if module.bias is not None:
-        grads["bias"] = _channel_sums(grad_out.to(module.bias.dtype), filters.shape[0], views)
+        grads["bias"] = _channel_sums(grad_out, filters.shape[0], views, module.bias.dtype)
     return grads
 
 
@@ -73,7 +76,7 @@ def _steerable_conv_rule(
     grads = {"weight": steerable_weight_gradients(module, filters)}
     if module.bias is not None:
         _, bias_vjp = vjp(module.expand_bias, module.bias.detach())
-        channel_sums = _channel_sums(grad_out.to(module.bias.dtype), filters.shape[0], views)
+        channel_sums = _channel_sums(grad_out, filters.shape[0], views, module.bias.dtype)
         grads["bias"] = vmap(lambda g: bias_vjp(g)[0])(channel_sums)
     return grads
 

@@ -257,13 +257,34 @@ def _laid_out_inputs(inputs: torch.Tensor, views: int, dtype: torch.dtype, kerne
     return flat, grid
 
 
-def _placed_gradient(grad_out: torch.Tensor, views: int, grid: _Grid, dx: int) -> torch.Tensor:
-    """(B, C_out, grid.length): the output gradient in the grid, at columns dx.. of each row, zeros elsewhere."""
+def _placed_gradient(grad_out: torch.Tensor, views: int, grid: _Grid, dx: int,
+                     placed: torch.Tensor | None = None) -> torch.Tensor:
+    """(B, C_out, grid.length): the output gradient in the grid, at columns dx.. of each row, zeros elsewhere.
+
+    `placed`, the result of the same call at dx - 1, is moved one column on in place (its stale column zeroed):
+    the buffer is zero-filled once per layer, not once per column shift (zeroing only the margins instead, in
+    strided fills, was slower on an H200: call AD, benchmarks/RESULTS.md).
+    """
     channels_out, out_h, out_w = grad_out.shape[1:]
     batch = grad_out.shape[0] // views
-    placed = grad_out.new_zeros(batch, channels_out, views, grid.padded_h, grid.row)
-    placed[:, :, :, :out_h, dx : dx + out_w] = grad_out.reshape(batch, views, channels_out, out_h, out_w).transpose(1, 2)
-    return placed.view(batch, channels_out, grid.length)
+    if placed is None:
+        grid_view = grad_out.new_zeros(batch, channels_out, views, grid.padded_h, grid.row)
+    else:
+        grid_view = placed.view(batch, channels_out, views, grid.padded_h, grid.row)
+        grid_view[:, :, :, :out_h, dx - 1].zero_()
+    grid_view[:, :, :, :out_h, dx : dx + out_w] = grad_out.reshape(batch, views, channels_out, out_h, out_w).transpose(1, 2)
+    return grid_view.view(batch, channels_out, grid.length)
+
+
+def _shifted_inputs(flat_inputs: torch.Tensor, dx: int, reach: int, shifted: torch.Tensor | None) -> torch.Tensor:
+    """The laid-out input read dx elements on, copied to an aligned buffer (`shifted`, reused when given).
+
+    Only the first `reach` elements of each row of the result are ever read (the last tap's shifted read).
+    """
+    if shifted is None:
+        shifted = flat_inputs.new_empty(*flat_inputs.shape[:2], _aligned(reach))
+    shifted[..., :reach].copy_(flat_inputs[..., dx : dx + reach])
+    return shifted
 
 
 def _check_stride1_shapes(inputs: torch.Tensor, grad_out: torch.Tensor, kernel: tuple[int, int],
@@ -276,37 +297,59 @@ def _check_stride1_shapes(inputs: torch.Tensor, grad_out: torch.Tensor, kernel: 
                          f"{height}x{width} input padded by {ph}, {pw}")
 
 
+def _column_shifts(flat_inputs: torch.Tensor, grad_out: torch.Tensor, views: int, grid: _Grid,
+                   kernel: tuple[int, int]) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """For dx = 0 .. kw-1, (gradient, input) in the grid whose product at row offset dy * row is tap (dy, dx).
+
+    The operand with fewer channels is the one copied per shift: the input, read dx elements on and
+    copied flat, or the gradient, placed at columns dx.. (for the paper's convs, 3 -> 48 or 48 -> 104
+    channels at 32x32, copying the input moves a fraction of the bytes).
+    """
+    kh, kw = kernel
+    if flat_inputs.shape[1] < grad_out.shape[1]:
+        placed = _placed_gradient(grad_out, views, grid, 0)
+        yield placed, flat_inputs
+        reach = grid.length + (kh - 1) * grid.row  # what the last row shift reads of each input row
+        shifted = None
+        for dx in range(1, kw):
+            shifted = _shifted_inputs(flat_inputs, dx, reach, shifted)
+            yield placed, shifted
+    else:
+        placed = None
+        for dx in range(kw):
+            placed = _placed_gradient(grad_out, views, grid, dx, placed)
+            yield placed, flat_inputs
+
+
 def _shifted_products(
     inputs: torch.Tensor, grad_out: torch.Tensor, views: int, kernel: tuple[int, int], padding: tuple[int, int]
 ) -> torch.Tensor:
     """The stride-1 case without unfolding: one batched product per filter tap.
 
     The padded input is laid out per example over (views, rows, columns) in rows of an
-    aligned width; the output gradient is placed in the same grid once per column shift dx
-    (at columns dx..). Filter tap (dy, dx) then pairs the gradient placed at dx with the input
-    read dy rows further on: one `bmm` per tap, no k*k-fold copy of the input, and every
-    operand pointer and leading dimension a multiple of ALIGNMENT (shifting the input by dx
-    elements instead made cuBLAS pick its 1- and 2-element-aligned kernels; profile in
-    benchmarks/RESULTS.md). Positions
-    the row shift carries past a view meet zeros of the placed gradient, and a zero tail keeps
-    the last shift inside the buffer. The input is cast to the gradient's dtype as it is placed.
+    aligned width, and the output gradient is placed in the same grid. Filter tap (dy, dx)
+    pairs the gradient at column c with the input dx columns and dy rows further on: one `bmm`
+    per tap, no k*k-fold copy of the input, and every operand pointer and leading dimension a
+    multiple of ALIGNMENT (reading the input dx elements on in place made cuBLAS pick its 1- and
+    2-element-aligned kernels; profile in benchmarks/RESULTS.md), so _column_shifts copies one
+    operand per column shift. Positions the row shift carries past a view meet zeros of the
+    placed gradient, and a zero tail keeps the last shift inside the buffer. The input is cast
+    to the gradient's dtype as it is laid out.
     """
     _check_stride1_shapes(inputs, grad_out, kernel, padding)
     kh, kw = kernel
     batch, channels_in, channels_out = inputs.shape[0] // views, inputs.shape[1], grad_out.shape[1]
     flat_inputs, grid = _laid_out_inputs(inputs, views, grad_out.dtype, kernel, padding)
-    size, strides = (batch, grid.length, channels_in), (flat_inputs.stride(0), 1, flat_inputs.stride(1))
     # Taps are written in place into (B, C_out, taps, C_in padded to ALIGNMENT): each tap's (C_out, C_in) block is a
     # matrix with an aligned leading dimension, which cuBLAS writes directly (stacking taps last would copy everything).
     padded_in = _aligned(channels_in)
     by_tap = grad_out.new_empty(batch, channels_out, kh * kw, padded_in)
     with matmuls_in_convolution_precision(inputs.is_cuda):
-        for dx in range(kw):
-            placed = _placed_gradient(grad_out, views, grid, dx)
+        for dx, (placed, shifted) in enumerate(_column_shifts(flat_inputs, grad_out, views, grid, kernel)):
+            size, strides = (batch, grid.length, channels_in), (shifted.stride(0), 1, shifted.stride(1))
             for dy in range(kh):
-                tap = dy * kw + dx
-                torch.bmm(placed, flat_inputs.as_strided(size, strides, dy * grid.row),
-                          out=by_tap[:, :, tap, :channels_in])
+                torch.bmm(placed, shifted.as_strided(size, strides, dy * grid.row),
+                          out=by_tap[:, :, dy * kw + dx, :channels_in])
     return by_tap[..., :channels_in].unflatten(2, (kh, kw)).permute(0, 1, 4, 2, 3)
 
 

@@ -97,6 +97,24 @@ def test_init_gain_sets_the_initial_filter_scale():
             _conv(group, "regular", 2, 2, init_gain=bad)
 
 
+@pytest.mark.parametrize("standardized", [True, False])
+def test_weight_gradients_equal_autograds_vjp_of_the_coefficients(standardized):
+    """The closed-form VJP of the weight standardization against torch.func's, per example, in float64."""
+    from torch.func import vjp, vmap
+
+    conv = _conv(parse_group("D2"), "regular", 3, 5, weight_standardization=standardized).double()
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        conv.weight.copy_(torch.randn(conv.weight.shape, generator=generator, dtype=torch.float64) * 0.3 + 0.1)
+    grads = torch.randn(4, *conv.weight.shape, generator=generator, dtype=torch.float64)
+    _, pullback = vjp(conv.coefficients, conv.weight.detach())
+    expected = vmap(lambda g: pullback(g)[0])(grads)
+    got = conv.weight_gradients(grads)
+    assert got.shape == expected.shape == grads.shape
+    assert _relative(got, expected) < 1e-12
+    assert conv.weight_gradients(grads[:0]).shape == (0, *conv.weight.shape)
+
+
 def test_weight_standardization_standardizes_each_output_field():
     conv = _conv(parse_group("C4"), "regular", 3, 5, weight_standardization=True)
     coefficients = conv.coefficients()

@@ -119,6 +119,24 @@ class SteerableConv2d(nn.Module):
         var = weight.var(dim=(1, 2), keepdim=True, unbiased=False)
         return (weight - mean) / torch.sqrt(var + self.eps)
 
+    def weight_gradients(self, coefficient_grads: torch.Tensor) -> torch.Tensor:
+        """Gradients of self.weight from gradients of its coefficients, for a batch (..., out, in, basis) of them.
+
+        The VJP of the standardization in closed form (a layer norm's backward: rstd (g - mean g - w_hat mean(g
+        w_hat)), means per output field), a few passes over per-example gradients where vmap of autograd's VJP
+        makes about ten; tests compare the two.
+        """
+        if not self.weight_standardization:
+            return coefficient_grads
+        weight = self.weight.detach()
+        mean = weight.mean(dim=(1, 2), keepdim=True)
+        rstd = torch.rsqrt(weight.var(dim=(1, 2), keepdim=True, unbiased=False) + self.eps)
+        standardized = (weight - mean) * rstd
+        grad_mean = coefficient_grads.mean(dim=(-2, -1), keepdim=True)
+        grad_dot = (coefficient_grads * standardized).mean(dim=(-2, -1), keepdim=True)
+        centred = torch.addcmul(-grad_mean * rstd, coefficient_grads, rstd)
+        return torch.addcmul(centred, standardized, -grad_dot * rstd)
+
     def expand_filter(self, weight: torch.Tensor | None = None) -> torch.Tensor:
         """The (out_channels, in_channels/groups, k, k) filter used by F.conv2d, from `weight` (default: self.weight).
 

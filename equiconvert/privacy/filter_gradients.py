@@ -31,7 +31,6 @@ from typing import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
-from torch.func import vjp, vmap
 
 from ..nn.conv import SteerableConv2d
 
@@ -207,7 +206,8 @@ def steerable_weight_gradients(module: SteerableConv2d, filters: torch.Tensor) -
     """Per-example gradients of module.weight from those of its expanded filter (B, C_out, C_in/groups, k, k).
 
     The transpose of SteerableConv2d.expand_filter: the basis contraction, then the
-    vector-Jacobian product of the weight standardization when the layer has it.
+    vector-Jacobian product of the weight standardization when the layer has it
+    (SteerableConv2d.weight_gradients).
     The contraction runs in the filters' dtype (bf16 ones, from autocast, are not copied
     to fp32 first: the filter gradient is this step's largest tensor); the result, and
     the standardization's product, are in the weight's dtype.
@@ -216,11 +216,7 @@ def steerable_weight_gradients(module: SteerableConv2d, filters: torch.Tensor) -
     batch, k = filters.shape[0], module.kernel_size
     blocks = filters.reshape(batch, module.out_fields, module.out_size, -1, module.in_size, k, k)
     coefficients = torch.einsum("bxsyijk,nsijk->bxyn", blocks, module.basis.to(filters.dtype))
-    coefficients = coefficients.to(module.weight.dtype)
-    if not module.weight_standardization or batch == 0:
-        return coefficients
-    _, standardization_vjp = vjp(module.coefficients, module.weight.detach())
-    return vmap(lambda g: standardization_vjp(g)[0])(coefficients)
+    return module.weight_gradients(coefficients.to(module.weight.dtype))
 
 
 ALIGNMENT = 8  # elements: 16 bytes in bf16, the alignment cuBLAS's widest tensor-core kernels ask of every operand

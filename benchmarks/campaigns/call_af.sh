@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# GPU call AF (one H200, session 11): the weight standardization's per-example VJP in closed form
+# (SteerableConv2d.weight_gradients) instead of vmap over autograd's VJP: this tree against `.mid` (commit dca66a1, the
+# code call AE measured) and `.old` (commit 18cf3eb, before this session), alternating, one process per line; then its
+# kernel profile. Set-up, in the checkout:
+#   for c in old:18cf3eb mid:dca66a1; do rm -rf .${c%%:*} && mkdir .${c%%:*} &&
+#       git archive ${c#*:} equiconvert benchmarks/throughput.py | tar x -C .${c%%:*}; done
+# and carry .old, .mid with .gpul and .eqc. The JSONs come back in one archive, bench.tgz.
+source benchmarks/campaigns/common.sh
+B="$RESULTS/bench"; mkdir -p "$B"
+nvidia-smi --query-gpu=name,memory.total --format=csv > "$B/gpus.csv"
+T="--device cuda --model paper --batch 512 --aug-mult 4 --cudnn-benchmark --iters 10 --methods nonprivate,bookkeeping:fastest"
+for round in 1 2; do
+    (cd .old && timeout 100 python benchmarks/throughput.py $T --precision bf16 --out $B/bf16_before_$round.json) 2>&1 | tail -1
+    (cd .mid && timeout 100 python benchmarks/throughput.py $T --precision bf16 --out $B/bf16_call_ae_$round.json) 2>&1 | tail -1
+    timeout 100 python benchmarks/throughput.py $T --precision bf16 --out $B/bf16_after_$round.json 2>&1 | tail -1
+done
+timeout 100 python benchmarks/throughput.py $T --precision fp32 --out $B/fp32_after.json 2>&1 | tail -1
+(cd .old && timeout 100 python benchmarks/throughput.py $T --precision fp32 --out $B/fp32_before.json) 2>&1 | tail -1
+timeout 60 python benchmarks/profile_step.py --device cuda --model paper --batch 512 --aug-mult 4 --precision bf16 \
+    --cudnn-benchmark --filter-gradients fastest --top 60 --out $B/profile_paper_d4_512x4_bf16_top60_after.json 2>&1 | tail -1
+tar czf "$RESULTS/bench.tgz" -C "$RESULTS" bench && rm -rf "$B"

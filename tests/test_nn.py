@@ -190,6 +190,21 @@ def test_group_norm_statistics_stay_fp32_under_bf16_autocast(num_fields, num_gro
     assert torch.allclose(low, norm(x.float()), atol=1e-5)
 
 
+@pytest.mark.parametrize("offset", [0.0, 100.0])
+def test_uneven_group_norm_backward_stays_accurate_in_fp32_far_from_zero(offset):
+    """The backward expands y = x * r + shift instead of forming y: with activations 100 standard deviations from
+    zero (where that expansion cancels most), fp32 still agrees with float64 to 1e-5 of the largest gradient."""
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 13 * 8, 16, 16, generator=generator, dtype=torch.float64) + offset
+    upstream = torch.randn(x.shape, generator=generator, dtype=torch.float64)
+    grads = []
+    for dtype in (torch.float64, torch.float32):
+        inputs = x.to(dtype).requires_grad_(True)
+        norm = FieldGroupNorm(13, 8, 8, affine=False).to(dtype)
+        grads.append(torch.autograd.grad((norm(inputs) * upstream.to(dtype)).sum(), inputs)[0].double())
+    assert _relative(grads[1], grads[0]) < 1e-5
+
+
 @pytest.mark.parametrize("num_fields, field_size, num_groups", [(13, 8, 8), (5, 4, 2), (39, 4, 8)])
 def test_uneven_group_norm_backward_equals_autograd_of_its_forward(num_fields, field_size, num_groups):
     """FieldGroupNorm's hand-written backward against autograd through the same ops (float64, with eps)."""

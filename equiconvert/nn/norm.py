@@ -61,8 +61,10 @@ class _FieldGroupStandardization(torch.autograd.Function):
     full-size tensor); for y = (x - mean_g) * r_g with r_g = 1/sqrt(var_g + eps) the gradient is
     dx = r_g * (dy - mean_g(dy) - y * mean_g(dy * y)) (group means over all elements of the group),
     a few passes. It keeps the input, as autograd does, not the output (which a later in-place
-    activation may overwrite) and recomputes y from it with the forward's statistics (or, when a graph of
-    the backward is asked for, statistics recomputed from the input: second derivatives stay exact).
+    activation may overwrite), and never forms y again: with y = x * r_g + shift, the sum of dy * y is
+    r_g sum(dy * x) + shift sum(dy) and dx is r_g dy + (slope r_g) x + a per-field constant. The forward's
+    statistics are reused (or, when a graph of the backward is asked for, recomputed from the input:
+    second derivatives stay exact).
     Tests compare it with autograd's in float64.
     """
 
@@ -87,14 +89,17 @@ class _FieldGroupStandardization(torch.autograd.Function):
         fields, scale, shift, to_groups, to_fields = ctx.saved_tensors
         if torch.is_grad_enabled():  # a graph of this backward is asked for: statistics as functions of the input
             scale, shift = _field_group_scale_shift(fields, to_groups, to_fields, ctx.eps)
-        normalized = torch.addcmul(shift.unsqueeze(-1), fields, scale.unsqueeze(-1))
         size = fields.shape[-1]
-        grad_mean = (grad.sum(dim=-1) @ to_groups) / size  # (B, G): mean of dy over each group's elements
-        grad_dot = ((grad * normalized).sum(dim=-1) @ to_groups) / size  # mean of dy * y over each group
-        offset = -(grad_mean @ to_fields) * scale
+        grad_sum = grad.sum(dim=-1)  # (B, F)
+        # sum of dy * y per field without forming y = x * scale + shift
+        grad_dot_field = (grad * fields).sum(dim=-1) * scale + grad_sum * shift
+        grad_mean = (grad_sum @ to_groups) / size  # (B, G): mean of dy over each group's elements
+        grad_dot = (grad_dot_field @ to_groups) / size  # mean of dy * y over each group
         slope = -(grad_dot @ to_fields) * scale
-        fields_grad = torch.addcmul(offset.unsqueeze(-1), grad, scale.unsqueeze(-1))
-        return torch.addcmul(fields_grad, normalized, slope.unsqueeze(-1)), None, None, None
+        # dx = scale * dy + slope * y + offset, with y expanded: one pass fewer than forming y first
+        constant = slope * shift - (grad_mean @ to_fields) * scale
+        fields_grad = torch.addcmul(constant.unsqueeze(-1), grad, scale.unsqueeze(-1))
+        return torch.addcmul(fields_grad, fields, (slope * scale).unsqueeze(-1)), None, None, None
 
 
 class FieldGroupNorm(nn.Module):

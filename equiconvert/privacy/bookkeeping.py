@@ -56,9 +56,11 @@ def _filter_gradients(module: nn.Module, inputs: torch.Tensor, grad_out: torch.T
 def _channel_sums(grad_out: torch.Tensor, batch: int, views: int, dtype: torch.dtype) -> torch.Tensor:
     """Per-example gradient of a per-channel conv bias, (B, C_out): the output gradient summed over views and positions.
 
-    Accumulated and returned in `dtype` (the bias's) without a copy of a bf16 gradient in fp32 first.
+    Accumulated and returned in `dtype` (the bias's) without a copy of a bf16 gradient in fp32 first; positions
+    first (a reduction over each view's contiguous rows), then views.
     """
-    return grad_out.reshape(batch, views, grad_out.shape[1], -1).sum(dim=(1, 3), dtype=dtype)
+    per_view = grad_out.reshape(grad_out.shape[0], grad_out.shape[1], -1).sum(dim=-1, dtype=dtype)
+    return per_view.reshape(batch, views, -1).sum(dim=1)
 
 
 def _conv_rule(module: nn.Conv2d, inputs: torch.Tensor, grad_out: torch.Tensor, views: int) -> dict[str, torch.Tensor]:

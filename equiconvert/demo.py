@@ -57,7 +57,7 @@ class DemoSettings:
     progress: bool = True
 
 
-# On the 2-core CPU of the README (its first section): 1.65-2.0 s a step; 80.24% at step 298 (600 s cap) in session 10.
+# On the 2-core CPU of the README (its first section): 1.65-2.2 s a step; 80.65% at step 270 (600 s cap) in session 11.
 CPU_DEFAULTS = DemoSettings()
 
 

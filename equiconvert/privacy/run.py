@@ -69,16 +69,16 @@ def _paper_model(spec: RunSpec, activation: str, num_classes: int, channels: int
         raise ValueError(f"{PAPER_MODEL} has the paper's layout (16, 32, 64); --widths does not apply to it "
                          "(--width changes its conversion's width rule)")
     act = PAPER_ACTIVATIONS[activation]
-    norm_groups = {} if spec.norm_groups is None else {"norm_groups": spec.norm_groups}
+    norm_groups = _norm_groups(spec)
     try:
-        plain = plain_paper_resnet9(num_classes, channels, act=act, **norm_groups)
+        plain = plain_paper_resnet9(num_classes, channels, act=act, norm_groups=norm_groups)
     except ValueError as exc:
         raise ValueError(f"--norm-groups {spec.norm_groups}: {exc}") from exc
     if spec.group.lower() == BASELINE_GROUP:
         return plain, _count(plain)
     width = {} if spec.width is None else {"width": spec.width}
     model = equivariant_resnet9(spec.group, num_classes, channels, head=_head(spec), act=act, **width,
-                                **norm_groups, **_conversion_options(spec))
+                                norm_groups=norm_groups, **_conversion_options(spec))
     return model, _count(plain)
 
 

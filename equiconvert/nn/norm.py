@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import fused_norm
 from .conv import apply_to_constants
 
 
@@ -24,20 +25,50 @@ def at_least_fp32(x: torch.Tensor) -> torch.Tensor:
     return x.to(torch.promote_types(x.dtype, torch.float32))
 
 
-def _field_group_scale_shift(fields: torch.Tensor, to_groups: torch.Tensor, to_fields: torch.Tensor,
-                             eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _group_scale_shift(field_mean: torch.Tensor, field_var: torch.Tensor, to_groups: torch.Tensor,
+                       to_fields: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(scale, shift), each (B, F): the per-field affine map that standardizes over groups of whole fields.
 
     Group statistics come from per-field ones (law of total variance: fields of a group have equal sizes),
-    so the full-size tensor is read once here.
+    so the full-size tensor is read once, for the per-field moments.
     """
-    field_var, field_mean = torch.var_mean(fields, dim=-1, unbiased=False)  # (B, F)
     group_mean = field_mean @ to_groups
     spread = (field_mean - group_mean @ to_fields).pow(2)
     group_var = (field_var + spread) @ to_groups
     scale = torch.rsqrt(group_var + eps) @ to_fields  # back to (B, F)
     shift = -(group_mean @ to_fields) * scale
     return scale, shift
+
+
+def _field_group_scale_shift(fields: torch.Tensor, to_groups: torch.Tensor, to_fields: torch.Tensor,
+                             eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    field_var, field_mean = torch.var_mean(fields, dim=-1, unbiased=False)  # (B, F)
+    return _group_scale_shift(field_mean, field_var, to_groups, to_fields, eps)
+
+
+def _input_grad_terms(grad_sum: torch.Tensor, grad_dot_fields: torch.Tensor, size: int, scale: torch.Tensor,
+                      shift: torch.Tensor, to_groups: torch.Tensor,
+                      to_fields: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(slope, constant), each (B, F), with dx = scale * dy + slope * scale * x + constant.
+
+    For y = x * scale + shift the group-norm gradient is scale * (dy - mean_g(dy) - y * mean_g(dy * y));
+    the sum of dy * y per field is scale * sum(dy * x) + shift * sum(dy), so y is never formed.
+    """
+    grad_dot_field = grad_dot_fields * scale + grad_sum * shift
+    grad_mean = (grad_sum @ to_groups) / size  # (B, G): mean of dy over each group's elements
+    grad_dot = (grad_dot_field @ to_groups) / size  # mean of dy * y over each group
+    slope = -(grad_dot @ to_fields) * scale
+    constant = slope * shift - (grad_mean @ to_fields) * scale
+    return slope, constant
+
+
+def _standardization_input_grad(grad: torch.Tensor, fields: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor,
+                                to_groups: torch.Tensor, to_fields: torch.Tensor) -> torch.Tensor:
+    """dx of the group standardization in plain torch ops (differentiable: second derivatives use it)."""
+    slope, constant = _input_grad_terms(grad.sum(dim=-1), (grad * fields).sum(dim=-1), fields.shape[-1], scale,
+                                        shift, to_groups, to_fields)
+    fields_grad = torch.addcmul(constant.unsqueeze(-1), grad, scale.unsqueeze(-1))
+    return torch.addcmul(fields_grad, fields, (slope * scale).unsqueeze(-1))
 
 
 def normalize_field_groups(fields: torch.Tensor, to_groups: torch.Tensor, to_fields: torch.Tensor,
@@ -89,17 +120,43 @@ class _FieldGroupStandardization(torch.autograd.Function):
         fields, scale, shift, to_groups, to_fields = ctx.saved_tensors
         if torch.is_grad_enabled():  # a graph of this backward is asked for: statistics as functions of the input
             scale, shift = _field_group_scale_shift(fields, to_groups, to_fields, ctx.eps)
-        size = fields.shape[-1]
-        grad_sum = grad.sum(dim=-1)  # (B, F)
-        # sum of dy * y per field without forming y = x * scale + shift
-        grad_dot_field = (grad * fields).sum(dim=-1) * scale + grad_sum * shift
-        grad_mean = (grad_sum @ to_groups) / size  # (B, G): mean of dy over each group's elements
-        grad_dot = (grad_dot_field @ to_groups) / size  # mean of dy * y over each group
-        slope = -(grad_dot @ to_fields) * scale
-        # dx = scale * dy + slope * y + offset, with y expanded: one pass fewer than forming y first
-        constant = slope * shift - (grad_mean @ to_fields) * scale
-        fields_grad = torch.addcmul(constant.unsqueeze(-1), grad, scale.unsqueeze(-1))
-        return torch.addcmul(fields_grad, fields, (slope * scale).unsqueeze(-1)), None, None, None
+        return _standardization_input_grad(grad, fields, scale, shift, to_groups, to_fields), None, None, None
+
+
+class _FusedFieldGroupStandardization(torch.autograd.Function):
+    """_FieldGroupStandardization on Triton kernels (fused_norm): the input read in its own dtype (bf16 under
+    autocast, never copied to fp32), statistics and output in fp32, one vectorized pass per step.
+
+    The output is fp32 like the torch path's; the input gradient comes back in the input's dtype.
+    Without Triton, off CUDA and under torch.func FieldGroupNorm uses _FieldGroupStandardization.
+    """
+
+    @staticmethod
+    def forward(fields: torch.Tensor, to_groups: torch.Tensor, to_fields: torch.Tensor,
+                eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        rows = fields.reshape(-1, fields.shape[-1])
+        field_mean, field_var = fused_norm.row_moments(rows)
+        scale, shift = _group_scale_shift(field_mean.view(fields.shape[:2]), field_var.view(fields.shape[:2]),
+                                          to_groups, to_fields, eps)
+        return fused_norm.row_affine(rows, scale, shift).view(fields.shape), scale, shift
+
+    setup_context = _FieldGroupStandardization.setup_context
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor, _scale_grad: torch.Tensor | None, _shift_grad: torch.Tensor | None):
+        fields, scale, shift, to_groups, to_fields = ctx.saved_tensors
+        if torch.is_grad_enabled():  # a graph of this backward: plain torch ops, statistics from the input
+            fields32 = at_least_fp32(fields)
+            scale, shift = _field_group_scale_shift(fields32, to_groups, to_fields, ctx.eps)
+            return _standardization_input_grad(grad, fields32, scale, shift, to_groups, to_fields).to(fields.dtype), \
+                None, None, None
+        rows, grad_rows = fields.reshape(-1, fields.shape[-1]), grad.contiguous().view(-1, fields.shape[-1])
+        grad_sum, grad_dot = fused_norm.row_sums(grad_rows, rows)
+        slope, constant = _input_grad_terms(grad_sum.view(scale.shape), grad_dot.view(scale.shape), fields.shape[-1],
+                                            scale, shift, to_groups, to_fields)
+        fields_grad = fused_norm.row_affine2(grad_rows, rows, scale.reshape(-1), (slope * scale).reshape(-1),
+                                             constant.reshape(-1))
+        return fields_grad.view(fields.shape), None, None, None
 
 
 class FieldGroupNorm(nn.Module):
@@ -128,17 +185,21 @@ class FieldGroupNorm(nn.Module):
         return self
 
     def _normalize_uneven(self, x: torch.Tensor) -> torch.Tensor:
+        """Standardize over uneven groups of fields: fp32 output, statistics in fp32 from x in any float dtype."""
         fields = x.reshape(x.shape[0], self.num_fields, math.prod(x.shape[1:]) // self.num_fields)  # 0 samples too
         to_groups, to_fields = self.assignment / self.assignment.sum(0), self.assignment.T
-        normalized, _, _ = _FieldGroupStandardization.apply(fields, to_groups, to_fields, self.eps)
+        if fused_norm.fused_norm_usable(fields):
+            standardization = _FusedFieldGroupStandardization
+        else:
+            standardization, fields = _FieldGroupStandardization, at_least_fp32(fields)
+        normalized, _, _ = standardization.apply(fields.contiguous(), to_groups, to_fields, self.eps)
         return normalized.reshape(x.shape)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # statistics in at least fp32 under bf16 autocast (CUDA's autocast does so for F.group_norm, CPU's does not)
         with torch.autocast(x.device.type, enabled=False):
-            x = at_least_fp32(x)
             if self.num_fields % self.num_groups == 0:
-                x = F.group_norm(x, self.num_groups, None, None, self.eps)
+                x = F.group_norm(at_least_fp32(x), self.num_groups, None, None, self.eps)
             else:
                 x = self._normalize_uneven(x)
         if self.weight is None:

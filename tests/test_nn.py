@@ -261,3 +261,21 @@ def test_uneven_group_norm_output_may_be_overwritten_in_place():
     expected = x.detach().clone().requires_grad_(True)
     torch.relu(norm(expected)).sum().backward()
     assert torch.allclose(x.grad, expected.grad, rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the compiled Triton norm kernels)")
+@pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
+def test_uneven_group_norm_on_cuda_equals_the_torch_path_in_float64(dtype, tolerance):
+    """The compiled kernels (tests/fused_norm_interpreted.py checks them interpreted) against float64."""
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    x = (3 + 2 * torch.randn(8, 13 * 8, 16, 16, device="cuda", generator=generator)).to(dtype)
+    upstream = torch.randn(x.shape, device="cuda", generator=generator)
+    norm = FieldGroupNorm(13, 8, 8, affine=False).cuda()
+    results = []
+    for inputs in (x.clone().requires_grad_(True), x.double().requires_grad_(True)):
+        out = norm.to(torch.promote_types(inputs.dtype, torch.float32))(inputs)
+        (grad,) = torch.autograd.grad((out * upstream.to(out.dtype)).sum(), inputs)
+        results.append((out.double(), grad.double()))
+    (out, grad), (expected_out, expected_grad) = results
+    assert _relative(out, expected_out) < 1e-5
+    assert _relative(grad, expected_grad) < tolerance

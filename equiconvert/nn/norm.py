@@ -140,7 +140,7 @@ class _FusedFieldGroupStandardization(torch.autograd.Function):
                                           to_groups, to_fields, eps)
         return fused_norm.row_affine(rows, scale, shift).view(fields.shape), scale, shift
 
-    setup_context = _FieldGroupStandardization.setup_context
+    setup_context = staticmethod(_FieldGroupStandardization.setup_context)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor, _scale_grad: torch.Tensor | None, _shift_grad: torch.Tensor | None):

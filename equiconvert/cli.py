@@ -355,7 +355,7 @@ def _add_train_parser(sub) -> None:
     train.add_argument("--filter-gradients", choices=FILTER_GRADIENT_METHODS, default="auto",
                        help="book-keeping's per-example conv filter gradients: batched products per tap, cuDNN's "
                             "grouped weight gradient, or the taps unfolded into one product; auto: the fastest "
-                            "per layer on CUDA (timed once), products on CPU")
+                            "per layer on CUDA (timed once), grouped on CPU")
     train.add_argument("--no-flip", action="store_true",
                        help="augment by crops only (digits: a flipped 2 is not a 2)")
     train.add_argument("--crop-padding", type=int, default=4, metavar="PIXELS",

@@ -35,10 +35,15 @@ def test_precision_switch_leaves_a_users_choice_alone(default_precision):
     assert torch.get_float32_matmul_precision() == "medium"  # still readable: no mixed legacy/new state
 
 
-def test_an_output_gradient_of_the_wrong_size_is_refused():
-    inputs, grad_out = torch.randn(2, 3, 6, 6), torch.randn(2, 4, 5, 5)
-    with pytest.raises(ValueError, match="does not fit a 3x3 stride-1 conv"):
-        per_example_filter_gradients(inputs, grad_out, 1, kernel=3, padding=1)
+@pytest.mark.parametrize("method", ["products", "grouped", "unfolded"])
+@pytest.mark.parametrize("stride, out", [(1, 5), (2, 4)])
+def test_an_output_gradient_of_the_wrong_size_is_refused(method, stride, out):
+    from equiconvert.privacy.filter_gradients import filter_gradient_method
+
+    inputs, grad_out = torch.randn(2, 3, 6, 6), torch.randn(2, 4, out, out)
+    with pytest.raises(ValueError, match=r"does not fit a 3x3 conv \(stride \(%d, %d\).*whose output is" % (stride, stride)):
+        with filter_gradient_method(method):
+            per_example_filter_gradients(inputs, grad_out, 1, kernel=3, padding=1, stride=stride)
 
 
 def test_an_empty_batch_gives_an_empty_result_on_both_paths():
@@ -124,10 +129,10 @@ def test_the_method_in_force_picks_the_kernel(spied_kernels):
 
     inputs, grad_out = torch.randn(4, 3, 6, 6), torch.randn(4, 5, 6, 6)
     per_example_filter_gradients(inputs, grad_out, 2, kernel=3, padding=1)
-    assert spied_kernels == ["products"]  # "auto" off CUDA: never a timing
-    with filter_gradient_method("grouped"):
+    assert spied_kernels == ["grouped"]  # "auto" off CUDA: a fixed kernel, never a timing
+    with filter_gradient_method("products"):
         per_example_filter_gradients(inputs, grad_out, 2, kernel=3, padding=1)
-    assert spied_kernels == ["products", "grouped"]
+    assert spied_kernels == ["grouped", "products"]
     with pytest.raises(ValueError, match="must be one of"), filter_gradient_method("cudnn"):
         pass
 

@@ -19,7 +19,10 @@ at 3 -> 48 channels and 32x32 and at 156 -> 156 and 4x4, "grouped" at 104 -> 104
 
 The method in force (`filter_gradient_method`) is "auto" unless a caller says otherwise:
 "fastest" on CUDA, which times every kernel once per layer geometry and device and keeps
-the fastest, and "products" elsewhere, so CPU results never depend on a timing.
+the fastest, and "grouped" elsewhere (oneDNN's grouped weight gradient on a 2-core CPU was
+1.3-6.7x faster than the products on each of the paper model's six convs,
+benchmarks/results/filter_gradients_cpu_2core.json), a fixed choice so that CPU results never
+depend on a timing (a resumed run repeats its kernels bit for bit).
 """
 from __future__ import annotations
 
@@ -50,6 +53,19 @@ class ConvGeometry:
     padding: tuple[int, int]
     dilation: tuple[int, int]
     groups: int
+
+    def check_output_size(self, inputs: torch.Tensor, grad_out: torch.Tensor) -> None:
+        """A clear error when grad_out's spatial size is not this conv's output size for inputs (every kernel)."""
+        expected = tuple(
+            (size + 2 * pad - dil * (k - 1) - 1) // step + 1
+            for size, pad, dil, k, step in zip(inputs.shape[-2:], self.padding, self.dilation, self.kernel, self.stride)
+        )
+        if tuple(grad_out.shape[-2:]) != expected:
+            raise ValueError(
+                f"output gradient of size {tuple(grad_out.shape[-2:])} does not fit a {self.kernel[0]}x{self.kernel[1]} "
+                f"conv (stride {self.stride}, padding {self.padding}, dilation {self.dilation}) of a "
+                f"{tuple(inputs.shape[-2:])} input, whose output is {expected}"
+            )
 
     @property
     def dense_stride1(self) -> bool:
@@ -85,6 +101,7 @@ def per_example_filter_gradients(
         inputs = F.pad(inputs, (padding[1], padding[1], padding[0], padding[0]), mode=padding_mode)
         padding = (0, 0)
     geometry = ConvGeometry(pair(kernel), pair(stride), padding, pair(dilation), groups)
+    geometry.check_output_size(inputs, grad_out)
     return KERNELS[_kernel_for(inputs, grad_out, views, geometry)](inputs, grad_out, views, geometry)
 
 
@@ -95,9 +112,6 @@ def _products(inputs: torch.Tensor, grad_out: torch.Tensor, views: int, geometry
         return _shifted_products(inputs, grad_out, views, g.kernel, g.padding)
     columns = F.unfold(inputs.to(grad_out.dtype), g.kernel, dilation=g.dilation, padding=g.padding, stride=g.stride)  # (N, C_in k k, L)
     batch, positions = inputs.shape[0] // views, columns.shape[2]
-    if grad_out.shape[-2] * grad_out.shape[-1] != positions:
-        raise ValueError(f"output gradient of size {tuple(grad_out.shape[-2:])} does not match the {positions} "
-                         f"positions of a {g.kernel} conv (stride {g.stride}, dilation {g.dilation}) of its input")
     columns = columns.reshape(batch, views, g.groups, columns.shape[1] // g.groups, positions)
     grad_out = grad_out.reshape(batch, views, g.groups, grad_out.shape[1] // g.groups, positions)  # (B, K, G, C_out/G, L)
     dense = torch.einsum("bkgol,bkgdl->bgod", grad_out, columns)
@@ -163,7 +177,7 @@ def fastest_choices() -> dict[str, str]:
 def _kernel_for(inputs: torch.Tensor, grad_out: torch.Tensor, views: int, geometry: ConvGeometry) -> str:
     method = _method.get()
     if method == "auto":
-        method = "fastest" if inputs.is_cuda else "products"
+        method = "fastest" if inputs.is_cuda else "grouped"
     if inputs.shape[0] == 0:  # no examples: a convolution with zero groups does not exist
         return "products"
     if method != "fastest":
@@ -283,16 +297,6 @@ def _shifted_inputs(flat_inputs: torch.Tensor, dx: int, reach: int, shifted: tor
     return shifted
 
 
-def _check_stride1_shapes(inputs: torch.Tensor, grad_out: torch.Tensor, kernel: tuple[int, int],
-                          padding: tuple[int, int]) -> None:
-    (kh, kw), (ph, pw) = kernel, padding
-    height, width = inputs.shape[-2:]
-    out_h, out_w = grad_out.shape[-2:]
-    if (out_h, out_w) != (height + 2 * ph - kh + 1, width + 2 * pw - kw + 1):
-        raise ValueError(f"output gradient of size {out_h}x{out_w} does not fit a {kh}x{kw} stride-1 conv of a "
-                         f"{height}x{width} input padded by {ph}, {pw}")
-
-
 def _column_shifts(flat_inputs: torch.Tensor, grad_out: torch.Tensor, views: int, grid: _Grid,
                    kernel: tuple[int, int]) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """For dx = 0 .. kw-1, (gradient, input) in the grid whose product at row offset dy * row is tap (dy, dx).
@@ -332,7 +336,6 @@ def _shifted_products(
     placed gradient, and a zero tail keeps the last shift inside the buffer. The input is cast
     to the gradient's dtype as it is laid out.
     """
-    _check_stride1_shapes(inputs, grad_out, kernel, padding)
     kh, kw = kernel
     batch, channels_in, channels_out = inputs.shape[0] // views, inputs.shape[1], grad_out.shape[1]
     flat_inputs, grid = _laid_out_inputs(inputs, views, grad_out.dtype, kernel, padding)
@@ -364,7 +367,6 @@ def _unfolded_products(
     output gradient once. The stacked copy is made for a slice of the examples at a time
     (UNFOLD_SLICE_BYTES), into one buffer.
     """
-    _check_stride1_shapes(inputs, grad_out, kernel, padding)
     kh, kw = kernel
     batch, channels_in, channels_out = inputs.shape[0] // views, inputs.shape[1], grad_out.shape[1]
     flat_inputs, grid = _laid_out_inputs(inputs, views, grad_out.dtype, kernel, padding)

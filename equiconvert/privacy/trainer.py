@@ -76,7 +76,8 @@ class DPConfig:
     # tensor-core speed); each example's gradient is formed, clipped and noised in fp32, so the privacy bound holds
     precision: str = "fp32"
     # book-keeping's per-example conv filter gradients (filter_gradients.py): "auto" times every kernel per layer on
-    # CUDA and keeps the fastest, and uses batched products on CPU; "products", "grouped" or "unfolded" fixes it
+    # CUDA and keeps the fastest, and uses the grouped weight gradient on CPU; "products", "grouped" or "unfolded"
+    # fixes it
     filter_gradients: str = "auto"
 
 

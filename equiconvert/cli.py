@@ -316,7 +316,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
         augment_padding=args.crop_padding, ema_decay=args.ema_decay or None, accountant=args.accountant,
         noise_multiplier=args.noise_multiplier, physical_batch_size=args.physical_batch_size, seed=args.seed,
         eval_every=args.eval_every, checkpoint_every=args.checkpoint_every, per_sample_method=args.per_sample,
-        precision=args.precision, filter_gradients=args.filter_gradients, **normalize,
+        precision=args.precision, filter_gradients=args.filter_gradients, test_shifts=args.test_shifts, **normalize,
     )
     print(json.dumps(result, indent=2))
     return 0
@@ -324,6 +324,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
 def _add_train_parser(sub) -> None:
     from .models.equivariant_resnet9 import PAPER_ACTIVATIONS
+    from .privacy.augment import TEST_SHIFTS
     from .privacy.filter_gradients import FILTER_GRADIENT_METHODS
 
     train = sub.add_parser("train", help="train a (converted) model with DP-SGD and write OUT/result.json")
@@ -361,6 +362,10 @@ def _add_train_parser(sub) -> None:
     train.add_argument("--crop-padding", type=int, default=4, metavar="PIXELS",
                        help="random crops of the reflection-padded image shift it by up to this many pixels (default "
                             "4, CIFAR's; 0: no crops)")
+    train.add_argument("--test-shifts", choices=sorted(TEST_SHIFTS), default=None,
+                       help="also report test metrics with the softmax averaged over these shifted copies of each test "
+                            "image (cross1: the image and its four 1-pixel shifts; grid1: all nine); result.json keeps "
+                            "the plain ones as test_accuracy and adds test_accuracy_shift_averaged")
     train.add_argument("--lr-schedule", choices=("constant", "cosine"), default="constant")
     train.add_argument("--time-limit", type=float, default=None, metavar="SECONDS",
                        help="stop training after this long, with a checkpoint; --resume continues the run")

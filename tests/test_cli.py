@@ -362,3 +362,17 @@ def test_train_norm_groups_and_crop_padding_reach_the_model_and_the_augmentation
     assert "--norm-groups applies to equiconvert:equivariant_resnet9 only" in error
     error = run_error(capsys, "train", "--dataset", "synthetic", "--crop-padding", "-1", "--out", str(tmp_path / "bad"))
     assert "augment_padding" in error and "-1" in error
+
+
+def test_train_test_shifts_adds_shift_averaged_metrics_beside_the_plain_ones(tmp_path, capsys):
+    plain = tiny_train_result(tmp_path / "plain", "--group", "none", "--seed", "3")
+    averaged = tiny_train_result(tmp_path / "averaged", "--group", "none", "--seed", "3", "--test-shifts", "cross1")
+    assert plain["test_shifts"] is None and "test_accuracy_shift_averaged" not in plain
+    assert averaged["test_shifts"] == "cross1"
+    assert averaged["test_accuracy"] == plain["test_accuracy"] and averaged["brier"] == plain["brier"]
+    bounds = {"test_accuracy": 1, "brier": 2, "ece": 1, "test_loss": float("inf")}
+    assert all(0 <= averaged[f"{key}_shift_averaged"] <= bound for key, bound in bounds.items())
+    assert averaged["test_loss_shift_averaged"] != averaged["test_loss"]
+    with pytest.raises(SystemExit):
+        main(["train", "--dataset", "synthetic", "--test-shifts", "cross9", "--out", str(tmp_path / "bad")])
+    assert "invalid choice: 'cross9'" in capsys.readouterr().err

@@ -9,7 +9,17 @@ Python loop over samples.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
+
+# Test-time shift sets (dy, dx): the identity first, then crops of the reflect-padded image as in training.
+# "cross1" (the identity and the four 1-pixel shifts) was chosen on one checkpoint (session 13, call O's seed-0
+# control: 89.67 -> 90.04%), before the runs that report it; "grid1" adds the four diagonal 1-pixel shifts.
+TEST_SHIFTS: dict[str, tuple[tuple[int, int], ...]] = {
+    "cross1": ((0, 0), (-1, 0), (1, 0), (0, -1), (0, 1)),
+    "grid1": ((0, 0),) + tuple((dy, dx) for dy in (-1, 0, 1) for dx in (-1, 0, 1) if (dy, dx) != (0, 0)),
+}
 
 
 def _reflect(index: torch.Tensor, size: int) -> torch.Tensor:
@@ -95,3 +105,33 @@ def augment_views(
         return original
     params = augmentation_params(images.shape[0], num_views - 1, padding, flip, generator, images.device)
     return torch.cat([original, apply_augmentation(images, *params, padding=padding)], dim=1)
+
+
+def shift_set(name: str) -> tuple[tuple[int, int], ...]:
+    """The (dy, dx) shifts of a named test-time set (TEST_SHIFTS), with a clear error for an unknown name."""
+    if name not in TEST_SHIFTS:
+        raise ValueError(f"unknown test-time shift set {name!r}; known: {sorted(TEST_SHIFTS)}")
+    return TEST_SHIFTS[name]
+
+
+def shifted_views(images: torch.Tensor, shifts: Sequence[tuple[int, int]]) -> torch.Tensor:
+    """(B, C, H, W) -> (B, S, C, H, W): view s is the image moved by shifts[s] = (dy, dx) pixels.
+
+    Pixel (i, j) of view s is image[reflect(i + dy), reflect(j + dx)]: the crop at (p + dy, p + dx) of the image
+    reflect-padded by p, i.e. the training augmentation's geometry at fixed offsets and without flips, so that
+    averaging a model over these views (test-time augmentation) stays post-processing of the trained weights.
+    """
+    if images.dim() != 4:
+        raise ValueError(f"images must be (B, C, H, W), got shape {tuple(images.shape)}")
+    if not shifts:
+        raise ValueError("shifts must name at least one (dy, dx) shift")
+    padding = max(max(abs(dy), abs(dx)) for dy, dx in shifts)
+    if padding >= min(images.shape[-2:]):
+        raise ValueError(f"shifts of {padding} pixels need images larger than {padding}x{padding}, "
+                         f"got {tuple(images.shape[-2:])}")
+    offsets = torch.tensor(shifts, device=images.device) + padding  # (S, 2) crop corners in the padded image
+    batch = images.shape[0]
+    offset_y = offsets[:, 0].expand(batch, -1)
+    offset_x = offsets[:, 1].expand(batch, -1)
+    no_flip = torch.zeros_like(offset_y, dtype=torch.bool)
+    return apply_augmentation(images, offset_y, offset_x, no_flip, padding=padding)

@@ -5,11 +5,14 @@ what equivariance buys; the Brier score and ECE make that visible.
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from .augment import shifted_views
 
 
 def classification_metrics(logits: torch.Tensor, labels: torch.Tensor, num_bins: int = 15) -> dict[str, float]:
@@ -60,12 +63,16 @@ def evaluate(
     batch_size: int,
     device: torch.device | str,
     normalize: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    shifts: Sequence[tuple[int, int]] | None = None,
 ) -> dict[str, float]:
     """Metrics of `model` on a whole evaluation set, in eval mode, batch by batch on `device`.
 
     uint8 images are scaled to float32 in [0, 1] first; float images are used
     as given. `normalize` (e.g. per-channel standardisation) is then applied on
-    the device. The model's train/eval mode is restored afterwards.
+    the device. With `shifts` ((dy, dx) pairs, augment.shifted_views) each
+    image's prediction is the mean of the softmax over its shifted copies
+    (test-time augmentation); the metrics then score the log of that mean.
+    The model's train/eval mode is restored afterwards.
     """
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
@@ -79,8 +86,15 @@ def evaluate(
                 batch = batch.to(torch.float32) / 255.0
             if normalize is not None:
                 batch = normalize(batch)
-            outputs.append(model(batch))
+            outputs.append(model(batch) if shifts is None else _shift_averaged_log_probs(model, batch, shifts))
         logits = torch.cat(outputs)
     finally:
         model.train(was_training)
     return classification_metrics(logits, labels.to(logits.device))
+
+
+def _shift_averaged_log_probs(model: nn.Module, batch: torch.Tensor, shifts: Sequence[tuple[int, int]]) -> torch.Tensor:
+    """log of the mean softmax of `model` over the shifted copies of each image in `batch`."""
+    views = shifted_views(batch, shifts)  # (B, S, C, H, W)
+    logits = model(views.flatten(0, 1)).unflatten(0, views.shape[:2])  # (B, S, classes)
+    return torch.logsumexp(F.log_softmax(logits.double(), dim=-1), dim=1) - math.log(len(shifts))

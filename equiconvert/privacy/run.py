@@ -183,6 +183,13 @@ def padded_size(model: Any, size: int) -> int:
     raise ValueError(f"no valid input size >= {size} with the parity of {size}: {model.report.valid_input_rule}")
 
 
+def _shift_averaged(final: dict[str, float]) -> dict[str, float]:
+    """The final evaluation's shift-averaged metrics (DPConfig.test_shifts) under result.json's names."""
+    prefix = "shift_averaged_"
+    names = {"accuracy": "test_accuracy", "loss": "test_loss", "brier": "brier", "ece": "ece"}
+    return {f"{names[key[len(prefix):]]}_shift_averaged": value for key, value in final.items() if key.startswith(prefix)}
+
+
 def pad_images(images: torch.Tensor, size: int) -> torch.Tensor:
     """Zero-pad square images symmetrically to `size` (the converted model's valid input size)."""
     margin = (size - images.shape[-1]) // 2
@@ -244,6 +251,7 @@ def run_training(spec: RunSpec, **trainer_options: Any) -> dict[str, Any]:
         requested_steps=c.steps, stopped_reason=trainer.stopped_reason,
         normalize_mean=c.normalize_mean, normalize_std=c.normalize_std, augment_padding=c.augment_padding,
         augment_flip=c.augment_flip, norm_groups=_norm_groups(spec),
+        test_shifts=c.test_shifts, **_shift_averaged(final),
         evals=_eval_history(Path(spec.out) / "log.jsonl"),
         train_time_s=max((r["time_s"] for r in trainer.history if "time_s" in r), default=0.0),  # this call's
         wall_time_s=time.perf_counter() - start,

@@ -9,6 +9,7 @@ budget would be exceeded.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import time
@@ -21,7 +22,7 @@ import torch
 from torch import nn
 
 from .accounting import PrivacyLedger, calibrate_noise_multiplier
-from .augment import augment_views
+from .augment import augment_views, shift_set
 from .checkpoint import load, save_atomic
 from .ema import ExponentialMovingAverage
 from .metrics import evaluate
@@ -79,6 +80,9 @@ class DPConfig:
     # CUDA and keeps the fastest, and uses the grouped weight gradient on CPU; "products", "grouped" or "unfolded"
     # fixes it
     filter_gradients: str = "auto"
+    # a name in augment.TEST_SHIFTS: every evaluation also reports "shift_averaged_*" metrics, the softmax averaged
+    # over those shifted copies of each test image (post-processing: no privacy cost); the plain metrics are kept
+    test_shifts: str | None = None
 
 
 class DPTrainer:
@@ -131,6 +135,8 @@ class DPTrainer:
             raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {c.optimizer!r}")
         if c.filter_gradients not in FILTER_GRADIENT_METHODS:
             raise ValueError(f"filter_gradients must be one of {FILTER_GRADIENT_METHODS}, got {c.filter_gradients!r}")
+        if c.test_shifts is not None:
+            shift_set(c.test_shifts)
         if c.per_sample_method not in PER_SAMPLE_METHODS:
             raise ValueError(f"per_sample_method must be one of {PER_SAMPLE_METHODS}, got {c.per_sample_method!r}")
         if c.precision not in PRECISIONS:
@@ -313,12 +319,18 @@ class DPTrainer:
         return self.history
 
     def evaluate(self, data: TensorData) -> dict[str, float]:
-        """Metrics of the EMA weights (if any) on `data`."""
+        """Metrics of the EMA weights (if any) on `data`, plus shift-averaged ones when test_shifts is set."""
+        with self.ema.applied(self.model) if self.ema is not None else contextlib.nullcontext():
+            return self._evaluate_model(data)
+
+    def _evaluate_model(self, data: TensorData) -> dict[str, float]:
         images, labels = _tensors(data)
-        if self.ema is None:
-            return evaluate(self.model, images, labels, self.config.eval_batch_size, self.device, self._normalize)
-        with self.ema.applied(self.model):
-            return evaluate(self.model, images, labels, self.config.eval_batch_size, self.device, self._normalize)
+        size, device, normalize = self.config.eval_batch_size, self.device, self._normalize
+        metrics = evaluate(self.model, images, labels, size, device, normalize)
+        if self.config.test_shifts is not None:
+            averaged = evaluate(self.model, images, labels, size, device, normalize, shift_set(self.config.test_shifts))
+            metrics.update({f"shift_averaged_{name}": value for name, value in averaged.items()})
+        return metrics
 
     @property
     def epsilon(self) -> float:

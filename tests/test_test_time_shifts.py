@@ -73,3 +73,16 @@ def test_trainer_reports_shift_averaged_metrics_of_the_ema_weights_beside_the_pl
     assert metrics == {**plain, **{f"shift_averaged_{k}": v for k, v in averaged.items()}}
     with pytest.raises(ValueError, match="unknown test-time shift set"):
         DPTrainer(small_classifier(), device="cpu", test_shifts="diagonal")
+
+
+def test_a_run_resumes_with_other_test_shifts_but_not_with_another_schedule(tmp_path):
+    """test_shifts only changes what evaluations report, so a checkpoint resumes under another set."""
+    images, labels = torch.randint(0, 256, (16, 1, 8, 8), dtype=torch.uint8), torch.randint(0, 5, (16,))
+    options = dict(device="cpu", out_dir=tmp_path, progress=False, batch_size=8, aug_mult=1, physical_batch_size=8,
+                   target_epsilon=None, noise_multiplier=1.0, ema_decay=None, checkpoint_every=1)
+    DPTrainer(small_classifier(), steps=1, **options).fit((images, labels))
+    resumed = DPTrainer(small_classifier(), steps=1, test_shifts="grid1", **options)
+    resumed.fit((images, labels), resume=True)
+    assert resumed.step == 1 and "shift_averaged_accuracy" in resumed.evaluate((images, labels))
+    with pytest.raises(ValueError, match="different configuration"):
+        DPTrainer(small_classifier(), steps=1, lr=1.0, test_shifts="grid1", **options).fit((images, labels), resume=True)

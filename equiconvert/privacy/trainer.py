@@ -394,6 +394,7 @@ class DPTrainer:
 
 
 METHOD_ONLY_OPTIONS = ("per_sample_method",)  # how gradients are computed, not what they are
+EVALUATION_ONLY_OPTIONS = ("test_shifts",)  # what evaluations also report, not what is trained
 
 
 def _resume_identity(config: dict[str, Any]) -> dict[str, Any]:
@@ -403,7 +404,7 @@ def _resume_identity(config: dict[str, Any]) -> dict[str, Any]:
     wrote it (new options default to the old behaviour: precision "fp32").
     """
     full = {**asdict(DPConfig()), **config}
-    return {key: value for key, value in full.items() if key not in METHOD_ONLY_OPTIONS}
+    return {key: value for key, value in full.items() if key not in METHOD_ONLY_OPTIONS + EVALUATION_ONLY_OPTIONS}
 
 
 def _named_schedule(config: DPConfig) -> Callable[[int], float] | None:

@@ -23,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from equiconvert.data import load_dataset  # noqa: E402
 from equiconvert.models.equivariant_resnet9 import equivariant_resnet9  # noqa: E402
 from equiconvert.privacy.augment import TEST_SHIFTS, shift_set  # noqa: E402
+from equiconvert.privacy.ema import ExponentialMovingAverage  # noqa: E402
 from equiconvert.privacy.metrics import evaluate  # noqa: E402
 from equiconvert.privacy.run import pad_images, padded_size  # noqa: E402
 
@@ -32,9 +33,9 @@ def evaluated_weights(state: dict, group: str, classes: int, channels: int) -> n
     model = equivariant_resnet9(group, classes, channels)
     model.load_state_dict(state["model"])
     if state.get("ema"):
-        with torch.no_grad():
-            for name, parameter in model.named_parameters():
-                parameter.copy_(state["ema"]["params"][name])
+        ema = ExponentialMovingAverage(model)
+        ema.load_state_dict(state["ema"])
+        ema.copy_to(model)
     return model
 
 

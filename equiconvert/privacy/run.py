@@ -183,11 +183,15 @@ def padded_size(model: Any, size: int) -> int:
     raise ValueError(f"no valid input size >= {size} with the parity of {size}: {model.report.valid_input_rule}")
 
 
-def _shift_averaged(final: dict[str, float]) -> dict[str, float]:
-    """The final evaluation's shift-averaged metrics (DPConfig.test_shifts) under result.json's names."""
-    prefix = "shift_averaged_"
-    names = {"accuracy": "test_accuracy", "loss": "test_loss", "brier": "brier", "ece": "ece"}
-    return {f"{names[key[len(prefix):]]}_shift_averaged": value for key, value in final.items() if key.startswith(prefix)}
+_RESULT_METRIC_NAMES = {"accuracy": "test_accuracy", "loss": "test_loss", "brier": "brier", "ece": "ece"}
+
+
+def _final_metrics(final: dict[str, float]) -> dict[str, float]:
+    """The final evaluation under result.json's names; shift-averaged ones (DPConfig.test_shifts) get a suffix."""
+    plain = {name: final[key] for key, name in _RESULT_METRIC_NAMES.items()}
+    averaged = {f"{name}_shift_averaged": final[f"shift_averaged_{key}"]
+                for key, name in _RESULT_METRIC_NAMES.items() if f"shift_averaged_{key}" in final}
+    return {**plain, **averaged}
 
 
 def pad_images(images: torch.Tensor, size: int) -> torch.Tensor:
@@ -239,7 +243,7 @@ def run_training(spec: RunSpec, **trainer_options: Any) -> dict[str, Any]:
     final = trainer.history[-1]["final_eval"]
     c = trainer.config
     result.update(
-        test_accuracy=final["accuracy"], test_loss=final["loss"], brier=final["brier"], ece=final["ece"],
+        **_final_metrics(final),
         epsilon=trainer.epsilon, delta=c.delta, target_epsilon=c.target_epsilon, accountant=c.accountant,
         noise_multiplier=trainer.noise_multiplier, steps=trainer.step, batch_size=c.batch_size, aug_mult=c.aug_mult,
         max_grad_norm=c.max_grad_norm, lr=c.lr, ema_decay=c.ema_decay, ema_final_decay=_final_ema_decay(trainer),
@@ -251,7 +255,7 @@ def run_training(spec: RunSpec, **trainer_options: Any) -> dict[str, Any]:
         requested_steps=c.steps, stopped_reason=trainer.stopped_reason,
         normalize_mean=c.normalize_mean, normalize_std=c.normalize_std, augment_padding=c.augment_padding,
         augment_flip=c.augment_flip, norm_groups=_norm_groups(spec),
-        test_shifts=c.test_shifts, **_shift_averaged(final),
+        test_shifts=c.test_shifts,
         evals=_eval_history(Path(spec.out) / "log.jsonl"),
         train_time_s=max((r["time_s"] for r in trainer.history if "time_s" in r), default=0.0),  # this call's
         wall_time_s=time.perf_counter() - start,

@@ -307,7 +307,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
     spec = RunSpec(model=args.model, group=args.group, dataset=args.dataset, data_dir=args.data_dir, out=args.out,
                    width=args.width, model_widths=args.widths, device=args.device, resume=args.resume,
                    progress=not args.no_progress, time_limit_s=args.time_limit, init_gain=args.init_gain,
-                   head=args.head, activation=args.activation, norm_groups=args.norm_groups)
+                   head=args.head, activation=args.activation, norm_groups=args.norm_groups,
+                   res2=False if args.no_res2 else None)
     normalize = {} if args.normalize is None else dict(zip(("normalize_mean", "normalize_std"), args.normalize))
     result = run_training(
         spec, target_epsilon=args.epsilon, delta=args.delta, batch_size=args.batch_size, steps=args.steps,
@@ -386,6 +387,9 @@ def _add_train_parser(sub) -> None:
     train.add_argument("--norm-groups", type=int, default=None,
                        help="equiconvert:equivariant_resnet9's GroupNorm groups, for it and its unconverted network "
                             "(default: the paper's 8; a converted norm takes groups of whole fields, at most one per field)")
+    train.add_argument("--no-res2", action="store_true",
+                       help="equiconvert:equivariant_resnet9 (and its unconverted network) without the last residual "
+                            "block, res2: about half the parameters, so less DP-SGD noise in all (not the paper's)")
     train.add_argument("--normalize", type=_mean_std, default=None,
                        metavar="MEAN,STD", help="pixels in [0, 1] -> (x - MEAN) / STD on the training device "
                                                 "(default 0.5,0.5; Fashion-MNIST's own statistics: 0.286,0.353)")

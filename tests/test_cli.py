@@ -364,6 +364,22 @@ def test_train_norm_groups_and_crop_padding_reach_the_model_and_the_augmentation
     assert "augment_padding" in error and "-1" in error
 
 
+def test_train_no_res2_reaches_the_preset_and_its_baseline_and_is_recorded(tmp_path, capsys):
+    converted = tiny_train_result(tmp_path / "d1", "--model", "equiconvert:equivariant_resnet9", "--group", "D1",
+                                  "--no-res2", "--head", "invariant")  # the paper's 2x2 grid head is not invariant
+    full = tiny_train_result(tmp_path / "full", "--model", "equiconvert:equivariant_resnet9", "--group", "D1",
+                             "--head", "invariant")
+    assert converted["res2"] is False and full["res2"] is True and converted["params"] < full["params"] * 0.6
+    assert converted["max_equivariance_error"] < 1e-4
+    plain = tiny_train_result(tmp_path / "none", "--model", "equiconvert:equivariant_resnet9", "--group", "none",
+                              "--no-res2")
+    assert plain["res2"] is False and "(res2): Identity()" in (tmp_path / "none" / "run" / "model.txt").read_text()
+    capsys.readouterr()
+    error = run_error(capsys, "train", "--dataset", "synthetic", "--model", "equiconvert:resnet9", "--group", "D4",
+                      "--no-res2", "--out", str(tmp_path / "bad"))  # never silently ignored
+    assert "--no-res2 applies to equiconvert:equivariant_resnet9 only" in error
+
+
 def test_train_test_shifts_adds_shift_averaged_metrics_beside_the_plain_ones(tmp_path, capsys):
     plain = tiny_train_result(tmp_path / "plain", "--group", "none", "--seed", "3")
     averaged = tiny_train_result(tmp_path / "averaged", "--group", "none", "--seed", "3", "--test-shifts", "cross1")

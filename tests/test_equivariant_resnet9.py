@@ -73,3 +73,13 @@ def test_the_preset_takes_another_activation_and_stays_equivariant(name):
     images = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
     logits, mirrored = invariant(images), invariant(images.flip(-1))
     assert float((logits - mirrored).abs().max() / logits.abs().max()) < 1e-10
+
+
+def test_the_preset_without_res2_drops_its_parameters_and_stays_equivariant():
+    full, reduced = equivariant_resnet9("D1", in_channels=1), equivariant_resnet9("D1", in_channels=1, res2=False)
+    count = lambda model: sum(p.numel() for p in model.parameters())  # noqa: E731
+    res2 = sum(p.numel() for p in full.network.res2.parameters())
+    assert count(full) == 200_532 and res2 == 96_910 and count(reduced) == 200_532 - 96_910
+    assert isinstance(reduced.network.res2, torch.nn.Identity)
+    assert equiconvert.check_equivariance(equivariant_resnet9("D1", in_channels=1, res2=False, head="invariant").eval(),
+                                          input_size=32).max_error < 1e-5

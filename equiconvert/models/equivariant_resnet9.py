@@ -48,14 +48,16 @@ TABLE1_PARAMS = {  # 10 classes
 
 
 def plain_paper_resnet9(num_classes: int = 10, in_channels: int = 3, layout=PAPER_LAYOUT,
-                        act: type[nn.Module] = nn.Mish, norm_groups: int = PAPER_NORM_GROUPS) -> ResNet9:
-    """The non-equivariant network the preset converts: conv -> act (Mish) -> GroupNorm(8, no affine) -> pool."""
+                        act: type[nn.Module] = nn.Mish, norm_groups: int = PAPER_NORM_GROUPS,
+                        res2: bool = True) -> ResNet9:
+    """The non-equivariant network the preset converts: conv -> act (Mish) -> GroupNorm(8, no affine) -> pool;
+    res2=False leaves out the last residual block (the 4x4 stage)."""
     if norm_groups < 1 or any(channels % norm_groups for channels in layout):
         raise ValueError(f"norm_groups={norm_groups} must divide every width of the layout {tuple(layout)} "
                          "(GroupNorm splits channels evenly), e.g. 1, 2, 4, 8 or 16 for (16, 32, 64)")
     options = BlockOptions(block_order="conv-act-norm", conv_bias=True, norm_affine=False, norm_groups=norm_groups)
     return ResNet9(num_classes, in_channels, layout, norm="group", scale_norm=True, act=act,
-                   options=options, head_pool="avg")
+                   options=options, head_pool="avg", res2=res2)
 
 
 def equivariant_resnet9(
@@ -71,6 +73,7 @@ def equivariant_resnet9(
     frequency: int | None = None,
     act: type[nn.Module] = nn.Mish,
     norm_groups: int = PAPER_NORM_GROUPS,
+    res2: bool = True,
     **config: Any,
 ) -> EquivariantModel:
     """The paper's Equivariant-ResNet9 for `group` ("C4", "D4", ..., "SO2", "O2").
@@ -82,6 +85,7 @@ def equivariant_resnet9(
     act: the pointwise activation (the paper's Mish; PAPER_ACTIVATIONS names the others).
     norm_groups: the GroupNorm groups of the plain network (the paper's 8); a converted norm gets as many groups of
     whole fields, at most one per field.
+    res2=False: without the last residual block (48% of the D1 model's parameters; not the paper's).
     Extra keyword arguments are ConversionConfig fields.
     """
     options = {"weight_standardization": True, "basis_cutoff": PAPER_BASIS_CUTOFF, "init_gain": PAPER_INIT_GAIN,
@@ -90,7 +94,7 @@ def equivariant_resnet9(
         restrict = _paper_restriction(group)
     cfg = ConversionConfig(**options)
     cfg.restrict = restrict
-    plain = plain_paper_resnet9(num_classes, in_channels, layout, act, norm_groups)
+    plain = plain_paper_resnet9(num_classes, in_channels, layout, act, norm_groups, res2)
     if width is None:
         width = kappa_width(PAPER_KAPPA if _is_continuous(group) else RELEASED_CODE_KAPPA)
     return make_equivariant(plain, group, width=width, input_size=input_size, config=cfg, head=head,

@@ -119,7 +119,7 @@ class Residual(nn.Module):
 
 
 class ResNet9(nn.Module):
-    """ResNet9: stem, layer1, res1, layer2, layer3, res2, head.
+    """ResNet9: stem, layer1, res1, layer2, layer3, res2 (optional), head.
 
     Stage names are stable so the converter and tests can address them.
     """
@@ -134,6 +134,7 @@ class ResNet9(nn.Module):
         act: type[nn.Module] = nn.Mish,
         options: BlockOptions | None = None,
         head_pool: str = "max",
+        res2: bool = True,
     ) -> None:
         super().__init__()
         if norm not in NORMS:
@@ -150,7 +151,9 @@ class ResNet9(nn.Module):
         self.res1 = Residual(w1, norm, act, scale_norm, options)
         self.layer2 = conv_block(w1, w2, norm, act, pool=True, options=options)
         self.layer3 = conv_block(w2, w2, norm, act, pool=True, options=options)
-        self.res2 = Residual(w2, norm, act, scale_norm, options)
+        # res2=False: identity in its place (the forward, and so the traced graph's node names, stay the same); it
+        # holds about half the parameters of the paper's layout, and DP-SGD's noise grows with the parameter count
+        self.res2: nn.Module = Residual(w2, norm, act, scale_norm, options) if res2 else nn.Identity()
         # Adaptive pooling to 2x2 makes the head independent of input size
         # (e.g. 32x32 CIFAR and 28x28 MNIST).
         self.head = nn.Sequential(

@@ -308,7 +308,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
                    width=args.width, model_widths=args.widths, device=args.device, resume=args.resume,
                    progress=not args.no_progress, time_limit_s=args.time_limit, init_gain=args.init_gain,
                    head=args.head, activation=args.activation, norm_groups=args.norm_groups,
-                   res2=False if args.no_res2 else None)
+                   res2=False if args.no_res2 else None, pool_after_res2=args.pool_after_res2 or None)
     normalize = {} if args.normalize is None else dict(zip(("normalize_mean", "normalize_std"), args.normalize))
     result = run_training(
         spec, target_epsilon=args.epsilon, delta=args.delta, batch_size=args.batch_size, steps=args.steps,
@@ -390,6 +390,10 @@ def _add_train_parser(sub) -> None:
     train.add_argument("--no-res2", action="store_true",
                        help="equiconvert:equivariant_resnet9 (and its unconverted network) without the last residual "
                             "block, res2: about half the parameters, so less DP-SGD noise in all (not the paper's)")
+    train.add_argument("--pool-after-res2", action="store_true",
+                       help="equiconvert:equivariant_resnet9 (and its unconverted network) with layer3's pooling after "
+                            "res2, which then works on 8x8 maps instead of 4x4: the same parameters, more FLOPs "
+                            "(not the paper's)")
     train.add_argument("--normalize", type=_mean_std, default=None,
                        metavar="MEAN,STD", help="pixels in [0, 1] -> (x - MEAN) / STD on the training device "
                                                 "(default 0.5,0.5; Fashion-MNIST's own statistics: 0.286,0.353)")

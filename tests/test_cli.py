@@ -374,10 +374,18 @@ def test_train_no_res2_reaches_the_preset_and_its_baseline_and_is_recorded(tmp_p
     plain = tiny_train_result(tmp_path / "none", "--model", "equiconvert:equivariant_resnet9", "--group", "none",
                               "--no-res2")
     assert plain["res2"] is False and "(res2): Identity()" in (tmp_path / "none" / "run" / "model.txt").read_text()
+    assert converted["pool_after_res2"] is False
+    late = tiny_train_result(tmp_path / "late", "--model", "equiconvert:equivariant_resnet9", "--group", "D1",
+                             "--pool-after-res2", "--head", "invariant")
+    assert late["pool_after_res2"] is True and late["res2"] is True and late["params"] == full["params"]
+    assert late["max_equivariance_error"] < 1e-4
     capsys.readouterr()
     error = run_error(capsys, "train", "--dataset", "synthetic", "--model", "equiconvert:resnet9", "--group", "D4",
                       "--no-res2", "--out", str(tmp_path / "bad"))  # never silently ignored
     assert "--no-res2 applies to equiconvert:equivariant_resnet9 only" in error
+    error = run_error(capsys, "train", "--dataset", "synthetic", "--model", "equiconvert:resnet9", "--group", "D4",
+                      "--pool-after-res2", "--out", str(tmp_path / "bad"))
+    assert "--pool-after-res2 applies to equiconvert:equivariant_resnet9 only" in error
 
 
 def test_train_test_shifts_adds_shift_averaged_metrics_beside_the_plain_ones(tmp_path, capsys):

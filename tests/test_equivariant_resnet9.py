@@ -83,3 +83,15 @@ def test_the_preset_without_res2_drops_its_parameters_and_stays_equivariant():
     assert isinstance(reduced.network.res2, torch.nn.Identity)
     assert equiconvert.check_equivariance(equivariant_resnet9("D1", in_channels=1, res2=False, head="invariant").eval(),
                                           input_size=32).max_error < 1e-5
+
+
+def test_the_preset_with_res2_before_the_pooling_keeps_its_parameters_and_equivariance():
+    late = equivariant_resnet9("D1", in_channels=1, pool_after_res2=True, head="invariant").eval()
+    paper = equivariant_resnet9("D1", in_channels=1, head="invariant")
+    assert sum(p.numel() for p in late.parameters()) == sum(p.numel() for p in paper.parameters())
+    seen: dict[str, tuple[int, ...]] = {}
+    first_conv = late.get_submodule("network.res2.0.body.0.0")  # the traced graph calls leaves, not res2 itself
+    first_conv.register_forward_hook(lambda module, args, out: seen.update(res2_in=args[0].shape))
+    late(torch.randn(1, 1, 32, 32))
+    assert seen["res2_in"][-2:] == (8, 8)  # 4x4 in the paper's layout
+    assert equiconvert.check_equivariance(late, input_size=32).max_error < 1e-5

@@ -49,15 +49,15 @@ TABLE1_PARAMS = {  # 10 classes
 
 def plain_paper_resnet9(num_classes: int = 10, in_channels: int = 3, layout=PAPER_LAYOUT,
                         act: type[nn.Module] = nn.Mish, norm_groups: int = PAPER_NORM_GROUPS,
-                        res2: bool = True) -> ResNet9:
+                        res2: bool = True, pool_after_res2: bool = False) -> ResNet9:
     """The non-equivariant network the preset converts: conv -> act (Mish) -> GroupNorm(8, no affine) -> pool;
-    res2=False leaves out the last residual block (the 4x4 stage)."""
+    res2=False leaves out the last residual block (the 4x4 stage), pool_after_res2 runs it at 8x8."""
     if norm_groups < 1 or any(channels % norm_groups for channels in layout):
         raise ValueError(f"norm_groups={norm_groups} must divide every width of the layout {tuple(layout)} "
                          "(GroupNorm splits channels evenly), e.g. 1, 2, 4, 8 or 16 for (16, 32, 64)")
     options = BlockOptions(block_order="conv-act-norm", conv_bias=True, norm_affine=False, norm_groups=norm_groups)
     return ResNet9(num_classes, in_channels, layout, norm="group", scale_norm=True, act=act,
-                   options=options, head_pool="avg", res2=res2)
+                   options=options, head_pool="avg", res2=res2, pool_after_res2=pool_after_res2)
 
 
 def equivariant_resnet9(
@@ -74,6 +74,7 @@ def equivariant_resnet9(
     act: type[nn.Module] = nn.Mish,
     norm_groups: int = PAPER_NORM_GROUPS,
     res2: bool = True,
+    pool_after_res2: bool = False,
     **config: Any,
 ) -> EquivariantModel:
     """The paper's Equivariant-ResNet9 for `group` ("C4", "D4", ..., "SO2", "O2").
@@ -86,6 +87,8 @@ def equivariant_resnet9(
     norm_groups: the GroupNorm groups of the plain network (the paper's 8); a converted norm gets as many groups of
     whole fields, at most one per field.
     res2=False: without the last residual block (48% of the D1 model's parameters; not the paper's).
+    pool_after_res2: layer3's pooling moved after res2, which then sees 8x8 maps instead of 4x4 (32x32 inputs): the
+    same parameters, more FLOPs (not the paper's).
     Extra keyword arguments are ConversionConfig fields.
     """
     options = {"weight_standardization": True, "basis_cutoff": PAPER_BASIS_CUTOFF, "init_gain": PAPER_INIT_GAIN,
@@ -94,7 +97,7 @@ def equivariant_resnet9(
         restrict = _paper_restriction(group)
     cfg = ConversionConfig(**options)
     cfg.restrict = restrict
-    plain = plain_paper_resnet9(num_classes, in_channels, layout, act, norm_groups, res2)
+    plain = plain_paper_resnet9(num_classes, in_channels, layout, act, norm_groups, res2, pool_after_res2)
     if width is None:
         width = kappa_width(PAPER_KAPPA if _is_continuous(group) else RELEASED_CODE_KAPPA)
     return make_equivariant(plain, group, width=width, input_size=input_size, config=cfg, head=head,

@@ -135,6 +135,7 @@ class ResNet9(nn.Module):
         options: BlockOptions | None = None,
         head_pool: str = "max",
         res2: bool = True,
+        pool_after_res2: bool = False,
     ) -> None:
         super().__init__()
         if norm not in NORMS:
@@ -150,10 +151,12 @@ class ResNet9(nn.Module):
         self.layer1 = conv_block(w0, w1, norm, act, pool=True, options=options)
         self.res1 = Residual(w1, norm, act, scale_norm, options)
         self.layer2 = conv_block(w1, w2, norm, act, pool=True, options=options)
-        self.layer3 = conv_block(w2, w2, norm, act, pool=True, options=options)
+        self.layer3 = conv_block(w2, w2, norm, act, pool=not pool_after_res2, options=options)
         # res2=False: identity in its place (the forward, and so the traced graph's node names, stay the same); it
         # holds about half the parameters of the paper's layout, and DP-SGD's noise grows with the parameter count
         self.res2: nn.Module = Residual(w2, norm, act, scale_norm, options) if res2 else nn.Identity()
+        if pool_after_res2:  # res2 at twice the resolution (8x8 for 32x32 inputs): more FLOPs, the same parameters
+            self.res2 = nn.Sequential(self.res2, nn.MaxPool2d(2))
         # Adaptive pooling to 2x2 makes the head independent of input size
         # (e.g. 32x32 CIFAR and 28x28 MNIST).
         self.head = nn.Sequential(

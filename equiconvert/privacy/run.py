@@ -45,6 +45,7 @@ class RunSpec:
     activation: str | None = None  # the paper preset's activation (PAPER_ACTIVATIONS); None: its own, Mish
     norm_groups: int | None = None  # the paper preset's GroupNorm groups; None: its own, 8
     res2: bool | None = None  # the paper preset's last residual block; None: its own (kept)
+    pool_after_res2: bool | None = None  # the paper preset's res2 at 8x8 (layer3's pooling after it); None: 4x4
 
 
 def _count(model: nn.Module) -> int:
@@ -72,14 +73,15 @@ def _paper_model(spec: RunSpec, activation: str, num_classes: int, channels: int
     act = PAPER_ACTIVATIONS[activation]
     norm_groups = _norm_groups(spec)
     try:
-        plain = plain_paper_resnet9(num_classes, channels, act=act, norm_groups=norm_groups, res2=_res2(spec))
+        plain = plain_paper_resnet9(num_classes, channels, act=act, norm_groups=norm_groups,
+                                    **_blocks(spec))
     except ValueError as exc:
         raise ValueError(f"--norm-groups {spec.norm_groups}: {exc}") from exc
     if spec.group.lower() == BASELINE_GROUP:
         return plain, _count(plain)
     width = {} if spec.width is None else {"width": spec.width}
     model = equivariant_resnet9(spec.group, num_classes, channels, head=_head(spec), act=act, **width,
-                                norm_groups=norm_groups, res2=_res2(spec), **_conversion_options(spec))
+                                norm_groups=norm_groups, **_blocks(spec), **_conversion_options(spec))
     return model, _count(plain)
 
 
@@ -103,11 +105,11 @@ def _norm_groups(spec: RunSpec) -> int | None:
     return PAPER_NORM_GROUPS if spec.norm_groups is None else spec.norm_groups
 
 
-def _res2(spec: RunSpec) -> bool | None:
-    """Whether the paper preset keeps its last residual block, as built (None for other models)."""
+def _blocks(spec: RunSpec) -> dict[str, bool | None]:
+    """The paper preset's last-stage choices as built (res2 kept, pooled before it unless asked); None for others."""
     if spec.model != PAPER_MODEL:
-        return None
-    return spec.res2 is not False
+        return {"res2": None, "pool_after_res2": None}
+    return {"res2": spec.res2 is not False, "pool_after_res2": bool(spec.pool_after_res2)}
 
 
 def _final_ema_decay(trainer: DPTrainer) -> float | None:
@@ -127,7 +129,8 @@ _CONVERSION_FLAGS = {"init_gain": ("--init-gain", "the steerable filters' initia
 
 
 # options that only the paper preset has (its conv -> activation -> norm blocks): refused for other models
-_PRESET_FLAGS = {"activation": "--activation", "norm_groups": "--norm-groups", "res2": "--no-res2"}
+_PRESET_FLAGS = {"activation": "--activation", "norm_groups": "--norm-groups", "res2": "--no-res2",
+                 "pool_after_res2": "--pool-after-res2"}
 
 
 def _refuse_preset_options_for_other_models(spec: RunSpec) -> None:
@@ -262,7 +265,7 @@ def run_training(spec: RunSpec, **trainer_options: Any) -> dict[str, Any]:
         filter_gradient_kernels=fastest_choices(),  # what "fastest" chose in this process (one run per `train`)
         requested_steps=c.steps, stopped_reason=trainer.stopped_reason,
         normalize_mean=c.normalize_mean, normalize_std=c.normalize_std, augment_padding=c.augment_padding,
-        augment_flip=c.augment_flip, norm_groups=_norm_groups(spec), res2=_res2(spec),
+        augment_flip=c.augment_flip, norm_groups=_norm_groups(spec), **_blocks(spec),
         test_shifts=c.test_shifts,
         evals=_eval_history(Path(spec.out) / "log.jsonl"),
         train_time_s=max((r["time_s"] for r in trainer.history if "time_s" in r), default=0.0),  # this call's

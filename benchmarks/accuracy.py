@@ -15,7 +15,8 @@ others; it is reported at the end (name and the last lines of its log) and the e
 
 `report` (also the last step of `run`) reads OUT/*/result.json, groups the runs by (dataset, model,
 group, epsilon) and writes OUT/summary.json, OUT/table.md (median ± std over seeds, in percent, with
-parameters and wall time) and OUT/accuracy_vs_epsilon.png. Runs that stopped before the requested
+parameters and wall time; for runs trained with `--test-shifts SET`, a second table of the shift-averaged
+accuracy) and OUT/accuracy_vs_epsilon.png. Runs that stopped before the requested
 number of steps (privacy budget, time limit) are marked in the table, never mixed in silently.
 """
 from __future__ import annotations
@@ -33,6 +34,7 @@ import subprocess
 import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -50,6 +52,7 @@ MANAGED_ARGS = ("--model", "--group", "--dataset", "--data-dir", "--epsilon", "-
 STOP_FIELDS = ("stopped_reason", "stop_reason")
 REQUESTED_STEP_FIELDS = ("requested_steps", "steps_requested", "target_steps")
 EARLY_MARK = "†"
+SHIFT_AVERAGED = "test_accuracy_shift_averaged"  # result.json of a `train --test-shifts SET` run
 
 
 # --- the grid ------------------------------------------------------------------------------------
@@ -338,12 +341,18 @@ def summarize(runs: list[dict]) -> list[dict]:
             cells.items(), key=lambda item: (item[0][0], item[0][1], _group_key(item[0][2]), item[0][3] or 0)):
         members.sort(key=lambda r: (r["seed"] is None, r["seed"], r["run"]))
         acc = [r["test_accuracy"] for r in members]
+        averaged = [r for r in members if isinstance(r.get(SHIFT_AVERAGED), (int, float))]
         summary.append({
             "dataset": dataset, "model": model, "group": group, "epsilon": epsilon, "n": len(members),
             "accuracy_median": statistics.median(acc),
             "accuracy_std": statistics.stdev(acc) if len(acc) > 1 else None,  # sample std (n - 1)
             "accuracy_min": min(acc), "accuracy_max": max(acc),
             "brier_median": _median(members, "brier"), "ece_median": _median(members, "ece"),
+            # `train --test-shifts SET` runs: the same statistics of the shift-averaged accuracy, over the runs that have it
+            "test_shifts": _common([r.get("test_shifts") for r in averaged]) if averaged else None,
+            "shift_averaged_n": len(averaged),
+            "shift_averaged_accuracy_median": _median(averaged, SHIFT_AVERAGED),
+            "shift_averaged_accuracy_std": statistics.stdev(r[SHIFT_AVERAGED] for r in averaged) if len(averaged) > 1 else None,
             "epsilon_spent_max": max((r.get("epsilon", math.nan) for r in members), default=None),
             "delta": _common([r.get("delta") for r in members]),
             "params": _common([r.get("params") for r in members]),
@@ -356,7 +365,8 @@ def summarize(runs: list[dict]) -> list[dict]:
             "aug_mult": _common([r.get("aug_mult") for r in members]),
             "stopped_early": [{"run": r["run"], "steps": r.get("steps"), "requested_steps": r["requested_steps"],
                                "reason": r["stopped_early"]} for r in members if r["stopped_early"]],
-            "runs": [{"run": r["run"], "seed": r["seed"], "test_accuracy": r["test_accuracy"], "brier": r.get("brier"),
+            "runs": [{"run": r["run"], "seed": r["seed"], "test_accuracy": r["test_accuracy"],
+                      SHIFT_AVERAGED: r.get(SHIFT_AVERAGED), "brier": r.get("brier"),
                       "ece": r.get("ece"), "epsilon": r.get("epsilon"), "steps": r.get("steps"),
                       "wall_time_s": r.get("wall_time_s"), "device": r.get("device"), "finished": r["finished"]}
                      for r in members],
@@ -389,10 +399,13 @@ def _fmt_value(value) -> str:
     return "–" if value is None else str(value)
 
 
-def _cell_text(cell: dict) -> str:
-    std = "–" if cell["accuracy_std"] is None else f"{100 * cell['accuracy_std']:.2f}"
+def _cell_text(cell: dict, prefix: str = "accuracy", count: str = "n") -> str:
+    """median ± std (seeds) of the cell's `prefix`_median / _std, marked when a run stopped early."""
+    if cell[f"{prefix}_median"] is None:
+        return "–"
+    std = "–" if cell[f"{prefix}_std"] is None else f"{100 * cell[f'{prefix}_std']:.2f}"
     mark = f" {EARLY_MARK}" if cell["stopped_early"] else ""
-    return f"{100 * cell['accuracy_median']:.2f} ± {std} ({cell['n']}){mark}"
+    return f"{100 * cell[f'{prefix}_median']:.2f} ± {std} ({cell[count]}){mark}"
 
 
 def _header_lines(cells: list[dict], runs: list[dict], commands: list[dict]) -> list[str]:
@@ -417,6 +430,17 @@ def _header_lines(cells: list[dict], runs: list[dict], commands: list[dict]) -> 
     return lines
 
 
+def _epsilon_table(groups: list[str], epsilons: list, by: dict, text: Callable[[dict], str]) -> list[str]:
+    """Markdown rows (group x epsilon) of text(cell); "–" where a group has no run at that epsilon."""
+    lines = ["| group | " + " | ".join(f"ε = {_eps_label(e)}" for e in epsilons) + " |",
+             "|---|" + "---:|" * len(epsilons)]
+    for group in groups:
+        label = BASELINE_LABEL if group.lower() == BASELINE else group
+        cells = [by.get((group, e)) for e in epsilons]
+        lines.append(f"| {label} | " + " | ".join("–" if c is None else text(c) for c in cells) + " |")
+    return lines
+
+
 def markdown(summary: list[dict], runs: list[dict], commands: list[dict]) -> str:
     out = ["# Accuracy benchmark", ""]
     for (dataset, model) in dict.fromkeys((c["dataset"], c["model"]) for c in summary):
@@ -437,14 +461,15 @@ def markdown(summary: list[dict], runs: list[dict], commands: list[dict]) -> str
             wall = _median([r for r in mine if r["group"] == group], "wall_time_s")
             out.append(f"| {label} | {_fmt_value(_common([c['params'] for c in present]))} | "
                        + " | ".join("–" if c is None else _cell_text(c) for c in row) + f" | {_fmt_time(wall)} |")
+        if any(c["shift_averaged_n"] for c in cells):
+            shifts = _fmt_value(_common([c["test_shifts"] for c in cells if c["shift_averaged_n"]]))
+            out += ["", f"Test accuracy (%) of the softmax averaged over each test image's shifted copies "
+                        f"(`--test-shifts {shifts}`: post-processing, no privacy cost), median ± std (number of seeds):", ""]
+            out += _epsilon_table(groups, epsilons, by,
+                                  lambda c: _cell_text(c, "shift_averaged_accuracy", "shift_averaged_n"))
         out += ["", "Brier score (median over seeds):", ""]
-        out.append("| group | " + " | ".join(f"ε = {_eps_label(e)}" for e in epsilons) + " |")
-        out.append("|---|" + "---:|" * len(epsilons))
-        for group in groups:
-            row = [by.get((group, e)) for e in epsilons]
-            label = BASELINE_LABEL if group.lower() == BASELINE else group
-            out.append(f"| {label} | " + " | ".join(
-                "–" if c is None or c["brier_median"] is None else f"{c['brier_median']:.4f}" for c in row) + " |")
+        out += _epsilon_table(groups, epsilons, by,
+                              lambda c: "–" if c["brier_median"] is None else f"{c['brier_median']:.4f}")
         early = [s for c in cells for s in c["stopped_early"]]
         if early:
             out += ["", f"{EARLY_MARK} includes runs that stopped before the requested steps:"]

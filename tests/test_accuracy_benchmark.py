@@ -115,7 +115,32 @@ def test_report_on_known_results(tmp_path):
     assert "- fashion-mnist_equiconvert-resnet9_D4_eps8_seed0: 70 of 100 steps (time_limit)" in table
     assert "- fashion-mnist_equiconvert-resnet9_none_eps8_seed0: 90 of 100 steps (fewer steps than requested)" in table
     assert "command: not recorded" in table
+    assert "softmax averaged" not in table  # no run was evaluated with --test-shifts
     assert (tmp_path / "accuracy_vs_epsilon.png").read_bytes()[:8] == PNG_SIGNATURE
+
+
+def test_report_adds_the_shift_averaged_accuracy_of_test_shift_runs(tmp_path):
+    plain, averaged = [0.9005, 0.8984, 0.8982], [0.9018, 0.9006, 0.9010]
+    for seed, (acc, avg) in enumerate(zip(plain, averaged)):
+        _fixture(tmp_path, "D1", 3.0, seed, acc, 200_532, test_shifts="cross1", test_accuracy_shift_averaged=avg)
+    for seed, acc in enumerate([0.8907, 0.8906]):  # the baseline evaluated without shifts: no averaged number
+        _fixture(tmp_path, "none", 3.0, seed, acc, 155_146)
+
+    accuracy.main(["report", "--out", str(tmp_path)])
+    cells = {c["group"]: c for c in json.loads((tmp_path / "summary.json").read_text())["cells"]}
+    d1, none = cells["D1"], cells["none"]
+    assert d1["accuracy_median"] == 0.8984 and d1["shift_averaged_accuracy_median"] == 0.9010
+    assert d1["shift_averaged_accuracy_std"] == pytest.approx(statistics.stdev(averaged))
+    assert (d1["test_shifts"], d1["shift_averaged_n"]) == ("cross1", 3)
+    assert [r["test_accuracy_shift_averaged"] for r in d1["runs"]] == averaged
+    assert (none["shift_averaged_n"], none["shift_averaged_accuracy_median"], none["test_shifts"]) == (0, None, None)
+
+    table = (tmp_path / "table.md").read_text()
+    assert "(`--test-shifts cross1`: post-processing, no privacy cost)" in table
+    rows = _table_rows(table)
+    assert "| D1 | 90.10 ± 0.06 (3) |" in rows
+    assert "| none (unconverted) | – |" in rows
+    assert "| D1 | 200,532 | 89.84 ± 0.13 (3) | 10.0 min |" in rows
 
 
 def test_failed_run_is_named_and_does_not_stop_the_others(tmp_path):

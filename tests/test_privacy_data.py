@@ -124,9 +124,10 @@ def test_augment_without_padding_or_flip_is_identity() -> None:
     assert torch.equal(views, images[:, None].expand(-1, 5, -1, -1, -1))
 
 
+@pytest.mark.parametrize("padding", [1, 3])  # 1: the crops of the Fashion-MNIST recipe (README)
 @pytest.mark.parametrize("dtype", [torch.float64, torch.uint8])
-def test_augment_matches_naive_loop(dtype: torch.dtype) -> None:
-    batch, k, c, h, w, p = 6, 5, 3, 9, 7, 3
+def test_augment_matches_naive_loop(dtype: torch.dtype, padding: int) -> None:
+    batch, k, c, h, w, p = 6, 5, 3, 9, 7, padding
     if dtype == torch.uint8:
         images = torch.randint(0, 256, (batch, c, h, w), dtype=torch.uint8)
     else:

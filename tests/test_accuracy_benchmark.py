@@ -126,7 +126,7 @@ def test_report_adds_the_shift_averaged_accuracy_of_test_shift_runs(tmp_path):
     for seed, acc in enumerate([0.8907, 0.8906]):  # the baseline evaluated without shifts: no averaged number
         _fixture(tmp_path, "none", 3.0, seed, acc, 155_146)
 
-    accuracy.main(["report", "--out", str(tmp_path)])
+    assert accuracy.main(["report", "--out", str(tmp_path)]) == 0
     cells = {c["group"]: c for c in json.loads((tmp_path / "summary.json").read_text())["cells"]}
     d1, none = cells["D1"], cells["none"]
     assert d1["accuracy_median"] == 0.8984 and d1["shift_averaged_accuracy_median"] == 0.9010

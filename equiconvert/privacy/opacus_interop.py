@@ -15,7 +15,7 @@ input ``x`` and ``dL/dy`` per sample. The per-sample gradient of the expanded
 filter comes from ``filter_gradients.per_example_filter_gradients``, the kernel
 book-keeping uses (one product per filter tap on a shifted view of the padded
 input for ungrouped stride-1 convs, the unfolded input otherwise; other
-``padding_mode``\ s padded with ``F.pad`` first, as the layer's forward does).
+``padding_mode`` values padded with ``F.pad`` first, as the layer's forward does).
 ``filter_gradients.steerable_weight_gradients`` then takes it to the gradient of
 ``weight``: the basis contraction (the transpose of ``expand_filter``) and, with
 ``weight_standardization``, the vjp of the layer's own ``coefficients()``

@@ -12,7 +12,7 @@ bound cuts.
 Usage: python benchmarks/gradient_shares.py --dataset fashion-mnist --data-dir /usr/share/datasets/fashion-mnist \
            --group D1 --gains 1.4142,1,0.7071,0.5
        python benchmarks/gradient_shares.py --data-dir /usr/share/datasets/fashion-mnist --group D1 --examples 128 \
-           --checkpoint benchmarks/results/campaign/call_o/fmo_control_s0/checkpoint.pt
+           --checkpoint runs/fm_d1/checkpoint.pt
 """
 from __future__ import annotations
 

@@ -3,10 +3,9 @@
 For a DPTrainer checkpoint.pt of the paper's Equivariant-ResNet9 converted to --group (its EMA weights when it has
 them, as the trainer evaluates), on the test split of --dataset: the plain metrics and, for each set of
 equiconvert.privacy.augment.TEST_SHIFTS, the metrics of the softmax averaged over the shifted copies of each image
-(what `equiconvert train --test-shifts SET` reports). JSON. Session 13 chose cross1 with this on call O's seed-0
-checkpoint, before the runs that report it.
+(what `equiconvert train --test-shifts SET` reports). JSON.
 Usage: python benchmarks/shift_averaging.py --data-dir /usr/share/datasets/fashion-mnist --group D1 \
-           --checkpoint benchmarks/results/campaign/call_o/fmo_control_s0/checkpoint.pt
+           --checkpoint runs/fm_d1/checkpoint.pt
 """
 from __future__ import annotations
 

@@ -48,7 +48,7 @@ class DemoSettings:
     # larger decay trains about the same EMA as 0.97 here (0.999 would need 8,990 steps to apply)
     ema_decay: float = 0.97
     seed: int = 0
-    # Filters start at 1/sqrt 2 of He's scale: 80.3 / 80.9% vs 79.1 / 79.9% at He's (seeds 0 / 1, benchmarks/RESULTS.md)
+    # Filters start at 1/sqrt 2 of He's scale: 80.3 / 80.9% vs 79.1 / 79.9% at He's scale (seeds 0 / 1)
     init_gain: float | None = 2 ** -0.5
     time_limit_s: float | None = 600.0
     device: str | None = None  # None: cuda if available, else cpu
@@ -57,7 +57,7 @@ class DemoSettings:
     progress: bool = True
 
 
-# On the 2-core CPU of the README (its first section): 1.6 s a step, 80.21% after all 300 steps in 481 s (session 12).
+# On an idle 2-core CPU: 1.6 s a step, 80.21% after all 300 steps in 481 s (docs/results.md).
 CPU_DEFAULTS = DemoSettings()
 
 

@@ -33,7 +33,7 @@ PAPER_BASIS_CUTOFF = 3.0
 PAPER_RESTRICTION = {"layer3": "halved"}  # "before conv4", the last stage
 # Not the paper's: its code starts the filters at escnn's scale (gain ~1), ours at gain 1/sqrt(2). Under weight
 # standardization a smaller start makes the filters learn faster and take a larger share of the clipped per-sample
-# gradient; measured (benchmarks/RESULTS.md, calls I-L): CIFAR-10 D4 65.0% at step 300 vs 62.0% (gain 1) and 60.0%
+# gradient; measured (one seed each): CIFAR-10 D4 65.0% at step 300 vs 62.0% (gain 1) and 60.0%
 # (He, sqrt(2)); Fashion-MNIST D1 median 89.85% vs 89.46% (He).
 PAPER_INIT_GAIN = 2 ** -0.5
 # Pointwise activations the preset can be built with (Mish: the paper's). Tempered sigmoids (tanh) and SELU are the

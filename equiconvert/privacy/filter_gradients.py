@@ -20,8 +20,8 @@ at 3 -> 48 channels and 32x32 and at 156 -> 156 and 4x4, "grouped" at 104 -> 104
 The method in force (`filter_gradient_method`) is "auto" unless a caller says otherwise:
 "fastest" on CUDA, which times every kernel once per layer geometry and device and keeps
 the fastest, and "grouped" elsewhere (oneDNN's grouped weight gradient on a 2-core CPU was
-1.3-6.7x faster than the products on each of the paper model's six convs,
-benchmarks/results/filter_gradients_cpu_2core.json), a fixed choice so that CPU results never
+1.3-6.7x faster than the products on each of the paper model's six convs;
+docs/guides/performance.md), a fixed choice so that CPU results never
 depend on a timing (a resumed run repeats its kernels bit for bit).
 """
 from __future__ import annotations
@@ -273,7 +273,7 @@ def _placed_gradient(grad_out: torch.Tensor, views: int, grid: _Grid, dx: int,
 
     `placed`, the result of the same call at dx - 1, is moved one column on in place (its stale column zeroed):
     the buffer is zero-filled once per layer, not once per column shift (zeroing only the margins instead, in
-    strided fills, was slower on an H200: call AD, benchmarks/RESULTS.md).
+    strided fills, is slower on an H200).
     """
     channels_out, out_h, out_w = grad_out.shape[1:]
     batch = grad_out.shape[0] // views
@@ -331,7 +331,7 @@ def _shifted_products(
     pairs the gradient at column c with the input dx columns and dy rows further on: one `bmm`
     per tap, no k*k-fold copy of the input, and every operand pointer and leading dimension a
     multiple of ALIGNMENT (reading the input dx elements on in place made cuBLAS pick its 1- and
-    2-element-aligned kernels; profile in benchmarks/RESULTS.md), so _column_shifts copies one
+    2-element-aligned kernels), so _column_shifts copies one
     operand per column shift. Positions the row shift carries past a view meet zeros of the
     placed gradient, and a zero tail keeps the last shift inside the buffer. The input is cast
     to the gradient's dtype as it is laid out.

@@ -97,7 +97,7 @@ def _throughput(s: Summary) -> list[str]:
     for r in s["rows"]:
         rate = n / (r["dp_ms"] / 1000)
         mem_np, mem_dp = r["peak_memory_gib"]
-        rows.append([r["precision"], f"{r['nonprivate_ms']:.1f} ms", f"{r['dp_ms']:.1f} ms",
+        rows.append([r["precision"], f"{r['nonprivate_ms']:.2f} ms", f"{r['dp_ms']:.2f} ms",
                      f"{r['dp_ms'] / r['nonprivate_ms']:.2f}x", f"{rate / 1000:.1f}k", f"{rate / paper:.2f}x",
                      f"{mem_np:.2f} / {mem_dp:.2f} ({mem_dp / mem_np:.2f}x)"])
     return _table(columns, rows)

@@ -6,10 +6,12 @@ import math
 
 import pytest
 import torch
+from scipy.stats import binom
 from torch import nn
 
 from equiconvert.cli import main
 from equiconvert.data import load_dataset
+from equiconvert.privacy import audit
 from equiconvert.privacy.audit import AUDIT_DEFAULTS, SCORES, count_correct, make_canaries, run_audit
 from equiconvert.privacy.audit_bound import epsilon_lower_bound, guess_tail_bound
 from equiconvert.privacy.trainer import DPTrainer
@@ -62,6 +64,17 @@ def test_delta_term_matches_hand_computation():
     assert guess_tail_bound(epsilon, 2, 2, 2, delta) == pytest.approx(expected, rel=1e-12)
 
 
+def test_delta_term_matches_the_maximum_over_every_shift():
+    """The bound takes the maximum over i = 1..m; windows for i >= v are all P[B < v], so it stops at i = v."""
+    epsilon, correct, guesses, canaries, delta = 0.9, 30, 50, 200, 1e-4
+    p = math.exp(epsilon) / (1 + math.exp(epsilon))
+    below = [binom.cdf(k, guesses, p) for k in range(-canaries - 1, guesses + 1)]  # below[k + m + 1] = P[B <= k]
+    cdf = lambda k: below[k + canaries + 1]  # noqa: E731
+    term = max((cdf(correct - 1) - cdf(correct - 1 - i)) / i for i in range(1, canaries + 1))
+    expected = binom.sf(correct - 1, guesses, p) + 2 * canaries * delta * term
+    assert guess_tail_bound(epsilon, correct, guesses, canaries, delta) == pytest.approx(expected, rel=1e-12)
+
+
 def test_bound_sits_where_the_tail_bound_reaches_beta():
     bound = epsilon_lower_bound(90, 100, 1000, delta=1e-5, beta=0.05)
     assert bound > 0
@@ -84,6 +97,27 @@ def test_count_correct_guesses_top_included_and_bottom_excluded():
     assert count_correct(scores, included, 1, 0) == 1
     with pytest.raises(ValueError, match="k\\+"):
         count_correct(scores, included, 4, 3)
+
+
+def test_gradient_score_measures_the_step_along_a_canary_gradient(monkeypatch):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Flatten(), nn.Linear(12, 3))
+    images, labels = torch.randn(7, 1, 3, 4), torch.tensor([0, 1, 2, 0, 1, 2, 0])
+    initial = {name: param.detach().clone() for name, param in model.named_parameters()}
+    loss = nn.functional.cross_entropy(model(images[2:3]), labels[2:3])
+    gradients = torch.autograd.grad(loss, list(model.parameters()))
+    with torch.no_grad():
+        for param, gradient in zip(model.parameters(), gradients):
+            param -= 0.5 * gradient  # one gradient step on canary 2 alone
+    norm = torch.sqrt(sum(g.pow(2).sum() for g in gradients))
+    scores = SCORES["gradient"](model, initial, images, labels)
+    assert scores[2] == pytest.approx(0.5 * float(norm), rel=1e-5)
+    assert int(scores.argmax()) == 2
+    monkeypatch.setattr(audit, "SCORE_CHUNK", 3)  # scored in chunks of 3, 3 and 1: the same scores
+    assert torch.allclose(SCORES["gradient"](model, initial, images, labels), scores, atol=1e-6)
+    with torch.no_grad():
+        expected_loss = float(nn.functional.cross_entropy(model(images[2:3]), labels[2:3]))
+    assert SCORES["loss"](model, initial, images, labels)[2] == pytest.approx(-expected_loss)
 
 
 class NoiselessTrainer(DPTrainer):

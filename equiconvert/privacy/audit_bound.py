@@ -29,7 +29,8 @@ def guess_tail_bound(epsilon: float, correct: int, guesses: int, num_canaries: i
     tail = float(binom.sf(correct - 1, guesses, p))  # P[B >= correct]
     if delta == 0.0:
         return tail
-    shifts = np.arange(1, num_canaries + 1)
+    # for i >= correct the window is P[B < correct], the same for every i: its largest ratio is at i = correct
+    shifts = np.arange(1, max(correct, 1) + 1)
     below = binom.cdf(correct - 1, guesses, p)  # P[B < correct]
     windows = below - binom.cdf(correct - 1 - shifts, guesses, p)  # P[correct - i <= B < correct]
     return tail + 2.0 * num_canaries * delta * float(np.max(windows / shifts))

@@ -145,6 +145,7 @@ def test_audit_catches_a_mechanism_without_noise(score):
     assert result.accountant_epsilon <= CLAIMED_EPSILON
     assert result.epsilon_lower_bound > CLAIMED_EPSILON
     assert result.correct_guesses >= 36 and result.steps == AUDIT_DEFAULTS["steps"]
+    assert result.epsilon_lower_bound <= result.largest_possible_bound < _all_correct_bound(2 * GUESSES, 0.05)
 
 
 @pytest.mark.parametrize("seed", [0, 1])
@@ -155,6 +156,21 @@ def test_audit_of_the_real_trainer_stays_below_its_accountant(seed):
     assert result.epsilon_lower_bound < result.accountant_epsilon
     assert 0 < result.num_included < CANARIES and result.confidence == pytest.approx(0.95)
     assert result.guesses_included == result.guesses_excluded == GUESSES
+
+
+def test_run_audit_refuses_bad_arguments_before_training():
+    data = load_dataset("synthetic", num_examples=64, image_size=8, channels=1)
+    model = nn.Sequential(nn.Flatten(), nn.Linear(64, data.num_classes))
+    canaries = make_canaries(data.image_shape, data.num_classes, 10, seed=0)
+    with pytest.raises(ValueError, match="k\\+"):
+        run_audit(model, data.as_tuple(), canaries, guesses_included=6, guesses_excluded=5, device="cpu")
+    with pytest.raises(ValueError, match="unknown audit score 'mia'"):
+        run_audit(model, data.as_tuple(), canaries, guesses_included=2, guesses_excluded=2, score="mia")
+    with pytest.raises(ValueError, match="shape and dtype"):
+        run_audit(model, data.as_tuple(), make_canaries((3, 8, 8), data.num_classes, 10, seed=0),
+                  guesses_included=2, guesses_excluded=2)
+    with pytest.raises(ValueError, match="at least 2 canaries"):
+        make_canaries(data.image_shape, data.num_classes, 1, seed=0)
 
 
 def test_audit_cli_writes_json_and_refuses_a_non_empty_out(tmp_path, capsys):

@@ -56,6 +56,7 @@ class AuditResult:
     guesses_included: int  # k+: canaries guessed "included" (the highest scores)
     guesses_excluded: int  # k-: canaries guessed "excluded" (the lowest scores)
     correct_guesses: int
+    largest_possible_bound: float  # the lower bound had every guess been right: the most these guesses can show
     score: str
     noise_multiplier: float
     steps: int
@@ -130,11 +131,15 @@ def _cnn(shape: tuple[int, int, int], num_classes: int) -> nn.Module:
 SMALL_MODELS: dict[str, Callable[[tuple[int, int, int], int], nn.Module]] = {"linear": _linear, "cnn": _cnn}
 
 
+def _check_guesses(guesses_included: int, guesses_excluded: int, num_canaries: int) -> None:
+    if guesses_included < 0 or guesses_excluded < 0 or guesses_included + guesses_excluded > num_canaries:
+        raise ValueError(f"k+ ({guesses_included}) and k- ({guesses_excluded}) must be >= 0 and together at most "
+                         f"the number of canaries ({num_canaries})")
+
+
 def count_correct(scores: torch.Tensor, included: torch.Tensor, guesses_included: int, guesses_excluded: int) -> int:
     """Right guesses when the k+ highest scores are called included and the k- lowest excluded."""
-    if guesses_included < 0 or guesses_excluded < 0 or guesses_included + guesses_excluded > len(scores):
-        raise ValueError(f"k+ ({guesses_included}) and k- ({guesses_excluded}) must be >= 0 and together at most "
-                         f"the number of canaries ({len(scores)})")
+    _check_guesses(guesses_included, guesses_excluded, len(scores))
     order = torch.argsort(scores, descending=True)
     top, bottom = order[:guesses_included], order[len(order) - guesses_excluded:]
     return int(included[top].sum()) + int((~included[bottom]).sum())
@@ -170,7 +175,7 @@ def run_audit(
                          f"{canary_images.dtype} vs {tuple(images.shape[1:])} {images.dtype}")
     coins = np.random.default_rng(seed).integers(0, 2, size=len(canary_images)).astype(bool)
     included = torch.from_numpy(coins)
-    count_correct(torch.zeros(len(included)), included, guesses_included, guesses_excluded)  # check k+, k- early
+    _check_guesses(guesses_included, guesses_excluded, len(included))
 
     trainer = trainer_class(model, device=device, progress=False, **options)
     initial = {name: param.detach().clone() for name, param in trainer.model.named_parameters()}
@@ -184,6 +189,7 @@ def run_audit(
     guesses = guesses_included + guesses_excluded
     return AuditResult(
         epsilon_lower_bound=epsilon_lower_bound(correct, guesses, len(included), c.delta, beta),
+        largest_possible_bound=epsilon_lower_bound(guesses, guesses, len(included), c.delta, beta),
         accountant_epsilon=trainer.epsilon, delta=c.delta, confidence=1.0 - beta, num_canaries=len(included),
         num_included=int(included.sum()), guesses_included=guesses_included, guesses_excluded=guesses_excluded,
         correct_guesses=correct, score=score, noise_multiplier=float(trainer.noise_multiplier), steps=trainer.step,

@@ -481,6 +481,8 @@ def _cmd_audit(args: argparse.Namespace) -> int:
         raise CLIError(f"--guesses {args.guesses}: give k >= 1 with 2k at most --canaries ({args.canaries})")
     if not 0.0 < args.confidence < 1.0:
         raise CLIError(f"--confidence {args.confidence}: give a number in (0, 1), e.g. 0.95")
+    if args.num_examples is not None and args.num_examples < 1:
+        raise CLIError(f"--num-examples {args.num_examples}: give at least 1 (or leave it out for all)")
     data = load_dataset(args.dataset, args.data_dir)
     images, labels = data.as_tuple()
     if args.num_examples is not None:

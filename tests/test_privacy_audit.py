@@ -186,7 +186,11 @@ def test_audit_cli_writes_json_and_refuses_a_non_empty_out(tmp_path, capsys):
     assert "--out" in capsys.readouterr().err
 
 
-def test_audit_cli_refuses_more_guesses_than_canaries(tmp_path, capsys):
+def test_audit_cli_refuses_bad_flags(tmp_path, capsys):
     assert main(["audit", "--out", str(tmp_path / "a"), "--canaries", "10", "--guesses", "6"]) == 2
     assert "--guesses" in capsys.readouterr().err
+    assert main(["audit", "--out", str(tmp_path / "a"), "--num-examples", "-5"]) == 2
+    assert "--num-examples" in capsys.readouterr().err
+    assert main(["audit", "--out", str(tmp_path / "a"), "--confidence", "1"]) == 2
+    assert "--confidence" in capsys.readouterr().err
     assert not (tmp_path / "a").exists()

@@ -491,12 +491,14 @@ def _cmd_audit(args: argparse.Namespace) -> int:
     model = SMALL_MODELS[args.model](data.image_shape, data.num_classes)
     canaries = make_canaries(data.image_shape, data.num_classes, args.canaries, seed=args.seed + 1)
     given = {"target_epsilon": args.epsilon, "delta": args.delta, "noise_multiplier": args.noise_multiplier,
-             "steps": args.steps, "batch_size": args.batch_size, "max_grad_norm": args.max_grad_norm, "lr": args.lr}
+             "steps": args.steps, "batch_size": args.batch_size, "max_grad_norm": args.max_grad_norm, "lr": args.lr,
+             "seed": args.seed}
     options = {**AUDIT_DEFAULTS, **{k: v for k, v in given.items() if v is not None}}
     if args.noise_multiplier is not None and args.epsilon is None:  # a fixed sigma: no budget to stop at
         options["target_epsilon"] = None
     result = run_audit(model, (images, labels), canaries, guesses_included=args.guesses, guesses_excluded=args.guesses,
-                       score=args.score, beta=1.0 - args.confidence, seed=args.seed, device=args.device, **options)
+                       score=args.score, beta=1.0 - args.confidence, inclusion_seed=args.seed, device=args.device,
+                       **options)
     record = json.dumps(result.to_dict(), indent=2)
     out.mkdir(parents=True, exist_ok=True)
     (out / "audit.json").write_text(record + "\n")
@@ -532,7 +534,8 @@ def _add_audit_parser(sub) -> None:
     audit.add_argument("--batch-size", type=int, default=None, help=f"default {AUDIT_DEFAULTS['batch_size']}")
     audit.add_argument("--max-grad-norm", type=float, default=None, help=f"default {AUDIT_DEFAULTS['max_grad_norm']}")
     audit.add_argument("--lr", type=float, default=None, help=f"default {AUDIT_DEFAULTS['lr']}")
-    audit.add_argument("--seed", type=int, default=0)
+    audit.add_argument("--seed", type=int, default=0, help="the model's initial weights, the canaries, the coins "
+                                                           "that include them and the trainer's seed")
     audit.add_argument("--device", default=None, help="cpu, cuda, cuda:1 (default: cuda if available)")
     audit.set_defaults(handler=_cmd_audit)
 

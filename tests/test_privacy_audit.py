@@ -133,9 +133,9 @@ def _audit(trainer_class: type[DPTrainer], score: str, seed: int):
     torch.manual_seed(seed)
     model = nn.Sequential(nn.Flatten(), nn.Linear(3 * 16 * 16, data.num_classes))
     canaries = make_canaries(data.image_shape, data.num_classes, CANARIES, seed=seed + 100)
-    options = {**AUDIT_DEFAULTS, "target_epsilon": CLAIMED_EPSILON, "delta": 1e-5}
+    options = {**AUDIT_DEFAULTS, "target_epsilon": CLAIMED_EPSILON, "delta": 1e-5, "seed": seed}
     return run_audit(model, data.as_tuple(), canaries, guesses_included=GUESSES, guesses_excluded=GUESSES,
-                     score=score, seed=seed, trainer_class=trainer_class, device="cpu", **options)
+                     score=score, inclusion_seed=seed, trainer_class=trainer_class, device="cpu", **options)
 
 
 @pytest.mark.parametrize("score", sorted(SCORES))

@@ -154,15 +154,15 @@ def run_audit(
     guesses_excluded: int,
     score: str = "gradient",
     beta: float = DEFAULT_BETA,
-    seed: int = 0,
+    inclusion_seed: int = 0,
     trainer_class: type[DPTrainer] = DPTrainer,
     device: str | torch.device | None = None,
     **options: Any,
 ) -> AuditResult:
     """Train `model` (untrained) once on `train_set` plus a random half of `canaries` and audit the run.
 
-    `options` are DPConfig fields (target_epsilon, delta, steps, ...) for the trainer; `seed` draws
-    which canaries are included. Nothing is written to disk.
+    `options` are DPConfig fields (target_epsilon, delta, steps, seed, ...) for the trainer;
+    `inclusion_seed` draws which canaries are included. Nothing is written to disk.
     """
     if score not in SCORES:
         raise ValueError(f"unknown audit score {score!r}; known: {', '.join(SCORES)}")
@@ -173,7 +173,7 @@ def run_audit(
     if canary_images.shape[1:] != images.shape[1:] or canary_images.dtype != images.dtype:
         raise ValueError(f"canaries must match the training images' shape and dtype: {tuple(canary_images.shape[1:])} "
                          f"{canary_images.dtype} vs {tuple(images.shape[1:])} {images.dtype}")
-    coins = np.random.default_rng(seed).integers(0, 2, size=len(canary_images)).astype(bool)
+    coins = np.random.default_rng(inclusion_seed).integers(0, 2, size=len(canary_images)).astype(bool)
     included = torch.from_numpy(coins)
     _check_guesses(guesses_included, guesses_excluded, len(included))
 

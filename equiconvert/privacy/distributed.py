@@ -18,9 +18,10 @@ point); `from_environment` joins the process group torchrun describes: NCCL on C
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -103,6 +104,15 @@ class DistributedContext:
         with torch.no_grad():
             for tensor in [*module.parameters(), *module.buffers()]:
                 dist.broadcast(tensor.data, src=0)
+
+    @contextlib.contextmanager
+    def main_first(self) -> Iterator[None]:
+        """Rank 0 runs the block before the others (it fills the data cache they then read)."""
+        if self.enabled and not self.is_main:
+            dist.barrier()
+        yield
+        if self.enabled and self.is_main:
+            dist.barrier()
 
     def agree(self, flag: bool, device: torch.device) -> bool:
         """Rank 0's `flag` on every rank (a stop decision that all ranks must take together)."""

@@ -210,6 +210,8 @@ class DPTrainer:
         nothing here waits for the device)."""
         c = self.config
         indices = self.sampler.sample()
+        count = torch.full((), float(len(indices)), device=self.device)
+        indices = _to_device(indices, images.device)  # where the data are (fit moves them to the device)
         params = {n: p.detach() for n, p in self.model.named_parameters()}
         buffers = dict(self.model.named_buffers())
         summed = {n: torch.zeros_like(p) for n, p in params.items()}
@@ -227,7 +229,6 @@ class DPTrainer:
         if self.dist.is_main:  # [distributed] rank 0's noise generator is the job's only one: noise enters once
             summed = {name: value + torch.normal(0.0, std, value.shape, generator=self._noise_rng, device=self.device)
                       for name, value in summed.items()}
-        count = torch.tensor(float(len(indices)), device=self.device)
         *reduced, loss_sum, count = self.dist.all_reduce_sum([*summed.values(), loss_sum, count])  # [distributed]
         noisy = {name: value / c.batch_size for name, value in zip(summed, reduced)}
         return noisy, count, loss_sum / count.clamp_min(1.0)
@@ -481,6 +482,13 @@ def _named_schedule(config: DPConfig) -> Callable[[int], float] | None:
     if config.lr_schedule == "cosine":
         return lambda step: config.lr * 0.5 * (1.0 + math.cos(math.pi * min(step, config.steps) / max(config.steps, 1)))
     return None
+
+
+def _to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`tensor` on `device`; a host-to-GPU copy goes through pinned memory, so the host does not wait for it."""
+    if device.type != "cuda":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)
 
 
 def _materialize(records: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -4,8 +4,8 @@ Each configuration is a fresh, short run (no checkpoints, no resume) of the same
 Equivariant-ResNet9 on CIFAR-10 at the paper's batch (8192 x 4 views) unless told otherwise; N GPUs run it
 with `train --nproc-per-node N`. Throughput is steady-state: augmented samples (the logged Poisson batch
 sizes x views) from the first step at or after `--warmup` whose record waited for the device to the last
-step, over the time between them (start-up and the final evaluation excluded; both are in wall_time_s).
-Prints one JSON object.
+step, over the time between them (start-up and the final evaluation excluded; both are in wall_time_s and
+samples_per_s_with_startup_and_evaluation). Prints one JSON object.
 
 Usage (a 4-GPU host, CIFAR-10 extracted from shared/data/cifar10-jpeg.tar.xz into /tmp/cifar):
     python benchmarks/distributed_smoke.py --data-dir /tmp/cifar/cifar10 --gpus 1,4 --steps 80
@@ -63,7 +63,9 @@ def run(gpus: int, args: argparse.Namespace, out: Path) -> dict[str, Any]:
     wall = time.perf_counter() - start
     records = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
     result = json.loads((out / "result.json").read_text())
+    samples = args.aug_mult * sum(r["batch_size"] for r in records if "batch_size" in r)
     return {"gpus": gpus, **steady_throughput(records, args.aug_mult, args.warmup), "wall_time_s": wall,
+            "samples_per_s_with_startup_and_evaluation": samples / wall,
             "train_time_s": result["train_time_s"], "test_accuracy": result["test_accuracy"],
             "device": result["device"], "world_size": result["world_size"]}
 

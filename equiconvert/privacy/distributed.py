@@ -144,6 +144,9 @@ def from_environment(device: str | None) -> tuple[DistributedContext, str | None
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cuda":
         device = f"cuda:{local_rank}"
+    elif device.startswith("cuda:"):
+        raise ValueError(f"--device {device}: in a job of {world_size} processes give --device cuda, and each rank "
+                         "takes cuda:LOCAL_RANK (choose the cards with CUDA_VISIBLE_DEVICES)")
     kind = torch.device(device).type
     if kind not in BACKENDS:
         raise ValueError(f"--device {device}: distributed training runs on {sorted(BACKENDS)} devices")

@@ -224,7 +224,8 @@ def run_training(spec: RunSpec, **trainer_options: Any) -> dict[str, Any]:
     try:
         return _run_training(spec, context, device, trainer_options)
     finally:
-        distributed.shutdown()
+        if context.enabled:
+            distributed.shutdown()
 
 
 def _run_training(spec: RunSpec, context: distributed.DistributedContext, device: str | None,

@@ -251,3 +251,18 @@ def test_nproc_per_node_launches_workers_through_torchrun(tmp_path):
     result = json.loads((out / "result.json").read_text())
     assert result["world_size"] == 2 and result["steps"] == 2
     assert finished.stdout.count('"world_size": 2') == 1  # one printout per job
+
+
+def test_a_sampler_state_of_another_shard_is_refused():
+    other = PoissonSampler(N, BATCH, 0, shard=(1, WORLD)).state_dict()
+    with pytest.raises(ValueError, match=r"shard \(rank, world_size\) \(1, 2\)"):
+        PoissonSampler(N, BATCH, 0, shard=(0, WORLD)).load_state_dict(other)
+
+
+def test_a_job_refuses_one_card_for_all_ranks(monkeypatch):
+    from equiconvert.privacy.distributed import from_environment
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    with pytest.raises(ValueError, match="give --device cuda"):
+        from_environment("cuda:1")

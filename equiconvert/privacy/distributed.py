@@ -153,7 +153,7 @@ def from_environment(device: str | None) -> tuple[DistributedContext, str | None
     if kind == "cuda":
         torch.cuda.set_device(torch.device(device))
     if not dist.is_initialized():
-        dist.init_process_group(BACKENDS[kind])
+        dist.init_process_group(BACKENDS[kind], device_id=torch.device(device) if kind == "cuda" else None)
     return DistributedContext(world_size, rank, local_rank), device
 
 
@@ -170,5 +170,4 @@ def launch(nproc_per_node: int, module: str, argv: Sequence[str]) -> None:
     """
     from torch.distributed.run import parse_args, run
 
-    run(parse_args(["--standalone", "--nproc-per-node", str(nproc_per_node), "--module", module,
-                                      *argv]))
+    run(parse_args(["--standalone", "--nproc-per-node", str(nproc_per_node), "--module", module, *argv]))

@@ -340,7 +340,8 @@ def _launch_train(args: argparse.Namespace) -> int:
     try:
         distributed.launch(args.nproc_per_node, "equiconvert", _without_option(args.argv, "--nproc-per-node"))
     except ChildFailedError as exc:
-        raise CLIError(f"a training worker failed ({exc.get_first_failure()[1].message}); its output is above")
+        rank, failure = exc.get_first_failure()
+        raise CLIError(f"training worker {rank} exited with code {failure.exitcode}; its error is above") from exc
     return 0
 
 

@@ -15,6 +15,7 @@ import argparse
 import contextlib
 import dataclasses
 import json
+import os
 import sys
 import time
 from typing import Any, Callable, Sequence
@@ -299,6 +300,8 @@ def _demo_training(args: argparse.Namespace) -> int:
 def _cmd_train(args: argparse.Namespace) -> int:
     from .privacy.run import RunSpec, run_training
 
+    if args.nproc_per_node is not None:
+        return _launch_train(args)
     if args.threads is not None:
         if args.threads < 1:
             raise CLIError(f"--threads {args.threads}: give at least 1 CPU thread")
@@ -319,8 +322,40 @@ def _cmd_train(args: argparse.Namespace) -> int:
         eval_every=args.eval_every, checkpoint_every=args.checkpoint_every, per_sample_method=args.per_sample,
         precision=args.precision, filter_gradients=args.filter_gradients, test_shifts=args.test_shifts, **normalize,
     )
-    print(json.dumps(result, indent=2))
+    if os.environ.get("RANK", "0") == "0":  # one printout per job (torchrun numbers its workers in RANK)
+        print(json.dumps(result, indent=2))
     return 0
+
+
+def _launch_train(args: argparse.Namespace) -> int:
+    """`train --nproc-per-node N`: the same command on N local workers, started by torchrun's own entry point."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    from .privacy import distributed
+
+    if args.nproc_per_node < 1:
+        raise CLIError(f"--nproc-per-node {args.nproc_per_node}: give at least 1 worker")
+    if distributed.launched_world_size() > 1:
+        raise CLIError("--nproc-per-node starts its own workers: drop it when launching with torchrun")
+    try:
+        distributed.launch(args.nproc_per_node, "equiconvert", _without_option(args.argv, "--nproc-per-node"))
+    except ChildFailedError as exc:
+        rank, failure = exc.get_first_failure()
+        raise CLIError(f"training worker {rank} exited with code {failure.exitcode}; its error is above") from exc
+    return 0
+
+
+def _without_option(argv: Sequence[str], flag: str) -> list[str]:
+    """`argv` without `flag VALUE` / `flag=VALUE`."""
+    kept, skip = [], False
+    for item in argv:
+        if skip:
+            skip = False
+        elif item == flag:
+            skip = True
+        elif not item.startswith(flag + "="):
+            kept.append(item)
+    return kept
 
 
 def _add_train_parser(sub) -> None:
@@ -405,6 +440,9 @@ def _add_train_parser(sub) -> None:
                        help="CPU threads of this process (default: PyTorch's, one per core); give several runs on "
                             "one host a share each")
     train.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.pt")
+    train.add_argument("--nproc-per-node", type=int, default=None, metavar="N",
+                       help="train on N local processes (GPUs) at once, started as torchrun --standalone "
+                            "--nproc-per-node N would (docs/multi-gpu.md); for several nodes use torchrun itself")
     train.add_argument("--no-progress", action="store_true")
     train.set_defaults(handler=_cmd_train)
 
@@ -571,6 +609,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from .errors import EquiconvertError
 
     args = _parser().parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # what --nproc-per-node passes on to its workers
     try:
         return args.handler(args)
     except (CLIError, EquiconvertError, ValueError) as exc:

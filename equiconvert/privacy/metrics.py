@@ -74,6 +74,20 @@ def evaluate(
     (test-time augmentation); the metrics then score the log of that mean.
     The model's train/eval mode is restored afterwards.
     """
+    outputs = predict(model, images, batch_size, device, normalize, shifts)
+    return classification_metrics(outputs, labels.to(outputs.device))
+
+
+@torch.no_grad()
+def predict(
+    model: nn.Module,
+    images: torch.Tensor,
+    batch_size: int,
+    device: torch.device | str,
+    normalize: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    shifts: Sequence[tuple[int, int]] | None = None,
+) -> torch.Tensor:
+    """The (N, classes) outputs `evaluate` scores: logits, or shift-averaged log-probabilities with `shifts`."""
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     was_training = model.training
@@ -87,10 +101,9 @@ def evaluate(
             if normalize is not None:
                 batch = normalize(batch)
             outputs.append(model(batch) if shifts is None else _shift_averaged_log_probs(model, batch, shifts))
-        logits = torch.cat(outputs)
+        return torch.cat(outputs)
     finally:
         model.train(was_training)
-    return classification_metrics(logits, labels.to(logits.device))
 
 
 def _shift_averaged_log_probs(model: nn.Module, batch: torch.Tensor, shifts: Sequence[tuple[int, int]]) -> torch.Tensor:

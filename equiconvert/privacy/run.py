@@ -19,6 +19,7 @@ from torch import nn
 from ..check import check_equivariance
 from ..convert import make_equivariant
 from ..nn.conv import SteerableConv2d
+from . import distributed
 from .filter_gradients import fastest_choices
 from .trainer import DPConfig, DPTrainer
 
@@ -155,7 +156,7 @@ def _conversion_options(spec: RunSpec) -> dict[str, Any]:
     return {} if spec.init_gain is None else {"init_gain": spec.init_gain}
 
 
-def _refuse_resuming_another_model(out: Path, model: nn.Module, resume: bool) -> None:
+def _refuse_resuming_another_model(out: Path, model: nn.Module, resume: bool, writes: bool) -> None:
     """A checkpoint restores parameters by name and shape, so a change without parameters (another --activation)
     would resume silently into another network: OUT/model.txt keeps the architecture the run started with."""
     record, description = out / "model.txt", repr(model)
@@ -168,8 +169,9 @@ def _refuse_resuming_another_model(out: Path, model: nn.Module, resume: bool) ->
                              f"this one has {first[1].strip()!r}); refusing to resume: repeat the run's own options, "
                              "or give a new --out")
         return
-    out.mkdir(parents=True, exist_ok=True)
-    record.write_text(description)
+    if writes:
+        out.mkdir(parents=True, exist_ok=True)
+        record.write_text(description)
 
 
 def _eval_history(log: Path) -> list[dict[str, Any]]:
@@ -212,16 +214,30 @@ def pad_images(images: torch.Tensor, size: int) -> torch.Tensor:
 
 
 def run_training(spec: RunSpec, **trainer_options: Any) -> dict[str, Any]:
-    """Train one model with DP-SGD on one data set; returns (and writes) the result record."""
+    """Train one model with DP-SGD on one data set; returns (and, on rank 0, writes) the result record.
+
+    Under torchrun (WORLD_SIZE > 1) this process is one rank of a data-parallel job (distributed.py).
+    """
+    _refuse_conversion_options_for_baseline(spec)
+    _refuse_preset_options_for_other_models(spec)
+    context, device = distributed.from_environment(spec.device)
+    try:
+        return _run_training(spec, context, device, trainer_options)
+    finally:
+        if context.enabled:
+            distributed.shutdown()
+
+
+def _run_training(spec: RunSpec, context: distributed.DistributedContext, device: str | None,
+                  trainer_options: dict[str, Any]) -> dict[str, Any]:
     from ..cli import build_model
     from ..data import load_dataset
 
-    _refuse_conversion_options_for_baseline(spec)
-    _refuse_preset_options_for_other_models(spec)
     activation = _activation(spec)
     start = time.perf_counter()
-    train = load_dataset(spec.dataset, spec.data_dir, split="train")
-    test = load_dataset(spec.dataset, spec.data_dir, split="test")
+    with context.main_first():  # rank 0 fills the decoded-data cache the other ranks read
+        train = load_dataset(spec.dataset, spec.data_dir, split="train")
+        test = load_dataset(spec.dataset, spec.data_dir, split="test")
     channels, size = train.images.shape[1], train.images.shape[-1]
     result: dict[str, Any] = {"model": spec.model, "group": spec.group, "dataset": spec.dataset, "width": spec.width,
                               "activation": activation}
@@ -246,9 +262,10 @@ def run_training(spec: RunSpec, **trainer_options: Any) -> dict[str, Any]:
         result["max_equivariance_error"] = check.max_error
         # the paper's head (AdaptiveAvgPool2d(2) + Flatten + Linear) is equivariant up to the head, not invariant
         result["invariant_head"] = _head(spec) == "invariant"
-    _refuse_resuming_another_model(Path(spec.out), model, spec.resume)
+    _refuse_resuming_another_model(Path(spec.out), model, spec.resume, writes=context.is_main)
     images_train, images_test = pad_images(train.images, input_size), pad_images(test.images, input_size)
-    trainer = DPTrainer(model, device=spec.device, out_dir=spec.out, progress=spec.progress, **trainer_options)
+    trainer = DPTrainer(model, device=device, out_dir=spec.out, progress=spec.progress, distributed=context,
+                        **trainer_options)
     trainer.fit((images_train, train.labels), eval_set=(images_test, test.labels), resume=spec.resume,
                 time_limit_s=spec.time_limit_s)
     final = trainer.history[-1]["final_eval"]
@@ -270,7 +287,9 @@ def run_training(spec: RunSpec, **trainer_options: Any) -> dict[str, Any]:
         evals=_eval_history(Path(spec.out) / "log.jsonl"),
         train_time_s=max((r["time_s"] for r in trainer.history if "time_s" in r), default=0.0),  # this call's
         wall_time_s=time.perf_counter() - start,
+        world_size=context.world_size,
     )
-    Path(spec.out).mkdir(parents=True, exist_ok=True)
-    (Path(spec.out) / "result.json").write_text(json.dumps(result, indent=2))
+    if context.is_main:
+        Path(spec.out).mkdir(parents=True, exist_ok=True)
+        (Path(spec.out) / "result.json").write_text(json.dumps(result, indent=2))
     return result

@@ -19,9 +19,14 @@ class PoissonSampler:
     It owns a CPU `torch.Generator`, so the batch sequence depends only on the
     seed and the number of batches already drawn (not on other RNG users), and
     `state_dict()` lets a resumed run draw exactly the batches it would have.
+
+    shard (rank, world_size): in data-parallel training (distributed.py) each rank draws only the indices
+    rank, rank + world_size, ..., still at the global rate q, so that across the ranks every example joins a
+    batch independently with probability q exactly once.
     """
 
-    def __init__(self, num_examples: int, expected_batch_size: int, seed: int) -> None:
+    def __init__(self, num_examples: int, expected_batch_size: int, seed: int,
+                 shard: tuple[int, int] = (0, 1)) -> None:
         if num_examples <= 0:
             raise ValueError(f"num_examples must be positive, got {num_examples}")
         if expected_batch_size <= 0 or expected_batch_size > num_examples:
@@ -32,6 +37,11 @@ class PoissonSampler:
         self.num_examples = int(num_examples)
         self.expected_batch_size = int(expected_batch_size)
         self.sample_rate = self.expected_batch_size / self.num_examples
+        rank, world_size = shard
+        if not 0 <= rank < world_size:
+            raise ValueError(f"shard (rank, world_size) needs 0 <= rank < world_size, got {shard}")
+        self.shard = (int(rank), int(world_size))
+        self._members = torch.arange(rank, self.num_examples, world_size)
         self.seed = int(seed)
         self.num_batches_drawn = 0
         self._generator = torch.Generator(device="cpu")
@@ -40,9 +50,9 @@ class PoissonSampler:
     def sample(self) -> torch.Tensor:
         """Indices (int64, ascending, no duplicates) of one logical batch; may be empty."""
         # P(U < q) = q exactly for U ~ Uniform[0, 1).
-        mask = torch.rand(self.num_examples, generator=self._generator) < self.sample_rate
+        mask = torch.rand(len(self._members), generator=self._generator) < self.sample_rate
         self.num_batches_drawn += 1
-        return mask.nonzero().flatten()
+        return self._members[mask]
 
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to continue the exact batch sequence after a restart."""
@@ -50,6 +60,7 @@ class PoissonSampler:
             "num_examples": self.num_examples,
             "expected_batch_size": self.expected_batch_size,
             "seed": self.seed,
+            "shard": self.shard,
             "num_batches_drawn": self.num_batches_drawn,
             "generator_state": self._generator.get_state(),
         }
@@ -61,6 +72,9 @@ class PoissonSampler:
                 f"sampler state is for {state['expected_batch_size']}/{state['num_examples']}, "
                 f"this sampler is {self.expected_batch_size}/{self.num_examples}"
             )
+        if tuple(state.get("shard", (0, 1))) != self.shard:
+            raise ValueError(f"sampler state is for shard (rank, world_size) {tuple(state['shard'])}, "
+                             f"this sampler samples shard {self.shard}")
         self.seed = int(state["seed"])
         self.num_batches_drawn = int(state["num_batches_drawn"])
         self._generator.set_state(state["generator_state"].to(device="cpu", dtype=torch.uint8))

@@ -24,8 +24,9 @@ from torch import nn
 from .accounting import PrivacyLedger, calibrate_noise_multiplier
 from .augment import augment_views, shift_set
 from .checkpoint import load, save_atomic
+from .distributed import SINGLE_PROCESS, DistributedContext
 from .ema import ExponentialMovingAverage
-from .metrics import evaluate
+from .metrics import classification_metrics, predict
 from .bookkeeping import (BookkeepingUnsupportedError, check_bookkeeping_supported, per_sample_gradients_bookkeeping,
                           verify_bookkeeping)
 from .filter_gradients import FILTER_GRADIENT_METHODS, filter_gradient_method
@@ -89,6 +90,7 @@ class DPTrainer:
     """Train a model with DP-SGD; see DPConfig for the options (passed as keyword arguments).
 
     lr_schedule: "constant", "cosine", or a callable step -> learning rate (the schedule hook).
+    distributed: this process's rank in a data-parallel job (distributed.py); None for a single process.
     """
 
     def __init__(
@@ -99,6 +101,7 @@ class DPTrainer:
         out_dir: str | Path | None = None,
         lr_schedule: str | Callable[[int], float] = "constant",
         progress: bool = True,
+        distributed: DistributedContext | None = None,
         **options: Any,
     ) -> None:
         unknown = set(options) - set(DPConfig.__dataclass_fields__)
@@ -112,9 +115,11 @@ class DPTrainer:
         self._bookkeeping_verified = False  # verify_bookkeeping runs once, at the first per-sample computation
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.model = model.to(self.device)
+        self.dist = distributed or SINGLE_PROCESS  # [distributed] every rank starts from rank 0's weights
+        self.dist.broadcast_module(self.model)
         self.out_dir = Path(out_dir) if out_dir is not None else None
         self.lr_schedule = custom_schedule or _named_schedule(self.config)
-        self.progress = progress
+        self.progress = progress and self.dist.is_main
         self.optimizer = self._make_optimizer()
         self.ema = ExponentialMovingAverage(self.model, self.config.ema_decay) if self.config.ema_decay else None
         if self.ema is not None and (unreached := self.ema.unreached_warning(self.config.steps)):
@@ -122,10 +127,11 @@ class DPTrainer:
         self.step = 0
         self.stopped_reason: str | None = None  # "budget" or "time_limit" when fit ended before `steps`
         self.history: list[dict[str, Any]] = []
+        self._written = 0  # history[:_written] is in the log
         self.ledger: PrivacyLedger | None = None
         self.sampler: PoissonSampler | None = None
         self.noise_multiplier: float | None = None
-        self._augment_rng = torch.Generator(device=self.device).manual_seed(self.config.seed + 1)
+        self._augment_rng = torch.Generator(device=self.device).manual_seed(self.dist.rank_seed(self.config.seed + 1))
         self._noise_rng = torch.Generator(device=self.device).manual_seed(self.config.seed + 2)
 
     # --- set-up ------------------------------------------------------------
@@ -183,7 +189,7 @@ class DPTrainer:
 
     def _prepare_privacy(self, num_examples: int) -> None:
         c = self.config
-        self.sampler = PoissonSampler(num_examples, c.batch_size, c.seed)
+        self.sampler = PoissonSampler(num_examples, c.batch_size, self.dist.rank_seed(c.seed), shard=self.dist.shard())
         sample_rate = self.sampler.sample_rate
         if c.noise_multiplier is not None:
             self.noise_multiplier = c.noise_multiplier
@@ -198,9 +204,14 @@ class DPTrainer:
         return (images - self.config.normalize_mean) / self.config.normalize_std
 
     # --- one logical step --------------------------------------------------
-    def _noisy_gradient(self, images: torch.Tensor, labels: torch.Tensor) -> tuple[dict[str, torch.Tensor], int, float]:
+    def _noisy_gradient(self, images: torch.Tensor, labels: torch.Tensor
+                        ) -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor]:
+        """The noisy mean gradient of one logical step, its batch size and mean training loss (device tensors:
+        nothing here waits for the device)."""
         c = self.config
         indices = self.sampler.sample()
+        count = torch.full((), float(len(indices)), device=self.device)
+        indices = _to_device(indices, images.device)  # where the data are (fit moves them to the device)
         params = {n: p.detach() for n, p in self.model.named_parameters()}
         buffers = dict(self.model.named_buffers())
         summed = {n: torch.zeros_like(p) for n, p in params.items()}
@@ -215,12 +226,12 @@ class DPTrainer:
             for name, value in clipped.items():
                 summed[name] += value
         std = self.noise_multiplier * c.max_grad_norm
-        noisy = {
-            name: (value + torch.normal(0.0, std, value.shape, generator=self._noise_rng, device=self.device))
-            / c.batch_size
-            for name, value in summed.items()
-        }
-        return noisy, len(indices), float(loss_sum) / max(len(indices), 1)
+        if self.dist.is_main:  # [distributed] rank 0's noise generator is the job's only one: noise enters once
+            summed = {name: value + torch.normal(0.0, std, value.shape, generator=self._noise_rng, device=self.device)
+                      for name, value in summed.items()}
+        *reduced, loss_sum, count = self.dist.all_reduce_sum([*summed.values(), loss_sum, count])  # [distributed]
+        noisy = {name: value / c.batch_size for name, value in zip(summed, reduced)}
+        return noisy, count, loss_sum / count.clamp_min(1.0)
 
     def _per_sample_gradients(self, params, buffers, views, labels) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
         with filter_gradient_method(self.config.filter_gradients):  # the probe checks the kernel the run uses
@@ -249,6 +260,10 @@ class DPTrainer:
 
     def train_step(self, images: torch.Tensor, labels: torch.Tensor) -> dict[str, Any]:
         """One DP-SGD step on the private data (images, labels); returns its log record."""
+        return _materialize([self._train_step(images, labels)])[0]
+
+    def _train_step(self, images: torch.Tensor, labels: torch.Tensor) -> dict[str, Any]:
+        """One DP-SGD step whose record keeps device tensors (batch_size, train_loss): no host synchronisation."""
         self.model.train()
         if self.lr_schedule is not None:
             for group in self.optimizer.param_groups:
@@ -263,7 +278,7 @@ class DPTrainer:
         if self.ema is not None:
             self.ema.update(self.model, self.step)
         record = {"step": self.step, "batch_size": batch, "lr": self.optimizer.param_groups[0]["lr"]}
-        if self.step % self.config.epsilon_every == 0 or self.step == self.config.steps:
+        if self._logs_epsilon(self.step):
             record["epsilon"] = self.ledger.epsilon
         if self.config.log_train_loss:
             record["train_loss"] = train_loss
@@ -280,9 +295,11 @@ class DPTrainer:
         """Train until `steps`, until one more step would exceed the budget, or until `time_limit_s`.
 
         A run stopped by the time limit writes a checkpoint (with out_dir), so
-        `fit(..., resume=True)` continues it to the same end as an uninterrupted run.
+        `fit(..., resume=True)` continues it to the same end as an uninterrupted run. The data moves to the
+        device once; a step waits for the device only where its record is written (every `epsilon_every` steps,
+        evaluations, checkpoints), so `time_s` of the steps between is the time they were queued.
         """
-        images, labels = _tensors(train_set)
+        images, labels = (tensor.to(self.device) for tensor in _tensors(train_set))
         if self.sampler is None:
             self._prepare_privacy(len(images))
         if resume:
@@ -295,9 +312,9 @@ class DPTrainer:
                 self.stopped_reason = "budget"
                 self._log({"event": "stopped", "reason": "budget", "step": self.step, "epsilon": self.ledger.epsilon})
                 break
-            record = self.train_step(images, labels)
+            record = self._train_step(images, labels)
             record["time_s"] = time.perf_counter() - start
-            self._log(record)
+            self._log(record, defer=not self._logs_epsilon(self.step))
             bar.update(1)
             if "epsilon" in record:
                 bar.set_postfix(eps=f"{record['epsilon']:.3f}", loss=f"{record.get('train_loss', float('nan')):.3f}")
@@ -305,7 +322,7 @@ class DPTrainer:
                 self._log({"step": self.step, "eval": self.evaluate(eval_set)})
             if self.config.checkpoint_every and self.step % self.config.checkpoint_every == 0:
                 self.save_checkpoint()
-            if time_limit_s is not None and time.perf_counter() - start >= time_limit_s and self.step < self.config.steps:
+            if time_limit_s is not None and self.step < self.config.steps and self._time_is_up(start, time_limit_s):
                 self.stopped_reason = "time_limit"
                 self._log({"event": "stopped", "reason": "time_limit", "step": self.step, "epsilon": self.ledger.epsilon})
                 if self.out_dir is not None:
@@ -318,31 +335,61 @@ class DPTrainer:
         self._log(final)
         return self.history
 
+    def _logs_epsilon(self, step: int) -> bool:
+        """Whether step `step`'s record carries epsilon and is written at once (the loop's only waits)."""
+        return step % self.config.epsilon_every == 0 or step == self.config.steps
+
+    def _time_is_up(self, start: float, limit_s: float) -> bool:
+        """Past the time limit. In a job all ranks stop together: rank 0's clock decides, at the steps that
+        write their record (one broadcast there)."""
+        if not self.dist.enabled:
+            return time.perf_counter() - start >= limit_s
+        return self._logs_epsilon(self.step) and self.dist.agree(time.perf_counter() - start >= limit_s, self.device)
+
     def evaluate(self, data: TensorData) -> dict[str, float]:
-        """Metrics of the EMA weights (if any) on `data`, plus shift-averaged ones when test_shifts is set."""
+        """Metrics of the EMA weights (if any) on `data`, plus shift-averaged ones when test_shifts is set.
+
+        In a job each rank scores its slice of `data` and the logits are all-gathered: every rank returns the
+        metrics of the whole set (all ranks must call this together).
+        """
         with self.ema.applied(self.model) if self.ema is not None else contextlib.nullcontext():
             return self._evaluate_model(data)
 
     def _evaluate_model(self, data: TensorData) -> dict[str, float]:
         images, labels = _tensors(data)
-        size, device, normalize = self.config.eval_batch_size, self.device, self._normalize
-        metrics = evaluate(self.model, images, labels, size, device, normalize)
-        if self.config.test_shifts is not None:
-            averaged = evaluate(self.model, images, labels, size, device, normalize, shift_set(self.config.test_shifts))
-            metrics.update({f"shift_averaged_{name}": value for name, value in averaged.items()})
-        return metrics
+        rows = self.dist.row_slice(len(images))  # [distributed] this rank's slice
+
+        def metrics(shifts: tuple[tuple[int, int], ...] | None) -> dict[str, float]:
+            outputs = predict(self.model, images[rows], self.config.eval_batch_size, self.device, self._normalize,
+                              shifts)
+            return classification_metrics(self.dist.all_gather_rows(outputs, len(images)), labels)
+
+        plain = metrics(None)
+        if self.config.test_shifts is None:
+            return plain
+        averaged = metrics(shift_set(self.config.test_shifts))
+        return {**plain, **{f"shift_averaged_{name}": value for name, value in averaged.items()}}
 
     @property
     def epsilon(self) -> float:
         return self.ledger.epsilon if self.ledger is not None else 0.0
 
     # --- logging and checkpoints ------------------------------------------
-    def _log(self, record: dict[str, Any]) -> None:
+    def _log(self, record: dict[str, Any], defer: bool = False) -> None:
+        """Append `record` to the history; unless deferred, write every record not yet written (rank 0 only)."""
         self.history.append(record)
-        if self.out_dir is not None:
+        if not defer:
+            self._flush()
+
+    def _flush(self) -> None:
+        """Turn the device tensors of the unwritten records into numbers (one wait) and write them to the log."""
+        pending = self.history[self._written:]
+        _materialize(pending)
+        self._written = len(self.history)
+        if self.out_dir is not None and self.dist.is_main and pending:
             self.out_dir.mkdir(parents=True, exist_ok=True)
             with open(self.out_dir / "log.jsonl", "a") as handle:
-                handle.write(json.dumps(record) + "\n")
+                handle.writelines(json.dumps(record) + "\n" for record in pending)
 
     def checkpoint_path(self) -> Path:
         if self.out_dir is None:
@@ -350,6 +397,11 @@ class DPTrainer:
         return self.out_dir / "checkpoint.pt"
 
     def save_checkpoint(self) -> None:
+        """Rank 0 writes the job's state: the shared one once, each rank's own generators (all ranks call this)."""
+        self._flush()
+        ranks = self.dist.all_gather_object(self._rank_state())  # [distributed]
+        if not self.dist.is_main:
+            return
         state = {
             "step": self.step,
             "config": asdict(self.config),
@@ -357,8 +409,17 @@ class DPTrainer:
             "optimizer": self.optimizer.state_dict(),
             "ema": self.ema.state_dict() if self.ema is not None else None,
             "ledger": self.ledger.state_dict(),
-            "sampler": self.sampler.state_dict(),
             "noise_multiplier": self.noise_multiplier,
+            "world_size": self.dist.world_size,
+            **ranks[0],
+            "other_ranks": ranks[1:],
+        }
+        save_atomic(state, self.checkpoint_path())
+
+    def _rank_state(self) -> dict[str, Any]:
+        """What differs between the ranks of a job: the sampler of its shard and its generators."""
+        return {
+            "sampler": self.sampler.state_dict(),
             "rng": {
                 "augment": self._augment_rng.get_state(),
                 "noise": self._noise_rng.get_state(),
@@ -366,13 +427,21 @@ class DPTrainer:
                 "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
             },
         }
-        save_atomic(state, self.checkpoint_path())
 
     def _resume(self) -> None:
         path = self.checkpoint_path()
-        if not path.exists():
+        found = self.dist.all_gather_object(path.exists())  # [distributed] every rank reads rank 0's file
+        if not any(found):
             return
+        if not all(found):
+            raise FileNotFoundError(f"{path} exists on ranks {[r for r, f in enumerate(found) if f]} only: a job "
+                                    "resumes from one checkpoint, so --out must be on a file system every node sees")
         state = load(path)
+        saved_world_size = state.get("world_size", 1)
+        if saved_world_size != self.dist.world_size:
+            raise ValueError(f"checkpoint {path} was written by a job of {saved_world_size} process(es); this job "
+                             f"has {self.dist.world_size}: resume it with {saved_world_size} (each rank continues "
+                             "its own shard's sampler), or give a new --out")
         saved, current = _resume_identity(state["config"]), _resume_identity(asdict(self.config))
         if saved != current:
             differing = {key: (saved.get(key), current.get(key)) for key in current if saved.get(key) != current.get(key)}
@@ -383,13 +452,14 @@ class DPTrainer:
         if self.ema is not None:
             self.ema.load_state_dict(state["ema"])
         self.ledger.load_state_dict(state["ledger"])
-        self.sampler.load_state_dict(state["sampler"])
+        own = state if self.dist.is_main else state["other_ranks"][self.dist.rank - 1]
+        self.sampler.load_state_dict(own["sampler"])
         self.noise_multiplier = state["noise_multiplier"]
-        self._augment_rng.set_state(state["rng"]["augment"])
-        self._noise_rng.set_state(state["rng"]["noise"])
-        torch.set_rng_state(state["rng"]["torch"])
-        if state["rng"]["cuda"] is not None and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(state["rng"]["cuda"])
+        self._augment_rng.set_state(own["rng"]["augment"])
+        self._noise_rng.set_state(own["rng"]["noise"])
+        torch.set_rng_state(own["rng"]["torch"])
+        if own["rng"]["cuda"] is not None and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(own["rng"]["cuda"])
         self.step = state["step"]
 
 
@@ -412,6 +482,26 @@ def _named_schedule(config: DPConfig) -> Callable[[int], float] | None:
     if config.lr_schedule == "cosine":
         return lambda step: config.lr * 0.5 * (1.0 + math.cos(math.pi * min(step, config.steps) / max(config.steps, 1)))
     return None
+
+
+def _to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`tensor` on `device`; a host-to-GPU copy goes through pinned memory, so the host does not wait for it."""
+    if device.type != "cuda":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)
+
+
+def _materialize(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Replace the tensors in `records` (in place) by numbers, copying them all to the host at once."""
+    places = [(record, key) for record in records for key, value in record.items() if isinstance(value, torch.Tensor)]
+    if places:
+        values = torch.stack([record[key].detach().float().reshape(()) for record, key in places]).tolist()
+        for (record, key), value in zip(places, values):
+            record[key] = int(value) if key in INTEGER_FIELDS else value
+    return records
+
+
+INTEGER_FIELDS = ("batch_size",)  # record fields that are counts
 
 
 def _tensors(data: TensorData | Any) -> TensorData:

@@ -1,0 +1,103 @@
+"""Samples/s of `equiconvert train` on 1 GPU and on N GPUs of one host (data-parallel DP-SGD).
+
+Each configuration is a fresh, short run (no checkpoints, no resume) of the same command, the paper's D4
+Equivariant-ResNet9 on CIFAR-10 at the paper's batch (8192 x 4 views) unless told otherwise; N GPUs run it
+with `train --nproc-per-node N`. Throughput is steady-state: augmented samples (the logged Poisson batch
+sizes x views) from the first step at or after `--warmup` whose record waited for the device to the last
+step, over the time between them (start-up and the final evaluation excluded; both are in wall_time_s and
+samples_per_s_with_startup_and_evaluation). Prints one JSON object.
+
+Usage (a 4-GPU host, CIFAR-10 extracted from shared/data/cifar10-jpeg.tar.xz into /tmp/cifar):
+    python benchmarks/distributed_smoke.py --data-dir /tmp/cifar/cifar10 --gpus 1,4 --steps 80
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+PAPER_RUN = ["--model", "equiconvert:equivariant_resnet9", "--group", "D4", "--epsilon", "8", "--delta", "1e-5",
+             "--lr", "2", "--max-grad-norm", "2", "--ema-decay", "0.999"]
+
+
+def steady_throughput(records: list[dict[str, Any]], aug_mult: int, warmup: int) -> dict[str, float]:
+    """Samples/s between the first record from step `warmup` on that carries epsilon and the last step.
+
+    Only those records are written after the device has finished their step; the ones between hold the
+    time their step was queued.
+    """
+    steps = [r for r in records if "batch_size" in r]
+    synced = [r for r in steps if "epsilon" in r and r["step"] >= warmup]
+    if len(synced) < 2:
+        raise ValueError(f"need two logged steps with epsilon after step {warmup}; raise --steps")
+    first, last = synced[0], synced[-1]
+    samples = aug_mult * sum(r["batch_size"] for r in steps if first["step"] < r["step"] <= last["step"])
+    seconds = last["time_s"] - first["time_s"]
+    return {"measured_steps": last["step"] - first["step"], "seconds": seconds,
+            "samples_per_s": samples / seconds, "ms_per_step": 1000 * seconds / (last["step"] - first["step"])}
+
+
+def run(gpus: int, args: argparse.Namespace, out: Path) -> dict[str, Any]:
+    """One fresh `train` run on `gpus` GPUs; its throughput and timings."""
+    command = [sys.executable, "-m", "equiconvert", "train"]
+    if gpus > 1:
+        command += ["--nproc-per-node", str(gpus)]
+    command += [*PAPER_RUN, "--dataset", args.dataset, "--steps", str(args.steps), "--batch-size",
+                str(args.batch_size), "--aug-mult", str(args.aug_mult), "--physical-batch-size",
+                str(args.physical_batch_size), "--precision", args.precision, "--checkpoint-every", "0",
+                "--device", args.device, "--no-progress", "--out", str(out), *args.extra]
+    if args.data_dir:
+        command += ["--data-dir", args.data_dir]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    if args.device == "cuda":
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in range(gpus))
+    start = time.perf_counter()
+    subprocess.run(command, check=True, env=env, stdout=subprocess.DEVNULL)
+    wall = time.perf_counter() - start
+    records = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
+    result = json.loads((out / "result.json").read_text())
+    samples = args.aug_mult * sum(r["batch_size"] for r in records if "batch_size" in r)
+    return {"gpus": gpus, **steady_throughput(records, args.aug_mult, args.warmup), "wall_time_s": wall,
+            "samples_per_s_with_startup_and_evaluation": samples / wall,
+            "train_time_s": result["train_time_s"], "test_accuracy": result["test_accuracy"],
+            "device": result["device"], "world_size": result["world_size"]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--gpus", default="1,4", help="comma-separated process counts, e.g. 1,2,4")
+    parser.add_argument("--dataset", default="cifar10")
+    parser.add_argument("--data-dir", default=None)
+    parser.add_argument("--steps", type=int, default=80)
+    parser.add_argument("--warmup", type=int, default=10, help="steps left out of the throughput (start-up)")
+    parser.add_argument("--batch-size", type=int, default=8192)
+    parser.add_argument("--aug-mult", type=int, default=4)
+    parser.add_argument("--physical-batch-size", type=int, default=512)
+    parser.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--extra", nargs=argparse.REMAINDER, default=[],
+                        help="further `train` options (last on the line), e.g. --extra --model ... --widths 4,8,8")
+    args = parser.parse_args(argv)
+    runs = []
+    with tempfile.TemporaryDirectory() as folder:
+        for gpus in (int(g) for g in args.gpus.split(",")):
+            runs.append(run(gpus, args, Path(folder) / f"gpus{gpus}"))
+    report: dict[str, Any] = {"batch_size": args.batch_size, "aug_mult": args.aug_mult, "steps": args.steps,
+                              "precision": args.precision, "runs": runs}
+    base = next((r for r in runs if r["gpus"] == 1), None)
+    if base is not None:
+        report["scaling_efficiency"] = {str(r["gpus"]): r["samples_per_s"] / (r["gpus"] * base["samples_per_s"])
+                                        for r in runs}
+    print(json.dumps(report, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -45,3 +45,16 @@ def test_import_and_help_load_no_heavy_package(stages):
 
 def test_the_probe_sees_a_heavy_import(stages):
     assert stages["create_model torchvision:resnet18"] == ["torchvision"]
+
+
+def test_rules_for_optional_packages_apply_once_those_are_imported():
+    """Stochastic depth (torchvision) and DropPath (timm) are registered by name, so that rules import neither."""
+    from timm.layers import DropPath
+    from torchvision.ops import StochasticDepth
+
+    from equiconvert.convert.registry import module_rule
+    from equiconvert.convert.rules.structural import convert_pass_through
+
+    assert module_rule(StochasticDepth) is convert_pass_through
+    assert module_rule(DropPath) is convert_pass_through
+    assert module_rule(type("StochasticDepth", (StochasticDepth,), {})) is None  # exact types only, as for all rules

@@ -15,15 +15,11 @@ from typing import Any, Callable, TypeVar, overload
 
 from torch import nn
 
-from ..errors import EquiconvertError
+from ..errors import ModelNameError
 
 SOURCES = ("equiconvert", "torchvision", "timm")  # also the order in which a bare name is looked up
 ModelFactory = Callable[..., nn.Module]
 F = TypeVar("F", bound=ModelFactory)
-
-
-class ModelNameError(EquiconvertError, ValueError):
-    """A model name that the registry cannot resolve, or keyword arguments its model does not take."""
 
 
 @dataclass(frozen=True)

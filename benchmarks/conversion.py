@@ -52,21 +52,31 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 DEFAULT_OUT = HERE / "results" / "conversion.json"
 
-# name -> (source, constructor name, make_equivariant keyword arguments)
-MODELS: dict[str, tuple[str, str, dict]] = {
-    "tv_resnet18": ("torchvision", "resnet18", {}),
-    "tv_resnet50": ("torchvision", "resnet50", {}),
-    "tv_wide_resnet50_2": ("torchvision", "wide_resnet50_2", {}),
-    "tv_vgg11_bn": ("torchvision", "vgg11_bn", {"head": "invariant"}),
-    "tv_densenet121": ("torchvision", "densenet121", {}),
-    "tv_mobilenet_v2": ("torchvision", "mobilenet_v2", {}),
-    "timm_resnet18": ("timm", "resnet18", {}),
-    "timm_resnet50d": ("timm", "resnet50d", {}),
-    "ec_resnet9": ("equiconvert", "resnet9", {"head": "invariant"}),
+# name -> (registry name for equiconvert.models.create_model, make_equivariant keyword arguments)
+MODELS: dict[str, tuple[str, dict]] = {
+    "tv_resnet18": ("torchvision:resnet18", {}),
+    "tv_resnet50": ("torchvision:resnet50", {}),
+    "tv_wide_resnet50_2": ("torchvision:wide_resnet50_2", {}),
+    "tv_vgg11_bn": ("torchvision:vgg11_bn", {"head": "invariant"}),
+    "tv_densenet121": ("torchvision:densenet121", {}),
+    "tv_mobilenet_v2": ("torchvision:mobilenet_v2", {}),
+    "timm_resnet18": ("timm:resnet18", {}),
+    "timm_resnet50d": ("timm:resnet50d", {}),
+    "ec_resnet9": ("equiconvert:resnet9", {"head": "invariant"}),
 }
-ALIASES = {"resnet18": "tv_resnet18", "resnet50": "tv_resnet50", "wide_resnet50_2": "tv_wide_resnet50_2",
-           "vgg11_bn": "tv_vgg11_bn", "densenet121": "tv_densenet121", "mobilenet_v2": "tv_mobilenet_v2",
-           "resnet50d": "timm_resnet50d", "resnet9": "ec_resnet9"}
+
+
+def _aliases() -> dict[str, str]:
+    """Registry names and bare names -> benchmark names; for a bare name the first source listed wins, as in the
+    registry ("resnet18": torchvision's)."""
+    aliases: dict[str, str] = {}
+    for key, (spec, _) in MODELS.items():
+        aliases[spec] = key
+        aliases.setdefault(spec.partition(":")[2], key)
+    return aliases
+
+
+ALIASES = _aliases()
 QUICK_MODELS = ["tv_resnet18", "ec_resnet9"]
 NUM_CLASSES = 10
 # width label -> value passed as make_equivariant(width=...)
@@ -76,19 +86,14 @@ FIRST_SIZES = 8
 
 
 # ----------------------------------------------------------------------------- worker
+def _source(name: str) -> str:
+    return MODELS[name][0].partition(":")[0]
+
+
 def _build_model(name: str):
-    source, ctor, _ = MODELS[name]
-    if source == "torchvision":
-        import torchvision
+    from equiconvert.models import create_model
 
-        return getattr(torchvision.models, ctor)(num_classes=NUM_CLASSES)
-    if source == "timm":
-        import timm
-
-        return timm.create_model(ctor, pretrained=False, num_classes=NUM_CLASSES)
-    from equiconvert import models
-
-    return getattr(models, ctor)(num_classes=NUM_CLASSES)
+    return create_model(MODELS[name][0], num_classes=NUM_CLASSES)
 
 
 def _timed(fn):
@@ -126,8 +131,8 @@ def _worker(args: argparse.Namespace) -> int:
         import equiconvert
 
         record["equiconvert_file"] = equiconvert.__file__
-        kwargs = MODELS[args.model][2]
-        record.update(source=MODELS[args.model][0], kwargs=kwargs, torch_threads=torch.get_num_threads())
+        kwargs = MODELS[args.model][1]
+        record.update(source=_source(args.model), kwargs=kwargs, torch_threads=torch.get_num_threads())
 
         record["build_s"], _, model = _timed(lambda: _build_model(args.model))
         record["params_before"] = sum(p.numel() for p in model.parameters())
@@ -431,7 +436,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     for model in models:
         for group in groups:
-            if MODELS[model][0] == "timm" and timm_missing:
+            if _source(model) == "timm" and timm_missing:
                 records.append({"model": model, "group": group, "status": "skipped", "reason": "timm is not installed"})
                 continue
             print(f"[{time.perf_counter() - started:7.1f}s] {model} {group} ...", file=sys.stderr, flush=True)

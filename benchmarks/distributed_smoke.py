@@ -55,7 +55,7 @@ def run(gpus: int, args: argparse.Namespace, out: Path) -> dict[str, Any]:
                 "--device", args.device, "--no-progress", "--out", str(out), *args.extra]
     if args.data_dir:
         command += ["--data-dir", args.data_dir]
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     if args.device == "cuda":
         env["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in range(gpus))
     start = time.perf_counter()

@@ -36,8 +36,7 @@ from torch.func import functional_call, grad, vmap
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import equiconvert  # noqa: E402
-from equiconvert.models import equivariant_resnet9, resnet9  # noqa: E402
-from equiconvert.models.equivariant_resnet9 import plain_paper_resnet9  # noqa: E402
+from equiconvert.models import create_model  # noqa: E402
 from equiconvert.privacy.augment import augment_views  # noqa: E402
 from equiconvert.privacy.bookkeeping import per_sample_gradients_bookkeeping  # noqa: E402
 from equiconvert.privacy.filter_gradients import fastest_choices, filter_gradient_method  # noqa: E402
@@ -57,13 +56,16 @@ def build_model(name: str, widths: tuple[int, ...], kappa: float, device: torch.
     group "none": the unconverted network (for "paper", the plain network the preset converts).
     """
     if name == "paper":
-        model = plain_paper_resnet9() if group == "none" else equivariant_resnet9(group)
+        model = create_model("plain_paper_resnet9") if group == "none" else create_model("equivariant_resnet9",
+                                                                                         group=group)
     elif group == "none":
         from opacus.validators import ModuleValidator
 
-        model = ModuleValidator.fix(resnet9(widths=widths))  # BatchNorm -> GroupNorm, as `equiconvert train` does
+        # BatchNorm -> GroupNorm, as `equiconvert train` does
+        model = ModuleValidator.fix(create_model("resnet9", widths=widths))
     else:
-        model = equiconvert.make_equivariant(resnet9(widths=widths), group, width=kappa, head="invariant")
+        model = equiconvert.make_equivariant(create_model("resnet9", widths=widths), group, width=kappa,
+                                             head="invariant")
     return model.to(device).train()
 
 

@@ -11,11 +11,13 @@ from .convert import (
 from .errors import EquivarianceBreakError, EquiconvertError, TracingError, UnsupportedLayerError
 from .export import export
 from .groups import GroupSpec, parse_group
+from .models import create_model, list_models, register_model
 
 __version__ = "0.1.0"
 
 __all__ = [
     "ConversionConfig", "ConversionReport", "EquivarianceBreakError", "EquivarianceResult", "EquiconvertError",
-    "EquivariantModel", "GroupSpec", "TracingError", "UnsupportedLayerError", "check_equivariance",
-    "export", "make_equivariant", "parse_group", "register_function_rule", "register_module_rule",
+    "EquivariantModel", "GroupSpec", "TracingError", "UnsupportedLayerError", "check_equivariance", "create_model",
+    "export", "list_models", "make_equivariant", "parse_group", "register_function_rule", "register_model",
+    "register_module_rule",
 ]

@@ -1,6 +1,6 @@
 """Command line: `equiconvert convert MODEL --group D4 ...` and `equiconvert demo`.
 
-`convert` builds a model by name (torchvision:, timm:, equiconvert:), converts it,
+`convert` builds a model by its registry name (equiconvert.models.create_model), converts it,
 measures its equivariance error at a valid input size and prints the conversion
 report (readable, or one JSON object with --json). `demo` is the package's main
 job (equiconvert.demo): ResNet9 converted to D4 and trained with DP-SGD on
@@ -18,13 +18,10 @@ import json
 import os
 import sys
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import torch
-from torch import nn
 
-MODEL_PREFIXES = ("torchvision", "timm", "equiconvert")
-EQUICONVERT_MODELS = ("resnet9",)
 JSON_VALID_SIZES = 16  # how many valid input sizes the JSON output lists
 CHECK_BATCH_SIZE = 1  # the equivariance check's batch; the error does not depend on it
 EXIT_USAGE = 2
@@ -32,64 +29,6 @@ EXIT_USAGE = 2
 
 class CLIError(Exception):
     """A user error: reported as one `error: ...` line and exit status 2."""
-
-
-# --- building models by name -------------------------------------------------------------
-
-
-def _torchvision_model(name: str, num_classes: int, in_channels: int) -> nn.Module:
-    import torchvision
-
-    if in_channels != 3:
-        raise CLIError(f"torchvision models take 3 input channels; --in-channels {in_channels} needs a timm: or equiconvert: model")
-    try:
-        return torchvision.models.get_model(name, num_classes=num_classes)
-    except ValueError as exc:
-        if name not in torchvision.models.list_models():
-            raise CLIError(f"unknown torchvision model {name!r} (see torchvision.models.list_models())") from exc
-        raise CLIError(f"cannot build torchvision model {name!r}: {exc}") from exc
-
-
-def _timm_model(name: str, num_classes: int, in_channels: int) -> nn.Module:
-    try:
-        import timm
-    except ImportError as exc:
-        raise CLIError(f"timm is not installed, so 'timm:{name}' cannot be built; install it with `pip install timm`") from exc
-    try:
-        return timm.create_model(name, pretrained=False, num_classes=num_classes, in_chans=in_channels)
-    except (RuntimeError, ValueError, TypeError, KeyError) as exc:
-        raise CLIError(f"cannot build timm model {name!r}: {exc}") from exc
-
-
-def _equiconvert_model(name: str, num_classes: int, in_channels: int, **options: Any) -> nn.Module:
-    from . import models
-
-    if name not in EQUICONVERT_MODELS:
-        raise CLIError(f"unknown equiconvert model {name!r}; known: {', '.join(EQUICONVERT_MODELS)}")
-    return getattr(models, name)(num_classes=num_classes, in_channels=in_channels, **options)
-
-
-_BUILDERS: dict[str, Callable[[str, int, int], nn.Module]] = {
-    "torchvision": _torchvision_model,
-    "timm": _timm_model,
-    "equiconvert": _equiconvert_model,
-}
-
-
-def build_model(spec: str, num_classes: int = 10, in_channels: int = 3, widths: tuple[int, ...] | None = None) -> nn.Module:
-    """The untrained model named `spec` ("torchvision:resnet18", "timm:<name>", "equiconvert:resnet9").
-
-    `widths` sets the channel widths of equiconvert:resnet9 (other models refuse it).
-    """
-    prefix, sep, name = spec.partition(":")
-    if not sep or prefix not in _BUILDERS or not name:
-        accepted = ", ".join(f"{p}:<name>" for p in MODEL_PREFIXES)
-        raise CLIError(f"cannot parse model {spec!r}: use one of the prefixes {accepted}")
-    if widths is None:
-        return _BUILDERS[prefix](name, num_classes, in_channels)
-    if prefix != "equiconvert":
-        raise CLIError(f"--widths applies to equiconvert:resnet9 only, not {spec!r}")
-    return _equiconvert_model(name, num_classes, in_channels, widths=widths)
 
 
 # --- converting and checking ------------------------------------------------------------
@@ -132,13 +71,23 @@ def convert_and_check(
     strict: bool = False,
     check: bool = True,
 ) -> tuple[Any, dict]:
-    """Build, convert and (optionally) check one model; returns (EquivariantModel, JSON record)."""
+    """Build, convert and (optionally) check one model; returns (EquivariantModel, JSON record).
+
+    A model that is equivariant by construction (the paper's preset) is built for `group` instead of converted.
+    """
     from . import check_equivariance, make_equivariant, parse_group
+    from .models import create_model
+    from .models._registry import is_equivariant_model
 
     spec = parse_group(group)  # fail on a bad group before building anything
-    model = build_model(model_spec, num_classes, in_channels)
-    start = time.perf_counter()
-    converted = make_equivariant(model, spec, width=width, input_size=input_size, strict=strict, head=head)
+    options = {"width": width, "input_size": input_size, "strict": strict or None, "head": head}
+    if is_equivariant_model(model_spec):
+        start = time.perf_counter()
+        converted = create_model(model_spec, group=group, num_classes=num_classes, in_channels=in_channels, **options)
+    else:
+        model = create_model(model_spec, num_classes=num_classes, in_channels=in_channels)
+        start = time.perf_counter()
+        converted = make_equivariant(model, spec, **options)
     conversion_time = time.perf_counter() - start
     report = converted.report
 
@@ -365,8 +314,9 @@ def _add_train_parser(sub) -> None:
 
     train = sub.add_parser("train", help="train a (converted) model with DP-SGD and write OUT/result.json")
     train.add_argument("--model", default="equiconvert:resnet9",
-                       help="torchvision:<name>, timm:<name>, equiconvert:resnet9, or equiconvert:equivariant_resnet9 "
-                            "(Hölzl et al.'s model for --group; with --group none the plain network it converts)")
+                       help="a registry name (equiconvert.models.list_models()): resnet9, equivariant_resnet9 (Hölzl et "
+                            "al.'s model for --group; with --group none the plain network it converts), "
+                            "torchvision:<name>, timm:<name>; bare names: equiconvert's, then torchvision's, then timm's")
     train.add_argument("--group", default="D4", help="C1..C16, D1..D16, or 'none' for the unconverted baseline")
     train.add_argument("--dataset", required=True, help="fashion-mnist, cifar10, rotated-mnist, imagenet32, imagefolder, synthetic")
     train.add_argument("--data-dir", default=None)
@@ -586,7 +536,9 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="{convert,demo,train}")
 
     convert = sub.add_parser("convert", help="convert a model and report what changed")
-    convert.add_argument("model", help="torchvision:<name>, timm:<name> or equiconvert:resnet9")
+    convert.add_argument("model", help="a registry name (equiconvert.models.list_models()): resnet9, "
+                                       "equivariant_resnet9, torchvision:<name>, timm:<name>; bare names: "
+                                       "equiconvert's, then torchvision's, then timm's")
     convert.add_argument("--group", required=True, help="C1..C16 (rotations) or D1..D16 (rotations and reflections)")
     convert.add_argument("--input-size", type=int, default=None, help="the image size you will use (H = W)")
     convert.add_argument("--width", type=_width, default=None, metavar="kappa|params|channels|<float>",

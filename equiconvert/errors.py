@@ -19,3 +19,7 @@ class EquivarianceBreakError(EquiconvertError):
 
 class GroupSpecError(EquiconvertError, ValueError):
     """A group name could not be parsed."""
+
+
+class ModelNameError(EquiconvertError, ValueError):
+    """A model name the registry cannot resolve, or keyword arguments its model does not take."""

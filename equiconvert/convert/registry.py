@@ -6,6 +6,8 @@ a subclass may override forward, so it needs its own rule.
 """
 from __future__ import annotations
 
+import importlib
+import sys
 from typing import Callable
 
 import torch.fx as fx
@@ -16,6 +18,9 @@ from .fields import FieldType
 Rule = Callable[[ConversionContext, fx.Node], "FieldType | None"]
 
 MODULE_RULES: dict[type, Rule] = {}
+# rules for classes of optional packages, "package.module:Class" -> rule: registered once that module is imported, so
+# that registering them imports neither torchvision nor timm (a model holding such a class has imported its module)
+LAZY_MODULE_RULES: dict[str, Rule] = {}
 FUNCTION_RULES: dict[object, Rule] = {}
 METHOD_RULES: dict[str, Rule] = {}
 HEAD_TRANSPARENT: set[Rule] = set()  # rules of ops a classifier conv may pass through to the output
@@ -27,13 +32,29 @@ def head_transparent(rule: Rule) -> Rule:
     return rule
 
 
-def register_module_rule(*module_types: type) -> Callable[[Rule], Rule]:
+def register_module_rule(*module_types: type | str) -> Callable[[Rule], Rule]:
+    """Register a rule for module classes, given as types or as "package.module:Class" names (resolved lazily)."""
+
     def decorate(rule: Rule) -> Rule:
         for module_type in module_types:
-            MODULE_RULES[module_type] = rule
+            if isinstance(module_type, str):
+                LAZY_MODULE_RULES[module_type] = rule
+            else:
+                MODULE_RULES[module_type] = rule
         return rule
 
     return decorate
+
+
+def module_rule(module_type: type) -> Rule | None:
+    """The rule for instances of exactly `module_type`, registering lazy rules whose module is imported by now."""
+    for name in [n for n in LAZY_MODULE_RULES if n.partition(":")[0] in sys.modules]:
+        module_name, _, class_name = name.partition(":")
+        rule = LAZY_MODULE_RULES.pop(name)
+        resolved = getattr(importlib.import_module(module_name), class_name, None)
+        if resolved is not None:
+            MODULE_RULES.setdefault(resolved, rule)
+    return MODULE_RULES.get(module_type)
 
 
 def register_function_rule(*targets: object) -> Callable[[Rule], Rule]:
@@ -67,7 +88,7 @@ def is_classifier_conv(ctx: ConversionContext, node: fx.Node) -> bool:
 
 def find_rule(ctx: ConversionContext, node: fx.Node) -> Rule | None:
     if node.op == "call_module":
-        return MODULE_RULES.get(type(ctx.module(node)))
+        return module_rule(type(ctx.module(node)))
     if node.op == "call_function":
         return FUNCTION_RULES.get(node.target)
     if node.op == "call_method":

@@ -11,7 +11,7 @@ from torch.fx.passes.shape_prop import ShapeProp
 
 from ..errors import TracingError
 from .context import SHAPE_KEY
-from .registry import MODULE_RULES
+from .registry import module_rule
 
 
 class _Tracer(fx.Tracer):
@@ -21,7 +21,7 @@ class _Tracer(fx.Tracer):
         self.extra_leaves = extra_leaves
 
     def is_leaf_module(self, module: nn.Module, qualified_name: str) -> bool:
-        if type(module) in MODULE_RULES or isinstance(module, self.extra_leaves):
+        if module_rule(type(module)) is not None or isinstance(module, self.extra_leaves):
             return True
         return super().is_leaf_module(module, qualified_name)
 

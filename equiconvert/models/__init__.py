@@ -1,6 +1,10 @@
-"""Reference (non-equivariant) CNN architectures that equiconvert converts, and the paper's preset."""
+"""Reference (non-equivariant) CNN architectures that equiconvert converts, the paper's preset, and the registry
+that builds every model by name (`create_model("equivariant_resnet9", group="D4")`, `create_model("torchvision:resnet18")`).
+"""
 
-from equiconvert.models.equivariant_resnet9 import equivariant_resnet9
+from equiconvert.models._registry import ModelNameError, create_model, list_models, register_model
+from equiconvert.models.equivariant_resnet9 import equivariant_resnet9, plain_paper_resnet9
 from equiconvert.models.resnet9 import ResNet9, resnet9
 
-__all__ = ["ResNet9", "equivariant_resnet9", "resnet9"]
+__all__ = ["ModelNameError", "ResNet9", "create_model", "equivariant_resnet9", "list_models", "plain_paper_resnet9",
+           "register_model", "resnet9"]

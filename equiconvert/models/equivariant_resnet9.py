@@ -25,6 +25,7 @@ from ..convert import make_equivariant
 from ..convert.context import ConversionConfig
 from ..convert.model import EquivariantModel
 from ..convert.width import PAPER_KAPPA, RELEASED_CODE_KAPPA, kappa_width
+from ._registry import ModelNameError, register_model
 from .resnet9 import BlockOptions, ResNet9
 
 PAPER_LAYOUT = (16, 32, 64)
@@ -47,19 +48,31 @@ TABLE1_PARAMS = {  # 10 classes
 }
 
 
+def paper_activation(act: type[nn.Module] | str) -> type[nn.Module]:
+    """An activation class, given as one or by its PAPER_ACTIVATIONS name ("mish", "tanh", ...)."""
+    if not isinstance(act, str):
+        return act
+    if act not in PAPER_ACTIVATIONS:
+        raise ModelNameError(f"activation {act!r} is not one of {sorted(PAPER_ACTIVATIONS)}")
+    return PAPER_ACTIVATIONS[act]
+
+
+@register_model
 def plain_paper_resnet9(num_classes: int = 10, in_channels: int = 3, layout=PAPER_LAYOUT,
-                        act: type[nn.Module] = nn.Mish, norm_groups: int = PAPER_NORM_GROUPS,
+                        act: type[nn.Module] | str = nn.Mish, norm_groups: int = PAPER_NORM_GROUPS,
                         res2: bool = True, pool_after_res2: bool = False) -> ResNet9:
     """The non-equivariant network the preset converts: conv -> act (Mish) -> GroupNorm(8, no affine) -> pool;
-    res2=False leaves out the last residual block (the 4x4 stage), pool_after_res2 runs it at 8x8."""
+    res2=False leaves out the last residual block (the 4x4 stage), pool_after_res2 runs it at 8x8.
+    act: a module class or a PAPER_ACTIVATIONS name."""
     if norm_groups < 1 or any(channels % norm_groups for channels in layout):
         raise ValueError(f"norm_groups={norm_groups} must divide every width of the layout {tuple(layout)} "
                          "(GroupNorm splits channels evenly), e.g. 1, 2, 4, 8 or 16 for (16, 32, 64)")
     options = BlockOptions(block_order="conv-act-norm", conv_bias=True, norm_affine=False, norm_groups=norm_groups)
-    return ResNet9(num_classes, in_channels, layout, norm="group", scale_norm=True, act=act,
+    return ResNet9(num_classes, in_channels, layout, norm="group", scale_norm=True, act=paper_activation(act),
                    options=options, head_pool="avg", res2=res2, pool_after_res2=pool_after_res2)
 
 
+@register_model(equivariant=True)
 def equivariant_resnet9(
     group: str = "D4",
     num_classes: int = 10,
@@ -71,7 +84,7 @@ def equivariant_resnet9(
     width: Any = None,
     input_size: int = 32,
     frequency: int | None = None,
-    act: type[nn.Module] = nn.Mish,
+    act: type[nn.Module] | str = nn.Mish,
     norm_groups: int = PAPER_NORM_GROUPS,
     res2: bool = True,
     pool_after_res2: bool = False,
@@ -83,7 +96,7 @@ def equivariant_resnet9(
     paper) and nothing otherwise; pass None, a step or a schedule to change it.
     head="keep": group pooling, AdaptiveAvgPool2d(2), Flatten, Linear (the paper;
     not rotation invariant); head="invariant": global pooling, exactly invariant.
-    act: the pointwise activation (the paper's Mish; PAPER_ACTIVATIONS names the others).
+    act: the pointwise activation, a module class or a PAPER_ACTIVATIONS name (the paper's Mish).
     norm_groups: the GroupNorm groups of the plain network (the paper's 8); a converted norm gets as many groups of
     whole fields, at most one per field.
     res2=False: without the last residual block (48% of the D1 model's parameters; not the paper's).

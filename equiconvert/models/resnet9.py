@@ -19,6 +19,8 @@ from typing import Sequence
 import torch
 from torch import nn
 
+from ._registry import register_model
+
 __all__ = ["ResNet9", "resnet9", "make_norm", "NORMS"]
 
 NORMS: tuple[str, ...] = ("group", "batch", "instance", "none")
@@ -175,6 +177,7 @@ class ResNet9(nn.Module):
         return self.head(x)
 
 
+@register_model
 def resnet9(
     num_classes: int = 10,
     in_channels: int = 3,

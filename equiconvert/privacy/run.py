@@ -63,26 +63,33 @@ def _replace_batch_norm(model: nn.Module) -> nn.Module:
 PAPER_MODEL = "equiconvert:equivariant_resnet9"
 
 
+def _is_paper_model(spec: RunSpec) -> bool:
+    """Whether spec.model names the paper's preset (under any of its registry names)."""
+    from ..models._registry import resolve_model_name
+
+    return resolve_model_name(spec.model) == PAPER_MODEL
+
+
 def _paper_model(spec: RunSpec, activation: str, num_classes: int, channels: int) -> tuple[nn.Module, int]:
     """Hölzl et al.'s Equivariant-ResNet9 for spec.group (its own widths and head), or, for "none", the plain
     network it is converted from, with `activation` (a PAPER_ACTIVATIONS name); also the plain network's size."""
-    from ..models.equivariant_resnet9 import PAPER_ACTIVATIONS, equivariant_resnet9, plain_paper_resnet9
+    from ..models import create_model
 
     if spec.model_widths is not None:
         raise ValueError(f"{PAPER_MODEL} has the paper's layout (16, 32, 64); --widths does not apply to it "
                          "(--width changes its conversion's width rule)")
-    act = PAPER_ACTIVATIONS[activation]
     norm_groups = _norm_groups(spec)
     try:
-        plain = plain_paper_resnet9(num_classes, channels, act=act, norm_groups=norm_groups,
-                                    **_blocks(spec))
+        plain = create_model("plain_paper_resnet9", num_classes=num_classes, in_channels=channels, act=activation,
+                             norm_groups=norm_groups, **_blocks(spec))
     except ValueError as exc:
         raise ValueError(f"--norm-groups {spec.norm_groups}: {exc}") from exc
     if spec.group.lower() == BASELINE_GROUP:
         return plain, _count(plain)
     width = {} if spec.width is None else {"width": spec.width}
-    model = equivariant_resnet9(spec.group, num_classes, channels, head=_head(spec), act=act, **width,
-                                norm_groups=norm_groups, **_blocks(spec), **_conversion_options(spec))
+    model = create_model(PAPER_MODEL, group=spec.group, num_classes=num_classes, in_channels=channels,
+                         head=_head(spec), act=activation, **width, norm_groups=norm_groups, **_blocks(spec),
+                         **_conversion_options(spec))
     return model, _count(plain)
 
 
@@ -90,7 +97,7 @@ def _activation(spec: RunSpec) -> str | None:
     """The paper preset's activation, by name: as asked, else the paper's Mish; None for other models (their own)."""
     from ..models.equivariant_resnet9 import PAPER_ACTIVATIONS
 
-    if spec.model != PAPER_MODEL:
+    if not _is_paper_model(spec):
         return None
     if spec.activation is not None and spec.activation not in PAPER_ACTIVATIONS:
         raise ValueError(f"--activation {spec.activation!r} is not one of {sorted(PAPER_ACTIVATIONS)}")
@@ -101,14 +108,14 @@ def _norm_groups(spec: RunSpec) -> int | None:
     """The paper preset's GroupNorm groups as built (None for other models: their own norms)."""
     from ..models.equivariant_resnet9 import PAPER_NORM_GROUPS
 
-    if spec.model != PAPER_MODEL:
+    if not _is_paper_model(spec):
         return None
     return PAPER_NORM_GROUPS if spec.norm_groups is None else spec.norm_groups
 
 
 def _blocks(spec: RunSpec) -> dict[str, bool | None]:
     """The paper preset's last-stage choices as built (res2 kept, pooled before it unless asked); None for others."""
-    if spec.model != PAPER_MODEL:
+    if not _is_paper_model(spec):
         return {"res2": None, "pool_after_res2": None}
     return {"res2": spec.res2 is not False, "pool_after_res2": bool(spec.pool_after_res2)}
 
@@ -120,7 +127,7 @@ def _final_ema_decay(trainer: DPTrainer) -> float | None:
 
 def _head(spec: RunSpec) -> str:
     """The converted model's head: as asked, else the paper preset's own (its 2x2 grid), else global pooling."""
-    return spec.head or ("keep" if spec.model == PAPER_MODEL else "invariant")
+    return spec.head or ("keep" if _is_paper_model(spec) else "invariant")
 
 
 # options that only a converted model has, and what each sets: refused for the unconverted baseline
@@ -135,7 +142,7 @@ _PRESET_FLAGS = {"activation": "--activation", "norm_groups": "--norm-groups", "
 
 
 def _refuse_preset_options_for_other_models(spec: RunSpec) -> None:
-    if spec.model == PAPER_MODEL:
+    if _is_paper_model(spec):
         return
     for field, flag in _PRESET_FLAGS.items():
         if getattr(spec, field) is not None:
@@ -230,7 +237,7 @@ def run_training(spec: RunSpec, **trainer_options: Any) -> dict[str, Any]:
 
 def _run_training(spec: RunSpec, context: distributed.DistributedContext, device: str | None,
                   trainer_options: dict[str, Any]) -> dict[str, Any]:
-    from ..cli import build_model
+    from ..models import create_model
     from ..data import load_dataset
 
     activation = _activation(spec)
@@ -243,10 +250,11 @@ def _run_training(spec: RunSpec, context: distributed.DistributedContext, device
                               "activation": activation}
     # the model's initial weights come from the run's seed too, so one seed gives one run
     torch.manual_seed(trainer_options.get("seed", DPConfig.seed))
-    if spec.model == PAPER_MODEL:
+    if _is_paper_model(spec):
         model, params_before = _paper_model(spec, activation, len(train.classes), channels)
     else:
-        model = build_model(spec.model, len(train.classes), channels, spec.model_widths)
+        model = create_model(spec.model, num_classes=len(train.classes), in_channels=channels,
+                             widths=spec.model_widths)
         params_before = _count(model)
         if spec.group.lower() == BASELINE_GROUP:
             model = _replace_batch_norm(model)

@@ -12,19 +12,11 @@ from ..context import ConversionContext
 from ..fields import FieldType
 from ..registry import head_transparent, register_function_rule, register_module_rule
 
-PASS_THROUGH_MODULES: list[type] = [nn.Identity, nn.Dropout, nn.Dropout2d, nn.AlphaDropout]
-try:  # per-sample stochastic depth keeps whole samples: equivariant in distribution
-    from torchvision.ops import StochasticDepth
-
-    PASS_THROUGH_MODULES.append(StochasticDepth)
-except ImportError:  # pragma: no cover - torchvision is a dependency
-    pass
-try:
-    from timm.layers import DropPath
-
-    PASS_THROUGH_MODULES.append(DropPath)
-except ImportError:  # timm is optional
-    pass
+PASS_THROUGH_MODULES: list[type | str] = [
+    nn.Identity, nn.Dropout, nn.Dropout2d, nn.AlphaDropout,
+    # per-sample stochastic depth keeps whole samples: equivariant in distribution (registered when imported)
+    "torchvision.ops:StochasticDepth", "timm.layers:DropPath",
+]
 
 
 @register_module_rule(*PASS_THROUGH_MODULES)

@@ -1,0 +1,183 @@
+"""One registry of model names, for the library, the CLI, the training runner and the benchmarks.
+
+Names: equiconvert's own models (`resnet9`, `equivariant_resnet9`, ...; `equiconvert:<name>` is the same),
+`torchvision:<name>` and `timm:<name>` (imported only when such a model is asked for). A bare name that is
+not equiconvert's own is looked up in torchvision, then in timm: `resnet18` is torchvision's; write
+`timm:resnet18` for timm's.
+"""
+from __future__ import annotations
+
+import difflib
+import fnmatch
+import inspect
+from dataclasses import dataclass
+from typing import Any, Callable, TypeVar, overload
+
+from torch import nn
+
+from ..errors import ModelNameError
+
+SOURCES = ("equiconvert", "torchvision", "timm")  # also the order in which a bare name is looked up
+ModelFactory = Callable[..., nn.Module]
+F = TypeVar("F", bound=ModelFactory)
+
+
+@dataclass(frozen=True)
+class ModelEntry:
+    """A registered factory; `equivariant` ones take the group as their first argument and return a converted model."""
+
+    name: str
+    factory: ModelFactory
+    equivariant: bool = False
+
+
+_MODELS: dict[str, ModelEntry] = {}
+
+
+@overload
+def register_model(factory: F) -> F: ...
+@overload
+def register_model(*, name: str | None = None, equivariant: bool = False) -> Callable[[F], F]: ...
+def register_model(factory: F | None = None, *, name: str | None = None, equivariant: bool = False) -> Any:
+    """Register a model factory under its function name (or `name`): `@register_model` or
+    `@register_model(equivariant=True)` for factories that take `group` and return an EquivariantModel."""
+
+    def decorate(fn: F) -> F:
+        key = name or fn.__name__
+        if ":" in key or key in _MODELS:
+            raise ModelNameError(f"cannot register model {key!r}: " +
+                                 ("names have no ':'" if ":" in key else "that name is taken"))
+        _MODELS[key] = ModelEntry(key, fn, equivariant)
+        return fn
+
+    return decorate(factory) if factory is not None else decorate
+
+
+def _torchvision_names() -> list[str]:
+    import torchvision
+
+    return list(torchvision.models.list_models())
+
+
+def _timm_names() -> list[str]:
+    try:
+        import timm
+    except ImportError:
+        return []
+    return list(timm.list_models())
+
+
+_CATALOGUES: dict[str, Callable[[], list[str]]] = {
+    "equiconvert": lambda: sorted(_MODELS),
+    "torchvision": _torchvision_names,
+    "timm": _timm_names,
+}
+
+
+def list_models(pattern: str | None = None) -> list[str]:
+    """equiconvert's own model names matching the shell pattern `pattern` (all without one); a pattern with a
+    source prefix ("torchvision:*", "timm:resnet*") lists that library's models, as "source:name"."""
+    source, sep, rest = (pattern or "").rpartition(":")
+    if sep and source in ("torchvision", "timm"):
+        return [f"{source}:{n}" for n in sorted(_CATALOGUES[source]()) if fnmatch.fnmatchcase(n, rest or "*")]
+    if sep and source != "equiconvert":
+        raise ModelNameError(f"unknown model source {source!r} in {pattern!r}; sources: {', '.join(SOURCES)}")
+    names = sorted(_MODELS)
+    return [n for n in names if fnmatch.fnmatchcase(n, rest)] if rest else names
+
+
+def _bare_source(name: str) -> str:
+    """Where a bare name comes from: equiconvert's own first, then torchvision, then timm."""
+    if name in _MODELS:
+        return "equiconvert"
+    for source in ("torchvision", "timm"):
+        if name in _CATALOGUES[source]():
+            return source
+    own = sorted(_MODELS)
+    close = difflib.get_close_matches(name, own + _torchvision_names(), n=5)
+    hint = f"; close names: {', '.join(close)}" if close else ""
+    raise ModelNameError(f"unknown model {name!r}: not equiconvert's own ({', '.join(own)}), nor torchvision's, "
+                         f"nor timm's{hint}. Bare names are looked up in that order; list_models('torchvision:*') "
+                         "and list_models('timm:*') list the others")
+
+
+def resolve_model_name(name: str) -> str:
+    """The full name "source:name" of `name` ("resnet9" -> "equiconvert:resnet9", "resnet18" ->
+    "torchvision:resnet18"); a prefixed name is checked only for equiconvert's own models."""
+    source, sep, model = name.partition(":")
+    if not sep:
+        return f"{_bare_source(name)}:{name}"
+    if source not in SOURCES or not model:
+        raise ModelNameError(f"cannot parse model {name!r}: give a name, or one of "
+                             f"{', '.join(f'{s}:<name>' for s in SOURCES)}")
+    if source == "equiconvert" and model not in _MODELS:
+        close = difflib.get_close_matches(model, list(_MODELS), n=5)
+        raise ModelNameError(f"unknown equiconvert model {model!r}; known: {', '.join(sorted(_MODELS))}"
+                             + (f" (close: {', '.join(close)})" if close else ""))
+    return name
+
+
+def is_equivariant_model(name: str) -> bool:
+    """Whether `name` builds an already converted model (it takes the group; do not convert it again)."""
+    source, _, model = resolve_model_name(name).partition(":")
+    return source == "equiconvert" and _MODELS[model].equivariant
+
+
+def _check_keywords(full_name: str, factory: ModelFactory, kwargs: dict[str, Any]) -> None:
+    parameters = inspect.signature(factory).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+        return
+    unknown = sorted(set(kwargs) - set(parameters))
+    if unknown:
+        raise ModelNameError(f"{full_name} takes no keyword argument {', '.join(map(repr, unknown))}; "
+                             f"it takes {', '.join(parameters)}")
+
+
+def _create_torchvision(name: str, kwargs: dict[str, Any]) -> nn.Module:
+    import torchvision
+
+    in_channels = kwargs.pop("in_channels", 3)
+    if in_channels != 3:
+        raise ModelNameError(f"torchvision models take 3 input channels; in_channels={in_channels} needs a timm: "
+                             "or equiconvert model")
+    if name not in torchvision.models.list_models():
+        close = difflib.get_close_matches(name, torchvision.models.list_models(), n=5)
+        raise ModelNameError(f"unknown torchvision model {name!r} (see torchvision.models.list_models())"
+                             + (f"; close names: {', '.join(close)}" if close else ""))
+    try:
+        return torchvision.models.get_model(name, **kwargs)
+    except TypeError as exc:
+        raise ModelNameError(f"cannot build torchvision:{name} with {sorted(kwargs)}: {exc}") from exc
+
+
+def _create_timm(name: str, kwargs: dict[str, Any]) -> nn.Module:
+    try:
+        import timm
+    except ImportError as exc:
+        raise ModelNameError(f"timm is not installed, so 'timm:{name}' cannot be built; install it with "
+                             "`pip install timm`") from exc
+    if not timm.is_model(name):
+        close = difflib.get_close_matches(name, timm.list_models(), n=5)
+        raise ModelNameError(f"unknown timm model {name!r} (see timm.list_models())"
+                             + (f"; close names: {', '.join(close)}" if close else ""))
+    if "in_channels" in kwargs:
+        kwargs["in_chans"] = kwargs.pop("in_channels")
+    try:
+        return timm.create_model(name, **{"pretrained": False, **kwargs})
+    except TypeError as exc:
+        raise ModelNameError(f"cannot build timm:{name} with {sorted(kwargs)}: {exc}") from exc
+
+
+def create_model(name: str, **kwargs: Any) -> nn.Module:
+    """The untrained model `name` (see the module docstring for names), built with `kwargs`; None values are
+    dropped, so that unset options keep the model's defaults. `num_classes` and `in_channels` work for every source.
+    """
+    kwargs = {key: value for key, value in kwargs.items() if value is not None}
+    source, _, model = resolve_model_name(name).partition(":")
+    if source == "torchvision":
+        return _create_torchvision(model, kwargs)
+    if source == "timm":
+        return _create_timm(model, kwargs)
+    entry = _MODELS[model]
+    _check_keywords(f"equiconvert:{model}", entry.factory, kwargs)
+    return entry.factory(**kwargs)

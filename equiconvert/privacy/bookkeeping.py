@@ -292,8 +292,8 @@ def verify_bookkeeping(model: nn.Module, view_shape: tuple[int, ...], loss_fn: L
     params = {n: p.detach() for n, p in probe.named_parameters()}
     exact, _ = per_sample_gradients(probe, params, dict(probe.named_buffers()), views, labels, loss_fn)
     kept, _ = per_sample_gradients_bookkeeping(probe, views, labels, loss_fn)
-    for name, value in exact.items():
-        error = float((kept[name] - value).norm() / value.norm().clamp_min(1e-30))
+    for name, value in kept.items():  # trainable parameters only; torch.func also differentiates frozen ones
+        error = float((value - exact[name]).norm() / exact[name].norm().clamp_min(1e-30))
         if error > 1e-8:
             raise BookkeepingUnsupportedError(
                 f"book-keeping's gradient of {name!r} differs from torch.func's by {error:.1e} (relative): a "

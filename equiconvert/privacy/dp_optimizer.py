@@ -88,8 +88,9 @@ class DPOptimizer(Optimizer):
         self._skip_next = do_skip
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """The wrapped optimizer's zero_grad; the clipped sum of an unfinished logical batch is kept."""
+        """Drop the last backward's gradients (as Opacus drops grad_sample); a logical batch's clipped sum is kept."""
         self.original_optimizer.zero_grad(set_to_none=set_to_none)
+        self.module.clear_record()
 
     def _trainable(self) -> list[nn.Parameter]:
         return [p for group in self.param_groups for p in group["params"] if p.requires_grad]

@@ -36,59 +36,81 @@ class CLIError(Exception):
 # --- building models by name -------------------------------------------------------------
 
 
-def _torchvision_model(name: str, num_classes: int, in_channels: int) -> nn.Module:
+def _with_weights_of(model: nn.Module, trained: nn.Module) -> nn.Module:
+    """`model` with every tensor of `trained` whose name and shape match (a head for other classes stays fresh)."""
+    own = model.state_dict()
+    model.load_state_dict({k: v for k, v in trained.state_dict().items() if k in own and own[k].shape == v.shape},
+                          strict=False)
+    return model
+
+
+def _torchvision_model(name: str, num_classes: int, in_channels: int, pretrained: bool | str = False) -> nn.Module:
+    """pretrained: True (the "DEFAULT" weights) or a weights name of torchvision (e.g. "IMAGENET1K_V1")."""
     import torchvision
 
     if in_channels != 3:
         raise CLIError(f"torchvision models take 3 input channels; --in-channels {in_channels} needs a timm: or equiconvert: model")
     try:
-        return torchvision.models.get_model(name, num_classes=num_classes)
-    except ValueError as exc:
+        model = torchvision.models.get_model(name, num_classes=num_classes)
+        if not pretrained:
+            return model
+        weights = "DEFAULT" if pretrained is True else pretrained
+        return _with_weights_of(model, torchvision.models.get_model(name, weights=weights))
+    except (ValueError, KeyError) as exc:
         if name not in torchvision.models.list_models():
             raise CLIError(f"unknown torchvision model {name!r} (see torchvision.models.list_models())") from exc
         raise CLIError(f"cannot build torchvision model {name!r}: {exc}") from exc
 
 
-def _timm_model(name: str, num_classes: int, in_channels: int) -> nn.Module:
+def _timm_model(name: str, num_classes: int, in_channels: int, pretrained: bool | str = False) -> nn.Module:
+    """pretrained: True; timm names its weights in the model name (timm:resnet18.a1_in1k)."""
     try:
         import timm
     except ImportError as exc:
         raise CLIError(f"timm is not installed, so 'timm:{name}' cannot be built; install it with `pip install timm`") from exc
+    if isinstance(pretrained, str):
+        raise CLIError(f"timm takes its pretrained weights' tag in the model name (timm:{name}.<tag>), not "
+                       f"--pretrained {pretrained}")
     try:
-        return timm.create_model(name, pretrained=False, num_classes=num_classes, in_chans=in_channels)
+        return timm.create_model(name, pretrained=pretrained, num_classes=num_classes, in_chans=in_channels)
     except (RuntimeError, ValueError, TypeError, KeyError) as exc:
         raise CLIError(f"cannot build timm model {name!r}: {exc}") from exc
 
 
-def _equiconvert_model(name: str, num_classes: int, in_channels: int, **options: Any) -> nn.Module:
+def _equiconvert_model(name: str, num_classes: int, in_channels: int, pretrained: bool | str = False,
+                       **options: Any) -> nn.Module:
     from . import models
 
+    if pretrained:
+        raise CLIError(f"equiconvert:{name} has no pretrained weights; load your own checkpoint into it instead")
     if name not in EQUICONVERT_MODELS:
         raise CLIError(f"unknown equiconvert model {name!r}; known: {', '.join(EQUICONVERT_MODELS)}")
     return getattr(models, name)(num_classes=num_classes, in_channels=in_channels, **options)
 
 
-_BUILDERS: dict[str, Callable[[str, int, int], nn.Module]] = {
+_BUILDERS: dict[str, Callable[..., nn.Module]] = {
     "torchvision": _torchvision_model,
     "timm": _timm_model,
     "equiconvert": _equiconvert_model,
 }
 
 
-def build_model(spec: str, num_classes: int = 10, in_channels: int = 3, widths: tuple[int, ...] | None = None) -> nn.Module:
-    """The untrained model named `spec` ("torchvision:resnet18", "timm:<name>", "equiconvert:resnet9").
+def build_model(spec: str, num_classes: int = 10, in_channels: int = 3, widths: tuple[int, ...] | None = None,
+                pretrained: bool | str = False) -> nn.Module:
+    """The model named `spec` ("torchvision:resnet18", "timm:<name>", "equiconvert:resnet9"), untrained by default.
 
-    `widths` sets the channel widths of equiconvert:resnet9 (other models refuse it).
+    `widths` sets the channel widths of equiconvert:resnet9 (other models refuse it). `pretrained`: True
+    or (torchvision) a weights name; a classifier for another number of classes keeps its fresh weights.
     """
     prefix, sep, name = spec.partition(":")
     if not sep or prefix not in _BUILDERS or not name:
         accepted = ", ".join(f"{p}:<name>" for p in MODEL_PREFIXES)
         raise CLIError(f"cannot parse model {spec!r}: use one of the prefixes {accepted}")
     if widths is None:
-        return _BUILDERS[prefix](name, num_classes, in_channels)
+        return _BUILDERS[prefix](name, num_classes, in_channels, pretrained=pretrained)
     if prefix != "equiconvert":
         raise CLIError(f"--widths applies to equiconvert:resnet9 only, not {spec!r}")
-    return _equiconvert_model(name, num_classes, in_channels, widths=widths)
+    return _equiconvert_model(name, num_classes, in_channels, pretrained=pretrained, widths=widths)
 
 
 # --- converting and checking ------------------------------------------------------------
@@ -130,14 +152,18 @@ def convert_and_check(
     in_channels: int = 3,
     strict: bool = False,
     check: bool = True,
+    pretrained: bool | str = False,
+    pad_to_valid: bool = False,
+    crop_to_valid: bool = False,
 ) -> tuple[Any, dict]:
     """Build, convert and (optionally) check one model; returns (EquivariantModel, JSON record)."""
     from . import check_equivariance, make_equivariant, parse_group
 
     spec = parse_group(group)  # fail on a bad group before building anything
-    model = build_model(model_spec, num_classes, in_channels)
+    model = build_model(model_spec, num_classes, in_channels, pretrained=pretrained)
     start = time.perf_counter()
-    converted = make_equivariant(model, spec, width=width, input_size=input_size, strict=strict, head=head)
+    converted = make_equivariant(model, spec, width=width, input_size=input_size, strict=strict, head=head,
+                                 pretrained=bool(pretrained), pad_to_valid=pad_to_valid, crop_to_valid=crop_to_valid)
     conversion_time = time.perf_counter() - start
     report = converted.report
 
@@ -186,6 +212,7 @@ def _cmd_convert(args: argparse.Namespace) -> int:
         converted, record = convert_and_check(
             args.model, args.group, input_size=args.input_size, width=args.width, head=args.head,
             num_classes=args.num_classes, in_channels=args.in_channels, strict=args.strict, check=not args.no_check,
+            pretrained=args.pretrained, pad_to_valid=args.pad_to_valid, crop_to_valid=args.crop_to_valid,
         )
     if args.json:
         print(json.dumps(record))
@@ -486,6 +513,15 @@ def _parser() -> argparse.ArgumentParser:
     convert.add_argument("--strict", action="store_true", help="turn equivariance warnings into errors")
     convert.add_argument("--json", action="store_true", help="print one JSON object")
     convert.add_argument("--no-check", action="store_true", help="skip the equivariance check")
+    convert.add_argument("--pretrained", nargs="?", const=True, default=False, metavar="WEIGHTS",
+                         help="build the model with its pretrained weights (torchvision: optionally a weights name, "
+                              "e.g. IMAGENET1K_V1); the report says which layers keep them")
+    fit = convert.add_mutually_exclusive_group()
+    fit.add_argument("--pad-to-valid", action="store_true",
+                     help="an --input-size that breaks exact equivariance is fitted, symmetrically, to the next valid "
+                          "size (224 -> 225 for resnet18) in front of the network; without it such a size is an error")
+    fit.add_argument("--crop-to-valid", action="store_true",
+                     help="as --pad-to-valid, to the previous valid size, by symmetric cropping")
     convert.set_defaults(handler=_cmd_convert)
 
     _add_demo_parser(sub)

@@ -19,3 +19,7 @@ class EquivarianceBreakError(EquiconvertError):
 
 class GroupSpecError(EquiconvertError, ValueError):
     """A group name could not be parsed."""
+
+
+class InvalidInputSizeError(EquiconvertError, ValueError):
+    """A requested input size does not keep exact equivariance; the message lists the nearest sizes that do."""

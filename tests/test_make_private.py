@@ -334,3 +334,20 @@ def test_bad_inputs_fail_early_and_say_what_to_do():
     private, _, _ = _private(model, data, aug_mult=2)
     with pytest.raises(ValueError, match=r"\(B, 2, ...\)"):
         private(torch.randn(2, 3, 9, 9))
+
+
+def test_any_torch_optimizer_and_its_lr_scheduler_run_under_make_private():
+    model = _perturbed(PlainCNN())
+    data = TensorDataset(torch.randn(12, 3, 9, 9), torch.randint(0, 10, (12,)))
+    with pytest.warns(UserWarning, match="NOT differentially private"):
+        private, optimizer, loader = make_private(
+            module=model, optimizer=torch.optim.Adam(model.parameters(), lr=0.01), data_loader=DataLoader(data, 4),
+            noise_multiplier=1.0, max_grad_norm=1.0, debug_seed=1)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    for x, y in loader:
+        optimizer.zero_grad()
+        F.cross_entropy(private(x), y).backward()
+        optimizer.step()
+        scheduler.step()
+    assert optimizer.steps == 3 and optimizer.param_groups[0]["lr"] == pytest.approx(0.01 / 8)
+    assert len(optimizer.original_optimizer.state) == len(list(model.parameters()))  # Adam's moments exist

@@ -11,7 +11,8 @@ batch of B examples x K views of a converted ResNet9 (D4 unless --group says oth
                (DPTrainer's filter_gradients; default "auto", i.e. :fastest on CUDA)
   make_private equiconvert.privacy.make_private around the model and SGD: the user's own loop (forward on
                the (B, K, ...) views, loss.backward(), optimizer.step()), book-keeping per-example
-               gradients, secret Poisson-independent noise; what an Opacus script gets by swapping its import
+               gradients, clipping and noise from secret generators; what an Opacus script gets by swapping
+               its PrivacyEngine import
   opacus       Opacus GradSampleModule hooks (equiconvert's registered samplers) on
                the B*K views, per-example mean over views, clipping, noise, step
   nested_vmap  the paper's code's approach: vmap over examples of vmap over views

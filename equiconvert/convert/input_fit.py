@@ -6,7 +6,7 @@ the network sees the nearest valid size at or above it ("pad") or at or below it
 """
 from __future__ import annotations
 
-import torch.fx as fx
+from torch import fx
 
 from ..errors import InvalidInputSizeError
 from ..nn.input_fit import FIT_MODES, InputFit

@@ -13,8 +13,8 @@ the last one, so one optimizer step (one noise draw) is taken per logical batch.
 """
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import Any, Callable
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler
@@ -134,7 +134,7 @@ class BatchMemoryManager:
     def __enter__(self) -> Iterator[Any]:
         return self._physical_batches()
 
-    def __exit__(self, *exc_info: Any) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         self.optimizer.signal_skip_step(False)
 
     def _physical_batches(self) -> Iterator[Any]:

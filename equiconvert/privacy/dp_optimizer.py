@@ -11,7 +11,8 @@ do not require gradients keep `.grad` None, so the wrapped optimizer leaves them
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -28,7 +29,7 @@ class DPOptimizer(Optimizer):
 
     def __init__(self, optimizer: Optimizer, *, module: PrivateModule, noise_multiplier: float, max_grad_norm: float,
                  expected_batch_size: float, noise: SecretGenerators, accountant: str, sample_rate: float,
-                 budget: PrivacyLedger | None = None, planned_steps: int | None = None) -> None:  # noqa: D107  (Optimizer.__init__ is not called: a proxy)
+                 budget: PrivacyLedger | None = None, planned_steps: int | None = None) -> None:
         self.original_optimizer = optimizer
         self.module = module
         self.noise_multiplier = float(noise_multiplier)
@@ -39,6 +40,7 @@ class DPOptimizer(Optimizer):
         self.budget = budget  # with a target epsilon: the ledger that stops a step past it
         self.planned_steps = planned_steps
         self._noise = noise
+        self.private = noise.private  # False under a debug seed: reproducible noise is not private
         self._skip_next = False
         self._summed: dict[nn.Parameter, torch.Tensor] = {}
         self._examples = 0

@@ -113,7 +113,6 @@ def make_private(
         expected_batch_size=loader.expected_batch_size, noise=SecretGenerators(device, "noise", debug_seed),
         accountant=accountant, sample_rate=loader.sample_rate, budget=budget, planned_steps=planned,
     )
-    dp_optimizer.private = debug_seed is None
     return private, dp_optimizer, loader
 
 

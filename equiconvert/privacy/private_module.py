@@ -24,8 +24,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from .bookkeeping import (BookkeepingUnsupportedError, check_bookkeeping_supported, layer_per_example_gradients,
-                          parametrised_layers, verify_bookkeeping)
+from .bookkeeping import (
+    BookkeepingUnsupportedError,
+    check_bookkeeping_supported,
+    layer_per_example_gradients,
+    parametrised_layers,
+    verify_bookkeeping,
+)
 
 LOSS_REDUCTIONS = ("mean", "sum")
 

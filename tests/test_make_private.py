@@ -115,6 +115,13 @@ def test_views_are_averaged_before_clipping(name):
     _assert_close(_ours(copy.deepcopy(model), x, y, aug_mult=3), _naive(copy.deepcopy(model), x, y))
 
 
+def test_in_place_activations_after_the_first_layer_are_allowed():
+    model = _perturbed(nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(inplace=True), nn.Conv2d(4, 4, 3),
+                                     nn.ReLU(inplace=True), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 10)))
+    x, y = torch.randn(4, 3, 9, 9), torch.randint(0, 10, (4,))
+    _assert_close(_ours(copy.deepcopy(model), x, y), _naive(copy.deepcopy(model), x, y))
+
+
 def test_embedding_per_sample_gradients_equal_a_naive_loop():
     model = _perturbed(EmbeddingNet())
     tokens, y = torch.randint(0, 12, (6, 5)), torch.randint(0, 10, (6,))

@@ -155,7 +155,8 @@ def _keeper(record: _Record, name: str):
         record.inputs[name] = args[0].detach()
         replaced = None
         if not output.requires_grad:  # nothing before this layer needs a gradient: the backward starts here
-            output = replaced = output.detach().requires_grad_(True)
+            # a copy of a fresh leaf, so that in-place ops after the layer (ReLU(inplace=True)) stay allowed
+            output = replaced = output.detach().requires_grad_(True).clone()
         output.register_hook(lambda grad: record.grads.__setitem__(name, grad))
         return replaced
 

@@ -122,6 +122,27 @@ def test_in_place_activations_after_the_first_layer_are_allowed():
     _assert_close(_ours(copy.deepcopy(model), x, y), _naive(copy.deepcopy(model), x, y))
 
 
+class InputChangedInPlace(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.first, self.second = nn.Linear(4, 4), nn.Linear(4, 3)
+
+    def forward(self, x):
+        h = self.first(x)
+        out = self.second(h)
+        h.mul_(2)  # after `second` read it: its kept input is no longer what it saw
+        return out + h.sum(1, keepdim=True)
+
+
+def test_a_layer_input_changed_in_place_afterwards_is_refused():
+    model = InputChangedInPlace()
+    x, y = torch.randn(4, 4), torch.randint(0, 3, (4,))
+    private, optimizer, _ = _private(model, TensorDataset(x, y), verify=False)
+    F.cross_entropy(private(x), y).backward()
+    with pytest.raises(RuntimeError, match=r"inputs of layers \['second'\] were modified in place"):
+        optimizer.step()
+
+
 def test_embedding_per_sample_gradients_equal_a_naive_loop():
     model = _perturbed(EmbeddingNet())
     tokens, y = torch.randint(0, 12, (6, 5)), torch.randint(0, 10, (6,))

@@ -42,6 +42,7 @@ class _Record:
     layers: dict[str, nn.Module]
     inputs: dict[str, torch.Tensor] = field(default_factory=dict)
     grads: dict[str, torch.Tensor] = field(default_factory=dict)
+    versions: dict[str, int] = field(default_factory=dict)  # of each kept input: an in-place change shows
     examples: int = 0
 
 
@@ -120,6 +121,10 @@ class PrivateModule(nn.Module):
         if missing:
             raise RuntimeError(f"layers {missing} got no gradient: call loss.backward() before optimizer.step(); a "
                                "layer the loss does not use must be frozen (requires_grad_(False))")
+        changed = [name for name, kept in record.inputs.items() if kept._version != record.versions[name]]
+        if changed:
+            raise RuntimeError(f"the inputs of layers {changed} were modified in place after those layers ran; their "
+                               "per-example gradients would be wrong: make that operation out of place")
         scale = float(record.examples) if self.loss_reduction == "mean" else 1.0 / self.aug_mult
         grads: dict[nn.Parameter, torch.Tensor] = {}
         for name, layer in record.layers.items():
@@ -152,7 +157,8 @@ def _keeper(record: _Record, name: str):
                                               "every layer with trainable parameters to run once")
         if len(args) != 1 or not isinstance(args[0], torch.Tensor) or not isinstance(output, torch.Tensor):
             raise BookkeepingUnsupportedError(f"layer {name!r} ({type(module).__name__}) must take and return one tensor")
-        record.inputs[name] = args[0].detach()
+        record.inputs[name] = args[0].detach()  # shares the version counter of args[0]
+        record.versions[name] = args[0]._version
         replaced = None
         if not output.requires_grad:  # nothing before this layer needs a gradient: the backward starts here
             # a copy of a fresh leaf, so that in-place ops after the layer (ReLU(inplace=True)) stay allowed

@@ -9,6 +9,10 @@ batch of B examples x K views of a converted ResNet9 (D4 unless --group says oth
                from kept inputs and output gradients (DPTrainer's "bookkeeping"); a suffix
                :products, :grouped, :unfolded or :fastest fixes its conv filter-gradient kernel
                (DPTrainer's filter_gradients; default "auto", i.e. :fastest on CUDA)
+  make_private equiconvert.privacy.make_private around the model and SGD: the user's own loop (forward on
+               the (B, K, ...) views, loss.backward(), optimizer.step()), book-keeping per-example
+               gradients, clipping and noise from secret generators; what an Opacus script gets by swapping
+               its PrivacyEngine import
   opacus       Opacus GradSampleModule hooks (equiconvert's registered samplers) on
                the B*K views, per-example mean over views, clipping, noise, step
   nested_vmap  the paper's code's approach: vmap over examples of vmap over views
@@ -32,6 +36,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch.func import functional_call, grad, vmap
+from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -39,6 +44,7 @@ import equiconvert  # noqa: E402
 from equiconvert.models import create_model  # noqa: E402
 from equiconvert.privacy.augment import augment_views  # noqa: E402
 from equiconvert.privacy.bookkeeping import per_sample_gradients_bookkeeping  # noqa: E402
+from equiconvert.privacy.engine import make_private  # noqa: E402
 from equiconvert.privacy.filter_gradients import fastest_choices, filter_gradient_method  # noqa: E402
 from equiconvert.privacy.per_sample import clip_and_sum, per_sample_gradients  # noqa: E402
 from equiconvert.privacy.trainer import PRECISIONS  # noqa: E402
@@ -130,6 +136,28 @@ def step_nested_vmap(model, optimizer, views, labels):
     _noisy_step(model, optimizer, summed, views.shape[0])
 
 
+def make_private_step(model):
+    """The make_private loop: zero_grad, forward on the views, loss.backward(), optimizer.step().
+
+    make_private wraps the model and the benchmark's optimizer at the first call; its data loader (one batch of
+    the whole benchmark set, q = 1) only sets the expected batch size, B, as the other methods divide by.
+    """
+    wrapped: dict[str, object] = {}
+
+    def step(_model, optimizer, views, labels):
+        if not wrapped:
+            loader = DataLoader(TensorDataset(torch.arange(views.shape[0])), batch_size=views.shape[0])
+            wrapped["module"], wrapped["optimizer"], _ = make_private(
+                module=model, optimizer=optimizer, data_loader=loader, noise_multiplier=NOISE,
+                max_grad_norm=MAX_GRAD_NORM, aug_mult=views.shape[1])
+        module, dp_optimizer = wrapped["module"], wrapped["optimizer"]
+        dp_optimizer.zero_grad(set_to_none=True)
+        F.cross_entropy(module(views), labels.repeat_interleave(views.shape[1])).backward()
+        dp_optimizer.step()
+
+    return step
+
+
 def make_opacus_step(model):
     from opacus import GradSampleModule
 
@@ -184,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--widths", default="64,128,256", help="ResNet9 channel widths before conversion")
     parser.add_argument("--group", default="D4", help='symmetry group of the conversion, or "none" (unconverted)')
     parser.add_argument("--kappa", type=float, default=1.5, help="width constant of the conversion")
-    parser.add_argument("--methods", default="nonprivate,equiconvert,bookkeeping,opacus,nested_vmap",
+    parser.add_argument("--methods", default="nonprivate,equiconvert,bookkeeping,make_private,opacus,nested_vmap",
                         help="equiconvert@N / bookkeeping@N process the batch in chunks of N examples (DPTrainer's physical batches)")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--iters", type=int, default=5)
@@ -218,6 +246,8 @@ def main(argv: list[str] | None = None) -> int:
             step = make_equiconvert_step(int(name.partition("@")[2] or args.batch), kind, autocast_dtype, kernel or "auto")
         if method == "opacus":
             step, _ = make_opacus_step(model)
+        if method == "make_private":
+            step = make_private_step(model)
         try:
             results[method] = time_method(step, model, views, labels, device, args.warmup, args.iters)
         except torch.cuda.OutOfMemoryError as error:  # recorded, not hidden

@@ -70,6 +70,9 @@ def convert_and_check(
     in_channels: int = 3,
     strict: bool = False,
     check: bool = True,
+    pretrained: bool | str = False,
+    pad_to_valid: bool = False,
+    crop_to_valid: bool = False,
 ) -> tuple[Any, dict]:
     """Build, convert and (optionally) check one model; returns (EquivariantModel, JSON record).
 
@@ -82,12 +85,17 @@ def convert_and_check(
     spec = parse_group(group)  # fail on a bad group before building anything
     options = {"width": width, "input_size": input_size, "strict": strict or None, "head": head}
     if is_equivariant_model(model_spec):
+        if pretrained or pad_to_valid or crop_to_valid:
+            raise CLIError(f"{model_spec} is built equivariant: --pretrained, --pad-to-valid and --crop-to-valid "
+                           "apply to converted models only")
         start = time.perf_counter()
         converted = create_model(model_spec, group=group, num_classes=num_classes, in_channels=in_channels, **options)
     else:
-        model = create_model(model_spec, num_classes=num_classes, in_channels=in_channels)
+        model = create_model(model_spec, num_classes=num_classes, in_channels=in_channels,
+                             pretrained=pretrained or None)
         start = time.perf_counter()
-        converted = make_equivariant(model, spec, **options)
+        converted = make_equivariant(model, spec, pretrained=bool(pretrained), pad_to_valid=pad_to_valid,
+                                     crop_to_valid=crop_to_valid, **options)
     conversion_time = time.perf_counter() - start
     report = converted.report
 
@@ -136,6 +144,7 @@ def _cmd_convert(args: argparse.Namespace) -> int:
         converted, record = convert_and_check(
             args.model, args.group, input_size=args.input_size, width=args.width, head=args.head,
             num_classes=args.num_classes, in_channels=args.in_channels, strict=args.strict, check=not args.no_check,
+            pretrained=args.pretrained, pad_to_valid=args.pad_to_valid, crop_to_valid=args.crop_to_valid,
         )
     if args.json:
         print(json.dumps(record))
@@ -549,6 +558,15 @@ def _parser() -> argparse.ArgumentParser:
     convert.add_argument("--strict", action="store_true", help="turn equivariance warnings into errors")
     convert.add_argument("--json", action="store_true", help="print one JSON object")
     convert.add_argument("--no-check", action="store_true", help="skip the equivariance check")
+    convert.add_argument("--pretrained", nargs="?", const=True, default=False, metavar="WEIGHTS",
+                         help="build the model with its pretrained weights (torchvision: optionally a weights name, "
+                              "e.g. IMAGENET1K_V1); the report says which layers keep them")
+    fit = convert.add_mutually_exclusive_group()
+    fit.add_argument("--pad-to-valid", action="store_true",
+                     help="an --input-size that breaks exact equivariance is fitted, symmetrically, to the next valid "
+                          "size (224 -> 225 for resnet18) in front of the network; without it such a size is an error")
+    fit.add_argument("--crop-to-valid", action="store_true",
+                     help="as --pad-to-valid, to the previous valid size, by symmetric cropping")
     convert.set_defaults(handler=_cmd_convert)
 
     _add_demo_parser(sub)

@@ -23,3 +23,7 @@ class GroupSpecError(EquiconvertError, ValueError):
 
 class ModelNameError(EquiconvertError, ValueError):
     """A model name the registry cannot resolve, or keyword arguments its model does not take."""
+
+
+class InvalidInputSizeError(EquiconvertError, ValueError):
+    """A requested input size does not keep exact equivariance; the message lists the nearest sizes that do."""

@@ -27,9 +27,10 @@ from .convert.model import EquivariantModel
 from .errors import UnsupportedLayerError
 from .nn.norm import normalize_field_groups
 from .nn import (
-    FieldGroupNorm, FieldRestriction, GatedNonlinearity, GroupPool, GroupStandardization, InvariantMap, NormMaxPool2d,
-    ReflectionRestriction, SteerableConv2d,
+    FieldGroupNorm, FieldRestriction, GatedNonlinearity, GroupPool, GroupStandardization, InputFit, InvariantMap,
+    NormMaxPool2d, ReflectionRestriction, SteerableConv2d,
 )
+from .nn.input_fit import apply_fit
 
 __all__ = ["EXPORTERS", "ExportContext", "Exporter", "export", "register_exporter"]
 
@@ -191,6 +192,25 @@ def _parameter(value: torch.Tensor, source: torch.Tensor) -> nn.Parameter:
 def export_equivariant_model(module: EquivariantModel, ctx: ExportContext) -> nn.Module:
     """The wrapper only carries metadata; deployment needs just its network."""
     return ctx.export_child(module.network, "network")
+
+
+class _InputFitOps(nn.Module):
+    """InputFit's operations without its input-size check (a shape comparison does not trace)."""
+
+    def __init__(self, fit: InputFit) -> None:
+        super().__init__()
+        self.grow, self.border, self.centre_line = fit.grow, fit.border, fit.centre_line
+        self.register_buffer("line_a", fit.line_a.clone(), persistent=False)
+        self.register_buffer("line_b", fit.line_b.clone(), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return apply_fit(self, x)
+
+
+@register_exporter(InputFit)
+def export_input_fit(module: InputFit, ctx: ExportContext) -> nn.Module:
+    """The same padding/cropping and centre lines as torch ops (index_select, pad, slicing)."""
+    return _trace_torch_only(_InputFitOps(module), "InputFit")
 
 
 @register_exporter(SteerableConv2d)

@@ -85,22 +85,25 @@ def test_convert_resnet9_json_keys_and_check(capsys):
     assert data["max_equivariance_error"] == max(eq["errors"].values()) <= 1e-5
 
 
-def test_convert_text_summary_reports_invalid_size(capsys):
-    assert main(["convert", "torchvision:resnet18", "--group", "D4", "--input-size", "224", "--no-check"]) == 0
-    out = capsys.readouterr().out
-    assert "input size 224: NOT valid" in out
-    assert "11,181,642 ->" in out
-    assert "H = W = 1 mod 32, from 33 on" in out
-    assert "equivariance not checked" in out
+def test_convert_refuses_an_invalid_size_and_names_the_nearest_valid_ones(capsys):
+    assert main(["convert", "torchvision:resnet18", "--group", "D4", "--input-size", "224", "--no-check"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert "error: input size 224 does not keep exact equivariance" in captured.err
+    assert "H = W = 1 mod 32, from 33 on; nearest: 193, 225" in captured.err
+    assert "--pad-to-valid" in captured.err and "--crop-to-valid" in captured.err
 
 
-def test_convert_json_invalid_size(capsys):
-    data = run_json(capsys, "convert", "torchvision:resnet18", "--group", "D4", "--input-size", "224",
+@pytest.mark.parametrize("flag, target", [("--pad-to-valid", 225), ("--crop-to-valid", 193)])
+def test_convert_fits_an_invalid_size_with_pad_or_crop(capsys, flag, target):
+    data = run_json(capsys, "convert", "torchvision:resnet18", "--group", "D4", "--input-size", "224", flag,
                     "--no-check", "--json")
-    assert data["input_size"] == 224
-    assert data["input_size_valid"] is False
-    assert 224 not in data["valid_input_sizes"] and 225 in data["valid_input_sizes"]
-    assert data["equivariance"] is None and data["max_equivariance_error"] is None
+    assert data["input_size"] == 224 and data["input_size_valid"] is True
+    assert data["valid_input_sizes"] == [224]
+    assert data["input_fit"].startswith(f"input 224 -> {target}: ")
+    assert data["layers"][0]["node"] == "input_fit" and data["layers"][0]["before"] == "(inserted)"
+    text_exit = main(["convert", "torchvision:resnet18", "--group", "D4", "--input-size", "224", flag, "--no-check"])
+    assert text_exit == 0 and f"input fit: input 224 -> {target}" in capsys.readouterr().out
 
 
 def test_check_size_falls_back_to_default_size():

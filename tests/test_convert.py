@@ -53,9 +53,9 @@ def test_grouped_convs_get_field_counts_divisible_by_groups():
 # --- grid symmetry ----------------------------------------------------------------------------
 
 def test_valid_input_sizes_of_resnet18_and_vgg():
-    resnet = equiconvert.make_equivariant(torchvision.models.resnet18(num_classes=10), "C4", input_size=224)
+    resnet = equiconvert.make_equivariant(torchvision.models.resnet18(num_classes=10), "C4", input_size=225)
     assert resnet.report.valid_input_sizes[:3] == [33, 65, 97]  # five stride-2 stages: 32k + 1
-    assert resnet.report.input_size_valid is False
+    assert resnet.report.input_size_valid is True
     assert "1 mod 32" in resnet.report.valid_input_rule
     vgg = equiconvert.make_equivariant(torchvision.models.vgg11(num_classes=10), "C4", head="invariant", input_size=224)
     assert vgg.report.input_size_valid and vgg.report.valid_input_sizes[:2] == [32, 64]  # five 2x2 pools

@@ -56,6 +56,24 @@ def test_opacus_one_line_changes_one_line():
     assert "# THE ONE LINE" in source.split(calls[0])[0].splitlines()[-2]
 
 
+def test_make_private_pipeline():
+    out = run_example("make_private_pipeline.py")
+    assert len(re.findall(r"^epoch 0 step \d+: batch \d+, loss [0-9.]+$", out, flags=re.M)) == 3
+    assert 0 < number_after("epsilon:", out) < math.inf
+    assert "3 steps" in out
+
+
+def test_make_private_pipeline_is_the_opacus_script_with_its_import_swapped():
+    def code(name: str) -> list[str]:
+        source = (REPO_ROOT / "examples" / name).read_text()
+        return source[source.index('"""', 3) + 3:].splitlines()  # after the docstring
+
+    changed = [(a, b) for a, b in zip(code("opacus_one_line.py"), code("make_private_pipeline.py")) if a != b]
+    assert len(code("opacus_one_line.py")) == len(code("make_private_pipeline.py"))
+    assert [(a, b.split("  #")[0]) for a, b in changed] == [
+        ("from opacus import PrivacyEngine", "from equiconvert.privacy import PrivacyEngine")]
+
+
 def test_paper_table1_row():
     out = run_example("paper_table1_row.py")
     row = re.search(r"^\| D4 \| (\S+) \| 256k \| (\S+) .*\| (\S+) \(D2, 32px\) \|$", out, flags=re.M)

@@ -16,3 +16,15 @@ def test_kernel_suffixes_run_side_by_side_and_fastest_is_reported(tmp_path, caps
     choices = report["fastest_filter_gradient_kernels"]
     assert choices and set(choices.values()) <= {"products", "grouped", "unfolded"}
     assert all(key.startswith("cpu float32") for key in choices)
+
+
+def test_make_private_runs_beside_opacus_and_the_nonprivate_step(tmp_path, capsys):
+    out = tmp_path / "throughput.json"
+    methods = "nonprivate,make_private,opacus"
+    assert load_benchmark("throughput").main(["--device", "cpu", "--widths", "4,8,8", "--group", "C4", "--batch", "2",
+                                              "--aug-mult", "2", "--methods", methods, "--iters", "1", "--warmup", "1",
+                                              "--out", str(out)]) == 0
+    capsys.readouterr()
+    results = json.loads(out.read_text())["results"]
+    assert list(results) == methods.split(",")
+    assert all(record["ms_per_step"] > 0 and record["time_vs_nonprivate"] > 0 for record in results.values())

@@ -15,6 +15,8 @@ from . import rules  # noqa: F401  (registers the built-in rules)
 from .context import SPATIAL_KEY, TYPE_KEY, ConversionConfig, ConversionContext
 from .fields import FieldType
 from .grid import GridAnalysis
+from .input_fit import fit_input, invalid_size_error
+from .weights import report_pretrained_weights
 from .model import EquivariantModel
 from .registry import find_rule
 from .rules.conv import grouped_conv_multiples
@@ -160,6 +162,9 @@ def make_equivariant(
     head: str | None = None,
     restrict=None,
     frequency: int | None = None,
+    pad_to_valid: bool = False,
+    crop_to_valid: bool = False,
+    pretrained: bool = False,
 ) -> EquivariantModel:
     """Convert a CNN into a steerable CNN equivariant to `group` ("C1".."C16", "D1".."D16", "SO2", "O2").
 
@@ -176,7 +181,16 @@ def make_equivariant(
     restrict: restrict the fields to a subgroup: "halved", "reflection", "invariant", a group
     name, a schedule "D8->D4->D1" (before the last stages) or {module name: step}; see
     convert/restrict.py. The model is then exactly equivariant to the last subgroup.
+    An input_size that breaks exact equivariance raises InvalidInputSizeError, unless
+    pad_to_valid (or crop_to_valid) puts a symmetric fit to the nearest valid size in
+    front (nn/input_fit.py): the model then takes input_size and stays exact.
+    pretrained: the model holds trained weights; the report lists the layers that keep them
+    and warns (also as a Python warning) that the others are freshly initialised.
     """
+    if pad_to_valid and crop_to_valid:
+        raise ValueError("give pad_to_valid or crop_to_valid, not both")
+    if (pad_to_valid or crop_to_valid) and input_size is None:
+        raise ValueError("pad_to_valid/crop_to_valid need the input_size to fit")
     spec = parse_group(group, frequency)
     cfg = _make_config(config, strict, head)
     if restrict is not None:
@@ -201,7 +215,13 @@ def make_equivariant(
     if input_size is not None:
         report.input_size = input_size
         report.input_size_valid = grid.is_valid(input_size)
+        if not report.input_size_valid and not (pad_to_valid or crop_to_valid):
+            raise invalid_size_error(input_size, grid)
+        if not report.input_size_valid:
+            fit_input(gm, report, input_size, grid, "pad" if pad_to_valid else "crop")
     _validate_no_batch_statistics(gm)
+    if pretrained:
+        report_pretrained_weights(model, gm, report)
     return EquivariantModel(gm, spec, in_channels, output_type, report).train(model.training)
 
 

@@ -40,8 +40,13 @@ class ConversionReport:
     valid_input_rule: str = ""
     input_size: int | None = None
     input_size_valid: bool | None = None
+    input_fit: str | None = None  # how a requested size is fitted to a valid one (pad_to_valid / crop_to_valid)
     invariant_output: bool = False
     max_equivariance_error: float | None = None
+    # with make_equivariant(..., pretrained=True): parametrised layers that kept / lost the original's weights
+    weights_kept: list[str] | None = None
+    weights_reinitialised: list[str] | None = None
+    weights_warning: str | None = None
 
     def to_dict(self) -> dict:
         data = asdict(self)
@@ -58,9 +63,13 @@ class ConversionReport:
         ]
         if self.input_size is not None:
             lines.append(f"input size {self.input_size}: {'valid' if self.input_size_valid else 'NOT valid'}")
+        if self.input_fit is not None:
+            lines.append(f"input fit: {self.input_fit}")
         lines.append(f"output: {'invariant' if self.invariant_output else 'NOT invariant'}")
         lines += [f"  {c.node}: {c.before} -> {c.after}" for c in self.layers]
         lines += [f"warning: {w}" for w in self.warnings]
+        if self.weights_warning is not None:
+            lines.append(f"warning: {self.weights_warning}")
         if self.max_equivariance_error is not None:
             lines.append(f"max equivariance error: {self.max_equivariance_error:.2e}")
         return "\n".join(lines)

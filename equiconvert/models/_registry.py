@@ -144,10 +144,23 @@ def _create_torchvision(name: str, kwargs: dict[str, Any]) -> nn.Module:
         close = difflib.get_close_matches(name, torchvision.models.list_models(), n=5)
         raise ModelNameError(f"unknown torchvision model {name!r} (see torchvision.models.list_models())"
                              + (f"; close names: {', '.join(close)}" if close else ""))
+    pretrained = kwargs.pop("pretrained", False)
     try:
-        return torchvision.models.get_model(name, **kwargs)
+        model = torchvision.models.get_model(name, **kwargs)
     except TypeError as exc:
         raise ModelNameError(f"cannot build torchvision:{name} with {sorted(kwargs)}: {exc}") from exc
+    if not pretrained:
+        return model
+    weights = "DEFAULT" if pretrained is True else str(pretrained)
+    return _with_weights_of(model, torchvision.models.get_model(name, weights=weights))
+
+
+def _with_weights_of(model: nn.Module, trained: nn.Module) -> nn.Module:
+    """`model` with every tensor of `trained` whose name and shape match (a head for other classes stays fresh)."""
+    own = model.state_dict()
+    model.load_state_dict({k: v for k, v in trained.state_dict().items() if k in own and own[k].shape == v.shape},
+                          strict=False)
+    return model
 
 
 def _create_timm(name: str, kwargs: dict[str, Any]) -> nn.Module:
@@ -162,6 +175,9 @@ def _create_timm(name: str, kwargs: dict[str, Any]) -> nn.Module:
                              + (f"; close names: {', '.join(close)}" if close else ""))
     if "in_channels" in kwargs:
         kwargs["in_chans"] = kwargs.pop("in_channels")
+    if isinstance(kwargs.get("pretrained"), str):
+        raise ModelNameError(f"timm takes its pretrained weights' tag in the model name (timm:{name}.<tag>), not "
+                             f"pretrained={kwargs['pretrained']!r}")
     try:
         return timm.create_model(name, **{"pretrained": False, **kwargs})
     except TypeError as exc:
@@ -169,8 +185,10 @@ def _create_timm(name: str, kwargs: dict[str, Any]) -> nn.Module:
 
 
 def create_model(name: str, **kwargs: Any) -> nn.Module:
-    """The untrained model `name` (see the module docstring for names), built with `kwargs`; None values are
-    dropped, so that unset options keep the model's defaults. `num_classes` and `in_channels` work for every source.
+    """The model `name` (see the module docstring for names), built with `kwargs`; None values are dropped, so that
+    unset options keep the model's defaults. `num_classes` and `in_channels` work for every source; `pretrained`
+    (True, or a torchvision weights name) loads torchvision/timm weights, a classifier for another number of classes
+    keeping its fresh ones.
     """
     kwargs = {key: value for key, value in kwargs.items() if value is not None}
     source, _, model = resolve_model_name(name).partition(":")
@@ -179,5 +197,7 @@ def create_model(name: str, **kwargs: Any) -> nn.Module:
     if source == "timm":
         return _create_timm(model, kwargs)
     entry = _MODELS[model]
+    if kwargs.pop("pretrained", False):
+        raise ModelNameError(f"equiconvert:{model} has no pretrained weights; load your own checkpoint into it instead")
     _check_keywords(f"equiconvert:{model}", entry.factory, kwargs)
     return entry.factory(**kwargs)

@@ -1,5 +1,6 @@
 """Plain-tensor equivariant modules: what a converted model is made of (no escnn objects)."""
 from .conv import SteerableConv2d
+from .input_fit import InputFit
 from .irrep_fields import GatedNonlinearity, GroupStandardization, InvariantMap, NormMaxPool2d
 from .norm import FieldGroupNorm
 from .pooling import GroupPool
@@ -7,5 +8,5 @@ from .restriction import FieldRestriction, ReflectionRestriction
 
 __all__ = [
     "SteerableConv2d", "FieldGroupNorm", "GroupPool", "FieldRestriction", "ReflectionRestriction",
-    "GatedNonlinearity", "GroupStandardization", "InvariantMap", "NormMaxPool2d",
+    "GatedNonlinearity", "GroupStandardization", "InvariantMap", "NormMaxPool2d", "InputFit",
 ]

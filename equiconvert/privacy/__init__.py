@@ -1,16 +1,22 @@
 """Differentially private training of converted models.
 
-`DPTrainer`/`DPConfig` load on first use, so importing a submodule (e.g. opacus_interop)
+The public names load on first use, so importing a submodule (e.g. opacus_interop)
 does not pull in the trainer and its dependencies.
 """
+from importlib import import_module
 from typing import Any
 
-__all__ = ["DPConfig", "DPTrainer"]
+_EXPORTS = {
+    "DPConfig": "trainer",
+    "DPTrainer": "trainer",
+    "make_private": "engine",
+    "PrivacyEngine": "engine",
+    "BatchMemoryManager": "dp_loader",
+}
+__all__ = list(_EXPORTS)
 
 
 def __getattr__(name: str) -> Any:
-    if name in __all__:
-        from . import trainer
-
-        return getattr(trainer, name)
+    if name in _EXPORTS:
+        return getattr(import_module(f".{_EXPORTS[name]}", __name__), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

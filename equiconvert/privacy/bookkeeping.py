@@ -106,10 +106,23 @@ def _layer_vjp_rule(module: nn.Module, inputs: torch.Tensor, grad_out: torch.Ten
                          grad_out.reshape(batch, views, *grad_out.shape[1:]))
 
 
+def _embedding_rule(module: nn.Embedding, indices: torch.Tensor, grad_out: torch.Tensor, views: int) -> dict[str, torch.Tensor]:
+    """Per-example gradient of an embedding table: each example's output gradients added into the rows it looked up."""
+    batch = indices.shape[0] // views
+    rows = indices.reshape(batch, -1)
+    grad_out = grad_out.reshape(batch, -1, grad_out.shape[-1]).to(module.weight.dtype)
+    weight = grad_out.new_zeros(batch, *module.weight.shape)
+    weight.scatter_add_(1, rows.unsqueeze(-1).expand(-1, -1, grad_out.shape[-1]), grad_out)
+    if module.padding_idx is not None:
+        weight[:, module.padding_idx] = 0  # the padding row receives no gradient, as in nn.Embedding's backward
+    return {"weight": weight}
+
+
 RULES: dict[type[nn.Module], PerSampleRule] = {
     SteerableConv2d: _steerable_conv_rule,
     nn.Conv2d: _conv_rule,
     nn.Linear: _linear_rule,
+    nn.Embedding: _embedding_rule,
 }
 
 
@@ -194,9 +207,16 @@ def _rule_operands(module: nn.Module, rule: PerSampleRule, inputs: torch.Tensor,
     if rule is _layer_vjp_rule:
         dtype = next(module.parameters(recurse=False)).dtype
         return inputs.to(dtype), grad_out.to(dtype)
-    if rule in (_conv_rule, _steerable_conv_rule):
+    if rule in (_conv_rule, _steerable_conv_rule, _embedding_rule):  # embedding inputs are indices
         return inputs, grad_out
     return inputs.to(grad_out.dtype), grad_out
+
+
+def layer_per_example_gradients(module: nn.Module, inputs: torch.Tensor, grad_out: torch.Tensor,
+                                views: int) -> dict[str, torch.Tensor]:
+    """One layer's per-example parameter gradients from its kept input and output gradient, summed over views."""
+    rule = _rule_for(module)
+    return rule(module, *_rule_operands(module, rule, inputs, grad_out), views)
 
 
 def per_sample_gradients_bookkeeping(
@@ -229,10 +249,8 @@ def per_sample_gradients_bookkeeping(
     for name, module in layers.items():
         if name not in recorder.grads:
             raise BookkeepingUnsupportedError(f"layer {name!r} did not take part in the forward pass")
-        rule = _rule_for(module)
         with record_function(f"equiconvert/per_example/{type(module).__name__}"):
-            operands = _rule_operands(module, rule, recorder.inputs[name], recorder.grads[name])
-            per_layer = rule(module, *operands, num_views)
+            per_layer = layer_per_example_gradients(module, recorder.inputs[name], recorder.grads[name], num_views)
         for param_name, value in per_layer.items():
             grads[f"{name}.{param_name}" if name else param_name] = value
     order = [name for name, p in model.named_parameters() if p.requires_grad]
@@ -274,8 +292,8 @@ def verify_bookkeeping(model: nn.Module, view_shape: tuple[int, ...], loss_fn: L
     params = {n: p.detach() for n, p in probe.named_parameters()}
     exact, _ = per_sample_gradients(probe, params, dict(probe.named_buffers()), views, labels, loss_fn)
     kept, _ = per_sample_gradients_bookkeeping(probe, views, labels, loss_fn)
-    for name, value in exact.items():
-        error = float((kept[name] - value).norm() / value.norm().clamp_min(1e-30))
+    for name, value in kept.items():  # trainable parameters only; torch.func also differentiates frozen ones
+        error = float((value - exact[name]).norm() / exact[name].norm().clamp_min(1e-30))
         if error > 1e-8:
             raise BookkeepingUnsupportedError(
                 f"book-keeping's gradient of {name!r} differs from torch.func's by {error:.1e} (relative): a "

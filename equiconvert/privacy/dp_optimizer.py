@@ -1,0 +1,149 @@
+"""The optimizer make_private returns: clip per example, sum, add noise once per logical batch, step.
+
+`step()` takes the per-example gradients of the last forward/backward from the
+PrivateModule, clips each example's whole gradient to `max_grad_norm` and adds the
+clipped sum to an accumulator. Unless BatchMemoryManager signalled that more physical
+batches of the same logical batch follow, it then adds N(0, (sigma C)^2) to each
+trainable parameter's sum once, divides by the expected batch size (loss_reduction
+"mean"), writes the result to `.grad` and steps the wrapped optimizer. Parameters that
+do not require gradients keep `.grad` None, so the wrapped optimizer leaves them alone.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.optim import Optimizer
+
+from .accounting import PrivacyBudgetError, PrivacyLedger, compute_epsilon
+from .per_sample import clip_factors
+from .private_module import PrivateModule
+from .secret_rng import SecretGenerators
+
+
+class DPOptimizer(Optimizer):
+    """Wraps `optimizer` (kept as `original_optimizer`); param_groups, state and defaults are its own."""
+
+    def __init__(self, optimizer: Optimizer, *, module: PrivateModule, noise_multiplier: float, max_grad_norm: float,
+                 expected_batch_size: float, noise: SecretGenerators, accountant: str, sample_rate: float,
+                 budget: PrivacyLedger | None = None, planned_steps: int | None = None) -> None:
+        self.original_optimizer = optimizer
+        self.module = module
+        self.noise_multiplier = float(noise_multiplier)
+        self.max_grad_norm = float(max_grad_norm)
+        self.expected_batch_size = float(expected_batch_size)
+        self.accountant = accountant
+        self.sample_rate = float(sample_rate)
+        self.budget = budget  # with a target epsilon: the ledger that stops a step past it
+        self.planned_steps = planned_steps
+        self._noise = noise
+        self.private = noise.private  # False under a debug seed: reproducible noise is not private
+        self._skip_next = False
+        self._summed: dict[nn.Parameter, torch.Tensor] = {}
+        self._examples = 0
+        self.steps = 0
+
+    # --- the wrapped optimizer's state --------------------------------------------------------
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
+        return self.original_optimizer.param_groups
+
+    @param_groups.setter
+    def param_groups(self, groups: list[dict[str, Any]]) -> None:
+        self.original_optimizer.param_groups = groups
+
+    @property
+    def state(self) -> defaultdict:  # type: ignore[override]
+        return self.original_optimizer.state
+
+    @state.setter
+    def state(self, state: defaultdict) -> None:
+        self.original_optimizer.state = state
+
+    @property
+    def defaults(self) -> dict[str, Any]:  # type: ignore[override]
+        return self.original_optimizer.defaults
+
+    @defaults.setter
+    def defaults(self, defaults: dict[str, Any]) -> None:
+        self.original_optimizer.defaults = defaults
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        self.original_optimizer.add_param_group(param_group)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.original_optimizer.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.original_optimizer.load_state_dict(state_dict)
+
+    def __repr__(self) -> str:
+        return f"DPOptimizer({self.original_optimizer!r}, noise_multiplier={self.noise_multiplier}, " \
+               f"max_grad_norm={self.max_grad_norm})"
+
+    # --- DP-SGD --------------------------------------------------------------------------------
+    def signal_skip_step(self, do_skip: bool = True) -> None:
+        """The next step() only accumulates: more physical batches of this logical batch follow."""
+        self._skip_next = do_skip
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Drop the last backward's gradients (as Opacus drops grad_sample); a logical batch's clipped sum is kept."""
+        self.original_optimizer.zero_grad(set_to_none=set_to_none)
+        self.module.clear_record()
+
+    def _trainable(self) -> list[nn.Parameter]:
+        return [p for group in self.param_groups for p in group["params"] if p.requires_grad]
+
+    def _accumulate(self) -> None:
+        """Add the last physical batch's clipped per-example gradients to the running sum."""
+        examples = self.module.recorded_examples
+        if examples:
+            grads = self.module.per_sample_gradients()
+            norms = torch.stack([g.reshape(g.shape[0], -1).pow(2).sum(1) for g in grads.values()]).sum(0).sqrt()
+            factors = clip_factors(norms, self.max_grad_norm)
+            for param, value in grads.items():
+                clipped = torch.einsum("b,b...->...", factors.to(value.dtype), value)
+                self._summed[param] = self._summed[param] + clipped if param in self._summed else clipped
+            self._examples += examples
+        self.module.clear_record()
+
+    def _check_budget(self) -> None:
+        """Refuse a step past the target epsilon (asked only once the planned steps are spent: PRV is slow)."""
+        if self.budget is None or (self.planned_steps is not None and self.steps < self.planned_steps):
+            return
+        if not self.budget.can_step():
+            raise PrivacyBudgetError(f"one more step would exceed target_epsilon={self.budget.target_epsilon} (after "
+                                     f"{self.steps} steps, epsilon {self.budget.epsilon:.4f}); make_private was "
+                                     f"calibrated for {self.planned_steps} steps")
+
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._accumulate()
+        if self._skip_next:
+            self._skip_next = False
+            return loss
+        self._check_budget()
+        std = self.noise_multiplier * self.max_grad_norm
+        divisor = self.expected_batch_size if self.module.loss_reduction == "mean" else 1.0
+        for param in self._trainable():
+            summed = self._summed.get(param)
+            if summed is None:
+                summed = torch.zeros_like(param)
+            noise = self._noise.normal(param.shape, dtype=param.dtype).to(param.device)
+            param.grad = (summed + std * noise) / divisor
+        self.original_optimizer.step()
+        if self.budget is not None:
+            self.budget.step()
+        self.steps += 1
+        self._summed, self._examples = {}, 0
+        return loss
+
+    def get_epsilon(self, delta: float) -> float:
+        """Epsilon spent by the steps taken so far, at `delta`, by this run's accountant."""
+        return compute_epsilon(self.accountant, self.noise_multiplier, self.sample_rate, self.steps, delta)

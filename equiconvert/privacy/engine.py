@@ -1,0 +1,156 @@
+"""Opacus-style `make_private`: the user's model, optimizer and DataLoader, made DP-SGD by book-keeping.
+
+    model, optimizer, train_loader = make_private(module=model, optimizer=optimizer, data_loader=train_loader,
+                                                  noise_multiplier=1.0, max_grad_norm=1.0)
+
+or `PrivacyEngine().make_private(...)` with Opacus' signature, so that an Opacus script
+changes only its import. The loop stays the user's: forward, `loss.backward()`,
+`optimizer.step()`. Per-example gradients come from book-keeping (private_module.py)
+instead of Opacus' hooks; clipping, noise and the step from dp_optimizer.py; Poisson
+batches from dp_loader.py; epsilon from Opacus' accountants (accounting.py).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+from torch.optim import Optimizer
+from torch.utils.data import DataLoader
+
+from .accounting import ACCOUNTANTS, PrivacyLedger, calibrate_noise_multiplier
+from .dp_loader import DPDataLoader
+from .dp_optimizer import DPOptimizer
+from .private_module import PrivateModule
+from .secret_rng import SecretGenerators, warn_if_debug_seeded
+from .validate import validate_dp_safe
+
+DEFAULT_ACCOUNTANT = "prv"  # Opacus' PrivacyEngine default: a swapped import reports the same epsilon
+
+
+def _check_dp_safe(module: nn.Module) -> None:
+    """The one DP-safety check of make_private: refuses batch statistics and running-statistics buffers by name."""
+    validate_dp_safe(module)
+
+
+def _planned_steps(epochs: float | None, steps: int | None, steps_per_epoch: int) -> int | None:
+    if epochs is not None and steps is not None:
+        raise ValueError("give epochs or steps, not both")
+    if steps is not None:
+        if steps < 1:
+            raise ValueError(f"steps must be >= 1, got {steps}")
+        return int(steps)
+    if epochs is not None:
+        if not epochs > 0:
+            raise ValueError(f"epochs must be > 0, got {epochs}")
+        return int(epochs * steps_per_epoch)
+    return None
+
+
+def _check_optimizer_params(module: nn.Module, optimizer: Optimizer) -> None:
+    """Every trainable parameter the optimizer updates must be the module's, or its update would not be private."""
+    owned = {id(p) for p in module.parameters()}
+    foreign = [tuple(p.shape) for group in optimizer.param_groups for p in group["params"]
+               if p.requires_grad and id(p) not in owned]
+    if foreign:
+        raise ValueError(f"the optimizer updates {len(foreign)} parameter(s) that are not the module's (shapes "
+                         f"{foreign[:5]}); their gradients would not be clipped or noised: build the optimizer "
+                         "from module.parameters()")
+
+
+def make_private(
+    *,
+    module: nn.Module,
+    optimizer: Optimizer,
+    data_loader: DataLoader,
+    max_grad_norm: float,
+    noise_multiplier: float | None = None,
+    target_epsilon: float | None = None,
+    target_delta: float | None = None,
+    epochs: float | None = None,
+    steps: int | None = None,
+    aug_mult: int = 1,
+    accountant: str = DEFAULT_ACCOUNTANT,
+    loss_reduction: str = "mean",
+    poisson_sampling: bool = True,
+    debug_seed: int | None = None,
+    verify: bool = True,
+) -> tuple[PrivateModule, DPOptimizer, DPDataLoader]:
+    """(module, optimizer, data_loader) for DP-SGD; see docs/make-private.md.
+
+    noise_multiplier, or target_epsilon with target_delta and epochs or steps (sigma is then
+    calibrated and a step past the target is refused). aug_mult K: the module takes
+    (B, K, ...) views and each example's gradient is the mean over its views, clipped.
+    debug_seed: reproducible sampling and noise for tests; the run is then NOT private.
+    verify: probe the model once (first forward) for layers that mix examples.
+    """
+    if accountant not in ACCOUNTANTS:
+        raise ValueError(f"accountant must be one of {ACCOUNTANTS}, got {accountant!r}")
+    if not poisson_sampling:
+        raise ValueError("make_private samples batches by Poisson sampling only: the accountants assume it")
+    if not max_grad_norm > 0:
+        raise ValueError(f"max_grad_norm must be > 0, got {max_grad_norm}")
+    if (noise_multiplier is None) == (target_epsilon is None):
+        raise ValueError("give noise_multiplier, or target_epsilon (with target_delta and epochs or steps), not both")
+    if noise_multiplier is not None and not noise_multiplier > 0:
+        raise ValueError(f"noise_multiplier must be > 0 for a private run, got {noise_multiplier}")
+    planned = _planned_steps(epochs, steps, len(data_loader))
+    _check_dp_safe(module)
+    _check_optimizer_params(module, optimizer)
+    warn_if_debug_seeded(debug_seed)
+
+    loader = DPDataLoader(data_loader, SecretGenerators("cpu", "sampling", debug_seed))
+    budget = None
+    if target_epsilon is not None:
+        if target_delta is None or planned is None:
+            raise ValueError("target_epsilon needs target_delta and epochs or steps (to calibrate the noise)")
+        noise_multiplier = calibrate_noise_multiplier(target_epsilon, target_delta, loader.sample_rate, planned,
+                                                      accountant)
+        budget = PrivacyLedger(accountant, target_delta, target_epsilon, loader.sample_rate, noise_multiplier)
+    private = PrivateModule(module, aug_mult=aug_mult, loss_reduction=loss_reduction, verify=verify)
+    device = next(module.parameters()).device
+    dp_optimizer = DPOptimizer(
+        optimizer, module=private, noise_multiplier=noise_multiplier, max_grad_norm=max_grad_norm,
+        expected_batch_size=loader.expected_batch_size, noise=SecretGenerators(device, "noise", debug_seed),
+        accountant=accountant, sample_rate=loader.sample_rate, budget=budget, planned_steps=planned,
+    )
+    return private, dp_optimizer, loader
+
+
+class PrivacyEngine:
+    """Opacus' PrivacyEngine interface over make_private: `from equiconvert.privacy import PrivacyEngine`.
+
+    Sampling and noise randomness is always secret (secret_rng.py), whatever `secure_mode` says.
+    """
+
+    def __init__(self, *, accountant: str = DEFAULT_ACCOUNTANT, secure_mode: bool = True) -> None:
+        if accountant not in ACCOUNTANTS:
+            raise ValueError(f"accountant must be one of {ACCOUNTANTS}, got {accountant!r}")
+        self.accountant = accountant
+        self.secure_mode = secure_mode
+        self._optimizers: list[DPOptimizer] = []
+
+    def make_private(self, *, module: nn.Module, optimizer: Optimizer, data_loader: DataLoader,
+                     noise_multiplier: float, max_grad_norm: float, **options: Any
+                     ) -> tuple[PrivateModule, DPOptimizer, DPDataLoader]:
+        """make_private at a given noise multiplier (options: make_private's keywords)."""
+        made = make_private(module=module, optimizer=optimizer, data_loader=data_loader,
+                            noise_multiplier=noise_multiplier, max_grad_norm=max_grad_norm,
+                            accountant=self.accountant, **options)
+        self._optimizers.append(made[1])
+        return made
+
+    def make_private_with_epsilon(self, *, module: nn.Module, optimizer: Optimizer, data_loader: DataLoader,
+                                  target_epsilon: float, target_delta: float, epochs: float, max_grad_norm: float,
+                                  **options: Any) -> tuple[PrivateModule, DPOptimizer, DPDataLoader]:
+        """make_private with the noise calibrated to (target_epsilon, target_delta) after `epochs`."""
+        made = make_private(module=module, optimizer=optimizer, data_loader=data_loader, target_epsilon=target_epsilon,
+                            target_delta=target_delta, epochs=epochs, max_grad_norm=max_grad_norm,
+                            accountant=self.accountant, **options)
+        self._optimizers.append(made[1])
+        return made
+
+    def get_epsilon(self, delta: float) -> float:
+        """Epsilon spent so far at `delta` (one model made private per engine)."""
+        if len(self._optimizers) > 1:
+            raise ValueError("this engine made several models private; ask each optimizer: optimizer.get_epsilon(delta)")
+        return self._optimizers[0].get_epsilon(delta) if self._optimizers else 0.0

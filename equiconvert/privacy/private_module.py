@@ -1,0 +1,182 @@
+"""The module make_private returns: the user's model, recording what book-keeping needs.
+
+In training mode with gradients enabled, a forward runs the model with its trainable
+parameters detached from autograd (so `loss.backward()` computes activation gradients
+only, the cost of a non-private backward less its weight gradients) and keeps, for
+every layer that owns trainable parameters, its input and the gradient of its output.
+`per_sample_gradients()` then forms each example's gradient layer by layer
+(bookkeeping.layer_per_example_gradients: closed forms for convolutions, steerable
+convolutions, linear layers and embeddings, the vmapped VJP of the layer alone for
+norms and any other layer that owns its parameters).
+
+With aug_mult K > 1 the input is (B, K, ...): the K views of each example run as
+B*K rows and the loss takes one target per view (`y.repeat_interleave(K)`); each
+example's gradient is the mean over its views of the gradient of its per-view loss.
+"""
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from .bookkeeping import (
+    BookkeepingUnsupportedError,
+    check_bookkeeping_supported,
+    layer_per_example_gradients,
+    parametrised_layers,
+    verify_bookkeeping,
+)
+
+LOSS_REDUCTIONS = ("mean", "sum")
+
+
+@dataclass
+class _Record:
+    """One forward's layer inputs and (after backward) output gradients, by layer path."""
+
+    layers: dict[str, nn.Module]
+    inputs: dict[str, torch.Tensor] = field(default_factory=dict)
+    grads: dict[str, torch.Tensor] = field(default_factory=dict)
+    versions: dict[str, int] = field(default_factory=dict)  # of each kept input: an in-place change shows
+    examples: int = 0
+
+
+class PrivateModule(nn.Module):
+    """Wraps `module` (as `_module`, like Opacus' GradSampleModule); see the module docstring."""
+
+    def __init__(self, module: nn.Module, aug_mult: int = 1, loss_reduction: str = "mean", verify: bool = True) -> None:
+        super().__init__()
+        if aug_mult < 1:
+            raise ValueError(f"aug_mult must be >= 1, got {aug_mult}")
+        if loss_reduction not in LOSS_REDUCTIONS:
+            raise ValueError(f"loss_reduction must be one of {LOSS_REDUCTIONS}, got {loss_reduction!r}")
+        check_bookkeeping_supported(module)  # refuses shared parameters and parametrised containers, by name
+        self._module = module
+        self.aug_mult = aug_mult
+        self.loss_reduction = loss_reduction
+        self._verify = verify
+        self._record: _Record | None = None
+
+    def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        x = self._flatten_views(x)
+        if not (self.training and torch.is_grad_enabled()):
+            return self._module(x, *args, **kwargs)
+        if self._record is not None and self._record.grads:
+            raise RuntimeError("a second training forward before optimizer.step(): call optimizer.step() after each "
+                               "loss.backward() (for gradient accumulation use BatchMemoryManager)")
+        if self._verify:
+            self._verify_once(x)
+        record = _Record(parametrised_layers(self._module), examples=x.shape[0] // self.aug_mult)
+        if not record.layers:
+            raise ValueError("the model has no trainable parameters")
+        with self._recording(record), _trainable_detached(self._module):
+            output = self._module(x, *args, **kwargs)
+        self._record = record
+        return output
+
+    def _flatten_views(self, x: torch.Tensor) -> torch.Tensor:
+        if self.aug_mult == 1:
+            return x
+        if not isinstance(x, torch.Tensor) or x.dim() < 3 or x.shape[1] != self.aug_mult:
+            shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+            raise ValueError(f"with aug_mult={self.aug_mult} the input must be (B, {self.aug_mult}, ...) views of each "
+                             f"example, got {shape}")
+        return x.flatten(0, 1)
+
+    def _verify_once(self, x: torch.Tensor) -> None:
+        """bookkeeping.verify_bookkeeping on the first input shape: refuse models that mix examples."""
+        self._verify = False
+        if not x.is_floating_point():
+            warnings.warn("make_private: the model takes non-float inputs, so the check that it keeps examples apart "
+                          "(bookkeeping.verify_bookkeeping, random images) was not run", stacklevel=3)
+            return
+        try:
+            verify_bookkeeping(self._module, (min(self.aug_mult, 2), *x.shape[1:]))
+        except BookkeepingUnsupportedError:
+            raise
+        except Exception as error:  # noqa: BLE001  (a model whose output is not class scores: say so, do not refuse)
+            warnings.warn(f"make_private: the check that the model keeps examples apart could not run ({error})",
+                          stacklevel=3)
+
+    @contextlib.contextmanager
+    def _recording(self, record: _Record) -> Iterator[None]:
+        handles = [layer.register_forward_hook(_keeper(record, name)) for name, layer in record.layers.items()]
+        try:
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
+
+    def per_sample_gradients(self) -> dict[nn.Parameter, torch.Tensor]:
+        """Each example's gradient (mean over its views) of every trainable parameter, from the last forward/backward."""
+        record = self._record
+        if record is None:
+            raise RuntimeError("no recorded training forward: run the model in train mode and loss.backward() first")
+        missing = [name for name in record.layers if name not in record.grads]
+        if missing:
+            raise RuntimeError(f"layers {missing} got no gradient: call loss.backward() before optimizer.step(); a "
+                               "layer the loss does not use must be frozen (requires_grad_(False))")
+        changed = [name for name, kept in record.inputs.items() if kept._version != record.versions[name]]
+        if changed:
+            raise RuntimeError(f"the inputs of layers {changed} were modified in place after those layers ran; their "
+                               "per-example gradients would be wrong: make that operation out of place")
+        scale = float(record.examples) if self.loss_reduction == "mean" else 1.0 / self.aug_mult
+        grads: dict[nn.Parameter, torch.Tensor] = {}
+        for name, layer in record.layers.items():
+            per_layer = layer_per_example_gradients(layer, record.inputs[name], record.grads[name], self.aug_mult)
+            for param_name, value in per_layer.items():
+                param = getattr(layer, param_name)
+                if param.requires_grad:
+                    grads[param] = value * scale
+        unreached = [n for n, p in self._module.named_parameters() if p.requires_grad and p not in grads]
+        if unreached:
+            raise RuntimeError(f"parameters {unreached} did not take part in the forward pass; freeze them "
+                               "(requires_grad_(False)) or use them")
+        return grads
+
+    @property
+    def recorded_examples(self) -> int:
+        """Examples of the last recorded forward (0 before any)."""
+        return 0 if self._record is None else self._record.examples
+
+    def clear_record(self) -> None:
+        self._record = None
+
+
+def _keeper(record: _Record, name: str):
+    """Forward hook keeping the layer's input and hooking its output's gradient."""
+
+    def hook(module: nn.Module, args: tuple, output: Any) -> torch.Tensor | None:
+        if name in record.inputs:
+            raise BookkeepingUnsupportedError(f"layer {name!r} runs more than once per forward; make_private needs "
+                                              "every layer with trainable parameters to run once")
+        if len(args) != 1 or not isinstance(args[0], torch.Tensor) or not isinstance(output, torch.Tensor):
+            raise BookkeepingUnsupportedError(f"layer {name!r} ({type(module).__name__}) must take and return one tensor")
+        record.inputs[name] = args[0].detach()  # shares the version counter of args[0]
+        record.versions[name] = args[0]._version
+        replaced = None
+        if not output.requires_grad:  # nothing before this layer needs a gradient: the backward starts here
+            # a copy of a fresh leaf, so that in-place ops after the layer (ReLU(inplace=True)) stay allowed
+            output = replaced = output.detach().requires_grad_(True).clone()
+        output.register_hook(lambda grad: record.grads.__setitem__(name, grad))
+        return replaced
+
+    return hook
+
+
+@contextlib.contextmanager
+def _trainable_detached(model: nn.Module) -> Iterator[None]:
+    """The forward records no parameter gradient: backward forms activation gradients only."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    for p in params:
+        p.requires_grad_(False)
+    try:
+        yield
+    finally:
+        for p in params:
+            p.requires_grad_(True)

@@ -21,6 +21,7 @@ from .rules.conv import grouped_conv_multiples
 from .report import ConversionReport
 from .restrict import apply_restriction, plan, width_groups
 from .trace import propagate_shapes, trace
+from .verify import verify_conversion
 from .width import WidthSpec, multiplier_width, resolve_width
 
 PROBE_SIZES = (224, 32, 28, 64, 96)  # tried in order when input_size is not given
@@ -202,6 +203,7 @@ def make_equivariant(
         report.input_size = input_size
         report.input_size_valid = grid.is_valid(input_size)
     _validate_no_batch_statistics(gm)
+    verify_conversion(gm, template, report, in_channels, cfg.strict)  # runs where the original ran (verify.py)
     return EquivariantModel(gm, spec, in_channels, output_type, report).train(model.training)
 
 

@@ -18,6 +18,7 @@ from .grid import GridAnalysis
 from .model import EquivariantModel
 from .registry import find_rule
 from .rules.conv import grouped_conv_multiples
+from .rules.split import consistent_width
 from .report import ConversionReport
 from .restrict import apply_restriction, plan, width_groups
 from .trace import propagate_shapes, trace
@@ -120,6 +121,7 @@ def _convert_once(
     report = ConversionReport(group=group.name, width=width_name)
     ctx = ConversionContext(gm, group, width_fn, config, report)
     ctx.field_multiples = grouped_conv_multiples(gm)
+    ctx.width_fn = consistent_width(gm, width_fn)  # channel splits keep whole fields (rules/split.py)
     points = plan(gm, config.restrict, group.name)
     ctx.restrictions = {p.node: p.target for p in points}
     ctx.width_groups = width_groups(gm, points, group)

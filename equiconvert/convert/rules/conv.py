@@ -71,6 +71,11 @@ def _grown_kernel(ctx: ConversionContext, node: fx.Node, kernel: int) -> int:
 
 @register_module_rule(nn.Conv2d)
 def convert_conv2d(ctx: ConversionContext, node: fx.Node) -> FieldType:
+    return convert_conv(ctx, node, ctx.config.weight_standardization, same_padding=False)
+
+
+def convert_conv(ctx: ConversionContext, node: fx.Node, weight_standardization: bool, same_padding: bool) -> FieldType:
+    """Any nn.Conv2d subclass; same_padding: TensorFlow-style 'SAME' padding, symmetric where the grid is exact."""
     conv: nn.Conv2d = ctx.module(node)
     t_in = ctx.field_input(node)
     if conv.in_channels != ctx.shape(node.args[0])[1]:
@@ -80,7 +85,10 @@ def convert_conv2d(ctx: ConversionContext, node: fx.Node) -> FieldType:
     dilation = _square(node, ctx, "dilation", conv.dilation)
     if kernel % 2 == 0:
         kernel = _grown_kernel(ctx, node, kernel)
-    grid_padding, padding_arg = _padding(ctx, node, conv, kernel, dilation)
+    if same_padding:  # TF 'SAME' pads (d(k-1) - (H-1) % s) in total: d(k-1)/2 a side at the sizes the grid needs
+        grid_padding = padding_arg = dilation * (kernel - 1) // 2
+    else:
+        grid_padding, padding_arg = _padding(ctx, node, conv, kernel, dilation)
     if is_classifier_conv(ctx, node) and conv.groups == 1:
         out_repr, (out_fields, groups) = "trivial", (conv.out_channels, 1)
     else:
@@ -96,7 +104,7 @@ def convert_conv2d(ctx: ConversionContext, node: fx.Node) -> FieldType:
         groups=groups,
         bias=conv.bias is not None,
         padding_mode=conv.padding_mode,
-        weight_standardization=ctx.config.weight_standardization,
+        weight_standardization=weight_standardization,
         init_gain=ctx.config.init_gain,
         bias_channels=t_in.group.bias_channels(out_repr),
     )

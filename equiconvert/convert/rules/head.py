@@ -163,3 +163,11 @@ def convert_linear(ctx: ConversionContext, node: fx.Node) -> FieldType:
     if t.channels != linear.in_features:
         ctx.replace_module(node, nn.Linear(t.channels, linear.out_features, bias=linear.bias is not None))
     return FieldType(t.group, "trivial", linear.out_features, spatial=False)
+
+
+try:  # timm's Linear (nn.Linear calling F.linear, for AMP under torchscript) converts like nn.Linear
+    from timm.layers.linear import Linear as _TimmLinear
+
+    register_module_rule(_TimmLinear)(convert_linear)
+except ImportError:  # timm is optional
+    pass

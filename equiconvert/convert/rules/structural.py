@@ -42,7 +42,12 @@ def convert_size(ctx: ConversionContext, node: fx.Node) -> None:
 
 
 @register_function_rule(operator.getitem)
-def convert_getitem(ctx: ConversionContext, node: fx.Node) -> None:
+def convert_getitem(ctx: ConversionContext, node: fx.Node) -> FieldType | None:
+    from .split import convert_channel_getitem  # pieces of channel splits, slices over whole fields
+
+    piece = convert_channel_getitem(ctx, node)
+    if piece is not None:
+        return piece
     if ctx.type_of(node.args[0]) is not None:
         raise ctx.unsupported(node, "indexes a feature tensor, which can split fields",
                               "Options: select whole fields, or restructure the model before converting.")

@@ -53,15 +53,24 @@ def _module_of(node: fx.Node) -> str:
     return str(list(stack)[-1]) if stack else ""
 
 
+def _refine(partitions: dict[int, tuple[int, ...]], channels: int, pieces: tuple[int, ...]) -> None:
+    """Merge `pieces` into the partition of `channels`: the common refinement cuts wherever either one cuts."""
+    cuts = {sum(pieces[:i]) for i in range(1, len(pieces))}
+    old = partitions.get(channels, ())
+    cuts |= {sum(old[:i]) for i in range(1, len(old))}
+    bounds = [0, *sorted(cuts), channels]
+    partitions[channels] = tuple(b - a for a, b in zip(bounds, bounds[1:]))
+
+
 def channel_partitions(gm: fx.GraphModule) -> dict[int, tuple[int, ...]]:
-    """Channel count -> the piece sizes a split (or a concatenation beside one, or before a slice) divides it into."""
+    """Channel count -> the finest pieces that its splits (or concatenations beside them, or slices) cut it into."""
     partitions: dict[int, tuple[int, ...]] = {}
     split_modules = set()
     for node in gm.graph.nodes:
         if node.op in ("call_function", "call_method") and node.target in SPLITS:
             pieces = split_pieces(node)
             if pieces and len(pieces) > 1:
-                partitions.setdefault(sum(pieces), pieces)
+                _refine(partitions, sum(pieces), pieces)
                 split_modules.add(_module_of(node))
     for node in gm.graph.nodes:  # x[:, a:b] on a map: its channels split at a and b (ReXNet, DPN)
         cut = _channel_slice(node)
@@ -69,13 +78,13 @@ def channel_partitions(gm: fx.GraphModule) -> dict[int, tuple[int, ...]]:
             channels, start, stop = cut
             pieces = tuple(p for p in (start, stop - start, channels - stop) if p > 0)
             if len(pieces) > 1:
-                partitions.setdefault(channels, pieces)
+                _refine(partitions, channels, pieces)
     for node in gm.graph.nodes:
         if node.op == "call_function" and node.target in CATS and _arg(node, 1, "dim", 0) in (1, -3):
             shapes = [a.meta.get(SHAPE_KEY) for a in node.args[0] if isinstance(a, fx.Node)]
             sliced = any(u.target is operator.getitem for u in node.users)
             if all(s and len(s) == 4 for s in shapes) and (_module_of(node) in split_modules or sliced):
-                partitions.setdefault(sum(s[1] for s in shapes), tuple(s[1] for s in shapes))
+                _refine(partitions, sum(s[1] for s in shapes), tuple(s[1] for s in shapes))
     return partitions
 
 
@@ -103,16 +112,26 @@ def consistent_width(gm: fx.GraphModule, width_fn: Callable) -> Callable:
         return sum(fields(p, group) for p in pieces) if pieces else width_fn(channels, group)
 
     fields.__name__ = getattr(width_fn, "__name__", "width")
+    fields.partitions = partitions  # read by the split rules to place field boundaries
     return fields
 
 
+def _field_boundary(ctx: ConversionContext, t: FieldType, channels: int, cut: int) -> int | None:
+    """The field index where channel `cut` of a `channels`-channel map of type `t` falls, if on a field boundary."""
+    refined = getattr(ctx.width_fn, "partitions", {}).get(channels)
+    if refined:
+        fields = [ctx.fields_for(p, t.group) for p in refined]
+        bounds = [sum(refined[:i]) for i in range(len(refined) + 1)]
+        if sum(fields) == t.num_fields and cut in bounds:
+            return sum(fields[:bounds.index(cut)])
+    return t.num_fields * cut // channels if t.num_fields * cut % channels == 0 else None
+
+
 def _piece_fields(ctx: ConversionContext, node: fx.Node, t: FieldType, pieces: tuple[int, ...]) -> list[int]:
-    own = [ctx.fields_for(p, t.group) for p in pieces]
-    if sum(own) == t.num_fields:
-        return own
     channels = sum(pieces)
-    if all(t.num_fields * p % channels == 0 for p in pieces):
-        return [t.num_fields * p // channels for p in pieces]
+    bounds = [_field_boundary(ctx, t, channels, sum(pieces[:i])) for i in range(len(pieces) + 1)]
+    if None not in bounds:
+        return [b - a for a, b in zip(bounds, bounds[1:])]
     raise ctx.unsupported(node, f"splits {channels} channels into {pieces}, which cuts through its {t.num_fields} "
                                 f"fields of size {t.field_size}",
                           "Options: pass width= as a callable whose field counts split the same way, or split "
@@ -152,9 +171,9 @@ def convert_channel_getitem(ctx: ConversionContext, node: fx.Node) -> FieldType 
     if not isinstance(cut, slice) or cut.step not in (None, 1):
         return None
     start, stop, _ = cut.indices(channels)
-    if (start * t.num_fields) % channels or (stop * t.num_fields) % channels:
+    first, last = _field_boundary(ctx, t, channels, start), _field_boundary(ctx, t, channels, stop)
+    if first is None or last is None:
         raise ctx.unsupported(node, f"keeps channels {start}:{stop} of {channels}, which cuts through fields")
-    first, last = start * t.num_fields // channels, stop * t.num_fields // channels
     node.args = (source, (index[0], slice(first * t.field_size, last * t.field_size), *index[2:]))
     return t.with_fields(last - first)
 

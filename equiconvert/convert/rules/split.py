@@ -45,7 +45,9 @@ def split_pieces(node: fx.Node) -> tuple[int, ...] | None:
     size = _arg(node, 1, "split_size_or_sections", _arg(node, 1, "split_size"))
     if isinstance(size, int):
         return tuple(min(size, channels - i) for i in range(0, channels, size))
-    return tuple(size)
+    if isinstance(size, (tuple, list)) and all(isinstance(p, int) for p in size):
+        return tuple(size)
+    return None  # sizes computed at run time
 
 
 def _module_of(node: fx.Node) -> str:
@@ -144,7 +146,8 @@ def convert_split(ctx: ConversionContext, node: fx.Node) -> FieldType:
     t = ctx.field_input(node)
     pieces = split_pieces(node)
     if pieces is None or not t.spatial or t.channels_last:
-        raise ctx.unsupported(node, "splits a feature tensor along a dim other than the channels")
+        raise ctx.unsupported(node, "splits a feature tensor along a dim other than the channels, or by sizes "
+                                    "computed at run time", "Options: split dim 1 by constant sizes.")
     fields = _piece_fields(ctx, node, t, pieces)
     if node.target in (torch.chunk, "chunk") and len(set(fields)) != 1:
         raise ctx.unsupported(node, f"chunks {t.num_fields} fields into {len(pieces)} unequal parts")

@@ -99,6 +99,8 @@ def _layer_scale(ctx: ConversionContext, node: fx.Node) -> FieldType | None:
     while root.op != "get_attr":
         root = root.args[0]
     gamma = ctx.gm.get_parameter(str(root.target))
+    if gamma.numel() == 1:  # one scalar gain (HGNet's learnable affine) commutes with everything
+        return t
     shape = ctx.shape(tensors[0])
     if gamma.numel() != (shape[-1] if t.channels_last or not t.spatial else shape[1]):
         raise ctx.unsupported(node, f"multiplies a feature map by a parameter of shape {tuple(gamma.shape)}, "

@@ -130,3 +130,13 @@ def test_even_kernels_are_refused_by_default_and_grown_on_request():
 def test_tensorflow_same_padding_converts_exactly_at_odd_sizes():
     model = _exact(Net(Conv2dSame(8, 8, 3, stride=2)))
     assert model.report.valid_input_sizes[0] % 2 == 1 and all(s % 2 for s in model.report.valid_input_sizes)
+
+
+def test_eca_gate_scales_whole_fields_from_invariant_statistics():
+    from timm.layers import EcaModule
+
+    from equiconvert.nn.gates import FieldEcaGate
+
+    model = _exact(Net(nn.Conv2d(8, 16, 3, padding=1), EcaModule(16, kernel_size=3), channels=8, out=16))
+    (gate,) = [m for m in model.modules() if isinstance(m, FieldEcaGate)]
+    assert gate.weight.shape == (1, 1, 3)

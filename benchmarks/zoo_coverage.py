@@ -235,16 +235,18 @@ def main(argv: list[str] | None = None) -> list[Outcome]:
     parser.add_argument("--json", type=Path, default=Path("benchmarks/results/zoo_coverage.json"))
     parser.add_argument("--markdown", type=Path, default=Path("docs/coverage.md"))
     args = parser.parse_args(argv)
+    command = "python benchmarks/zoo_coverage.py" + (f" --only {' '.join(map(repr, args.only))}" if args.only else "")
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.markdown.parent.mkdir(parents=True, exist_ok=True)
     records = []
     for source, name, build in zoo(args.only):
         records.append(assess(source, name, build))
         r = records[-1]
         print(f"{source:12s} {name:40s} {r.outcome:9s} {r.seconds:6.1f}s {r.message[:100]}", flush=True)
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps({"summary": summary(records), "records": [asdict(r) for r in records]}, indent=1))
-    command = "python benchmarks/zoo_coverage.py" + (f" --only {' '.join(args.only)}" if args.only else "")
-    args.markdown.parent.mkdir(parents=True, exist_ok=True)
-    args.markdown.write_text(markdown(records, command))
+        # written after every architecture: an interrupted run still leaves the rows it finished
+        args.json.write_text(json.dumps({"summary": summary(records), "records": [asdict(r) for r in records]},
+                                        indent=1))
+        args.markdown.write_text(markdown(records, command))
     return records
 
 

@@ -229,12 +229,29 @@ def markdown(records: list[Outcome], command: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _merge(args: argparse.Namespace) -> list[Outcome]:
+    """One table from several runs' JSON files, in zoo order (a later file wins for an architecture)."""
+    found = {}
+    for path in args.merge:
+        for row in json.loads(path.read_text())["records"]:
+            found[(row["source"], row["architecture"])] = Outcome(**row)
+    records = [found[(source, name)] for source, name, _ in zoo() if (source, name) in found]
+    args.json.write_text(json.dumps({"summary": summary(records), "records": [asdict(r) for r in records]}, indent=1))
+    names = " ".join(str(p) for p in args.merge)
+    args.markdown.write_text(markdown(records, f"python benchmarks/zoo_coverage.py --only ... (merged with --merge {names})"))
+    return records
+
+
 def main(argv: list[str] | None = None) -> list[Outcome]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", nargs="*", help="architecture names (default: the whole zoo)")
     parser.add_argument("--json", type=Path, default=Path("benchmarks/results/zoo_coverage.json"))
     parser.add_argument("--markdown", type=Path, default=Path("docs/coverage.md"))
+    parser.add_argument("--merge", type=Path, nargs="*",
+                        help="build the table from the JSON files of earlier (partial) runs instead of converting")
     args = parser.parse_args(argv)
+    if args.merge:
+        return _merge(args)
     command = "python benchmarks/zoo_coverage.py" + (f" --only {' '.join(map(repr, args.only))}" if args.only else "")
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.markdown.parent.mkdir(parents=True, exist_ok=True)

@@ -7,27 +7,18 @@ exactly at the input sizes where a strided window is symmetric, so the converted
 """
 from __future__ import annotations
 
-import importlib
-
 import torch.fx as fx
 
 from ..context import ConversionContext
 from ..fields import FieldType
 from ..registry import register_module_rule
 from .conv import convert_conv
+from .norm_act import optional_classes
 
 
-def _timm(module: str, *names: str) -> list[type]:
-    try:
-        found = importlib.import_module(module)
-    except ImportError:  # timm is optional
-        return []
-    return [getattr(found, n) for n in names if hasattr(found, n)]
-
-
-STANDARDIZED = _timm("timm.layers.std_conv", "StdConv2d", "ScaledStdConv2d")
-STANDARDIZED_SAME = _timm("timm.layers.std_conv", "StdConv2dSame", "ScaledStdConv2dSame")
-SAME = _timm("timm.layers.conv2d_same", "Conv2dSame")
+STANDARDIZED = optional_classes("timm.layers.std_conv", "StdConv2d", "ScaledStdConv2d")
+STANDARDIZED_SAME = optional_classes("timm.layers.std_conv", "StdConv2dSame", "ScaledStdConv2dSame")
+SAME = optional_classes("timm.layers.conv2d_same", "Conv2dSame")
 
 
 @register_module_rule(*STANDARDIZED)

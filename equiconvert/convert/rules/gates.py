@@ -7,10 +7,10 @@ from ...nn.gates import FieldEcaGate
 from ..context import ConversionContext
 from ..fields import FieldType
 from ..registry import register_module_rule
-from .norm_act import _classes
+from .norm_act import optional_classes
 
-ECA = _classes("timm.layers.eca", "EcaModule")
-CECA = _classes("timm.layers.eca", "CecaModule")
+ECA = optional_classes("timm.layers.eca", "EcaModule")
+CECA = optional_classes("timm.layers.eca", "CecaModule")
 
 
 def _gate(ctx: ConversionContext, node: fx.Node, circular: bool) -> FieldType:

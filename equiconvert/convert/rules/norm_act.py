@@ -24,7 +24,7 @@ from .activation import (
 from .norm import _field_norm
 
 
-def _classes(module: str, *names: str) -> list[type]:
+def optional_classes(module: str, *names: str) -> list[type]:
     """The classes `names` of `module` that exist in the installed version (timm and torchvision are optional)."""
     try:
         found = importlib.import_module(module)
@@ -33,18 +33,18 @@ def _classes(module: str, *names: str) -> list[type]:
     return [getattr(found, name) for name in names if hasattr(found, name)]
 
 
-TIMM_ACTIVATIONS = _classes("timm.layers.activations", "Swish", "Mish", "Sigmoid", "Tanh", "HardSwish", "HardSigmoid",
+TIMM_ACTIVATIONS = optional_classes("timm.layers.activations", "Swish", "Mish", "Sigmoid", "Tanh", "HardSwish", "HardSigmoid",
                             "HardMish", "GELU", "GELUTanh", "QuickGELU")
 PASSIVE_DROPS = (nn.Identity, nn.Dropout, nn.Dropout2d)
-BATCH_NORM_ACT = _classes("timm.layers.norm_act", "BatchNormAct2d", "SyncBatchNormAct", "FrozenBatchNormAct2d")
-FROZEN_BATCH_NORM = _classes("timm.layers", "FrozenBatchNorm2d") + _classes("torchvision.ops.misc", "FrozenBatchNorm2d")
-GROUP_NORM_ACT = _classes("timm.layers.norm_act", "GroupNormAct", "GroupNorm1Act")
-LAYER_NORM_ACT_2D = _classes("timm.layers.norm_act", "LayerNormAct2d", "LayerNormAct2dFp32")
-LAYER_NORM_2D = _classes("timm.layers.norm", "LayerNorm2d", "LayerNorm2dFp32") + _classes(
+BATCH_NORM_ACT = optional_classes("timm.layers.norm_act", "BatchNormAct2d", "SyncBatchNormAct", "FrozenBatchNormAct2d")
+FROZEN_BATCH_NORM = optional_classes("timm.layers", "FrozenBatchNorm2d") + optional_classes("torchvision.ops.misc", "FrozenBatchNorm2d")
+GROUP_NORM_ACT = optional_classes("timm.layers.norm_act", "GroupNormAct", "GroupNorm1Act")
+LAYER_NORM_ACT_2D = optional_classes("timm.layers.norm_act", "LayerNormAct2d", "LayerNormAct2dFp32")
+LAYER_NORM_2D = optional_classes("timm.layers.norm", "LayerNorm2d", "LayerNorm2dFp32") + optional_classes(
     "torchvision.models.convnext", "LayerNorm2d")
-LAYER_NORM_LAST = [nn.LayerNorm] + _classes("timm.layers.norm", "LayerNorm", "LayerNormFp32") + _classes(
+LAYER_NORM_LAST = [nn.LayerNorm] + optional_classes("timm.layers.norm", "LayerNorm", "LayerNormFp32") + optional_classes(
     "timm.layers.norm_act", "LayerNormAct", "LayerNormActFp32")
-LAYER_SCALE = _classes("timm.layers.layer_scale", "LayerScale", "LayerScale2d") + _classes(
+LAYER_SCALE = optional_classes("timm.layers.layer_scale", "LayerScale", "LayerScale2d") + optional_classes(
     "timm.models.convnext", "LayerScale2d")
 
 register_module_rule(*TIMM_ACTIVATIONS)(convert_activation_module)  # elementwise, like torch's own

@@ -33,11 +33,27 @@ def test_zoo_lists_enough_architectures():
     assert len(zoo_coverage.TIMM) >= 40 and len(zoo_coverage.TORCHVISION) >= 15
 
 
+# the timm architectures that do not convert exactly, and why (the rest must): a change here is a regression or news
+NOT_EXACT = {
+    "skresnet18": "refused",  # torch.stack of branch outputs (selective kernel attention)
+    "resnest14d": "refused",  # split attention's radix reshape
+    "mixnet_s": "refused",  # its squeeze-excite gate and mixed-kernel pieces disagree on field counts
+    "dpn48b": "refused",  # dual-path slices whose dense part grows by concatenation
+    "dla34": "no-exact",  # 2x2 max-pool shortcuts beside stride-2 3x3 convs: no size is symmetric for both
+    "dla46_c": "no-exact",
+    "hrnet_w18_small": "no-exact",  # upsampled low-resolution branches (even) meet odd full-resolution ones
+    "vgg11_bn": "refused",  # ConvMlp's size test breaks tracing
+    "inception_v3": "refused",  # 1x7 / 7x1 kernels
+    "tresnet_m": "refused",  # space-to-depth stem
+    "hgnetv2_b0": "refused",  # asymmetric F.pad in the stem
+}
+
+
 @pytest.mark.slow
-def test_whole_zoo_has_no_crash_and_most_timm_models_convert_exactly():
+def test_whole_zoo_has_no_crash_and_the_timm_outcomes_are_the_known_ones():
     records = [zoo_coverage.assess(*entry) for entry in zoo_coverage.zoo()]
     for record in records:
         _assert_clear(record)
-    timm = [r for r in records if r.source == "timm"]
-    exact = sum(r.outcome == "exact" for r in timm)
-    assert exact >= 0.85 * len(timm), [(r.architecture, r.outcome) for r in timm if r.outcome != "exact"]
+    timm = {r.architecture: r.outcome for r in records if r.source == "timm"}
+    assert {name: outcome for name, outcome in timm.items() if outcome != "exact"} == NOT_EXACT
+    assert sum(outcome == "exact" for outcome in timm.values()) >= 40

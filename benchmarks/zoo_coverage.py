@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -223,7 +224,8 @@ def markdown(records: list[Outcome], command: str) -> str:
     lines += ["", "| source | architecture | outcome | params before | params after | valid sizes | checked size | "
               "conversion s | note |", "|---|---|---|---|---|---|---|---|---|"]
     for r in records:
-        note = r.message.split(". Options")[0].replace("|", "/").replace("\n", " ")[:160]
+        note = re.sub(r"\S*/site-packages/", "", r.message.split(". Options")[0]).replace("|", "/").replace("\n", " ")
+        note = note[:200]
         lines.append(f"| {r.source} | {r.architecture} | {r.outcome} | {r.params_before:,} | {r.params_after:,} | "
                      f"{r.valid_sizes} | {r.checked_size or ''} | {r.seconds:.1f} | {note} |")
     return "\n".join(lines) + "\n"

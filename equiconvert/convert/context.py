@@ -33,6 +33,7 @@ class ConversionConfig:
     batchnorm_groups: int = 32  # BatchNorm2d becomes a field-aligned GroupNorm with this many groups
     strict: bool = False
     leaf_modules: tuple[type, ...] = ()
+    even_kernels: str = "refuse"  # "grow": a k x k conv with k even becomes (k+1) x (k+1), same stride and padding
 
 
 class ConversionContext:

@@ -20,9 +20,11 @@ from .weights import report_pretrained_weights
 from .model import EquivariantModel
 from .registry import find_rule
 from .rules.conv import grouped_conv_multiples
+from .rules.split import consistent_width
 from .report import ConversionReport
 from .restrict import apply_restriction, plan, width_groups
 from .trace import propagate_shapes, trace
+from .verify import verify_conversion
 from .width import WidthSpec, multiplier_width, resolve_width
 
 PROBE_SIZES = (224, 32, 28, 64, 96)  # tried in order when input_size is not given
@@ -121,6 +123,7 @@ def _convert_once(
     report = ConversionReport(group=group.name, width=width_name)
     ctx = ConversionContext(gm, group, width_fn, config, report)
     ctx.field_multiples = grouped_conv_multiples(gm)
+    ctx.width_fn = consistent_width(gm, width_fn)  # channel splits keep whole fields (rules/split.py)
     points = plan(gm, config.restrict, group.name)
     ctx.restrictions = {p.node: p.target for p in points}
     ctx.width_groups = width_groups(gm, points, group)
@@ -220,6 +223,7 @@ def make_equivariant(
         if not report.input_size_valid:
             fit_input(gm, report, input_size, grid, "pad" if pad_to_valid else "crop")
     _validate_no_batch_statistics(gm)
+    verify_conversion(gm, template, report, in_channels, cfg.strict)  # runs where the original ran (verify.py)
     if pretrained:
         report_pretrained_weights(model, gm, report)
     return EquivariantModel(gm, spec, in_channels, output_type, report).train(model.training)

@@ -39,7 +39,17 @@ class AdaptiveOp:
         return (self.output_size, True) if size >= 1 else (0, False)
 
 
-SpatialOp = WindowOp | AdaptiveOp
+@dataclass(frozen=True)
+class ScaleOp:
+    """Integer upsampling: every output pixel block maps onto itself under 90-degree rotations and flips."""
+
+    factor: int
+
+    def apply(self, size: int) -> tuple[int, bool]:
+        return size * self.factor, size >= 1
+
+
+SpatialOp = WindowOp | AdaptiveOp | ScaleOp
 
 
 @dataclass
@@ -62,3 +72,4 @@ class GridAnalysis:
 
     def is_valid(self, size: int) -> bool:
         return size in self.valid_sizes
+

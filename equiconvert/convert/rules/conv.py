@@ -46,8 +46,36 @@ def _output_fields(ctx: ConversionContext, node: fx.Node, conv: nn.Conv2d, t_in:
     return out_fields, conv.groups
 
 
+EVEN_KERNEL_POLICIES = ("refuse", "grow")
+
+
+def _grown_kernel(ctx: ConversionContext, node: fx.Node, kernel: int) -> int:
+    """The odd kernel replacing an even one under even_kernels="grow", else a clear error.
+
+    With the same stride and padding, a (k+1) x (k+1) window at input size H+1 spans what the k x k one
+    spans at H: the output sizes agree and the windows are symmetric at the sizes that shift by one.
+    """
+    policy = ctx.config.even_kernels
+    if policy not in EVEN_KERNEL_POLICIES:
+        raise ValueError(f"even_kernels must be one of {EVEN_KERNEL_POLICIES}, got {policy!r}")
+    if policy == "refuse":
+        raise ctx.unsupported(
+            node,
+            f"even kernel_size={kernel}: its centre lies between pixels, so no equivariant filter exists on the grid",
+            "Options: pass config={'even_kernels': 'grow'} to use a (k+1)x(k+1) kernel with the same stride and "
+            "padding, or use an odd kernel before converting.",
+        )
+    ctx.record(node, f"kernel {kernel}x{kernel}", f"kernel {kernel + 1}x{kernel + 1} (even_kernels='grow')")
+    return kernel + 1
+
+
 @register_module_rule(nn.Conv2d)
 def convert_conv2d(ctx: ConversionContext, node: fx.Node) -> FieldType:
+    return convert_conv(ctx, node, ctx.config.weight_standardization, same_padding=False)
+
+
+def convert_conv(ctx: ConversionContext, node: fx.Node, weight_standardization: bool, same_padding: bool) -> FieldType:
+    """Any nn.Conv2d subclass; same_padding: TensorFlow-style 'SAME' padding, symmetric where the grid is exact."""
     conv: nn.Conv2d = ctx.module(node)
     t_in = ctx.field_input(node)
     if conv.in_channels != ctx.shape(node.args[0])[1]:
@@ -56,12 +84,11 @@ def convert_conv2d(ctx: ConversionContext, node: fx.Node) -> FieldType:
     stride = _square(node, ctx, "stride", conv.stride)
     dilation = _square(node, ctx, "dilation", conv.dilation)
     if kernel % 2 == 0:
-        raise ctx.unsupported(
-            node,
-            f"even kernel_size={kernel}: its centre lies between pixels, so no equivariant filter exists on the grid",
-            "Options: use an odd kernel (e.g. kernel_size+1 with padding adjusted) before converting.",
-        )
-    grid_padding, padding_arg = _padding(ctx, node, conv, kernel, dilation)
+        kernel = _grown_kernel(ctx, node, kernel)
+    if same_padding:  # TF 'SAME' pads (d(k-1) - (H-1) % s) in total: d(k-1)/2 a side at the sizes the grid needs
+        grid_padding = padding_arg = dilation * (kernel - 1) // 2
+    else:
+        grid_padding, padding_arg = _padding(ctx, node, conv, kernel, dilation)
     if is_classifier_conv(ctx, node) and conv.groups == 1:
         out_repr, (out_fields, groups) = "trivial", (conv.out_channels, 1)
     else:
@@ -77,7 +104,7 @@ def convert_conv2d(ctx: ConversionContext, node: fx.Node) -> FieldType:
         groups=groups,
         bias=conv.bias is not None,
         padding_mode=conv.padding_mode,
-        weight_standardization=ctx.config.weight_standardization,
+        weight_standardization=weight_standardization,
         init_gain=ctx.config.init_gain,
         bias_channels=t_in.group.bias_channels(out_repr),
     )

@@ -97,6 +97,13 @@ def convert_flatten(ctx: ConversionContext, node: fx.Node) -> FieldType:
     return to_vector(ctx, node, node.args[0])
 
 
+def is_parameter_view(node) -> bool:
+    """True for a get_attr node or a chain of view/reshape calls on one."""
+    while isinstance(node, fx.Node) and node.op == "call_method" and node.target in ("view", "reshape"):
+        node = node.args[0]
+    return isinstance(node, fx.Node) and node.op == "get_attr"
+
+
 def _requested_shape(node: fx.Node) -> tuple:
     dims = node.args[1:]
     if len(dims) == 1 and isinstance(dims[0], (tuple, list)):
@@ -106,8 +113,10 @@ def _requested_shape(node: fx.Node) -> tuple:
 
 @register_function_rule("view", "reshape", torch.reshape)
 @head_transparent
-def convert_view(ctx: ConversionContext, node: fx.Node) -> FieldType:
+def convert_view(ctx: ConversionContext, node: fx.Node) -> FieldType | None:
     x = node.args[0]
+    if is_parameter_view(x):  # a reshaped parameter (layer scale's gamma), handled where it is used
+        return None
     t = ctx.field_input(node)
     out_shape = ctx.shape(node)
     if out_shape is None or len(out_shape) != 2 or len(_requested_shape(node)) != 2:
@@ -143,10 +152,22 @@ def convert_mean(ctx: ConversionContext, node: fx.Node) -> FieldType:
 def convert_linear(ctx: ConversionContext, node: fx.Node) -> FieldType:
     linear: nn.Linear = ctx.module(node)
     t = ctx.field_input(node)
+    if t.channels_last:
+        from .channels_last import convert_channels_last_linear  # ConvNeXt's pointwise MLP
+
+        return convert_channels_last_linear(ctx, node, t)
     if t.spatial:
-        raise ctx.unsupported(node, "applies a Linear layer to a feature map (channels-last layout)",
+        raise ctx.unsupported(node, "applies a Linear layer to a channels-first feature map (its width)",
                               "Options: use a 1x1 Conv2d, or flatten/pool before the Linear layer.")
     t = insert_invariant_map(ctx, node, node.args[0], t)
     if t.channels != linear.in_features:
         ctx.replace_module(node, nn.Linear(t.channels, linear.out_features, bias=linear.bias is not None))
     return FieldType(t.group, "trivial", linear.out_features, spatial=False)
+
+
+try:  # timm's Linear (nn.Linear calling F.linear, for AMP under torchscript) converts like nn.Linear
+    from timm.layers.linear import Linear as _TimmLinear
+
+    register_module_rule(_TimmLinear)(convert_linear)
+except ImportError:  # timm is optional
+    pass

@@ -34,7 +34,12 @@ def convert_size(ctx: ConversionContext, node: fx.Node) -> None:
 
 
 @register_function_rule(operator.getitem)
-def convert_getitem(ctx: ConversionContext, node: fx.Node) -> None:
+def convert_getitem(ctx: ConversionContext, node: fx.Node) -> FieldType | None:
+    from .split import convert_channel_getitem  # pieces of channel splits, slices over whole fields
+
+    piece = convert_channel_getitem(ctx, node)
+    if piece is not None:
+        return piece
     if ctx.type_of(node.args[0]) is not None:
         raise ctx.unsupported(node, "indexes a feature tensor, which can split fields",
                               "Options: select whole fields, or restructure the model before converting.")
@@ -65,7 +70,48 @@ IN_PLACE_BINARY = {operator.iadd: operator.add, operator.imul: operator.mul, "ad
 
 @register_function_rule(operator.add, operator.sub, operator.mul, operator.truediv, torch.add, torch.mul, "add", "mul")
 def convert_elementwise_binary(ctx: ConversionContext, node: fx.Node) -> FieldType | None:
+    if node.target in (operator.mul, torch.mul, "mul"):
+        scaled = _layer_scale(ctx, node)
+        if scaled is not None:
+            return scaled
     return _binary(ctx, node)
+
+
+def _layer_scale(ctx: ConversionContext, node: fx.Node) -> FieldType | None:
+    """x * gamma with gamma a per-channel parameter (torchvision CNBlock, timm ConvNeXt) -> FieldLayerScale."""
+    from .head import is_parameter_view
+    from .norm_act import layer_scale_module
+
+    args = list(node.args[:2])
+    params = [a for a in args if is_parameter_view(a)]
+    tensors = [a for a in args if ctx.type_of(a) is not None]
+    if len(params) != 1 or len(tensors) != 1:
+        return None
+    t, root = ctx.type_of(tensors[0]), params[0]
+    while root.op != "get_attr":
+        root = root.args[0]
+    gamma = ctx.gm.get_parameter(str(root.target))
+    if gamma.numel() == 1:  # one scalar gain (HGNet's learnable affine) commutes with everything
+        return t
+    shape = ctx.shape(tensors[0])
+    if gamma.numel() != (shape[-1] if t.channels_last or not t.spatial else shape[1]):
+        raise ctx.unsupported(node, f"multiplies a feature map by a parameter of shape {tuple(gamma.shape)}, "
+                                    "which is not one gain per channel")
+    node.args = (tensors[0],)  # the parameter's view chain is now unused
+    ctx.call_module_instead(node, layer_scale_module(t, gamma), "layer_scale")
+    _erase_dead(ctx, params[0])
+    return t
+
+
+def _erase_dead(ctx: ConversionContext, node: fx.Node) -> None:
+    """Remove a parameter's now unused view chain and the parameter itself."""
+    while node is not None and not node.users:
+        parent = node.args[0] if node.op == "call_method" else None
+        if node.op == "get_attr":
+            owner, _, name = str(node.target).rpartition(".")
+            delattr(ctx.gm.get_submodule(owner), name)
+        ctx.gm.graph.erase_node(node)
+        node = parent
 
 
 @register_function_rule(*IN_PLACE_BINARY)

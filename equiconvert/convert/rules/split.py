@@ -1,0 +1,184 @@
+"""Channel splits (split, chunk, channel slices) and the widths that keep their pieces whole fields.
+
+A split of a C-channel map into pieces of p_1..p_k channels is equivariant when every
+piece is a run of whole fields. consistent_width makes that so: a channel count that a
+split (or the concatenation in the same module, CSPNet/Res2Net/MixNet style) divides into
+pieces gets the sum of its pieces' field counts, so the pieces, the layers that consume
+them and the residual sums beside them agree on their field counts.
+"""
+from __future__ import annotations
+
+import operator
+from typing import Callable
+
+import torch
+import torch.fx as fx
+
+from ..context import SHAPE_KEY, ConversionContext
+from ..fields import FieldType
+from ..registry import register_function_rule
+
+PIECES_KEY = "equiconvert_pieces"
+SPLITS = (torch.split, torch.chunk, "split", "chunk")
+CATS = (torch.cat, torch.concat)
+
+
+def _arg(node: fx.Node, index: int, name: str, default=None):
+    return node.args[index] if len(node.args) > index else node.kwargs.get(name, default)
+
+
+def _channels_in(node: fx.Node) -> int | None:
+    x = node.args[0]
+    shape = x.meta.get(SHAPE_KEY) if isinstance(x, fx.Node) else None
+    return shape[1] if shape and len(shape) == 4 else None
+
+
+def split_pieces(node: fx.Node) -> tuple[int, ...] | None:
+    """Channel sizes of the pieces of a split/chunk node along dim 1, else None."""
+    channels = _channels_in(node)
+    if channels is None or _arg(node, 2, "dim", 0) not in (1, -3):
+        return None
+    if node.target in (torch.chunk, "chunk"):
+        n = _arg(node, 1, "chunks")
+        size = -(-channels // n)
+        return tuple(min(size, channels - i * size) for i in range(n) if channels - i * size > 0)
+    size = _arg(node, 1, "split_size_or_sections", _arg(node, 1, "split_size"))
+    if isinstance(size, int):
+        return tuple(min(size, channels - i) for i in range(0, channels, size))
+    if isinstance(size, (tuple, list)) and all(isinstance(p, int) for p in size):
+        return tuple(size)
+    return None  # sizes computed at run time
+
+
+def _module_of(node: fx.Node) -> str:
+    stack = node.meta.get("nn_module_stack") or {}
+    return str(list(stack)[-1]) if stack else ""
+
+
+def _refine(partitions: dict[int, tuple[int, ...]], channels: int, pieces: tuple[int, ...]) -> None:
+    """Merge `pieces` into the partition of `channels`: the common refinement cuts wherever either one cuts."""
+    cuts = {sum(pieces[:i]) for i in range(1, len(pieces))}
+    old = partitions.get(channels, ())
+    cuts |= {sum(old[:i]) for i in range(1, len(old))}
+    bounds = [0, *sorted(cuts), channels]
+    partitions[channels] = tuple(b - a for a, b in zip(bounds, bounds[1:]))
+
+
+def channel_partitions(gm: fx.GraphModule) -> dict[int, tuple[int, ...]]:
+    """Channel count -> the finest pieces that its splits (or concatenations beside them, or slices) cut it into."""
+    partitions: dict[int, tuple[int, ...]] = {}
+    split_modules = set()
+    for node in gm.graph.nodes:
+        if node.op in ("call_function", "call_method") and node.target in SPLITS:
+            pieces = split_pieces(node)
+            if pieces and len(pieces) > 1:
+                _refine(partitions, sum(pieces), pieces)
+                split_modules.add(_module_of(node))
+    for node in gm.graph.nodes:  # x[:, a:b] on a map: its channels split at a and b (ReXNet, DPN)
+        cut = _channel_slice(node)
+        if cut is not None:
+            channels, start, stop = cut
+            pieces = tuple(p for p in (start, stop - start, channels - stop) if p > 0)
+            if len(pieces) > 1:
+                _refine(partitions, channels, pieces)
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target in CATS and _arg(node, 1, "dim", 0) in (1, -3):
+            shapes = [a.meta.get(SHAPE_KEY) for a in node.args[0] if isinstance(a, fx.Node)]
+            sliced = any(u.target is operator.getitem for u in node.users)
+            if all(s and len(s) == 4 for s in shapes) and (_module_of(node) in split_modules or sliced):
+                _refine(partitions, sum(s[1] for s in shapes), tuple(s[1] for s in shapes))
+    return partitions
+
+
+def _channel_slice(node: fx.Node) -> tuple[int, int, int] | None:
+    """(channels, start, stop) of a getitem x[:, start:stop] on a 4D map, else None."""
+    if node.op != "call_function" or node.target is not operator.getitem or not isinstance(node.args[0], fx.Node):
+        return None
+    shape, index = node.args[0].meta.get(SHAPE_KEY), node.args[1]
+    if not shape or len(shape) != 4 or not isinstance(index, tuple) or len(index) < 2 or index[0] != slice(None):
+        return None
+    if not isinstance(index[1], slice) or index[1].step not in (None, 1) or any(i != slice(None) for i in index[2:]):
+        return None
+    start, stop, _ = index[1].indices(shape[1])
+    return shape[1], start, stop
+
+
+def consistent_width(gm: fx.GraphModule, width_fn: Callable) -> Callable:
+    """width_fn, except that a partitioned channel count gets the sum of its pieces' field counts."""
+    partitions = channel_partitions(gm)
+    if not partitions:
+        return width_fn
+
+    def fields(channels: int, group) -> int:
+        pieces = partitions.get(channels)
+        return sum(fields(p, group) for p in pieces) if pieces else width_fn(channels, group)
+
+    fields.__name__ = getattr(width_fn, "__name__", "width")
+    fields.partitions = partitions  # read by the split rules to place field boundaries
+    return fields
+
+
+def _field_boundary(ctx: ConversionContext, t: FieldType, channels: int, cut: int) -> int | None:
+    """The field index where channel `cut` of a `channels`-channel map of type `t` falls, if on a field boundary."""
+    refined = getattr(ctx.width_fn, "partitions", {}).get(channels)
+    if refined:
+        fields = [ctx.fields_for(p, t.group) for p in refined]
+        bounds = [sum(refined[:i]) for i in range(len(refined) + 1)]
+        if sum(fields) == t.num_fields and cut in bounds:
+            return sum(fields[:bounds.index(cut)])
+    return t.num_fields * cut // channels if t.num_fields * cut % channels == 0 else None
+
+
+def _piece_fields(ctx: ConversionContext, node: fx.Node, t: FieldType, pieces: tuple[int, ...]) -> list[int]:
+    channels = sum(pieces)
+    bounds = [_field_boundary(ctx, t, channels, sum(pieces[:i])) for i in range(len(pieces) + 1)]
+    if None not in bounds:
+        return [b - a for a, b in zip(bounds, bounds[1:])]
+    raise ctx.unsupported(node, f"splits {channels} channels into {pieces}, which cuts through its {t.num_fields} "
+                                f"fields of size {t.field_size}",
+                          "Options: pass width= as a callable whose field counts split the same way, or split "
+                          "into equal halves/chunks.")
+
+
+@register_function_rule(*SPLITS)
+def convert_split(ctx: ConversionContext, node: fx.Node) -> FieldType:
+    """The node's type stays its input's (a tuple of views of one map); getitem reads the pieces' types."""
+    t = ctx.field_input(node)
+    pieces = split_pieces(node)
+    if pieces is None or not t.spatial or t.channels_last:
+        raise ctx.unsupported(node, "splits a feature tensor along a dim other than the channels, or by sizes "
+                                    "computed at run time", "Options: split dim 1 by constant sizes.")
+    fields = _piece_fields(ctx, node, t, pieces)
+    if node.target in (torch.chunk, "chunk") and len(set(fields)) != 1:
+        raise ctx.unsupported(node, f"chunks {t.num_fields} fields into {len(pieces)} unequal parts")
+    if node.target in (torch.split, "split"):
+        sizes = [f * t.field_size for f in fields]
+        node.args = (node.args[0], sizes, *node.args[2:])
+        node.kwargs = {k: v for k, v in node.kwargs.items() if k not in ("split_size_or_sections", "split_size")}
+    node.meta[PIECES_KEY] = [t.with_fields(f) for f in fields]
+    return t
+
+
+def convert_channel_getitem(ctx: ConversionContext, node: fx.Node) -> FieldType | None:
+    """A piece of a split, or x[:, a:b] over whole fields (GhostNet trims its concatenation); None if neither."""
+    source, index = node.args
+    pieces = source.meta.get(PIECES_KEY) if isinstance(source, fx.Node) else None
+    if pieces is not None and isinstance(index, int):
+        return pieces[index]
+    t = ctx.type_of(source)
+    if t is None or not isinstance(index, tuple) or len(index) < 2 or index[0] != slice(None):
+        return None
+    if any(i != slice(None) for i in index[2:]) or not t.spatial or t.channels_last:
+        return None
+    channels, cut = ctx.shape(source)[1], index[1]
+    if not isinstance(cut, slice) or cut.step not in (None, 1):
+        return None
+    start, stop, _ = cut.indices(channels)
+    first, last = _field_boundary(ctx, t, channels, start), _field_boundary(ctx, t, channels, stop)
+    if first is None or last is None:
+        raise ctx.unsupported(node, f"keeps channels {start}:{stop} of {channels}, which cuts through fields")
+    node.args = (source, (index[0], slice(first * t.field_size, last * t.field_size), *index[2:]))
+    return t.with_fields(last - first)
+
+
+

@@ -1,0 +1,116 @@
+"""Proof that a converted graph runs: a forward pass at the traced size and at a size the report calls valid.
+
+The grid analysis reasons about window arithmetic only; a rule that changed a
+spatial size without saying so (or a merge of branches that disagree) would
+otherwise give a model that fails at run time. Conversion runs the converted
+graph node by node and names the node that fails.
+"""
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from ..errors import EquivarianceBreakError, UnsupportedLayerError
+from .context import SHAPE_KEY
+from .report import ConversionReport, EquivarianceWarning
+
+MIN_CHECK_SIZE = 32  # the valid size that is run: the first one at least this large (as default_input_size picks)
+
+
+class _NodeFailure(Exception):
+    def __init__(self, node: fx.Node, cause: Exception) -> None:
+        super().__init__(str(cause))
+        self.node, self.cause = node, cause
+
+
+class _NodeRunner(fx.Interpreter):
+    def run_node(self, n: fx.Node):
+        try:
+            return super().run_node(n)
+        except Exception as exc:
+            raise _NodeFailure(n, exc) from exc
+
+
+def _where(node: fx.Node) -> str:
+    if node.op == "call_module":
+        return f"module {node.target!r}"
+    stack = node.meta.get("nn_module_stack") or {}
+    if stack:
+        last = list(stack.values())[-1]
+        return f"inside module {last[0] if isinstance(last, tuple) else last!r}"
+    return f"{node.op} {getattr(node.target, '__name__', node.target)}"
+
+
+def run_at(gm: fx.GraphModule, in_channels: int, size: int) -> tuple[int, ...] | None:
+    """Output shape of `gm` on a (1, in_channels, size, size) input; raises _NodeFailure naming the failing node."""
+    was_training = gm.training
+    gm.eval()
+    try:
+        with torch.no_grad():
+            parameter = next(gm.parameters(), None)
+            example = torch.zeros(1, in_channels, size, size,
+                                  device=parameter.device if parameter is not None else None)
+            out = _NodeRunner(gm).run(example)
+    finally:
+        gm.train(was_training)
+    return tuple(out.shape) if isinstance(out, torch.Tensor) else None
+
+
+def check_size(size: int, valid: list[int]) -> int | None:
+    """The valid size that conversion runs: the first at least MIN_CHECK_SIZE, else the largest."""
+    if not valid:
+        return None
+    return next((s for s in valid if s >= MIN_CHECK_SIZE), valid[-1])
+
+
+def verify_conversion(
+    converted: fx.GraphModule, original: fx.GraphModule, report: ConversionReport, in_channels: int, strict: bool,
+) -> None:
+    """Raise UnsupportedLayerError if `converted` fails where `original` runs; warn (strict: raise) on no valid size.
+
+    `original` is the traced template with its recorded shapes: its input's size is where the original ran.
+    """
+    traced_size = next(n for n in original.graph.nodes if n.op == "placeholder").meta[SHAPE_KEY][-1]
+    if not report.valid_input_sizes:
+        message = f"{report.valid_input_rule}: the converted model is equivariant only approximately at every size"
+        if strict:
+            raise EquivarianceBreakError(f"{message} (strict=True turns this warning into an error)")
+        report.warnings.append(EquivarianceWarning("", "", "", message))
+    sizes = [traced_size]
+    valid = check_size(traced_size, report.valid_input_sizes)
+    if valid is not None and valid != traced_size:
+        sizes.append(valid)
+    for size in sizes:
+        try:
+            shape = run_at(converted, in_channels, size)
+        except _NodeFailure as failure:
+            if size != traced_size and not _runs(original, in_channels, size):
+                report.warnings.append(EquivarianceWarning(
+                    "", "", "", f"the original model does not run at size {size}, which the grid analysis calls valid"))
+                continue
+            raise UnsupportedLayerError(
+                f"the converted model fails at node {failure.node.name!r} ({_where(failure.node)}) on a "
+                f"{size}x{size} input where the original runs ({type(failure.cause).__name__}: {failure.cause}). "
+                "This is a conversion defect: a rule changed a shape without saying so. Options: replace that "
+                "module before converting, or register a corrected rule with equiconvert.register_module_rule."
+            ) from failure.cause
+        expected = _traced_output(original)
+        if size == traced_size and expected is not None and shape is not None and shape[1:] != expected[1:]:
+            raise UnsupportedLayerError(
+                f"the converted model returns shape {shape} on a {size}x{size} input where the original returns "
+                f"{expected}; a rule changed the output layout. Register a corrected rule for the head."
+            )
+
+
+def _runs(gm: fx.GraphModule, in_channels: int, size: int) -> bool:
+    try:
+        run_at(gm, in_channels, size)
+    except _NodeFailure:
+        return False
+    return True
+
+
+def _traced_output(gm: fx.GraphModule) -> tuple[int, ...] | None:
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    arg = output.args[0]
+    return arg.meta.get(SHAPE_KEY) if isinstance(arg, fx.Node) else None

@@ -1,0 +1,55 @@
+"""Conversion proves that the converted graph runs: no model is returned that fails where the original runs."""
+import pytest
+import timm
+import torch
+import torch.fx as fx
+from torch import nn
+
+import equiconvert
+from equiconvert.errors import InvalidInputSizeError
+from equiconvert.convert.registry import MODULE_RULES, register_module_rule
+
+
+def test_dla34_without_a_valid_size_warns_and_runs_where_the_original_runs():
+    original = timm.create_model("dla34", num_classes=3).eval()
+    model = equiconvert.make_equivariant(original, "C4").eval()
+    assert model.report.valid_input_sizes == []
+    assert any("no size" in w.message for w in model.report.warnings)
+    with torch.no_grad():
+        assert model(torch.randn(1, 3, 64, 64)).shape == original(torch.randn(1, 3, 64, 64)).shape == (1, 3)
+    with pytest.raises(equiconvert.EquivarianceBreakError, match="no size from 8"):
+        equiconvert.make_equivariant(original, "C4", strict=True)
+    with pytest.raises(InvalidInputSizeError, match="nearest: none"):  # a requested size cannot be made valid
+        equiconvert.make_equivariant(original, "C4", input_size=64, pad_to_valid=True)
+
+
+class _Keep(nn.Module):
+    def forward(self, x):
+        return x
+
+
+class _Residual(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.keep = _Keep()
+        self.pool = nn.AdaptiveAvgPool2d(1)
+        self.fc = nn.Linear(8, 2)
+
+    def forward(self, x):
+        x = self.conv(x)
+        x = x + self.keep(x)
+        return self.fc(self.pool(x).flatten(1))
+
+
+def test_a_rule_that_breaks_shapes_is_caught_and_names_the_node():
+    def shrinking_rule(ctx, node: fx.Node):  # a defective rule: halves the map but reports no spatial op
+        ctx.replace_module(node, nn.AvgPool2d(2))
+        return ctx.field_input(node)
+
+    register_module_rule(_Keep)(shrinking_rule)
+    try:
+        with pytest.raises(equiconvert.UnsupportedLayerError, match="fails at node 'add'.*32x32 input where the original runs"):
+            equiconvert.make_equivariant(_Residual(), "C4", input_size=32)
+    finally:
+        del MODULE_RULES[_Keep]

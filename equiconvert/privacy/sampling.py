@@ -12,16 +12,18 @@ from typing import Any
 
 import torch
 
+from .secure_rng import RandomSource
+
 
 class PoissonSampler:
     """Draws logical batches by independent Bernoulli(q) inclusion of each example.
 
-    It owns a CPU `torch.Generator`, so the batch sequence depends only on the
-    seed and the number of batches already drawn (not on other RNG users), and
+    Its randomness is a `RandomSource` of its own (secret by default, see
+    secure_rng), so the batch sequence depends on nothing else, and
     `state_dict()` lets a resumed run draw exactly the batches it would have.
     """
 
-    def __init__(self, num_examples: int, expected_batch_size: int, seed: int) -> None:
+    def __init__(self, num_examples: int, expected_batch_size: int, source: RandomSource) -> None:
         if num_examples <= 0:
             raise ValueError(f"num_examples must be positive, got {num_examples}")
         if expected_batch_size <= 0 or expected_batch_size > num_examples:
@@ -32,26 +34,23 @@ class PoissonSampler:
         self.num_examples = int(num_examples)
         self.expected_batch_size = int(expected_batch_size)
         self.sample_rate = self.expected_batch_size / self.num_examples
-        self.seed = int(seed)
         self.num_batches_drawn = 0
-        self._generator = torch.Generator(device="cpu")
-        self._generator.manual_seed(self.seed)
+        self._source = source
 
     def sample(self) -> torch.Tensor:
         """Indices (int64, ascending, no duplicates) of one logical batch; may be empty."""
         # P(U < q) = q exactly for U ~ Uniform[0, 1).
-        mask = torch.rand(self.num_examples, generator=self._generator) < self.sample_rate
+        mask = self._source.uniform(self.num_examples) < self.sample_rate
         self.num_batches_drawn += 1
-        return mask.nonzero().flatten()
+        return mask.nonzero().flatten().cpu()
 
     def state_dict(self) -> dict[str, Any]:
-        """Everything needed to continue the exact batch sequence after a restart."""
+        """Everything needed to continue the exact batch sequence after a restart (secret: see secure_rng)."""
         return {
             "num_examples": self.num_examples,
             "expected_batch_size": self.expected_batch_size,
-            "seed": self.seed,
             "num_batches_drawn": self.num_batches_drawn,
-            "generator_state": self._generator.get_state(),
+            "generator_states": self._source.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -61,9 +60,8 @@ class PoissonSampler:
                 f"sampler state is for {state['expected_batch_size']}/{state['num_examples']}, "
                 f"this sampler is {self.expected_batch_size}/{self.num_examples}"
             )
-        self.seed = int(state["seed"])
         self.num_batches_drawn = int(state["num_batches_drawn"])
-        self._generator.set_state(state["generator_state"].to(device="cpu", dtype=torch.uint8))
+        self._source.load_state_dict(state["generator_states"])
 
 
 def physical_chunks(indices: torch.Tensor, max_physical_batch: int) -> list[torch.Tensor]:

@@ -296,24 +296,25 @@ def _demo_training(args: argparse.Namespace) -> int:
     return 0
 
 
-# `equiconvert train`'s numeric flags (argparse dest) and what each must satisfy: checked before anything is loaded
+# `equiconvert train`'s numeric flags (argparse dest), each with its test and the error's rule: checked before any
+# data or model is loaded
 _TRAIN_LIMITS: dict[str, tuple[Callable[[float], bool], str]] = {
-    "epsilon": (lambda v: v > 0, "> 0"),
-    "delta": (lambda v: 0 < v < 1, "in (0, 1)"),
-    "noise_multiplier": (lambda v: v > 0, "> 0"),
-    "batch_size": (lambda v: v >= 1, ">= 1"),
-    "physical_batch_size": (lambda v: v >= 1, ">= 1"),
-    "steps": (lambda v: v >= 1, ">= 1"),
-    "aug_mult": (lambda v: v >= 1, ">= 1"),
-    "max_grad_norm": (lambda v: v > 0, "> 0"),
-    "lr": (lambda v: v > 0, "> 0"),
-    "momentum": (lambda v: 0 <= v < 1, "in [0, 1)"),
-    "crop_padding": (lambda v: v >= 0, ">= 0"),
-    "ema_decay": (lambda v: 0 <= v < 1, "in [0, 1) (0: no EMA)"),
-    "eval_every": (lambda v: v >= 1, ">= 1"),
-    "checkpoint_every": (lambda v: v >= 0, ">= 0 (0: none)"),
-    "time_limit": (lambda v: v > 0, "> 0 seconds"),
-    "threads": (lambda v: v >= 1, ">= 1"),
+    "epsilon": (lambda v: v > 0, "must be > 0"),
+    "delta": (lambda v: 0 < v < 1, "must be in (0, 1)"),
+    "noise_multiplier": (lambda v: v > 0, "must be > 0"),
+    "batch_size": (lambda v: v >= 1, "must be >= 1"),
+    "physical_batch_size": (lambda v: v >= 1, "must be >= 1"),
+    "steps": (lambda v: v >= 1, "must be >= 1"),
+    "aug_mult": (lambda v: v >= 1, "must be >= 1"),
+    "max_grad_norm": (lambda v: v > 0, "must be > 0"),
+    "lr": (lambda v: v > 0, "must be > 0"),
+    "momentum": (lambda v: 0 <= v < 1, "must be in [0, 1)"),
+    "crop_padding": (lambda v: v >= 0, "must be >= 0"),
+    "ema_decay": (lambda v: 0 <= v < 1, "must be in [0, 1) (0: no EMA)"),
+    "eval_every": (lambda v: v >= 1, "must be >= 1"),
+    "checkpoint_every": (lambda v: v >= 0, "must be >= 0 (0: none)"),
+    "time_limit": (lambda v: v > 0, "must be > 0 seconds"),
+    "threads": (lambda v: v >= 1, "give at least 1 CPU thread"),
 }
 
 
@@ -324,7 +325,7 @@ def _check_train_args(args: argparse.Namespace) -> None:
     for dest, (valid, rule) in _TRAIN_LIMITS.items():
         value = getattr(args, dest)
         if value is not None and not valid(value):
-            raise CLIError(f"--{dest.replace('_', '-')} {value:g}: must be {rule}")
+            raise CLIError(f"--{dest.replace('_', '-')} {value:g}: {rule}")
     resolve_name(args.dataset)
 
 

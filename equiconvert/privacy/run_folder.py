@@ -12,7 +12,8 @@ from ..errors import EquiconvertError
 from .checkpoint import remove_stale_temporaries
 
 CHECKPOINT = "checkpoint.pt"
-RUN_FILES = ("log.jsonl", "result.json", CHECKPOINT, "model.txt")  # what a run writes (and --overwrite removes)
+RUN_RECORDS = ("log.jsonl", "result.json", CHECKPOINT)  # what a run that has started leaves behind
+RUN_FILES = (*RUN_RECORDS, "model.txt")  # everything a run writes (and --overwrite removes)
 
 
 class OutputFolderError(EquiconvertError, ValueError):
@@ -20,7 +21,10 @@ class OutputFolderError(EquiconvertError, ValueError):
 
 
 def prepare_out(out: Path, *, resume: bool, overwrite: bool) -> None:
-    """Refuse a non-empty `out` unless resuming (its checkpoint must exist) or overwriting (its run files go)."""
+    """Refuse an `out` holding a run's files unless resuming (its checkpoint must exist) or overwriting (they go).
+
+    Other files (a benchmark's own notes beside the run) neither count nor are removed.
+    """
     if resume and overwrite:
         raise OutputFolderError("--resume and --overwrite exclude each other: resume the run in --out, or replace it")
     if resume:
@@ -37,6 +41,7 @@ def prepare_out(out: Path, *, resume: bool, overwrite: bool) -> None:
             (out / name).unlink(missing_ok=True)
         remove_stale_temporaries(out / CHECKPOINT)
         return
-    if any(out.iterdir()):
-        raise OutputFolderError(f"--out {out} is not empty (an earlier run?): give --resume to continue it, "
-                                "--overwrite to replace it, or a new --out")
+    earlier = [name for name in RUN_RECORDS if (out / name).exists()]
+    if earlier:
+        raise OutputFolderError(f"--out {out} is not empty: it holds an earlier run ({', '.join(earlier)}); give "
+                                "--resume to continue it, --overwrite to replace it, or a new --out")

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from cli_errors import run_error
 from torch import nn
 
 from equiconvert.cli import main
@@ -34,12 +35,6 @@ def _data() -> tuple[torch.Tensor, torch.Tensor]:
     return torch.rand(32, 1, 4, 4, generator=generator), torch.randint(0, 3, (32,), generator=generator)
 
 
-def run_error(capsys, *argv: str) -> str:
-    assert main(list(argv)) == 2
-    captured = capsys.readouterr()
-    errors = [line for line in captured.err.splitlines() if line.startswith("error: ")]
-    assert len(errors) == 1 and "Traceback" not in captured.err, captured.err
-    return errors[0]
 
 
 class _Payload:

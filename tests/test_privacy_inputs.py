@@ -6,9 +6,9 @@ import warnings
 import numpy as np
 import pytest
 import torch
+from cli_errors import run_error
 from torch import nn
 
-from equiconvert.cli import main
 from equiconvert.data import DatasetFormatError, UnknownDatasetError, load_dataset
 from equiconvert.data._base import make_image_data
 from equiconvert.privacy.accounting import PrivacyBudgetError, default_delta
@@ -29,12 +29,6 @@ def _data() -> tuple[torch.Tensor, torch.Tensor]:
     return torch.rand(N, 1, SIZE, SIZE, generator=generator), torch.randint(0, CLASSES, (N,), generator=generator)
 
 
-def run_error(capsys, *argv: str) -> str:
-    assert main(list(argv)) == 2
-    captured = capsys.readouterr()
-    errors = [line for line in captured.err.splitlines() if line.startswith("error: ")]
-    assert len(errors) == 1 and "Traceback" not in captured.err, captured.err
-    return errors[0]
 
 
 # --- non-finite inputs and gradients ----------------------------------------------------------------------------

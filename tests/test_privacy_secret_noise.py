@@ -49,7 +49,7 @@ def _attack(insecure: bool) -> float:
     rebuilt = dict(_build().named_parameters())
     source = RandomSource.seeded_from(SEED, NOISE)
     std = trainer.noise_multiplier * OPTIONS["max_grad_norm"]
-    recovered = {n: (rebuilt[n].detach() - released[n].detach()) / OPTIONS["lr"] * OPTIONS["batch_size"]
+    recovered = {n: (p.detach() - released[n].detach()) / OPTIONS["lr"] * OPTIONS["batch_size"]
                  - source.gaussian(p.shape, std) for n, p in rebuilt.items()}
 
     chosen = drawn[0]

@@ -1,6 +1,7 @@
 """Bad inputs refused up front with clear errors: non-finite data, labels, delta, budget, frozen parameters."""
 from __future__ import annotations
 
+import re
 import warnings
 
 import numpy as np
@@ -11,6 +12,7 @@ from torch import nn
 
 from equiconvert.data import DatasetFormatError, UnknownDatasetError, load_dataset
 from equiconvert.data._base import make_image_data
+from equiconvert.data.rotated_mnist import NPZ_NAMES
 from equiconvert.privacy.accounting import PrivacyBudgetError, default_delta
 from equiconvert.privacy.inputs import InvalidDataError
 from equiconvert.privacy.trainer import DPTrainer
@@ -47,13 +49,18 @@ def test_non_finite_image_is_refused_naming_its_index():
         DPTrainer(_linear(), **OPTIONS).fit(_data(), eval_set=(images, labels))
 
 
-def test_loader_refuses_non_finite_float_images_naming_file_and_index():
+def test_loader_refuses_non_finite_float_images_naming_file_and_index(tmp_path):
     images = np.full((4, 1, 2, 2), 0.5, dtype=np.float32)
     images[2, 0, 0, 0] = np.nan
     with pytest.raises(DatasetFormatError, match=r"digits \(/data/x.npz\): image 2 holds a non-finite value"):
         make_image_data(images, np.arange(4), ["a", "b", "c", "d"], "digits", source="/data/x.npz")
     with pytest.raises(DatasetFormatError, match="labels have dtype float"):
         make_image_data(images[:2] * 0, np.array([0.0, 1.5]), ["a", "b"], "digits")
+    digits = np.full((10, 28, 28), 100.0)
+    digits[6, 3, 3] = np.inf
+    np.savez(path := tmp_path / NPZ_NAMES[0], images=digits, labels=np.arange(10))
+    with pytest.raises(DatasetFormatError, match=rf"{re.escape(str(path))} \(images\): image 6 holds a non-finite"):
+        load_dataset("rotated_mnist", tmp_path, "train")
 
 
 class SqrtOfMagnitude(nn.Module):

@@ -100,12 +100,17 @@ def make_image_data(images: np.ndarray, labels: np.ndarray, classes: Sequence[st
                      dict(meta))
 
 
-def _check_arrays(images: np.ndarray, labels: np.ndarray, where: str) -> None:
-    if images.dtype.kind in "fc":
+def refuse_non_finite(images: np.ndarray, where: str) -> None:
+    """Float images (before any cast to uint8, which would turn NaN into some pixel value) must be finite."""
+    if images.dtype.kind in "fc" and len(images):
         finite = np.isfinite(images.reshape(len(images), -1)).all(axis=1)
         if not finite.all():
             raise DatasetFormatError(f"{where}: image {int(np.flatnonzero(~finite)[0])} holds a non-finite value "
                                      f"(NaN or inf; {int((~finite).sum())} such images): clean the file")
+
+
+def _check_arrays(images: np.ndarray, labels: np.ndarray, where: str) -> None:
+    refuse_non_finite(images, where)
     if labels.dtype.kind not in "iu":
         raise DatasetFormatError(f"{where}: labels have dtype {labels.dtype}; integer class indices are required")
     if len(labels) != len(images):

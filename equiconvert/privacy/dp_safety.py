@@ -34,15 +34,23 @@ def _tensor_of(output: Any) -> torch.Tensor | None:
     return inner if isinstance(inner, torch.Tensor) else None
 
 
-def _forward(model: nn.Module, inputs: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
-    """Train-mode forward with fixed dropout masks; every module's batched output, in completion order."""
-    outputs: list[tuple[str, torch.Tensor]] = []
+Record = tuple[str, torch.Tensor | None, torch.Tensor]  # module path, its batched input (if any), its output
+
+
+def _batched(value: Any, batch: int) -> torch.Tensor | None:
+    tensor = _tensor_of(value)
+    return tensor.detach().clone() if tensor is not None and tensor.dim() > 0 and tensor.shape[0] == batch else None
+
+
+def _forward(model: nn.Module, inputs: torch.Tensor) -> list[Record]:
+    """Train-mode forward with fixed dropout masks; every module's batched input and output, in completion order."""
+    outputs: list[Record] = []
 
     def hook(name: str):
         def record(module: nn.Module, args: tuple, output: Any) -> None:
-            tensor = _tensor_of(output)
-            if tensor is not None and tensor.dim() > 0 and tensor.shape[0] == inputs.shape[0]:
-                outputs.append((name, tensor.detach().clone()))
+            tensor = _batched(output, inputs.shape[0])
+            if tensor is not None:
+                outputs.append((name, _batched(args[0], inputs.shape[0]) if args else None, tensor))
         return record
 
     handles = [m.register_forward_hook(hook(name or "<root>")) for name, m in model.named_modules()]
@@ -67,6 +75,11 @@ def _random_batch(example_input: torch.Tensor) -> Iterator[torch.Tensor]:
     yield second
 
 
+def _same_example(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether example 0 of two batches is the same (the probe runs in float64)."""
+    return a.shape == b.shape and torch.allclose(a[0], b[0], rtol=_RTOL, atol=_ATOL)
+
+
 def check_buffers_unchanged(model: nn.Module, example_input: torch.Tensor) -> None:
     """Refuse any buffer that a train-mode forward changes, naming its module and buffer."""
     probe = _probe_copy(model)
@@ -88,13 +101,16 @@ def check_buffers_unchanged(model: nn.Module, example_input: torch.Tensor) -> No
 def check_examples_independent(model: nn.Module, example_input: torch.Tensor) -> None:
     """Refuse a model whose train-mode output for one example changes when another example of the batch does.
 
-    Names the first module (in the order modules finish their forward) whose output for example 0 changes.
+    Names the first module (in the order modules finish their forward) whose output for example 0 changes or,
+    where its input changed already, the module whose own forward code mixed them before calling it.
     """
     probe = _probe_copy(model)
     first, second = _random_batch(example_input)
     before, after = _forward(probe, first), _forward(probe, second)
-    for (name, a), (_, b) in zip(before, after):
-        if a.shape == b.shape and not torch.allclose(a[0], b[0], rtol=_RTOL, atol=_ATOL):
+    for (name, input_a, a), (_, input_b, b) in zip(before, after):
+        if a.shape == b.shape and not _same_example(a, b):
+            if input_a is not None and input_b is not None and not _same_example(input_a, input_b):
+                name = (name.rpartition(".")[0] or "<root>") if name != "<root>" else name
             raise PrivacyValidationError(
                 f"module {name!r} mixes examples: its output for one example changes when another example of the "
                 "batch changes (batch statistics, e.g. x - x.mean(0) or F.batch_norm(training=True)), so per-example "

@@ -147,7 +147,7 @@ def test_bad_labels_are_refused_through_the_api(labels, message):
         DPTrainer(_linear(), **OPTIONS).fit((images, labels))
 
 
-# --- CLI: every input validated before data, clear one-line errors -----------------------------------------------------
+# --- CLI: every input validated before data, clear one-line errors ------------------------------------------------
 
 
 def test_cli_errors_name_the_flag_before_any_data_is_loaded(tmp_path, capsys):

@@ -26,8 +26,8 @@ from .imagefolder import decode_images, load_image_folder
 from .mnist import read_idx
 from .rotated_mnist import rotate_images
 
-__all__ = ["DATASETS", "SPLITS", "DatasetFormatError", "DatasetNotFoundError", "ImageData", "UnknownDatasetError", "cache_dir",
-           "decode_images", "load_dataset", "load_image_folder", "read_idx", "register", "rotate_images"]
+__all__ = ["DATASETS", "SPLITS", "DatasetFormatError", "DatasetNotFoundError", "ImageData", "UnknownDatasetError",
+           "cache_dir", "decode_images", "load_dataset", "load_image_folder", "read_idx", "register", "rotate_images"]
 
 
 def load_dataset(name: str, data_dir: str | os.PathLike | None = None, split: str = "train", **kwargs) -> ImageData:

@@ -80,8 +80,9 @@ def load(path: str | Path) -> dict[str, Any]:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except (pickle.UnpicklingError, zipfile.BadZipFile, RuntimeError, EOFError, OSError, ValueError) as exc:
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise CheckpointError(f"checkpoint {path} cannot be read safely ({first_line}): it is truncated, corrupt or "
-                              "not an equiconvert checkpoint; delete it and start again, or give another --out") from exc
+        raise CheckpointError(f"checkpoint {path} cannot be read safely ({first_line}): it is truncated, corrupt "
+                              "or not an equiconvert checkpoint; delete it and start again, or give another --out"
+                              ) from exc
     if not isinstance(state, dict):
         raise CheckpointError(f"checkpoint {path} holds a {type(state).__name__}, not an equiconvert checkpoint")
     return state

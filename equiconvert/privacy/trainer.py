@@ -297,8 +297,8 @@ class DPTrainer:
         budget_steps = self.ledger.max_steps() if self.config.target_epsilon is not None else self.config.steps
         if self.step == 0 and budget_steps == 0 and self.config.steps > 0:
             raise PrivacyBudgetError(
-                f"one step at noise multiplier {self.noise_multiplier:g} and sample rate {self.sampler.sample_rate:.3g} "
-                f"spends epsilon {self.ledger.epsilon_after(1):.3g} > the target {self.config.target_epsilon:g}: "
+                f"one step at noise multiplier {self.noise_multiplier:g} and sample rate "
+                f"{self.sampler.sample_rate:.3g} spends epsilon {self.ledger.epsilon_after(1):.3g} > the target {self.config.target_epsilon:g}: "
                 "raise the target epsilon, lower the batch size, or raise the noise multiplier")
         bar = _progress_bar(self.config.steps, self.step, self.progress)
         start = time.perf_counter()

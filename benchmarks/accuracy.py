@@ -47,7 +47,7 @@ LOG_FILE = "stdout.log"
 LOG_TAIL_LINES = 15
 # Arguments the benchmark sets for every run; passing them after `--` would contradict the grid.
 MANAGED_ARGS = ("--model", "--group", "--dataset", "--data-dir", "--epsilon", "--seed", "--out", "--device",
-                "--resume", "--no-progress")
+                "--resume", "--overwrite", "--no-progress")
 # result.json fields that, when set, say why a run stopped before its requested steps.
 STOP_FIELDS = ("stopped_reason", "stop_reason")
 REQUESTED_STEP_FIELDS = ("requested_steps", "steps_requested", "target_steps")
@@ -105,7 +105,7 @@ def train_command(run: Run, out_dir: Path, device: str, data_dir: str | None, ex
         cmd += ["--data-dir", data_dir]
     cmd += ["--epsilon", _fmt_eps(run.epsilon), "--seed", str(run.seed), "--out", str(out_dir), "--no-progress",
             *extra, "--device", device]
-    return cmd + (["--resume"] if resume else [])
+    return cmd + (["--resume"] if resume else ["--overwrite"])  # a start replaces what a killed start left
 
 
 def plan(runs: list[Run], out: Path, extra: list[str], continue_stopped: bool = False) -> tuple[list[Run], list[Run], list[Run]]:

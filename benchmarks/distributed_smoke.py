@@ -52,7 +52,9 @@ def run(gpus: int, args: argparse.Namespace, out: Path) -> dict[str, Any]:
     command += [*PAPER_RUN, "--dataset", args.dataset, "--steps", str(args.steps), "--batch-size",
                 str(args.batch_size), "--aug-mult", str(args.aug_mult), "--physical-batch-size",
                 str(args.physical_batch_size), "--precision", args.precision, "--checkpoint-every", "0",
-                "--device", args.device, "--no-progress", "--out", str(out), *args.extra]
+                "--device", args.device, "--no-progress", "--out", str(out),
+                # the actual Poisson batch sizes count the samples (a temporary folder, deleted after the run)
+                "--log-nonprivate-stats", *args.extra]
     if args.data_dir:
         command += ["--data-dir", args.data_dir]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}

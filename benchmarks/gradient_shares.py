@@ -63,7 +63,7 @@ QUANTILES = (0.1, 0.25, 0.5, 0.75, 0.9)
 def trained(path: str, group: str, classes: int, channels: int) -> nn.Module:
     """The paper's model converted to `group` with the weights of a DPTrainer checkpoint (not its EMA)."""
     model = equivariant_resnet9(group, classes, channels)
-    model.load_state_dict(torch.load(path, map_location="cpu", weights_only=False)["model"])
+    model.load_state_dict(torch.load(path, map_location="cpu", weights_only=True)["model"])
     return model
 
 

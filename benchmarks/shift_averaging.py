@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     sets = {name: shift_set(name) for name in args.sets.split(",")}
-    state = torch.load(args.checkpoint, map_location="cpu", weights_only=False)
+    state = torch.load(args.checkpoint, map_location="cpu", weights_only=True)
     test = load_dataset(args.dataset, args.data_dir, split="test")
     images, labels = test.images[: args.examples], test.labels[: args.examples]
     model = evaluated_weights(state, args.group, len(test.classes), images.shape[1])

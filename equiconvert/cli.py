@@ -255,18 +255,51 @@ def _demo_training(args: argparse.Namespace) -> int:
     return 0
 
 
+# `equiconvert train`'s numeric flags (argparse dest), each with its test and the error's rule: checked before any
+# data or model is loaded
+_TRAIN_LIMITS: dict[str, tuple[Callable[[float], bool], str]] = {
+    "epsilon": (lambda v: v > 0, "must be > 0"),
+    "delta": (lambda v: 0 < v < 1, "must be in (0, 1)"),
+    "noise_multiplier": (lambda v: v > 0, "must be > 0"),
+    "batch_size": (lambda v: v >= 1, "must be >= 1"),
+    "physical_batch_size": (lambda v: v >= 1, "must be >= 1"),
+    "steps": (lambda v: v >= 1, "must be >= 1"),
+    "aug_mult": (lambda v: v >= 1, "must be >= 1"),
+    "max_grad_norm": (lambda v: v > 0, "must be > 0"),
+    "lr": (lambda v: v > 0, "must be > 0"),
+    "momentum": (lambda v: 0 <= v < 1, "must be in [0, 1)"),
+    "crop_padding": (lambda v: v >= 0, "must be >= 0"),
+    "ema_decay": (lambda v: 0 <= v < 1, "must be in [0, 1) (0: no EMA)"),
+    "eval_every": (lambda v: v >= 1, "must be >= 1"),
+    "checkpoint_every": (lambda v: v >= 0, "must be >= 0 (0: none)"),
+    "time_limit": (lambda v: v > 0, "must be > 0 seconds"),
+    "threads": (lambda v: v >= 1, "give at least 1 CPU thread"),
+}
+
+
+def _check_train_args(args: argparse.Namespace) -> None:
+    """Every numeric flag of `train` in range, and the data set known, before any data or model is touched."""
+    from .data import resolve_name
+
+    for dest, (valid, rule) in _TRAIN_LIMITS.items():
+        value = getattr(args, dest)
+        if value is not None and not valid(value):
+            raise CLIError(f"--{dest.replace('_', '-')} {value:g}: {rule}")
+    resolve_name(args.dataset)
+
+
 def _cmd_train(args: argparse.Namespace) -> int:
     from .privacy.run import RunSpec, run_training
 
+    _check_train_args(args)
     if args.nproc_per_node is not None:
         return _launch_train(args)
     if args.threads is not None:
-        if args.threads < 1:
-            raise CLIError(f"--threads {args.threads}: give at least 1 CPU thread")
         torch.set_num_threads(args.threads)
 
     spec = RunSpec(model=args.model, group=args.group, dataset=args.dataset, data_dir=args.data_dir, out=args.out,
                    width=args.width, model_widths=args.widths, device=args.device, resume=args.resume,
+                   overwrite=args.overwrite,
                    progress=not args.no_progress, time_limit_s=args.time_limit, init_gain=args.init_gain,
                    head=args.head, activation=args.activation, norm_groups=args.norm_groups,
                    res2=False if args.no_res2 else None, pool_after_res2=args.pool_after_res2 or None)
@@ -279,6 +312,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
         noise_multiplier=args.noise_multiplier, physical_batch_size=args.physical_batch_size, seed=args.seed,
         eval_every=args.eval_every, checkpoint_every=args.checkpoint_every, per_sample_method=args.per_sample,
         precision=args.precision, filter_gradients=args.filter_gradients, test_shifts=args.test_shifts, **normalize,
+        insecure_seeded_noise=args.insecure_seeded_noise, log_nonprivate_stats=args.log_nonprivate_stats,
     )
     if os.environ.get("RANK", "0") == "0":  # one printout per job (torchrun numbers its workers in RANK)
         print(json.dumps(result, indent=2))
@@ -331,7 +365,9 @@ def _add_train_parser(sub) -> None:
     train.add_argument("--data-dir", default=None)
     train.add_argument("--out", required=True, help="output folder (log.jsonl, checkpoint.pt, result.json)")
     train.add_argument("--epsilon", type=float, default=8.0)
-    train.add_argument("--delta", type=float, default=1e-5)
+    train.add_argument("--delta", type=float, default=None,
+                       help="default: 1e-5 while 1e-5 <= 1/(10 N), else the largest power of ten <= 1/(10 N); "
+                            "refused at >= 1/N")
     train.add_argument("--noise-multiplier", type=float, default=None, help="default: calibrated from --epsilon")
     train.add_argument("--accountant", choices=("rdp", "prv"), default="rdp")
     train.add_argument("--batch-size", type=int, default=2048, help="expected logical (Poisson) batch size")
@@ -393,12 +429,21 @@ def _add_train_parser(sub) -> None:
                                                 "(default 0.5,0.5; Fashion-MNIST's own statistics: 0.286,0.353)")
     train.add_argument("--eval-every", type=int, default=None)
     train.add_argument("--checkpoint-every", type=int, default=50)
-    train.add_argument("--seed", type=int, default=0)
+    train.add_argument("--seed", type=int, default=0,
+                       help="initial weights, augmentation and data order (never the DP noise or sampling, which are "
+                            "secret unless --insecure-seeded-noise)")
     train.add_argument("--device", default=None, help="cpu, cuda, cuda:1 (default: cuda if available)")
     train.add_argument("--threads", type=int, default=None,
                        help="CPU threads of this process (default: PyTorch's, one per core); give several runs on "
                             "one host a share each")
-    train.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.pt")
+    train.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.pt (which must exist)")
+    train.add_argument("--overwrite", action="store_true",
+                       help="replace the earlier run in OUT (a non-empty OUT is refused otherwise)")
+    train.add_argument("--insecure-seeded-noise", action="store_true",
+                       help="NOT PRIVATE: seed the DP noise and batch sampling from --seed (reproducible runs for "
+                            "tests and debugging); result.json records private: false")
+    train.add_argument("--log-nonprivate-stats", action="store_true",
+                       help="NOT PRIVATE: log each step's noise-free training loss and actual batch size")
     train.add_argument("--nproc-per-node", type=int, default=None, metavar="N",
                        help="train on N local processes (GPUs) at once, started as torchrun --standalone "
                             "--nproc-per-node N would (docs/multi-gpu.md); for several nodes use torchrun itself")

@@ -87,7 +87,7 @@ def run_main_job(settings: DemoSettings = CPU_DEFAULTS) -> dict[str, Any]:
     _clear_outputs(out)
     spec = RunSpec(model=s.model, group=s.group, dataset=s.dataset, data_dir=s.data_dir, out=str(out),
                    model_widths=s.widths, device=s.device, progress=s.progress, time_limit_s=s.time_limit_s,
-                   init_gain=s.init_gain)
+                   init_gain=s.init_gain, overwrite=True)
     result = run_training(
         spec, target_epsilon=s.epsilon, delta=s.delta, accountant=s.accountant, batch_size=s.batch_size,
         physical_batch_size=s.physical_batch_size, steps=s.steps, aug_mult=s.aug_mult, max_grad_norm=s.max_grad_norm,

@@ -12,13 +12,18 @@ from equiconvert.privacy.augment import augment_views, augmentation_params
 from equiconvert.privacy.ema import ExponentialMovingAverage
 from equiconvert.privacy.metrics import classification_metrics, evaluate
 from equiconvert.privacy.sampling import PoissonSampler, physical_chunks
+from equiconvert.privacy.secure_rng import SAMPLING, RandomSource
 
 # ----------------------------------------------------------------------------- Poisson sampling
 
 
+def _seeded(seed: int) -> RandomSource:
+    return RandomSource.seeded_from(seed, SAMPLING)
+
+
 def test_poisson_batch_size_mean_and_variance() -> None:
     n, expected, draws = 1000, 100, 2000
-    sampler = PoissonSampler(n, expected, seed=1)
+    sampler = PoissonSampler(n, expected, _seeded(1))
     q = sampler.sample_rate
     assert q == pytest.approx(0.1)
     counts = torch.zeros(n)
@@ -44,7 +49,7 @@ def test_poisson_batch_size_mean_and_variance() -> None:
 
 
 def test_poisson_empty_batches_with_tiny_rate() -> None:
-    sampler = PoissonSampler(100, 1, seed=0)  # q = 0.01: P(empty) = 0.99^100 ~ 0.37
+    sampler = PoissonSampler(100, 1, _seeded(0))  # q = 0.01: P(empty) = 0.99^100 ~ 0.37
     batches = [sampler.sample() for _ in range(200)]
     empty = [b for b in batches if b.numel() == 0]
     assert 30 < len(empty) < 120
@@ -54,34 +59,34 @@ def test_poisson_empty_batches_with_tiny_rate() -> None:
 
 
 def test_poisson_full_rate_takes_everything() -> None:
-    sampler = PoissonSampler(7, 7, seed=0)
+    sampler = PoissonSampler(7, 7, _seeded(0))
     assert torch.equal(sampler.sample(), torch.arange(7))
 
 
 def test_poisson_state_round_trip_reproduces_future_batches() -> None:
-    sampler = PoissonSampler(500, 37, seed=123)
+    sampler = PoissonSampler(500, 37, _seeded(123))
     for _ in range(5):
         sampler.sample()
     state = sampler.state_dict()
     expected = [sampler.sample() for _ in range(10)]
     torch.manual_seed(999)  # global RNG must not matter
-    resumed = PoissonSampler(500, 37, seed=7)
+    resumed = PoissonSampler(500, 37, RandomSource.secret())
     resumed.load_state_dict(state)
     assert resumed.num_batches_drawn == 5
     for want in expected:
         assert torch.equal(resumed.sample(), want)
     # Same seed from scratch gives the same sequence too.
-    fresh = PoissonSampler(500, 37, seed=123)
+    fresh = PoissonSampler(500, 37, _seeded(123))
     first = [fresh.sample() for _ in range(15)]
     assert all(torch.equal(a, b) for a, b in zip(first[5:], expected))
     with pytest.raises(ValueError):
-        PoissonSampler(500, 38, seed=123).load_state_dict(state)
+        PoissonSampler(500, 38, _seeded(123)).load_state_dict(state)
 
 
 @pytest.mark.parametrize("n, b", [(10, 0), (10, -1), (10, 11), (0, 1)])
 def test_poisson_invalid_rate_raises(n: int, b: int) -> None:
     with pytest.raises(ValueError):
-        PoissonSampler(n, b, seed=0)
+        PoissonSampler(n, b, _seeded(0))
 
 
 def test_physical_chunks() -> None:

@@ -21,6 +21,13 @@ class DatasetNotFoundError(EquiconvertError, FileNotFoundError):
     """The files of a data set are not where they were looked for; the message says where to put them."""
 
 
+class UnknownDatasetError(EquiconvertError, KeyError):
+    """No data set is registered under the name given."""
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0]) if self.args else ""
+
+
 class DatasetFormatError(EquiconvertError, ValueError):
     """A data file exists but is not in the expected format (bad header, wrong size, mixed image sizes...)."""
 
@@ -77,7 +84,12 @@ class ImageData:
 
 def make_image_data(images: np.ndarray, labels: np.ndarray, classes: Sequence[str], name: str,
                     **meta) -> ImageData:
-    """Wrap numpy arrays (images N,C,H,W uint8) without copying where possible."""
+    """Wrap numpy arrays (images N,C,H,W uint8) without copying where possible.
+
+    Float images must be finite and integer-valued labels integers: a cast to uint8/int64 would
+    silently turn NaN or 2.5 into some value. Errors name the source (meta["source"]) and index.
+    """
+    _check_arrays(np.asarray(images), np.asarray(labels), f"{name} ({meta['source']})" if "source" in meta else name)
     images = np.ascontiguousarray(images, dtype=np.uint8)
     labels = np.ascontiguousarray(labels, dtype=np.int64)
     if not images.flags.writeable:  # e.g. np.frombuffer over file bytes: torch wants writable memory
@@ -86,6 +98,23 @@ def make_image_data(images: np.ndarray, labels: np.ndarray, classes: Sequence[st
         labels = labels.copy()
     return ImageData(torch.from_numpy(images), torch.from_numpy(labels), [str(c) for c in classes], name,
                      dict(meta))
+
+
+def refuse_non_finite(images: np.ndarray, where: str) -> None:
+    """Float images (before any cast to uint8, which would turn NaN into some pixel value) must be finite."""
+    if images.dtype.kind in "fc" and len(images):
+        finite = np.isfinite(images.reshape(len(images), -1)).all(axis=1)
+        if not finite.all():
+            raise DatasetFormatError(f"{where}: image {int(np.flatnonzero(~finite)[0])} holds a non-finite value "
+                                     f"(NaN or inf; {int((~finite).sum())} such images): clean the file")
+
+
+def _check_arrays(images: np.ndarray, labels: np.ndarray, where: str) -> None:
+    refuse_non_finite(images, where)
+    if labels.dtype.kind not in "iu":
+        raise DatasetFormatError(f"{where}: labels have dtype {labels.dtype}; integer class indices are required")
+    if len(labels) != len(images):
+        raise DatasetFormatError(f"{where}: {len(images)} images but {len(labels)} labels")
 
 
 # ----------------------------------------------------------------------------- registry
@@ -116,7 +145,7 @@ def register(name: str, *aliases: str) -> Callable[[Loader], Loader]:
 def resolve_name(name: str) -> str:
     key = _normalise_name(name)
     if key not in _ALIASES:
-        raise KeyError(f"unknown data set {name!r}; known: {', '.join(sorted(DATASETS))}")
+        raise UnknownDatasetError(f"unknown data set {name!r} (--dataset); known: {', '.join(sorted(DATASETS))}")
     return _ALIASES[key]
 
 

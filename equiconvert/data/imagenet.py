@@ -15,7 +15,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ._base import DatasetFormatError, ImageData, candidate_dirs, check_split, make_image_data, not_found, register
+from ._base import (DatasetFormatError, ImageData, candidate_dirs, check_split, make_image_data, not_found,
+                    refuse_non_finite, register)
 
 _TRAIN_RE = re.compile(r"^train_data_batch_(\d+)\.npz$")
 VAL_NAMES = ("val_data.npz", "Imagenet{r}_val.npz")
@@ -83,6 +84,7 @@ def load_npz_batches(files: list[Path], resolution: int | None, max_classes: int
             data = z["data"]
         if data.ndim != 2 or data.shape[1] % 3:
             raise DatasetFormatError(f"{p}: 'data' must be (N, 3*R*R), got {data.shape}")
+        refuse_non_finite(data, str(p))
         r = int(round((data.shape[1] // 3) ** 0.5))
         if 3 * r * r != data.shape[1] or (res is not None and r != res):
             want = f"{3 * res * res} for {res}x{res}" if res else "3*R*R"

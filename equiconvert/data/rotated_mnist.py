@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from ._base import (DatasetFormatError, ImageData, candidate_dirs, check_split, make_image_data, not_found,
-                    register, SPLITS)
+                    refuse_non_finite, register, SPLITS)
 from .mnist import IDX_FILES, MNIST_CLASSES, find_idx_file, load_idx_pair
 
 NPZ_NAMES = ("mnist-10k.npz", "mnist.npz", "mnist_10k.npz")
@@ -55,6 +55,7 @@ def _npz_digits(path: Path, split: str, test_fraction: float, split_seed: int) -
     with np.load(path, allow_pickle=False) as z:
         keys = set(z.files)
         if {"x_train", "y_train", "x_test", "y_test"} <= keys:
+            refuse_non_finite(z[f"x_{split}"], f"{path} (x_{split})")
             return z[f"x_{split}"], z[f"y_{split}"]
         img_key = next((k for k in ("images", "x", "data") if k in keys), None)
         lbl_key = next((k for k in ("labels", "y", "targets") if k in keys), None)
@@ -62,6 +63,7 @@ def _npz_digits(path: Path, split: str, test_fraction: float, split_seed: int) -
             raise DatasetFormatError(f"{path}: expected keys 'images' and 'labels' (or x_train, y_train, x_test, "
                                      f"y_test), found {sorted(keys)}")
         images, labels = z[img_key], z[lbl_key]
+    refuse_non_finite(images, f"{path} ({img_key})")
     if not 0.0 < test_fraction < 1.0:
         raise ValueError(f"test_fraction must lie in (0, 1), got {test_fraction}")
     perm = np.random.default_rng(split_seed).permutation(len(labels))

@@ -1,7 +1,8 @@
 """Differentially private training of converted models.
 
 The public names load on first use, so importing a submodule (e.g. opacus_interop)
-does not pull in the trainer and its dependencies.
+does not pull in the trainer and its dependencies. `check_dp_safe(model, example_input)`
+refuses models that DP-SGD cannot train privately (by layer names and by behaviour).
 """
 from importlib import import_module
 from typing import Any
@@ -9,6 +10,7 @@ from typing import Any
 _EXPORTS = {
     "DPConfig": "trainer",
     "DPTrainer": "trainer",
+    "check_dp_safe": "dp_safety",
     "make_private": "engine",
     "PrivacyEngine": "engine",
     "BatchMemoryManager": "dp_loader",

@@ -336,3 +336,35 @@ class PrivacyLedger:
             _check_sample_rate(rate)
             _check_steps(count, minimum=1)
         self._accountant.load_state_dict(accountant_state)  # Opacus checks the mechanism
+
+
+DEFAULT_DELTA = 1e-5  # the default for data sets of up to 10,000 examples
+
+
+def default_delta(num_examples: int) -> float:
+    """The default delta for a data set of `num_examples`: 1e-5 while 1e-5 <= 1/(10 N), else the largest power
+    of ten <= 1/(10 N) (60,000 examples: 1e-6; 1.28 million: 1e-8)."""
+    ceiling = 1.0 / (10 * int(num_examples))
+    if DEFAULT_DELTA <= ceiling:
+        return DEFAULT_DELTA
+    power = 10.0 ** math.floor(math.log10(ceiling))
+    return power if power <= ceiling else power / 10  # log10 rounding
+
+
+def refuse_delta(delta: float, num_examples: int, flag: str = "delta") -> float:
+    """Refuse delta >= 1/N: a mechanism that publishes one example in full meets such a guarantee."""
+    delta = _check_delta(delta)
+    if delta >= 1.0 / num_examples:
+        raise PrivacyBudgetError(f"{flag} {delta:g} >= 1/N = 1/{num_examples}: a guarantee that allows releasing one "
+                                 f"example in full; give a delta well below 1/N (default for N = {num_examples}: "
+                                 f"{default_delta(num_examples):g})")
+    return delta
+
+
+def check_delta_for(delta: float, num_examples: int) -> float:
+    """refuse_delta, and a warning above 1/(10 N)."""
+    delta = refuse_delta(delta, num_examples)
+    if delta > 1.0 / (10 * num_examples):
+        warnings.warn(f"delta {delta:g} > 1/(10 N) = {1.0 / (10 * num_examples):.3g}: a weak guarantee for "
+                      f"{num_examples} examples (default for this N: {default_delta(num_examples):g})", stacklevel=3)
+    return delta

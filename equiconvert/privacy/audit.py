@@ -185,12 +185,12 @@ def run_audit(
     normalized = trainer._normalize(canary_images)  # the trainer's own preprocessing
     scores = SCORES[score](trainer.model, initial, normalized, canary_labels.to(trainer.device)).cpu()
     correct = count_correct(scores, included, guesses_included, guesses_excluded)
-    c = trainer.config
+    delta = trainer.delta  # the run's delta (the configured one, or the default for its data set size)
     guesses = guesses_included + guesses_excluded
     return AuditResult(
-        epsilon_lower_bound=epsilon_lower_bound(correct, guesses, len(included), c.delta, beta),
-        largest_possible_bound=epsilon_lower_bound(guesses, guesses, len(included), c.delta, beta),
-        accountant_epsilon=trainer.epsilon, delta=c.delta, confidence=1.0 - beta, num_canaries=len(included),
+        epsilon_lower_bound=epsilon_lower_bound(correct, guesses, len(included), delta, beta),
+        largest_possible_bound=epsilon_lower_bound(guesses, guesses, len(included), delta, beta),
+        accountant_epsilon=trainer.epsilon, delta=delta, confidence=1.0 - beta, num_canaries=len(included),
         num_included=int(included.sum()), guesses_included=guesses_included, guesses_excluded=guesses_excluded,
         correct_guesses=correct, score=score, noise_multiplier=float(trainer.noise_multiplier), steps=trainer.step,
     )

@@ -289,7 +289,7 @@ def verify_bookkeeping(model: nn.Module, view_shape: tuple[int, ...], loss_fn: L
                 f"an example's gradient of {name!r} changes with the other examples of its batch: a layer mixes "
                 "examples (batch statistics?); book-keeping runs the batch through one forward, vmap does not")
     probe.eval()
-    params = {n: p.detach() for n, p in probe.named_parameters()}
+    params = {n: p.detach() for n, p in probe.named_parameters() if p.requires_grad}
     exact, _ = per_sample_gradients(probe, params, dict(probe.named_buffers()), views, labels, loss_fn)
     kept, _ = per_sample_gradients_bookkeeping(probe, views, labels, loss_fn)
     for name, value in kept.items():  # trainable parameters only; torch.func also differentiates frozen ones

@@ -1,29 +1,88 @@
-"""Atomic checkpoints: a crash while writing never destroys the last good one."""
+"""Atomic, owner-only checkpoints, read back without executing anything.
+
+A checkpoint holds intermediate models and the secret generator states of the
+noise and the sampling (secure_rng): it is as secret as the training data, so it
+is written with permissions 0o600. A crash while writing never destroys the last
+good one; the temporary file a killed save leaves behind is removed on the next
+start (`remove_stale_temporaries`).
+"""
 from __future__ import annotations
 
 import os
+import pickle
 import tempfile
+import zipfile
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from ..errors import EquiconvertError
+
+OWNER_ONLY = 0o600
+_TMP_SUFFIX = ".tmp"
+
+
+class CheckpointError(EquiconvertError, ValueError):
+    """A checkpoint file is empty, truncated, corrupt or not an equiconvert checkpoint."""
+
+
+def _temporary_prefix(path: Path) -> str:
+    return f".{path.name}."
+
 
 def save_atomic(state: dict[str, Any], path: str | Path) -> None:
-    """Write to a temporary file in the same folder, fsync, then rename over `path`."""
+    """Write to an owner-only temporary file in the same folder, fsync, rename over `path`, fsync the folder."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=_temporary_prefix(path), suffix=_TMP_SUFFIX)
     try:
+        os.fchmod(fd, OWNER_ONLY)
         with os.fdopen(fd, "wb") as handle:
             torch.save(state, handle)
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(tmp, path)
+        _fsync_directory(path.parent)  # the rename itself survives a power loss
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
 
 
+def _fsync_directory(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def remove_stale_temporaries(path: str | Path) -> list[Path]:
+    """Delete the temporary files that killed saves of `path` left behind; returns what was removed."""
+    path = Path(path)
+    if not path.parent.is_dir():
+        return []
+    stale = sorted(path.parent.glob(f"{_temporary_prefix(path)}*{_TMP_SUFFIX}"))
+    for leftover in stale:
+        leftover.unlink()
+    return stale
+
+
 def load(path: str | Path) -> dict[str, Any]:
-    return torch.load(Path(path), map_location="cpu", weights_only=False)
+    """The checkpoint at `path`, loaded with weights_only=True (a crafted file cannot run code)."""
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"no checkpoint at {path}")
+    if path.stat().st_size == 0:
+        raise CheckpointError(f"checkpoint {path} is empty (a save was interrupted?): delete it and start again, "
+                              "or give another --out")
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, zipfile.BadZipFile, RuntimeError, EOFError, OSError, ValueError) as exc:
+        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise CheckpointError(f"checkpoint {path} cannot be read safely ({first_line}): it is truncated, corrupt "
+                              "or not an equiconvert checkpoint; delete it and start again, or give another --out"
+                              ) from exc
+    if not isinstance(state, dict):
+        raise CheckpointError(f"checkpoint {path} holds a {type(state).__name__}, not an equiconvert checkpoint")
+    return state

@@ -1,5 +1,10 @@
 """Opacus per-sample gradients for equiconvert's steerable modules.
 
+Before handing a model to Opacus, check it with ``check_dp_safe``: Opacus'
+validator misses layers such as timm's ``BatchNormAct2d`` (a BatchNorm subclass
+whose batch statistics couple the examples). ``make_private`` here does that and
+then calls ``PrivacyEngine.make_private``.
+
 Importing this module registers, with Opacus' hook-based machinery
 (``GradSampleModule``, ``PrivacyEngine.make_private``), a grad sampler for
 ``SteerableConv2d``, ``FieldGroupNorm`` and ``GroupStandardization`` (SO(2)/O(2)
@@ -52,7 +57,7 @@ except ModuleNotFoundError as _missing:  # only a missing Opacus becomes a frien
         "equiconvert's own DP trainer (equiconvert.privacy.trainer) does not."
     ) from _missing
 
-from typing import Callable, Dict, List  # noqa: E402
+from typing import Any, Callable, Dict, List  # noqa: E402
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
@@ -62,6 +67,7 @@ from torch import nn  # noqa: E402
 from ..nn.conv import SteerableConv2d  # noqa: E402
 from ..nn.irrep_fields import GroupStandardization  # noqa: E402
 from ..nn.norm import FieldGroupNorm  # noqa: E402
+from .dp_safety import check_dp_safe  # noqa: E402
 from .filter_gradients import per_example_filter_gradients, steerable_weight_gradients  # noqa: E402
 
 try:  # Opacus >= 1.5 (ghost clipping)
@@ -70,6 +76,7 @@ except ImportError:  # pragma: no cover - older Opacus: no norm samplers
     register_norm_sampler = None
 
 __all__ = [
+    "make_private",
     "compute_steerable_conv_grad_sample",
     "compute_steerable_conv_norm_sample",
     "compute_field_group_norm_grad_sample",
@@ -196,3 +203,16 @@ if register_norm_sampler is not None:
     register_norm_sampler(SteerableConv2d)(compute_steerable_conv_norm_sample)
     register_norm_sampler(FieldGroupNorm)(compute_field_group_norm_norm_sample)
     register_norm_sampler(GroupStandardization)(compute_group_standardization_norm_sample)
+
+
+def make_private(privacy_engine: Any, *, module: nn.Module, optimizer: torch.optim.Optimizer, data_loader: Any,
+                 example_input: torch.Tensor | None = None, **kwargs: Any) -> Any:
+    """``privacy_engine.make_private(...)`` after ``check_dp_safe(module, example_input)``.
+
+    example_input defaults to the first example of ``data_loader.dataset`` (read directly: no batch is drawn,
+    no random state changes). Raises PrivacyValidationError, naming the module, for a model DP-SGD cannot train.
+    """
+    if example_input is None:
+        example_input = torch.as_tensor(data_loader.dataset[0][0]).unsqueeze(0)
+    check_dp_safe(module, example_input)
+    return privacy_engine.make_private(module=module, optimizer=optimizer, data_loader=data_loader, **kwargs)

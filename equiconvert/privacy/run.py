@@ -20,8 +20,10 @@ from ..check import check_equivariance
 from ..convert import make_equivariant
 from ..nn.conv import SteerableConv2d
 from . import distributed
+from .accounting import refuse_delta
 from .filter_gradients import fastest_choices
-from .trainer import DPConfig, DPTrainer
+from .run_folder import prepare_out
+from .trainer import DPConfig, DPTrainer, check_config
 
 BASELINE_GROUP = "none"
 
@@ -39,6 +41,7 @@ class RunSpec:
     model_widths: tuple[int, ...] | None = None
     device: str | None = None
     resume: bool = False
+    overwrite: bool = False  # replace an earlier run's files in `out` (otherwise a non-empty `out` is refused)
     progress: bool = True
     time_limit_s: float | None = None  # stop (with a checkpoint) after this much training time; --resume continues
     init_gain: float | None = None  # ConversionConfig.init_gain; None keeps the model's default
@@ -220,11 +223,25 @@ def pad_images(images: torch.Tensor, size: int) -> torch.Tensor:
     return images if margin == 0 else F.pad(images, (margin,) * 4)
 
 
+def _refuse_impossible_sizes(options: dict[str, Any], num_examples: int) -> None:
+    """Options that depend on the training set's size, checked before the model is built."""
+    batch_size = options.get("batch_size", DPConfig.batch_size)
+    if batch_size > num_examples:
+        raise ValueError(f"--batch-size {batch_size} exceeds the {num_examples} training examples: the Poisson "
+                         "sample rate batch_size / N must be <= 1")
+    if options.get("delta") is not None:
+        refuse_delta(options["delta"], num_examples, flag="--delta")
+
+
 def run_training(spec: RunSpec, **trainer_options: Any) -> dict[str, Any]:
     """Train one model with DP-SGD on one data set; returns (and, on rank 0, writes) the result record.
 
     Under torchrun (WORLD_SIZE > 1) this process is one rank of a data-parallel job (distributed.py).
     """
+    from ..data import resolve_name
+
+    check_config(DPConfig(**trainer_options))  # every option before any data is read
+    resolve_name(spec.dataset)
     _refuse_conversion_options_for_baseline(spec)
     _refuse_preset_options_for_other_models(spec)
     context, device = distributed.from_environment(spec.device)
@@ -241,10 +258,16 @@ def _run_training(spec: RunSpec, context: distributed.DistributedContext, device
     from ..data import load_dataset
 
     activation = _activation(spec)
+    if context.is_main:  # rank 0 alone writes the outputs
+        prepare_out(Path(spec.out), resume=spec.resume, overwrite=spec.overwrite)
     start = time.perf_counter()
     with context.main_first():  # rank 0 fills the decoded-data cache the other ranks read
         train = load_dataset(spec.dataset, spec.data_dir, split="train")
+        _refuse_impossible_sizes(trainer_options, len(train))
         test = load_dataset(spec.dataset, spec.data_dir, split="test")
+    if len(test) == 0:
+        raise ValueError(f"the test split of {spec.dataset!r} is empty: the run could not be evaluated; give a data "
+                         "set (or --data-dir) with test examples")
     channels, size = train.images.shape[1], train.images.shape[-1]
     result: dict[str, Any] = {"model": spec.model, "group": spec.group, "dataset": spec.dataset, "width": spec.width,
                               "activation": activation}
@@ -280,7 +303,9 @@ def _run_training(spec: RunSpec, context: distributed.DistributedContext, device
     c = trainer.config
     result.update(
         **_final_metrics(final),
-        epsilon=trainer.epsilon, delta=c.delta, target_epsilon=c.target_epsilon, accountant=c.accountant,
+        private=trainer.private, log_nonprivate_stats=c.log_nonprivate_stats,
+        nonfinite_gradients=trainer.nonfinite_gradients,
+        epsilon=trainer.epsilon, delta=trainer.delta, target_epsilon=c.target_epsilon, accountant=c.accountant,
         noise_multiplier=trainer.noise_multiplier, steps=trainer.step, batch_size=c.batch_size, aug_mult=c.aug_mult,
         max_grad_norm=c.max_grad_norm, lr=c.lr, ema_decay=c.ema_decay, ema_final_decay=_final_ema_decay(trainer),
         params=_count(model), params_before=params_before,

@@ -12,12 +12,14 @@ from typing import Any
 
 import torch
 
+from .secure_rng import RandomSource
+
 
 class PoissonSampler:
     """Draws logical batches by independent Bernoulli(q) inclusion of each example.
 
-    It owns a CPU `torch.Generator`, so the batch sequence depends only on the
-    seed and the number of batches already drawn (not on other RNG users), and
+    Its randomness is a `RandomSource` of its own (secret by default, see
+    secure_rng), so the batch sequence depends on nothing else, and
     `state_dict()` lets a resumed run draw exactly the batches it would have.
 
     shard (rank, world_size): in data-parallel training (distributed.py) each rank draws only the indices
@@ -25,7 +27,7 @@ class PoissonSampler:
     batch independently with probability q exactly once.
     """
 
-    def __init__(self, num_examples: int, expected_batch_size: int, seed: int,
+    def __init__(self, num_examples: int, expected_batch_size: int, source: RandomSource,
                  shard: tuple[int, int] = (0, 1)) -> None:
         if num_examples <= 0:
             raise ValueError(f"num_examples must be positive, got {num_examples}")
@@ -42,27 +44,24 @@ class PoissonSampler:
             raise ValueError(f"shard (rank, world_size) needs 0 <= rank < world_size, got {shard}")
         self.shard = (int(rank), int(world_size))
         self._members = torch.arange(rank, self.num_examples, world_size)
-        self.seed = int(seed)
         self.num_batches_drawn = 0
-        self._generator = torch.Generator(device="cpu")
-        self._generator.manual_seed(self.seed)
+        self._source = source
 
     def sample(self) -> torch.Tensor:
         """Indices (int64, ascending, no duplicates) of one logical batch; may be empty."""
         # P(U < q) = q exactly for U ~ Uniform[0, 1).
-        mask = torch.rand(len(self._members), generator=self._generator) < self.sample_rate
+        mask = self._source.uniform(len(self._members)) < self.sample_rate
         self.num_batches_drawn += 1
-        return self._members[mask]
+        return self._members[mask.cpu()]
 
     def state_dict(self) -> dict[str, Any]:
-        """Everything needed to continue the exact batch sequence after a restart."""
+        """Everything needed to continue the exact batch sequence after a restart (secret: see secure_rng)."""
         return {
             "num_examples": self.num_examples,
             "expected_batch_size": self.expected_batch_size,
-            "seed": self.seed,
             "shard": self.shard,
             "num_batches_drawn": self.num_batches_drawn,
-            "generator_state": self._generator.get_state(),
+            "generator_states": self._source.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -75,9 +74,8 @@ class PoissonSampler:
         if tuple(state.get("shard", (0, 1))) != self.shard:
             raise ValueError(f"sampler state is for shard (rank, world_size) {tuple(state['shard'])}, "
                              f"this sampler samples shard {self.shard}")
-        self.seed = int(state["seed"])
         self.num_batches_drawn = int(state["num_batches_drawn"])
-        self._generator.set_state(state["generator_state"].to(device="cpu", dtype=torch.uint8))
+        self._source.load_state_dict(state["generator_states"])
 
 
 def physical_chunks(indices: torch.Tensor, max_physical_batch: int) -> list[torch.Tensor]:

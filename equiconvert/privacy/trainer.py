@@ -21,17 +21,21 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from .accounting import PrivacyLedger, calibrate_noise_multiplier
+from .accounting import PrivacyBudgetError, PrivacyLedger, calibrate_noise_multiplier, check_delta_for, default_delta
 from .augment import augment_views, shift_set
-from .checkpoint import load, save_atomic
+from .checkpoint import CheckpointError, load, remove_stale_temporaries, save_atomic
 from .distributed import SINGLE_PROCESS, DistributedContext
+from .dp_safety import check_dp_safe
 from .ema import ExponentialMovingAverage
 from .metrics import classification_metrics, predict
 from .bookkeeping import (BookkeepingUnsupportedError, check_bookkeeping_supported, per_sample_gradients_bookkeeping,
                           verify_bookkeeping)
 from .filter_gradients import FILTER_GRADIENT_METHODS, filter_gradient_method
+from .inputs import check_images, check_labels
+from .nonfinite import zero_nonfinite_examples
 from .per_sample import clip_and_sum, per_sample_gradients
 from .sampling import PoissonSampler, physical_chunks
+from .secure_rng import NOISE, SAMPLING, make_source
 from .validate import validate_dp_safe
 
 TensorData = tuple[torch.Tensor, torch.Tensor]
@@ -48,7 +52,7 @@ class DPConfig:
     """Hyper-parameters of a DP-SGD run (the defaults follow Hölzl et al.'s CIFAR-10 setting)."""
 
     target_epsilon: float | None = 8.0
-    delta: float = 1e-5
+    delta: float | None = None  # None: accounting.default_delta(number of training examples)
     batch_size: int = 8192  # expected logical batch size
     steps: int = 2200
     aug_mult: int = 4
@@ -65,11 +69,16 @@ class DPConfig:
     augment_flip: bool = True
     normalize_mean: float = 0.5
     normalize_std: float = 0.5
-    seed: int = 0
+    seed: int = 0  # initial weights (set by the caller), augmentation and data order; never the noise or sampling
+    # NOT private: seed the noise and the Poisson sampling from `seed` (tests, debugging); the default draws them from
+    # the operating system's CSPRNG (secure_rng), and anyone with the seed could subtract the noise
+    insecure_seeded_noise: bool = False
     eval_every: int | None = None
     eval_batch_size: int = 1024
     checkpoint_every: int | None = None
-    log_train_loss: bool = True  # a non-private diagnostic: computed on private data
+    # NOT private: log each step's noise-free mean training loss and actual Poisson batch size (and count of
+    # non-finite per-example gradients), statistics of the private data released without noise
+    log_nonprivate_stats: bool = False
     epsilon_every: int = 10  # log epsilon every this many steps (PRV's get_epsilon is slow)
     # "bookkeeping": fastest and leanest measured (benchmarks/throughput.py, H200); "vmap": torch.func, for any
     # model; "auto": bookkeeping unless the model fails its checks (static, then a probe at the first step), then vmap
@@ -109,8 +118,11 @@ class DPTrainer:
             raise ValueError(f"unknown DPTrainer options {sorted(unknown)}; known: {sorted(DPConfig.__dataclass_fields__)}")
         custom_schedule = None if isinstance(lr_schedule, str) else lr_schedule
         self.config = DPConfig(lr_schedule=CUSTOM_SCHEDULE if custom_schedule else lr_schedule, **options)
-        self._check_config()
+        check_config(self.config)
         validate_dp_safe(model)
+        if self.config.insecure_seeded_noise:
+            warnings.warn("insecure_seeded_noise: the DP-SGD noise and batch sampling are seeded from the public seed; "
+                          "this run is NOT differentially private (the noise can be rebuilt and subtracted)")
         self.per_sample_method = self._resolve_per_sample_method(model)
         self._bookkeeping_verified = False  # verify_bookkeeping runs once, at the first per-sample computation
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -131,36 +143,25 @@ class DPTrainer:
         self.ledger: PrivacyLedger | None = None
         self.sampler: PoissonSampler | None = None
         self.noise_multiplier: float | None = None
+        self.delta: float | None = None  # the run's delta: the configured one, else default_delta(N)
+        self._nonfinite = torch.zeros((), dtype=torch.int64, device=self.device)  # examples zeroed (nonfinite.py)
         self._augment_rng = torch.Generator(device=self.device).manual_seed(self.dist.rank_seed(self.config.seed + 1))
-        self._noise_rng = torch.Generator(device=self.device).manual_seed(self.config.seed + 2)
+        # noise: rank 0's source is the job's only one; sampling: each rank its own (its shard's) stream
+        insecure = self.config.insecure_seeded_noise
+        self._noise_source = make_source(NOISE, self.config.seed if insecure else None, self.device)
+        self._sampling_source = make_source(SAMPLING, self.dist.rank_seed(self.config.seed) if insecure else None)
+
+    @property
+    def private(self) -> bool:
+        """Whether the noise and the sampling are secret (False under insecure_seeded_noise)."""
+        return not self.config.insecure_seeded_noise
+
+    @property
+    def nonfinite_gradients(self) -> int:
+        """Examples whose non-finite gradient was set to zero so far (over all ranks; waits for the device)."""
+        return int(self._nonfinite)
 
     # --- set-up ------------------------------------------------------------
-    def _check_config(self) -> None:
-        c = self.config
-        if c.optimizer not in OPTIMIZERS:
-            raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {c.optimizer!r}")
-        if c.filter_gradients not in FILTER_GRADIENT_METHODS:
-            raise ValueError(f"filter_gradients must be one of {FILTER_GRADIENT_METHODS}, got {c.filter_gradients!r}")
-        if c.test_shifts is not None:
-            shift_set(c.test_shifts)
-        if c.per_sample_method not in PER_SAMPLE_METHODS:
-            raise ValueError(f"per_sample_method must be one of {PER_SAMPLE_METHODS}, got {c.per_sample_method!r}")
-        if c.precision not in PRECISIONS:
-            raise ValueError(f"precision must be one of {tuple(PRECISIONS)}, got {c.precision!r}")
-        if c.precision != "fp32" and c.per_sample_method == "vmap":
-            raise ValueError(f"precision {c.precision!r} needs book-keeping per-sample gradients "
-                             "(per_sample_method 'bookkeeping' or 'auto'); vmap runs in fp32 only")
-        if c.lr_schedule not in LR_SCHEDULES:
-            raise ValueError(f"lr_schedule must be one of {LR_SCHEDULES}, got {c.lr_schedule!r}")
-        if c.target_epsilon is None and c.noise_multiplier is None:
-            raise ValueError("give target_epsilon (sigma is calibrated) or noise_multiplier")
-        if c.noise_multiplier is not None and c.noise_multiplier <= 0:
-            raise ValueError(f"noise_multiplier must be > 0 for a private run, got {c.noise_multiplier}")
-        if c.aug_mult < 1 or c.batch_size < 1 or c.steps < 0 or c.max_grad_norm <= 0:
-            raise ValueError("aug_mult and batch_size must be >= 1, steps >= 0, max_grad_norm > 0")
-        if c.augment_padding < 0:
-            raise ValueError(f"augment_padding (crop shift in pixels) must be >= 0, got {c.augment_padding}")
-
     def _resolve_per_sample_method(self, model: nn.Module) -> str:
         """The method this run uses; "auto" takes book-keeping when the model's static check allows it."""
         requested = self.config.per_sample_method
@@ -182,20 +183,22 @@ class DPTrainer:
                                            f"cannot use ({error}); train it with precision 'fp32'")
 
     def _make_optimizer(self) -> torch.optim.Optimizer:
-        params = list(self.model.parameters())
+        params = [p for p in self.model.parameters() if p.requires_grad]  # frozen ones: no gradient, no noise
         if self.config.optimizer == "nadam":
             return torch.optim.NAdam(params, lr=self.config.lr)
         return torch.optim.SGD(params, lr=self.config.lr, momentum=self.config.momentum)
 
     def _prepare_privacy(self, num_examples: int) -> None:
         c = self.config
-        self.sampler = PoissonSampler(num_examples, c.batch_size, self.dist.rank_seed(c.seed), shard=self.dist.shard())
+        self.delta = check_delta_for(default_delta(num_examples) if c.delta is None else c.delta, num_examples)
+        self.sampler = PoissonSampler(num_examples, c.batch_size, self._sampling_source, shard=self.dist.shard())
         sample_rate = self.sampler.sample_rate
         if c.noise_multiplier is not None:
             self.noise_multiplier = c.noise_multiplier
         else:
-            self.noise_multiplier = calibrate_noise_multiplier(c.target_epsilon, c.delta, sample_rate, c.steps, c.accountant)
-        self.ledger = PrivacyLedger(c.accountant, c.delta, c.target_epsilon, sample_rate, self.noise_multiplier)
+            self.noise_multiplier = calibrate_noise_multiplier(c.target_epsilon, self.delta, sample_rate, c.steps,
+                                                               c.accountant)
+        self.ledger = PrivacyLedger(c.accountant, self.delta, c.target_epsilon, sample_rate, self.noise_multiplier)
 
     def _normalize(self, images: torch.Tensor) -> torch.Tensor:
         images = images.to(self.device, non_blocking=True)
@@ -205,33 +208,37 @@ class DPTrainer:
 
     # --- one logical step --------------------------------------------------
     def _noisy_gradient(self, images: torch.Tensor, labels: torch.Tensor
-                        ) -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor]:
-        """The noisy mean gradient of one logical step, its batch size and mean training loss (device tensors:
-        nothing here waits for the device)."""
+                        ) -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The noisy mean gradient of the trainable parameters in one logical step, its batch size, mean training
+        loss and count of non-finite per-example gradients (device tensors: nothing here waits for the device)."""
         c = self.config
         indices = self.sampler.sample()
         count = torch.full((), float(len(indices)), device=self.device)
         indices = _to_device(indices, images.device)  # where the data are (fit moves them to the device)
-        params = {n: p.detach() for n, p in self.model.named_parameters()}
+        params = {n: p.detach() for n, p in self.model.named_parameters() if p.requires_grad}
         buffers = dict(self.model.named_buffers())
         summed = {n: torch.zeros_like(p) for n, p in params.items()}
         loss_sum = torch.zeros((), device=self.device)
+        nonfinite = 0
         for chunk in physical_chunks(indices, c.physical_batch_size):
             views = augment_views(self._normalize(images[chunk]), c.aug_mult, self._augment_rng,
                                   c.augment_padding, c.augment_flip)
             chunk_labels = labels[chunk].to(self.device)
             grads, losses = self._per_sample_gradients(params, buffers, views, chunk_labels)
             loss_sum += losses.detach().sum()
+            grads, bad = zero_nonfinite_examples(grads)
+            nonfinite += bad
             clipped, _ = clip_and_sum(grads, c.max_grad_norm)
             for name, value in clipped.items():
                 summed[name] += value
         std = self.noise_multiplier * c.max_grad_norm
-        if self.dist.is_main:  # [distributed] rank 0's noise generator is the job's only one: noise enters once
-            summed = {name: value + torch.normal(0.0, std, value.shape, generator=self._noise_rng, device=self.device)
-                      for name, value in summed.items()}
-        *reduced, loss_sum, count = self.dist.all_reduce_sum([*summed.values(), loss_sum, count])  # [distributed]
+        if self.dist.is_main:  # [distributed] rank 0's noise source is the job's only one: noise enters once
+            summed = {name: value + self._noise_source.gaussian(value.shape, std) for name, value in summed.items()}
+        nonfinite = torch.as_tensor(nonfinite, device=self.device, dtype=torch.float32)
+        *reduced, loss_sum, count, nonfinite = self.dist.all_reduce_sum(  # [distributed]
+            [*summed.values(), loss_sum, count, nonfinite])
         noisy = {name: value / c.batch_size for name, value in zip(summed, reduced)}
-        return noisy, count, loss_sum / count.clamp_min(1.0)
+        return noisy, count, loss_sum / count.clamp_min(1.0), nonfinite.round().long()
 
     def _per_sample_gradients(self, params, buffers, views, labels) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
         with filter_gradient_method(self.config.filter_gradients):  # the probe checks the kernel the run uses
@@ -268,20 +275,22 @@ class DPTrainer:
         if self.lr_schedule is not None:
             for group in self.optimizer.param_groups:
                 group["lr"] = self.lr_schedule(self.step)
-        gradients, batch, train_loss = self._noisy_gradient(images, labels)
+        gradients, batch, train_loss, nonfinite = self._noisy_gradient(images, labels)
+        self._nonfinite += nonfinite
         for name, param in self.model.named_parameters():
-            param.grad = gradients[name]
+            if param.requires_grad:
+                param.grad = gradients[name]
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.ledger.step()
         self.step += 1
         if self.ema is not None:
             self.ema.update(self.model, self.step)
-        record = {"step": self.step, "batch_size": batch, "lr": self.optimizer.param_groups[0]["lr"]}
+        record = {"step": self.step, "lr": self.optimizer.param_groups[0]["lr"]}
         if self._logs_epsilon(self.step):
             record["epsilon"] = self.ledger.epsilon
-        if self.config.log_train_loss:
-            record["train_loss"] = train_loss
+        if self.config.log_nonprivate_stats:
+            record.update(batch_size=batch, train_loss=train_loss, nonfinite_gradients=nonfinite)
         return record
 
     # --- the run -----------------------------------------------------------
@@ -299,12 +308,24 @@ class DPTrainer:
         device once; a step waits for the device only where its record is written (every `epsilon_every` steps,
         evaluations, checkpoints), so `time_s` of the steps between is the time they were queued.
         """
-        images, labels = (tensor.to(self.device) for tensor in _tensors(train_set))
+        images, labels = _tensors(train_set)
+        self._check_data(images, labels, "the training data")
+        if eval_set is not None:
+            self._check_data(*_tensors(eval_set), "the evaluation data")
+        check_dp_safe(self.model, self._normalize(images[:1].to(self.device)))
+        images, labels = images.to(self.device), labels.to(self.device)
         if self.sampler is None:
             self._prepare_privacy(len(images))
+        if self.out_dir is not None:
+            remove_stale_temporaries(self.checkpoint_path())
         if resume:
             self._resume()
         budget_steps = self.ledger.max_steps() if self.config.target_epsilon is not None else self.config.steps
+        if self.step == 0 and budget_steps == 0 and self.config.steps > 0:
+            raise PrivacyBudgetError(
+                f"one step at noise multiplier {self.noise_multiplier:g} and sample rate "
+                f"{self.sampler.sample_rate:.3g} spends epsilon {self.ledger.epsilon_after(1):.3g} > the target {self.config.target_epsilon:g}: "
+                "raise the target epsilon, lower the batch size, or raise the noise multiplier")
         bar = _progress_bar(self.config.steps, self.step, self.progress)
         start = time.perf_counter()
         while self.step < self.config.steps:
@@ -317,7 +338,7 @@ class DPTrainer:
             self._log(record, defer=not self._logs_epsilon(self.step))
             bar.update(1)
             if "epsilon" in record:
-                bar.set_postfix(eps=f"{record['epsilon']:.3f}", loss=f"{record.get('train_loss', float('nan')):.3f}")
+                bar.set_postfix(eps=f"{record['epsilon']:.3f}")
             if eval_set is not None and self.config.eval_every and self.step % self.config.eval_every == 0:
                 self._log({"step": self.step, "eval": self.evaluate(eval_set)})
             if self.config.checkpoint_every and self.step % self.config.checkpoint_every == 0:
@@ -345,6 +366,18 @@ class DPTrainer:
         if not self.dist.enabled:
             return time.perf_counter() - start >= limit_s
         return self._logs_epsilon(self.step) and self.dist.agree(time.perf_counter() - start >= limit_s, self.device)
+
+    def _check_data(self, images: torch.Tensor, labels: torch.Tensor, what: str) -> None:
+        """Refuse non-finite images and labels that are not class indices of this model (inputs.py)."""
+        check_images(images, what)
+        if len(images) == 0:
+            raise ValueError(f"{what} is empty")
+        was_training = self.model.training
+        self.model.eval()
+        with torch.no_grad():
+            num_classes = self.model(self._normalize(images[:1].to(self.device))).shape[-1]
+        self.model.train(was_training)
+        check_labels(labels, len(images), num_classes, what)
 
     def evaluate(self, data: TensorData) -> dict[str, float]:
         """Metrics of the EMA weights (if any) on `data`, plus shift-averaged ones when test_shifts is set.
@@ -410,6 +443,7 @@ class DPTrainer:
             "ema": self.ema.state_dict() if self.ema is not None else None,
             "ledger": self.ledger.state_dict(),
             "noise_multiplier": self.noise_multiplier,
+            "nonfinite_gradients": self.nonfinite_gradients,
             "world_size": self.dist.world_size,
             **ranks[0],
             "other_ranks": ranks[1:],
@@ -422,7 +456,7 @@ class DPTrainer:
             "sampler": self.sampler.state_dict(),
             "rng": {
                 "augment": self._augment_rng.get_state(),
-                "noise": self._noise_rng.get_state(),
+                "noise": self._noise_source.state_dict(),
                 "torch": torch.get_rng_state(),
                 "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
             },
@@ -432,7 +466,7 @@ class DPTrainer:
         path = self.checkpoint_path()
         found = self.dist.all_gather_object(path.exists())  # [distributed] every rank reads rank 0's file
         if not any(found):
-            return
+            raise CheckpointError(f"nothing to resume: no checkpoint at {path}; start without resuming")
         if not all(found):
             raise FileNotFoundError(f"{path} exists on ranks {[r for r, f in enumerate(found) if f]} only: a job "
                                     "resumes from one checkpoint, so --out must be on a file system every node sees")
@@ -455,12 +489,50 @@ class DPTrainer:
         own = state if self.dist.is_main else state["other_ranks"][self.dist.rank - 1]
         self.sampler.load_state_dict(own["sampler"])
         self.noise_multiplier = state["noise_multiplier"]
+        self._nonfinite.fill_(int(state.get("nonfinite_gradients", 0)))
         self._augment_rng.set_state(own["rng"]["augment"])
-        self._noise_rng.set_state(own["rng"]["noise"])
+        self._noise_source.load_state_dict(own["rng"]["noise"])
         torch.set_rng_state(own["rng"]["torch"])
         if own["rng"]["cuda"] is not None and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(own["rng"]["cuda"])
         self.step = state["step"]
+
+
+def check_config(c: DPConfig) -> None:
+    """Refuse options that cannot train (before any data is loaded); errors name the DPConfig field."""
+    if c.optimizer not in OPTIMIZERS:
+        raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {c.optimizer!r}")
+    if c.filter_gradients not in FILTER_GRADIENT_METHODS:
+        raise ValueError(f"filter_gradients must be one of {FILTER_GRADIENT_METHODS}, got {c.filter_gradients!r}")
+    if c.test_shifts is not None:
+        shift_set(c.test_shifts)
+    if c.per_sample_method not in PER_SAMPLE_METHODS:
+        raise ValueError(f"per_sample_method must be one of {PER_SAMPLE_METHODS}, got {c.per_sample_method!r}")
+    if c.precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {tuple(PRECISIONS)}, got {c.precision!r}")
+    if c.precision != "fp32" and c.per_sample_method == "vmap":
+        raise ValueError(f"precision {c.precision!r} needs book-keeping per-sample gradients "
+                         "(per_sample_method 'bookkeeping' or 'auto'); vmap runs in fp32 only")
+    if c.lr_schedule not in LR_SCHEDULES:
+        raise ValueError(f"lr_schedule must be one of {LR_SCHEDULES}, got {c.lr_schedule!r}")
+    if c.target_epsilon is None and c.noise_multiplier is None:
+        raise ValueError("give target_epsilon (sigma is calibrated) or noise_multiplier")
+    if c.noise_multiplier is not None and c.noise_multiplier <= 0:
+        raise ValueError(f"noise_multiplier must be > 0 for a private run, got {c.noise_multiplier}")
+    if c.aug_mult < 1 or c.batch_size < 1 or c.steps < 0 or c.max_grad_norm <= 0:
+        raise ValueError("aug_mult and batch_size must be >= 1, steps >= 0, max_grad_norm > 0")
+    if c.physical_batch_size < 1 or c.eval_batch_size < 1 or c.epsilon_every < 1:
+        raise ValueError("physical_batch_size, eval_batch_size and epsilon_every must be >= 1")
+    if c.target_epsilon is not None and not c.target_epsilon > 0:
+        raise ValueError(f"target_epsilon must be > 0, got {c.target_epsilon}")
+    if c.delta is not None and not 0 < c.delta < 1:
+        raise ValueError(f"delta must lie in (0, 1), got {c.delta}")
+    if c.ema_decay is not None and not 0 < c.ema_decay < 1:
+        raise ValueError(f"ema_decay must lie in (0, 1) (None: no EMA), got {c.ema_decay}")
+    if not c.lr > 0 or not c.normalize_std > 0:
+        raise ValueError(f"lr and normalize_std must be > 0, got {c.lr} and {c.normalize_std}")
+    if c.augment_padding < 0:
+        raise ValueError(f"augment_padding (crop shift in pixels) must be >= 0, got {c.augment_padding}")
 
 
 METHOD_ONLY_OPTIONS = ("per_sample_method",)  # how gradients are computed, not what they are
@@ -501,7 +573,7 @@ def _materialize(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return records
 
 
-INTEGER_FIELDS = ("batch_size",)  # record fields that are counts
+INTEGER_FIELDS = ("batch_size", "nonfinite_gradients")  # record fields that are counts
 
 
 def _tensors(data: TensorData | Any) -> TensorData:

@@ -1,0 +1,47 @@
+"""The output folder of `equiconvert train`: one run per folder.
+
+A folder that holds an earlier run would get its log appended to and its evaluations
+mixed into the new result.json, so it is refused unless the run resumes it (which needs
+its checkpoint) or is asked to overwrite it.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..errors import EquiconvertError
+from .checkpoint import remove_stale_temporaries
+
+CHECKPOINT = "checkpoint.pt"
+RUN_RECORDS = ("log.jsonl", "result.json", CHECKPOINT)  # what a run that has started leaves behind
+RUN_FILES = (*RUN_RECORDS, "model.txt")  # everything a run writes (and --overwrite removes)
+
+
+class OutputFolderError(EquiconvertError, ValueError):
+    """--out cannot be used as asked (it holds another run, or there is nothing to resume)."""
+
+
+def prepare_out(out: Path, *, resume: bool, overwrite: bool) -> None:
+    """Refuse an `out` holding a run's files unless resuming (its checkpoint must exist) or overwriting (they go).
+
+    Other files (a benchmark's own notes beside the run) neither count nor are removed.
+    """
+    if resume and overwrite:
+        raise OutputFolderError("--resume and --overwrite exclude each other: resume the run in --out, or replace it")
+    if resume:
+        if not (out / CHECKPOINT).is_file():
+            raise OutputFolderError(f"--resume: there is no checkpoint at {out / CHECKPOINT}; drop --resume to start a "
+                                    "new run")
+        return
+    if not out.exists():
+        return
+    if not out.is_dir():
+        raise OutputFolderError(f"--out {out} is a file, not a folder")
+    if overwrite:
+        for name in RUN_FILES:
+            (out / name).unlink(missing_ok=True)
+        remove_stale_temporaries(out / CHECKPOINT)
+        return
+    earlier = [name for name in RUN_RECORDS if (out / name).exists()]
+    if earlier:
+        raise OutputFolderError(f"--out {out} is not empty: it holds an earlier run ({', '.join(earlier)}); give "
+                                "--resume to continue it, --overwrite to replace it, or a new --out")

@@ -1,0 +1,94 @@
+"""check_dp_safe: buffers that forward changes and batch mixing are refused by behaviour, naming the module."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from equiconvert.privacy import check_dp_safe
+from equiconvert.privacy.trainer import DPTrainer
+from equiconvert.privacy.validate import PrivacyValidationError, validate_dp_safe
+
+EXAMPLE = torch.zeros(2, 2, 6, 6)
+
+
+class RenamedRunningAverage(nn.Module):
+    """Batch statistics under a name the name-based check does not know."""
+
+    def __init__(self, channels: int) -> None:
+        super().__init__()
+        self.register_buffer("seen_average", torch.zeros(channels))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            self.seen_average.mul_(0.9).add_(0.1 * x.detach().mean((0, 2, 3)))
+        return x
+
+
+class MeanCentred(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x - x.mean(0)
+
+
+class FunctionalBatchNorm(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.batch_norm(x, None, None, training=True)
+
+
+def _model(middle: nn.Module) -> nn.Sequential:
+    return nn.Sequential(nn.Conv2d(2, 3, 3), nn.GroupNorm(1, 3), middle, nn.Flatten(), nn.Linear(3 * 16, 4))
+
+
+def test_buffer_changed_by_forward_is_refused_whatever_its_name():
+    model = _model(RenamedRunningAverage(3))
+    validate_dp_safe(model)  # the name-based check alone lets it through
+    with pytest.raises(PrivacyValidationError, match=r"module '2' changes its buffer 'seen_average'"):
+        check_dp_safe(model, EXAMPLE)
+    assert torch.equal(model[2].seen_average, torch.zeros(3))  # the probe ran on a copy
+
+
+@pytest.mark.parametrize("mixer", [MeanCentred, FunctionalBatchNorm], ids=["x-mean0", "F.batch_norm"])
+def test_batch_mixing_is_refused_naming_the_first_module_that_mixes(mixer):
+    model = _model(mixer())
+    with pytest.raises(PrivacyValidationError, match=r"module '2' mixes examples"):
+        check_dp_safe(model, EXAMPLE)
+
+
+def test_timm_batch_norm_act_is_refused_by_name():
+    timm_norm = pytest.importorskip("timm.layers")
+    model = _model(timm_norm.BatchNormAct2d(3))
+    with pytest.raises(PrivacyValidationError, match=r"2 \(timm\.layers\.norm_act\.BatchNormAct2d\)"):
+        check_dp_safe(model, EXAMPLE)
+
+
+def test_safe_model_passes_and_the_trainer_probes_before_training():
+    check_dp_safe(_model(nn.ReLU()), EXAMPLE)
+    images, labels = torch.rand(16, 2, 6, 6), torch.arange(16) % 4
+    trainer = DPTrainer(_model(MeanCentred()), noise_multiplier=1.0, target_epsilon=None, batch_size=4, steps=1,
+                        aug_mult=1, augment_padding=0, progress=False, ema_decay=None)
+    with pytest.raises(PrivacyValidationError, match="mixes examples"):
+        trainer.fit((images, labels))
+    assert trainer.step == 0
+
+
+def test_opacus_make_private_checks_the_model_first():
+    pytest.importorskip("opacus")
+    timm_norm = pytest.importorskip("timm.layers")
+    from opacus import PrivacyEngine
+
+    from equiconvert.privacy.opacus_interop import make_private
+
+    data = torch.utils.data.TensorDataset(torch.rand(8, 2, 6, 6), torch.arange(8) % 4)
+    loader = torch.utils.data.DataLoader(data, batch_size=4)
+
+    def private(model: nn.Module):
+        return make_private(PrivacyEngine(), module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                            data_loader=loader, noise_multiplier=1.0, max_grad_norm=1.0)
+
+    with pytest.raises(PrivacyValidationError, match="BatchNormAct2d"):
+        private(_model(timm_norm.BatchNormAct2d(3)))
+    with pytest.raises(PrivacyValidationError, match="changes its buffer 'seen_average'"):
+        private(_model(RenamedRunningAverage(3)))
+    module, _, _ = private(_model(nn.ReLU()))
+    assert module(torch.rand(2, 2, 6, 6)).shape == (2, 4)

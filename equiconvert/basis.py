@@ -79,7 +79,7 @@ def _average_with_matrices(basis: torch.Tensor, group, in_repr: str, out_repr: s
 def _orbit_means(basis: torch.Tensor, group: GroupSpec, in_repr: str, out_repr: str) -> torch.Tensor:
     """Make each basis filter exactly invariant under the elements acting on the pixel grid.
 
-    escnn samples bases in float32, leaving ~1e-7 equivariance error. These elements
+    Stored in float32, a basis keeps ~1e-7 equivariance error. These elements
     (rotations by 90 degrees, flips) only permute filter entries, so the equivariant
     filters are those constant on each orbit of entries: we replace every entry by
     its orbit mean, written back identically, so C4/D4 equivariance is bit-exact.

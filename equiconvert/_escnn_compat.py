@@ -1,6 +1,12 @@
-"""Make escnn 1.0.11 usable on today's stacks, at conversion time only.
+"""Make escnn 1.0.11 (the optional `escnn` extra) usable on today's stacks, for cross-checks only.
 
-Two defects are patched, both by replacing module attributes after import:
+equiconvert builds its bases without escnn; escnn serves as the reference they
+are checked against. Three defects are handled:
+
+* escnn imports lie_learn (for SO(3) Wigner matrices only) when it is imported;
+  lie_learn has no NumPy 2 release. Without lie_learn installed we register a
+  stand-in package whose `wigner_D_matrix` raises, so the planar (2D) code works
+  and any SO(3) use fails loudly instead of computing something else.
 
 * With scikit-learn >= 1.2 installed, escnn's `null()` hands an `np.matrix`
   to `sklearn.utils.extmath.randomized_svd`, which now refuses it
@@ -12,7 +18,9 @@ Two defects are patched, both by replacing module attributes after import:
 """
 from __future__ import annotations
 
+import importlib.util
 import os
+import sys
 from pathlib import Path
 from types import ModuleType
 
@@ -39,9 +47,37 @@ def _redirect_joblib_caches(modules: list[ModuleType], location: Path) -> None:
                 setattr(module, name, memory.cache(value.func, ignore=value.ignore))
 
 
+LIE_LEARN_STANDIN = "lie_learn.representations.SO3.wigner_d"
+
+
+def _wigner_d_unavailable(*args, **kwargs):
+    raise ImportError(
+        "escnn needs lie_learn for SO(3) Wigner matrices; equiconvert registered a stand-in because lie_learn is "
+        "not installed (it has no NumPy 2 release). equiconvert never uses SO(3); install lie_learn to use it."
+    )
+
+
+def install_lie_learn_standin() -> bool:
+    """Register the SO(3)-only stand-in for lie_learn when it is missing; True if registered."""
+    if "lie_learn" in sys.modules or importlib.util.find_spec("lie_learn") is not None:
+        return False
+    parts = LIE_LEARN_STANDIN.split(".")
+    for depth in range(1, len(parts) + 1):
+        name = ".".join(parts[:depth])
+        module = ModuleType(name, "equiconvert's stand-in for lie_learn: raises if SO(3) is used")
+        module.__path__ = []  # a package, so the next level imports
+        sys.modules[name] = module
+        if depth > 1:
+            setattr(sys.modules[".".join(parts[: depth - 1])], parts[depth - 1], module)
+    sys.modules[LIE_LEARN_STANDIN].wigner_D_matrix = _wigner_d_unavailable
+    return True
+
+
 def import_escnn() -> ModuleType:
     """Import escnn with the patches above applied exactly once."""
     global _patched
+    if importlib.util.find_spec("escnn") is not None:
+        install_lie_learn_standin()
     try:
         import escnn
         import escnn.group._clebsh_gordan as clebsch_gordan
@@ -49,9 +85,9 @@ def import_escnn() -> ModuleType:
         import escnn.group.irrep as irrep
     except ImportError as exc:  # pragma: no cover - depends on the environment
         raise ImportError(
-            "equiconvert needs escnn==1.0.11 to build steerable kernel bases "
-            f"(conversion time only): {exc}. Install it with `pip install escnn==1.0.11` "
-            "(its dependency py3nj needs a Fortran compiler: `apt-get install gfortran`)."
+            f"escnn is needed only to cross-check equiconvert's bases against escnn ({exc}). Install the extra with "
+            "`pip install equiconvert[escnn]` (NumPy 1, builds py3nj with a Fortran compiler), or without compiling: "
+            "`pip install --no-deps escnn==1.0.11 && pip install scipy joblib` (see docs/bases.md)."
         ) from exc
     if not _patched:
         numerical.randomized_svd = None

@@ -1,10 +1,11 @@
-"""Steerable kernel bases, built by escnn once and cached on disk.
+"""Steerable kernel bases: built once by equiconvert.bases, cached on disk.
 
-A basis for (input representation, output representation, kernel size,
-dilation) is a float32 tensor of shape (num_basis, out_size, in_size, k, k):
+A basis for (group, input representation, output representation, kernel size,
+dilation, cutoff) is a float32 tensor of shape (num_basis, out_size, in_size, k, k):
 every equivariant k x k filter between one input and one output field is a
-linear combination of its slices. The converted model stores it as a buffer;
-escnn is needed only when a basis is missing from the cache.
+linear combination of its slices. It spans the same filters as escnn's R2Conv
+basis, in a canonical form that depends on nothing but these arguments (see
+docs/bases.md), so checkpoints mean the same on every machine.
 """
 from __future__ import annotations
 
@@ -14,20 +15,12 @@ from pathlib import Path
 
 import torch
 
-from ._escnn_compat import cache_root, import_escnn
+from ._escnn_compat import cache_root
+from .bases import BUILDER_VERSION, canonical_basis, harmonic_span
 from .groups import GroupSpec
 
-BASIS_FORMAT = "v3"  # bump when the way bases are built or stored changes
+BASIS_FORMAT = "v4"  # bump when the way bases are stored changes (BUILDER_VERSION: how they are built)
 _memory_cache: dict[str, torch.Tensor] = {}
-
-
-def _escnn_version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("escnn")
-    except PackageNotFoundError:
-        return "missing"
 
 
 def basis_key(
@@ -38,29 +31,15 @@ def basis_key(
 
 
 def basis_dir() -> Path:
-    return cache_root() / "bases" / f"escnn-{_escnn_version()}-{BASIS_FORMAT}"
+    return cache_root() / "bases" / f"{BUILDER_VERSION}-{BASIS_FORMAT}"
 
 
-def _build_with_escnn(
-    group: GroupSpec, in_repr: str, out_repr: str, kernel_size: int, dilation: int, cutoff: float | None = None
+def build_basis(
+    group: GroupSpec, in_repr: str, out_repr: str, kernel_size: int, dilation: int = 1, cutoff: float | None = None
 ) -> torch.Tensor:
-    import_escnn()
-    from escnn import nn as enn
-
-    gspace = group.escnn_gspace()
-    in_type = enn.FieldType(gspace, [group.escnn_repr(in_repr)])
-    out_type = enn.FieldType(gspace, [group.escnn_repr(out_repr)])
-    # cutoff c keeps angular frequencies up to c*r on the ring of radius r (escnn's default is its own _manual_fco1)
-    options = {} if cutoff is None else {"frequencies_cutoff": lambda r, c=cutoff: c * r}
-    conv = enn.R2Conv(in_type, out_type, kernel_size, dilation=dilation, bias=False, initialize=False, **options)
-    dimension = conv.basisexpansion.dimension()
-    shape = (out_type.size, in_type.size, kernel_size, kernel_size)
-    if dimension == 0:
-        return torch.zeros((0, *shape))
-    with torch.no_grad():
-        unit = torch.eye(dimension, dtype=torch.float32)
-        slices = [conv.basisexpansion(unit[i]).reshape(shape) for i in range(dimension)]
-    return torch.stack(slices).contiguous()
+    """The canonical basis, built from scratch: harmonic span, canonical form, exact grid symmetry."""
+    span = harmonic_span(group, in_repr, out_repr, kernel_size, dilation, cutoff)
+    return symmetrize_on_grid(canonical_basis(span), group, in_repr, out_repr)
 
 
 def _act_on_filter(filters: torch.Tensor, element, out_size: int, in_size: int) -> torch.Tensor:
@@ -76,7 +55,7 @@ def _act_on_filter(filters: torch.Tensor, element, out_size: int, in_size: int) 
 
 
 def symmetrize_on_grid(basis: torch.Tensor, group: GroupSpec, in_repr: str, out_repr: str) -> torch.Tensor:
-    """Project the basis onto filters exactly equivariant to the grid elements (see the two variants)."""
+    """Project the basis onto filters exactly equivariant to the grid elements (see the two variants), as float32."""
     if hasattr(group, "grid_matrix"):
         return _average_with_matrices(basis, group, in_repr, out_repr)
     return _orbit_means(basis, group, in_repr, out_repr)
@@ -100,7 +79,7 @@ def _average_with_matrices(basis: torch.Tensor, group, in_repr: str, out_repr: s
 def _orbit_means(basis: torch.Tensor, group: GroupSpec, in_repr: str, out_repr: str) -> torch.Tensor:
     """Make each basis filter exactly invariant under the elements acting on the pixel grid.
 
-    escnn samples bases in float32, leaving ~1e-7 equivariance error. These elements
+    Stored in float32, a basis keeps ~1e-7 equivariance error. These elements
     (rotations by 90 degrees, flips) only permute filter entries, so the equivariant
     filters are those constant on each orbit of entries: we replace every entry by
     its orbit mean, written back identically, so C4/D4 equivariance is bit-exact.
@@ -131,7 +110,7 @@ def _atomic_save(tensor: torch.Tensor, path: Path) -> None:
 def steerable_basis(
     group: GroupSpec, in_repr: str, out_repr: str, kernel_size: int, dilation: int = 1, cutoff: float | None = None
 ) -> torch.Tensor:
-    """Return the (num_basis, out_size, in_size, k, k) basis, from memory, disk or escnn.
+    """Return the canonical (num_basis, out_size, in_size, k, k) basis, from memory, disk or the builder.
 
     cutoff: None for escnn's default band limit, or c for frequencies up to c*r per
     ring (the paper's released code uses 3, which is what its parameter counts need).
@@ -147,8 +126,7 @@ def steerable_basis(
         except Exception:  # a corrupt cache entry is rebuilt, never trusted
             basis = None
     if basis is None:
-        basis = _build_with_escnn(group, in_repr, out_repr, kernel_size, dilation, cutoff)
-        basis = symmetrize_on_grid(basis, group, in_repr, out_repr)
+        basis = build_basis(group, in_repr, out_repr, kernel_size, dilation, cutoff)
         _atomic_save(basis, path)
     _memory_cache[key] = basis
     return basis

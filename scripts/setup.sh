@@ -9,21 +9,6 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 log() { printf 'setup: %s\n' "$*" >&2; }
 die() { printf 'setup: ERROR: %s\n' "$*" >&2; exit 1; }
 
-# (a) Fortran compiler: escnn depends on py3nj, which pip builds from source.
-if command -v gfortran >/dev/null 2>&1; then
-    log "gfortran: present"
-elif [ "$(id -u)" -eq 0 ]; then
-    log "gfortran: missing, installing Debian package gfortran"
-    export DEBIAN_FRONTEND=noninteractive
-    apt-get update -qq >/dev/null
-    apt-get install -y -qq gfortran >/dev/null
-    command -v gfortran >/dev/null 2>&1 || die "gfortran still missing after apt-get install"
-else
-    die "gfortran (a Fortran compiler) is required to build py3nj, a dependency of escnn.
-Install the Debian package:  sudo apt-get install gfortran
-then run this script again."
-fi
-
 # (a2) Fashion-MNIST for the main job: Debian's package puts the original IDX
 # files in /usr/share/datasets/fashion-mnist. Not fatal when it cannot be
 # installed: `equiconvert train --data-dir DIR` takes any copy.
@@ -63,8 +48,10 @@ else
     .venv/bin/pip install -qq --disable-pip-version-check torch==2.14.1 torchvision==0.29.1
 fi
 
-# (d) The package itself, editable, with test extras. Skipped while the stamp
-# for the current pyproject.toml exists.
+# (d) The package itself, editable, with test extras, and escnn for the tests'
+# cross-checks. escnn goes in with --no-deps plus what its planar code imports
+# (scipy, joblib): its other dependencies, py3nj (Fortran) and lie_learn (NumPy 1
+# only), serve SO(3) alone. Skipped while the stamp for pyproject.toml exists.
 sha=$(sha256sum pyproject.toml | cut -c1-16)
 stamp=".venv/.equiconvert-setup-$sha"
 if [ -e "$stamp" ]; then
@@ -72,6 +59,8 @@ if [ -e "$stamp" ]; then
 else
     log "equiconvert: pip install -e .[test]"
     .venv/bin/pip install -qq --disable-pip-version-check -e ".[test]"
+    .venv/bin/pip install -qq --disable-pip-version-check --no-deps escnn==1.0.11
+    .venv/bin/pip install -qq --disable-pip-version-check scipy joblib
     rm -f .venv/.equiconvert-setup-*
     touch "$stamp"
 fi

@@ -2,10 +2,15 @@
 from __future__ import annotations
 
 import math
+import warnings
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from ..bases.canonical import BasisMismatchError, basis_fingerprint
+
+_FINGERPRINT_KEY = "_extra_state"  # torch's key suffix for get_extra_state
 
 
 def apply_to_constants(module: nn.Module, fn, names: tuple[str, ...]) -> None:
@@ -75,6 +80,8 @@ class SteerableConv2d(nn.Module):
         # A constant, not a buffer: Opacus refuses trainable modules with buffers (make_private
         # would fail), and it is no state to save. `_apply` moves and casts it with the module.
         self.basis = basis.detach().clone().float()
+        # Coefficients mean nothing without their basis: the state_dict carries its fingerprint.
+        self.basis_fingerprint = basis_fingerprint(self.basis)
         self.weight = nn.Parameter(torch.empty(out_fields, in_fields // groups, basis.shape[0]))
         # Regular/trivial fields: one bias per field on all its channels (the all-ones vector is
         # invariant). Irrep fields: a constant is invariant only on trivial channels, so
@@ -91,6 +98,37 @@ class SteerableConv2d(nn.Module):
         super()._apply(fn, recurse)
         apply_to_constants(self, fn, ("basis", "bias_index"))
         return self
+
+    def get_extra_state(self) -> torch.Tensor:
+        """The basis fingerprint as a uint8 tensor, so state_dicts stay all-tensor and weights_only-loadable."""
+        return torch.tensor(list(bytes.fromhex(self.basis_fingerprint)), dtype=torch.uint8)
+
+    def set_extra_state(self, state) -> None:
+        """Checked in _load_from_state_dict, where the layer's name is known."""
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, errors):
+        key = prefix + _FINGERPRINT_KEY
+        if key not in state_dict:
+            warnings.warn(
+                f"{prefix.rstrip('.') or 'SteerableConv2d'}: the state_dict has no basis fingerprint (saved before "
+                "equiconvert fingerprinted its canonical bases); its coefficients are read as coefficients of "
+                "this layer's basis. If they were trained against another basis, convert them with "
+                "equiconvert.bases.checkpoints.reexpress_state_dict (docs/bases.md).",
+                stacklevel=4,
+            )
+            state_dict[key] = self.get_extra_state()
+        else:
+            saved = state_dict[key]
+            found = bytes(saved.tolist()).hex() if isinstance(saved, torch.Tensor) else repr(saved)
+            if found != self.basis_fingerprint:
+                raise BasisMismatchError(
+                    f"{prefix.rstrip('.') or 'SteerableConv2d'}: the state_dict was saved with a kernel basis of "
+                    f"fingerprint {found}, this layer's basis is {self.basis_fingerprint}: its coefficients would "
+                    "describe other filters (another network). Load it with the equiconvert version, group, "
+                    "kernel size, dilation and basis cutoff it was saved with, or re-express its coefficients "
+                    "with equiconvert.bases.checkpoints.reexpress_state_dict given the old bases (docs/bases.md)."
+                )
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, errors)
 
     @property
     def num_basis(self) -> int:

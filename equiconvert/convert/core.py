@@ -179,7 +179,9 @@ def make_equivariant(
     (match the original parameter count), "channels" (keep the channel count), or a
     callable (channels, group) -> fields. input_size: the image size you will use; the
     report says whether it keeps exact equivariance. config: ConversionConfig fields
-    (head, invariant_pool, weight_standardization, init_gain, batchnorm_groups, leaf_modules).
+    (head, invariant_pool, weight_standardization, init_gain, basis_cutoff, batchnorm_groups,
+    leaf_modules, even_kernels: "refuse" (default) or "grow", which replaces a k x k conv with k
+    even by a (k+1) x (k+1) one with the same stride and padding, reported per layer).
     strict: turn every equivariance warning into an error. head: "keep" or "invariant".
     restrict: restrict the fields to a subgroup: "halved", "reflection", "invariant", a group
     name, a schedule "D8->D4->D1" (before the last stages) or {module name: step}; see

@@ -24,6 +24,8 @@ LAZY_MODULE_RULES: dict[str, Rule] = {}
 FUNCTION_RULES: dict[object, Rule] = {}
 METHOD_RULES: dict[str, Rule] = {}
 HEAD_TRANSPARENT: set[Rule] = set()  # rules of ops a classifier conv may pass through to the output
+# module class -> forward(module, *args) traced in place of the module's own (one with untraceable control flow)
+TRACEABLE_FORMS: dict[type, Callable] = {}
 
 
 def head_transparent(rule: Rule) -> Rule:
@@ -55,6 +57,17 @@ def module_rule(module_type: type) -> Rule | None:
         if resolved is not None:
             MODULE_RULES.setdefault(resolved, rule)
     return MODULE_RULES.get(module_type)
+
+
+def register_traceable_form(*module_types: type) -> Callable[[Callable], Callable]:
+    """Trace `form(module, *args)` in place of these modules' forward (same result, no data-dependent branches)."""
+
+    def decorate(form: Callable) -> Callable:
+        for module_type in module_types:
+            TRACEABLE_FORMS[module_type] = form
+        return form
+
+    return decorate
 
 
 def register_function_rule(*targets: object) -> Callable[[Rule], Rule]:

@@ -1,0 +1,83 @@
+"""Selective kernels, split attention, VGG's ConvMlp, EvoNorm and nested channel splits (tiny models, float64)."""
+import pytest
+import torch
+from torch import nn
+
+import equiconvert
+from equiconvert.convert.rules.split import _closed_partitions
+from equiconvert.nn.evo_norm import FieldEvoNorm
+
+from timm.layers import evo_norm
+from timm.layers.selective_kernel import SelectiveKernel
+from timm.layers.split_attn import SplitAttn
+from timm.models.vgg import ConvMlp
+
+
+def _exact(model: nn.Module, **kwargs) -> equiconvert.EquivariantModel:
+    converted = equiconvert.make_equivariant(model.eval(), "C4", head="invariant", **kwargs).eval().double()
+    assert converted.report.valid_input_sizes and converted.report.invariant_output
+    assert equiconvert.check_equivariance(converted, batch_size=2).max_error <= 1e-10
+    return converted
+
+
+def _classifier(*body: nn.Module, channels: int = 16) -> nn.Module:
+    return nn.Sequential(nn.Conv2d(3, channels, 3, padding=1), *body, nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                         nn.Linear(channels, 3))
+
+
+def test_selective_kernel_converts_exactly_and_weights_whole_fields():
+    model = _classifier(SelectiveKernel(16, 16, kernel_size=[3, 5]), SelectiveKernel(16, 16, split_input=True))
+    converted = _exact(model)
+    assert sum("FieldPathAttention" in change.after for change in converted.report.layers) == 2
+
+
+def test_split_attention_converts_exactly_with_radix_two_and_one():
+    _exact(_classifier(SplitAttn(16, 16, radix=2, groups=2), SplitAttn(16, 16, radix=1)))
+
+
+def test_conv_mlp_head_traces_and_pools_small_maps_up_symmetrically():
+    model = _classifier(ConvMlp(16, 16, kernel_size=5, drop_rate=0.0))
+    converted = _exact(model)
+    assert 8 in converted.report.valid_input_sizes
+    assert equiconvert.check_equivariance(converted, input_size=3).max_error <= 1e-10  # 3 < 5: pooled up to 5
+
+
+@pytest.mark.parametrize("name,apply_act", [("EvoNorm2dS0", True), ("EvoNorm2dS0", False), ("EvoNorm2dS0a", True),
+                                            ("EvoNorm2dS1", True), ("EvoNorm2dS1", False), ("EvoNorm2dS1a", True),
+                                            ("EvoNorm2dS2", True), ("EvoNorm2dS2a", False)])
+def test_field_evo_norm_with_one_channel_fields_is_timms(name, apply_act):
+    torch.manual_seed(0)
+    timm_norm = getattr(evo_norm, name)(12, groups=4, apply_act=apply_act)
+    for p in timm_norm.parameters():
+        p.data.normal_()
+    statistic = "rms" if "S2" in name else "std"
+    swish = getattr(timm_norm, "v", None) is not None
+    normalize = swish or name.endswith("a") or timm_norm.apply_act
+    field = FieldEvoNorm(12, 1, 4, statistic, normalize, getattr(timm_norm, "act", None), swish,
+                         timm_norm.eps)
+    field.load_state_dict({k: v for k, v in timm_norm.state_dict().items()})
+    x = torch.randn(3, 12, 5, 5)
+    torch.testing.assert_close(field(x), timm_norm(x))
+
+
+def test_sample_wise_evo_norms_convert_exactly():
+    model = _classifier(evo_norm.EvoNorm2dS0(16, groups=4), nn.Conv2d(16, 16, 3, padding=1),
+                        evo_norm.EvoNorm2dS1(16, groups=8), evo_norm.EvoNorm2dS2a(16, group_size=4))
+    converted = _exact(model)
+    assert sum("FieldEvoNorm" in change.after for change in converted.report.layers) == 3
+
+
+def test_batch_evo_norm_is_refused_by_name():
+    with pytest.raises(equiconvert.UnsupportedLayerError, match="EvoNorm2dB0 divides by a batch variance.*Options"):
+        equiconvert.make_equivariant(_classifier(evo_norm.EvoNorm2dB0(16)), "C4")
+
+
+def test_nested_splits_cut_every_piece_the_same_way():
+    partitions = _closed_partitions({480: {(240, 240), (160, 160, 160)}, 240: {(80, 40, 40, 80)}})
+    # the thirds of 480 start at 0, 160 and 320, which the cuts of 240 (80, 120, 160) place differently in each;
+    # every 160-channel piece must be cut alike (its field count is one number), so all pieces end at 40
+    assert partitions == {480: (40,) * 12, 240: (40,) * 6, 160: (40,) * 4, 80: (40, 40)}
+    for channels, pieces in ((480, (240, 240)), (480, (160, 160, 160))):
+        bounds = {sum(pieces[:i]) for i in range(len(pieces) + 1)}
+        finest = {sum(partitions[channels][:i]) for i in range(len(partitions[channels]) + 1)}
+        assert bounds <= finest

@@ -81,3 +81,30 @@ def test_nested_splits_cut_every_piece_the_same_way():
         bounds = {sum(pieces[:i]) for i in range(len(pieces) + 1)}
         finest = {sum(partitions[channels][:i]) for i in range(len(partitions[channels]) + 1)}
         assert bounds <= finest
+
+
+class _OneSidedPadStem(nn.Module):
+    """HGNet's stem pattern: a one-sided pad before a 2x2 conv and a 2x2 stride-1 max pool, then a symmetric pad."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.conv2 = nn.Conv2d(16, 8, 2), nn.Conv2d(24, 16, 3)
+        self.pool = nn.MaxPool2d(2, 1, ceil_mode=True)
+
+    def forward(self, x):
+        x = torch.nn.functional.pad(x, (0, 1, 0, 1))
+        x = torch.cat([self.pool(x), self.conv(x)], 1)
+        return self.conv2(torch.nn.functional.pad(x, (1, 1, 1, 1)))
+
+
+def test_one_sided_pad_before_two_by_two_windows_grows_to_a_centred_one():
+    model = _classifier(_OneSidedPadStem())
+    x = torch.randn(1, 3, 9, 9)
+    converted = _exact(model, config={"even_kernels": "grow"})
+    assert converted(x.double()).shape == model(x).shape
+    assert any("pad (1, 1, 1, 1)" in change.after for change in converted.report.layers)
+
+
+def test_one_sided_pad_is_refused_without_grow():
+    with pytest.raises(equiconvert.UnsupportedLayerError, match=r"pads \(0, 1, 0, 1\).*even_kernels"):
+        equiconvert.make_equivariant(_classifier(_OneSidedPadStem()), "C4")

@@ -108,3 +108,28 @@ def test_one_sided_pad_before_two_by_two_windows_grows_to_a_centred_one():
 def test_one_sided_pad_is_refused_without_grow():
     with pytest.raises(equiconvert.UnsupportedLayerError, match=r"pads \(0, 1, 0, 1\).*even_kernels"):
         equiconvert.make_equivariant(_classifier(_OneSidedPadStem()), "C4")
+
+
+def test_grouped_conv_multiples_reach_the_pieces_of_a_sliced_count():
+    from equiconvert.convert.rules.split import _piece_multiples
+
+    partitions = {128: (16,) * 8, 640: (512, 64, 64)}
+    found = _piece_multiples(partitions, {128: 32, 512: 32, 256: 4})
+    assert found == {16: 4, 512: 32, 256: 4}  # 8 pieces of 16 sum to a multiple of 32 when each is a multiple of 4
+
+
+class _DualPath(nn.Module):
+    """DPN's pattern: a grouped conv beside channel slices of a map whose pieces a residual adds back."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj, self.grouped = nn.Conv2d(16, 24, 1), nn.Conv2d(16, 16, 3, padding=1, groups=4)
+        self.out = nn.Conv2d(16, 16, 1)
+
+    def forward(self, x):
+        s = self.proj(x)
+        return torch.cat([s[:, :16] + self.out(self.grouped(x)), s[:, 16:]], 1)
+
+
+def test_slices_beside_grouped_convs_convert_exactly():
+    _exact(_classifier(_DualPath(), nn.Conv2d(24, 16, 1)))

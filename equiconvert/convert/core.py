@@ -123,7 +123,7 @@ def _convert_once(
     report = ConversionReport(group=group.name, width=width_name)
     ctx = ConversionContext(gm, group, width_fn, config, report)
     ctx.field_multiples = grouped_conv_multiples(gm)
-    ctx.width_fn = consistent_width(gm, width_fn)  # channel splits keep whole fields (rules/split.py)
+    ctx.width_fn = consistent_width(gm, width_fn, ctx.field_multiples)  # splits keep whole fields (rules/split.py)
     points = plan(gm, config.restrict, group.name)
     ctx.restrictions = {p.node: p.target for p in points}
     ctx.width_groups = width_groups(gm, points, group)

@@ -8,6 +8,7 @@ them and the residual sums beside them agree on their field counts.
 """
 from __future__ import annotations
 
+import math
 import operator
 from typing import Callable
 
@@ -133,15 +134,37 @@ def _channel_slice(node: fx.Node) -> tuple[int, int, int] | None:
     return shape[1], start, stop
 
 
-def consistent_width(gm: fx.GraphModule, width_fn: Callable) -> Callable:
-    """width_fn, except that a partitioned channel count gets the sum of its pieces' field counts."""
+def _piece_multiples(partitions: dict[int, tuple[int, ...]], multiples: dict[int, int]) -> dict[int, int]:
+    """Multiples for the field counts of unpartitioned counts, so that grouped convs on partitioned ones divide.
+
+    A partitioned count C whose grouped convs need a multiple m of fields, cut into k equal pieces of q
+    channels, gets it when fields(q) is a multiple of m / gcd(m, k) (DPN's grouped 3x3 beside its slices).
+    """
+    found = {c: m for c, m in multiples.items() if c not in partitions}
+    for channels, pieces in partitions.items():
+        m = multiples.get(channels, 1)
+        if m > 1 and len(set(pieces)) == 1 and pieces[0] not in partitions:
+            found[pieces[0]] = math.lcm(found.get(pieces[0], 1), m // math.gcd(m, len(pieces)))
+    return found
+
+
+def consistent_width(gm: fx.GraphModule, width_fn: Callable, multiples: dict[int, int] | None = None) -> Callable:
+    """width_fn, except that a partitioned channel count gets the sum of its pieces' field counts.
+
+    multiples: channel count -> multiple its field count must be (grouped convs); pieces are rounded so
+    that partitioned counts meet theirs.
+    """
     partitions = channel_partitions(gm)
     if not partitions:
         return width_fn
+    piece_multiples = _piece_multiples(partitions, multiples or {})
 
     def fields(channels: int, group) -> int:
         pieces = partitions.get(channels)
-        return sum(fields(p, group) for p in pieces) if pieces else width_fn(channels, group)
+        if pieces:
+            return sum(fields(p, group) for p in pieces)
+        m = piece_multiples.get(channels, 1)
+        return max(m, round(width_fn(channels, group) / m) * m)
 
     fields.__name__ = getattr(width_fn, "__name__", "width")
     fields.partitions = partitions  # read by the split rules to place field boundaries

@@ -133,3 +133,18 @@ class _DualPath(nn.Module):
 
 def test_slices_beside_grouped_convs_convert_exactly():
     _exact(_classifier(_DualPath(), nn.Conv2d(24, 16, 1)))
+
+
+def test_path_attention_and_evo_norm_give_per_sample_gradients_and_pickle():
+    import pickle
+
+    from per_sample_check import assert_per_sample_gradients_match_loop
+
+    torch.manual_seed(0)
+    model = _classifier(SelectiveKernel(16, 16, kernel_size=[3, 5]), evo_norm.EvoNorm2dS0(16, groups=4),
+                        SplitAttn(16, 16, radix=2, groups=2))
+    converted = equiconvert.make_equivariant(model, "C4", head="invariant").eval()
+    x, y = torch.randn(3, 3, 9, 9), torch.tensor([0, 2, 1])
+    assert_per_sample_gradients_match_loop(converted, x, y)
+    with torch.no_grad():
+        assert torch.equal(pickle.loads(pickle.dumps(converted))(x), converted(x))

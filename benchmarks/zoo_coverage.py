@@ -199,12 +199,7 @@ def assess(source: str, name: str, build: Callable[[], nn.Module]) -> Outcome:
 
 def _check_in_float64(model: nn.Module, size: int) -> equiconvert.EquivarianceResult:
     """The equivariance check in float64: deep untrained nets sum fp32 rounding near 1e-5 (bases are exact)."""
-    default = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)  # check_equivariance draws its input in the default dtype
-    try:
-        return equiconvert.check_equivariance(model.double(), input_size=size, batch_size=1)
-    finally:
-        torch.set_default_dtype(default)
+    return equiconvert.check_equivariance(model.double(), input_size=size, batch_size=1)
 
 
 def zoo(only: list[str] | None = None) -> list[tuple[str, str, Callable[[], nn.Module]]]:

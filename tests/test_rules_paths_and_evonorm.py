@@ -148,3 +148,8 @@ def test_path_attention_and_evo_norm_give_per_sample_gradients_and_pickle():
     assert_per_sample_gradients_match_loop(converted, x, y)
     with torch.no_grad():
         assert torch.equal(pickle.loads(pickle.dumps(converted))(x), converted(x))
+
+
+def test_check_equivariance_draws_its_input_in_the_models_dtype():
+    converted = equiconvert.make_equivariant(_classifier(nn.ReLU()), "C4", head="invariant").eval()
+    assert equiconvert.check_equivariance(converted.double()).max_error <= 1e-12  # float64 end to end

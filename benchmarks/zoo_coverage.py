@@ -148,6 +148,8 @@ RULE_NOTES = [
     "- VGG's ConvMlp: traced with its minimum-size pooling as one node; HGNet's one-sided pad before 2x2 windows: "
     "a centred pad before 3x3 windows (even_kernels='grow')",
     "- nearest/bilinear/bicubic upsampling by an integer factor: exact at every size",
+    "- TResNet's space-to-depth stem: each orbit of a 4x4 block's positions under C2/C4 becomes a regular field "
+    "(reflection groups are refused: they fix a block's diagonals); BlurPool2d: its symmetric blur on every channel",
 ]
 
 

@@ -153,3 +153,25 @@ def test_path_attention_and_evo_norm_give_per_sample_gradients_and_pickle():
 def test_check_equivariance_draws_its_input_in_the_models_dtype():
     converted = equiconvert.make_equivariant(_classifier(nn.ReLU()), "C4", head="invariant").eval()
     assert equiconvert.check_equivariance(converted.double()).max_error <= 1e-12  # float64 end to end
+
+
+def test_space_to_depth_stem_makes_regular_fields_for_rotations_and_is_refused_with_reflections():
+    from timm.layers import BlurPool2d, SpaceToDepth
+
+    def model():
+        return nn.Sequential(SpaceToDepth(), nn.Conv2d(48, 16, 3, padding=1), BlurPool2d(16, stride=2),
+                             nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 3))
+
+    converted = equiconvert.make_equivariant(model().eval(), "C4", head="invariant").eval().double()
+    assert converted.in_channels == 3 and converted.report.valid_input_sizes[0] % 4 == 0
+    assert equiconvert.check_equivariance(converted, batch_size=2).max_error <= 1e-10
+    with pytest.raises(equiconvert.UnsupportedLayerError, match="D4 fixes some positions.*Options"):
+        equiconvert.make_equivariant(model(), "D4", head="invariant")
+
+
+def test_reflect_padding_on_every_side_is_kept():
+    class Reflect(nn.Module):
+        def forward(self, x):
+            return torch.nn.functional.pad(x, (2, 2, 2, 2), mode="reflect")
+
+    _exact(_classifier(Reflect(), nn.Conv2d(16, 16, 5)))

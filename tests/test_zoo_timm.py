@@ -39,7 +39,6 @@ NOT_EXACT = {
     "dla46_c": "no-exact",
     "hrnet_w18_small": "no-exact",  # upsampled low-resolution branches (even) meet odd full-resolution ones
     "inception_v3": "refused",  # 1x7 / 7x1 kernels
-    "tresnet_m": "refused",  # space-to-depth stem
 }
 
 

@@ -18,7 +18,7 @@ from .grid import GridAnalysis
 from .input_fit import fit_input, invalid_size_error
 from .weights import report_pretrained_weights
 from .model import EquivariantModel
-from .registry import find_rule
+from .registry import channel_fold, find_rule
 from .rules.conv import grouped_conv_multiples
 from .rules.split import consistent_width
 from .report import ConversionReport
@@ -33,9 +33,11 @@ PARAMS_TOLERANCE = 0.02
 
 
 def _input_channels(model: nn.Module) -> int:
+    fold = 1
     for module in model.modules():
         if isinstance(module, nn.Conv2d):
-            return module.in_channels
+            return module.in_channels // fold
+        fold *= channel_fold(module)
     raise UnsupportedLayerError(f"{type(model).__name__} has no nn.Conv2d; equiconvert converts convolutional networks")
 
 

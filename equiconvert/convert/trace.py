@@ -12,7 +12,7 @@ from torch.fx.passes.shape_prop import ShapeProp
 
 from ..errors import TracingError
 from .context import SHAPE_KEY
-from .registry import TRACEABLE_FORMS, module_rule
+from .registry import module_rule, traceable_form
 
 
 class _Tracer(fx.Tracer):
@@ -27,7 +27,7 @@ class _Tracer(fx.Tracer):
         return super().is_leaf_module(module, qualified_name)
 
     def call_module(self, module: nn.Module, forward, args, kwargs):
-        form = TRACEABLE_FORMS.get(type(module))
+        form = traceable_form(type(module))
         if form is not None and not self.is_leaf_module(module, self.path_of_module(module)):
             forward = functools.partial(form, module)
         return super().call_module(module, forward, args, kwargs)

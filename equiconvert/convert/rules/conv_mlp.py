@@ -16,9 +16,6 @@ from ..context import ConversionContext
 from ..fields import FieldType
 from ..grid import MinSizeOp
 from ..registry import register_function_rule, register_traceable_form
-from .norm_act import optional_classes
-
-CONV_MLP = optional_classes("timm.models.vgg", "ConvMlp")
 
 
 def pool_to_min_size(x: torch.Tensor, size: int) -> torch.Tensor:
@@ -31,7 +28,7 @@ def pool_to_min_size(x: torch.Tensor, size: int) -> torch.Tensor:
 torch.fx.wrap("pool_to_min_size")
 
 
-@register_traceable_form(*CONV_MLP)
+@register_traceable_form("timm.models.vgg:ConvMlp")
 def conv_mlp_forward(module, x: torch.Tensor) -> torch.Tensor:
     x = pool_to_min_size(x, module.input_kernel_size)
     return module.act2(module.fc2(module.drop(module.act1(module.fc1(x)))))

@@ -1,9 +1,10 @@
-"""F.pad on feature maps: symmetric zero padding as is; HGNet's one-sided pad before 2x2 windows, grown.
+"""F.pad on feature maps: equal padding on every side kept; HGNet's one-sided pad before 2x2 windows, grown.
 
-A zero pad of p on every side maps the grid onto itself under rotations and flips. A pad of one
-pixel on the right and bottom only, feeding 2x2 stride-1 windows (HGNet's stem), keeps the size
-but centres nothing; under even_kernels="grow" it becomes a one-pixel pad on every side feeding
-3x3 windows (the convs grow by the conv rule, the pools here): the same output size, centred.
+A pad of p on every side (zero, reflect, replicate or circular) maps the grid onto itself under
+rotations and flips. A zero pad of one pixel on the right and bottom only, feeding 2x2 stride-1
+windows (HGNet's stem), keeps the size but centres nothing; under even_kernels="grow" it becomes
+a one-pixel pad on every side feeding 3x3 windows (the convs grow by the conv rule, the pools
+here): the same output size, centred.
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from ..grid import WindowOp
 from ..registry import register_function_rule
 
 ONE_SIDED = ((0, 1, 0, 1), (1, 0, 1, 0))
+MODES = ("constant", "reflect", "replicate", "circular")  # each commutes with rotations and flips when all sides agree
 
 
 def _arg(node: fx.Node, index: int, name: str, default=None):
@@ -44,14 +46,15 @@ def _grow_pool(ctx: ConversionContext, user: fx.Node, pool: nn.Module) -> None:
 def convert_pad(ctx: ConversionContext, node: fx.Node) -> FieldType:
     t = ctx.field_input(node)
     pad, mode, value = tuple(_arg(node, 1, "pad")), _arg(node, 2, "mode", "constant"), _arg(node, 3, "value", None)
-    if not t.spatial or t.channels_last or len(pad) != 4 or mode != "constant" or value not in (None, 0, 0.0):
-        raise ctx.unsupported(node, f"pads {pad} in mode {mode!r} with value {value}; only zero padding of the two "
-                                    "spatial dims of a channels-first map has a rule")
+    if not t.spatial or t.channels_last or len(pad) != 4 or mode not in MODES or value not in (None, 0, 0.0):
+        raise ctx.unsupported(node, f"pads {pad} in mode {mode!r} with value {value}; rules exist for zero, "
+                                    "reflect, replicate and circular padding of the two spatial dims of a "
+                                    "channels-first map")
     if len(set(pad)) == 1:
         ctx.set_spatial(node, WindowOp(1, 1, pad[0]))
         return t
     windows = [_two_by_two_window(ctx, user) for user in node.users]
-    if pad not in ONE_SIDED or None in windows or ctx.config.even_kernels != "grow":
+    if pad not in ONE_SIDED or mode != "constant" or None in windows or ctx.config.even_kernels != "grow":
         raise ctx.unsupported(node, f"pads {pad}: unequal sides do not map onto themselves under rotations",
                               "Options: pad every side equally; a one-pixel pad on two sides that feeds only 2x2 "
                               "stride-1 convs or pools converts with config={'even_kernels': 'grow'}.")

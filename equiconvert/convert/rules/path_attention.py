@@ -16,10 +16,6 @@ from ...nn.path_attention import FieldPathAttention
 from ..context import ConversionContext
 from ..fields import FieldType
 from ..registry import register_function_rule, register_traceable_form
-from .norm_act import optional_classes
-
-SELECTIVE_KERNEL = optional_classes("timm.layers.selective_kernel", "SelectiveKernel")
-SPLIT_ATTENTION = optional_classes("timm.layers.split_attn", "SplitAttn")
 
 
 def attend_paths(module: nn.Module, *paths: torch.Tensor) -> torch.Tensor:
@@ -44,7 +40,7 @@ def attend_paths(module: nn.Module, *paths: torch.Tensor) -> torch.Tensor:
 torch.fx.wrap("attend_paths")
 
 
-@register_traceable_form(*SELECTIVE_KERNEL)
+@register_traceable_form("timm.layers.selective_kernel:SelectiveKernel")
 def selective_kernel_forward(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     if module.split_input:
         pieces = torch.split(x, module.in_channels // module.num_paths, 1)
@@ -52,7 +48,7 @@ def selective_kernel_forward(module: nn.Module, x: torch.Tensor) -> torch.Tensor
     return attend_paths(module, *[op(x) for op in module.paths])
 
 
-@register_traceable_form(*SPLIT_ATTENTION)
+@register_traceable_form("timm.layers.split_attn:SplitAttn")
 def split_attention_forward(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return attend_paths(module, module.act0(module.drop(module.bn0(module.conv(x)))))
 

@@ -44,11 +44,7 @@ def register_module_rule(*module_types: type | str) -> Callable[[Rule], Rule]:
     """Register a rule for module classes, given as types or as "package.module:Class" names (resolved lazily)."""
 
     def decorate(rule: Rule) -> Rule:
-        for module_type in module_types:
-            if isinstance(module_type, str):
-                LAZY_MODULE_RULES[module_type] = rule
-            else:
-                MODULE_RULES[module_type] = rule
+        _register(module_types, rule, MODULE_RULES, LAZY_MODULE_RULES)
         return rule
 
     return decorate
@@ -73,6 +69,14 @@ def channel_fold(module) -> int:
     return factor(module) if factor is not None else 1
 
 
+def _register(module_types, value: Callable, by_type: dict[type, Callable], by_name: dict[str, Callable]) -> None:
+    for module_type in module_types:
+        if isinstance(module_type, str):
+            by_name[module_type] = value
+        else:
+            by_type[module_type] = value
+
+
 def _resolve(lazy: dict[str, Callable], resolved: dict[type, Callable]) -> None:
     """Move the entries of `lazy` whose module is imported by now into `resolved`, keyed by their class."""
     for name in [n for n in lazy if n.partition(":")[0] in sys.modules]:
@@ -90,11 +94,7 @@ def register_traceable_form(*module_types: type | str) -> Callable[[Callable], C
     """
 
     def decorate(form: Callable) -> Callable:
-        for module_type in module_types:
-            if isinstance(module_type, str):
-                LAZY_TRACEABLE_FORMS[module_type] = form
-            else:
-                TRACEABLE_FORMS[module_type] = form
+        _register(module_types, form, TRACEABLE_FORMS, LAZY_TRACEABLE_FORMS)
         return form
 
     return decorate

@@ -137,6 +137,22 @@ TIMM: dict[str, Callable[[], nn.Module]] = {
 }
 
 
+RULE_NOTES = [
+    "- norm-act layers (BatchNormAct2d, GroupNormAct, LayerNormAct2d, FrozenBatchNormAct2d) -> FieldGroupNorm or "
+    "FieldLayerNorm + the activation; EvoNorm2dS0/S1/S2 (and 'a' forms) -> FieldEvoNorm (per-sample statistics over "
+    "whole fields); EvoNorm2dB0/B1/B2 are refused: their batch variance mixes examples",
+    "- channel split/chunk/slice and cat: field counts are chosen so that every piece is whole fields (a channel "
+    "count cut differently in several places is cut at all those places; grouped convs round the pieces)",
+    "- SE/ECA gates, SKNet's selective kernel and ResNeSt's split attention: weights per whole field from group-pooled "
+    "(invariant) statistics",
+    "- VGG's ConvMlp: traced with its minimum-size pooling as one node; HGNet's one-sided pad before 2x2 windows: "
+    "a centred pad before 3x3 windows (even_kernels='grow')",
+    "- nearest/bilinear/bicubic upsampling by an integer factor: exact at every size",
+    "- TResNet's space-to-depth stem: each orbit of a 4x4 block's positions under C2/C4 becomes a regular field "
+    "(reflection groups are refused: they fix a block's diagonals); BlurPool2d: its symmetric blur on every channel",
+]
+
+
 @dataclass
 class Outcome:
     architecture: str
@@ -185,12 +201,7 @@ def assess(source: str, name: str, build: Callable[[], nn.Module]) -> Outcome:
 
 def _check_in_float64(model: nn.Module, size: int) -> equiconvert.EquivarianceResult:
     """The equivariance check in float64: deep untrained nets sum fp32 rounding near 1e-5 (bases are exact)."""
-    default = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)  # check_equivariance draws its input in the default dtype
-    try:
-        return equiconvert.check_equivariance(model.double(), input_size=size, batch_size=1)
-    finally:
-        torch.set_default_dtype(default)
+    return equiconvert.check_equivariance(model.double(), input_size=size, batch_size=1)
 
 
 def zoo(only: list[str] | None = None) -> list[tuple[str, str, Callable[[], nn.Module]]]:
@@ -221,6 +232,7 @@ def markdown(records: list[Outcome], command: str) -> str:
         total = sum(counts.values())
         parts = ", ".join(f"{k} {v}" for k, v in sorted(counts.items()))
         lines.append(f"- {source}: {total} architectures: {parts} ({counts.get('exact', 0) / total:.0%} exact)")
+    lines += ["", "Layers of these models and their equivariant forms:", "", *RULE_NOTES]
     lines += ["", "| source | architecture | outcome | params before | params after | valid sizes | checked size | "
               "conversion s | note |", "|---|---|---|---|---|---|---|---|---|"]
     for r in records:
@@ -240,7 +252,7 @@ def _merge(args: argparse.Namespace) -> list[Outcome]:
     records = [found[(source, name)] for source, name, _ in zoo() if (source, name) in found]
     args.json.write_text(json.dumps({"summary": summary(records), "records": [asdict(r) for r in records]}, indent=1))
     names = " ".join(str(p) for p in args.merge)
-    args.markdown.write_text(markdown(records, f"python benchmarks/zoo_coverage.py --only ... (merged with --merge {names})"))
+    args.markdown.write_text(markdown(records, f"python benchmarks/zoo_coverage.py --merge {names}"))
     return records
 
 

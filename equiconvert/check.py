@@ -76,7 +76,8 @@ def check_equivariance(
     parameter = next(model.parameters(), None)
     device = parameter.device if parameter is not None else torch.device("cpu")
     generator = torch.Generator().manual_seed(seed)
-    x = torch.randn(batch_size, in_channels, input_size, input_size, generator=generator).to(device)
+    dtype = parameter.dtype if parameter is not None and parameter.is_floating_point() else None
+    x = torch.randn(batch_size, in_channels, input_size, input_size, generator=generator).to(device, dtype)
     was_training = model.training
     model.eval()
     try:

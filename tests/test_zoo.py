@@ -85,4 +85,6 @@ def test_other_torchvision_models_convert_exactly_or_fail_clearly(name):
         return
     model = equiconvert.make_equivariant(original, "C4", head="invariant")
     assert model.report.invariant_output
-    assert equiconvert.check_equivariance(model, batch_size=1).max_error <= 1e-5
+    # in float64: these deep untrained nets (GoogLeNet without its init) sum float32 rounding to about 1e-5,
+    # while the converted model is exact (float64 errors near 1e-14)
+    assert equiconvert.check_equivariance(model.double(), batch_size=1).max_error <= 1e-5

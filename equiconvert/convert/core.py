@@ -18,7 +18,7 @@ from .grid import GridAnalysis
 from .input_fit import fit_input, invalid_size_error
 from .weights import report_pretrained_weights
 from .model import EquivariantModel
-from .registry import find_rule
+from .registry import channel_fold, find_rule
 from .rules.conv import grouped_conv_multiples
 from .rules.split import consistent_width
 from .report import ConversionReport
@@ -33,9 +33,11 @@ PARAMS_TOLERANCE = 0.02
 
 
 def _input_channels(model: nn.Module) -> int:
+    fold = 1
     for module in model.modules():
         if isinstance(module, nn.Conv2d):
-            return module.in_channels
+            return module.in_channels // fold
+        fold *= channel_fold(module)
     raise UnsupportedLayerError(f"{type(model).__name__} has no nn.Conv2d; equiconvert converts convolutional networks")
 
 
@@ -123,7 +125,7 @@ def _convert_once(
     report = ConversionReport(group=group.name, width=width_name)
     ctx = ConversionContext(gm, group, width_fn, config, report)
     ctx.field_multiples = grouped_conv_multiples(gm)
-    ctx.width_fn = consistent_width(gm, width_fn)  # channel splits keep whole fields (rules/split.py)
+    ctx.width_fn = consistent_width(gm, width_fn, ctx.field_multiples)  # splits keep whole fields (rules/split.py)
     points = plan(gm, config.restrict, group.name)
     ctx.restrictions = {p.node: p.target for p in points}
     ctx.width_groups = width_groups(gm, points, group)
@@ -179,7 +181,9 @@ def make_equivariant(
     (match the original parameter count), "channels" (keep the channel count), or a
     callable (channels, group) -> fields. input_size: the image size you will use; the
     report says whether it keeps exact equivariance. config: ConversionConfig fields
-    (head, invariant_pool, weight_standardization, init_gain, batchnorm_groups, leaf_modules).
+    (head, invariant_pool, weight_standardization, init_gain, basis_cutoff, batchnorm_groups,
+    leaf_modules, even_kernels: "refuse" (default) or "grow", which replaces a k x k conv with k
+    even by a (k+1) x (k+1) one with the same stride and padding, reported per layer).
     strict: turn every equivariance warning into an error. head: "keep" or "invariant".
     restrict: restrict the fields to a subgroup: "halved", "reflection", "invariant", a group
     name, a schedule "D8->D4->D1" (before the last stages) or {module name: step}; see

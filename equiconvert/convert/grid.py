@@ -49,7 +49,17 @@ class ScaleOp:
         return size * self.factor, size >= 1
 
 
-SpatialOp = WindowOp | AdaptiveOp | ScaleOp
+@dataclass(frozen=True)
+class MinSizeOp:
+    """Maps smaller than `size` are average-pooled up to it (adaptive, so symmetric); larger ones pass unchanged."""
+
+    size: int
+
+    def apply(self, size: int) -> tuple[int, bool]:
+        return max(size, self.size), size >= 1
+
+
+SpatialOp = WindowOp | AdaptiveOp | ScaleOp | MinSizeOp
 
 
 @dataclass

@@ -24,6 +24,14 @@ LAZY_MODULE_RULES: dict[str, Rule] = {}
 FUNCTION_RULES: dict[object, Rule] = {}
 METHOD_RULES: dict[str, Rule] = {}
 HEAD_TRANSPARENT: set[Rule] = set()  # rules of ops a classifier conv may pass through to the output
+# module class (or "package.module:Class", resolved lazily) -> forward(module, *args) traced in place of the
+# module's own (one with untraceable control flow)
+TRACEABLE_FORMS: dict[type, Callable] = {}
+LAZY_TRACEABLE_FORMS: dict[str, Callable] = {}
+# "package.module:Class" of a module that folds space into channels -> its factor(module): a model whose first
+# conv follows one takes in_channels / factor input channels (TResNet's space-to-depth stem)
+LAZY_CHANNEL_FOLDS: dict[str, Callable] = {}
+CHANNEL_FOLDS: dict[type, Callable] = {}
 
 
 def head_transparent(rule: Rule) -> Rule:
@@ -36,11 +44,7 @@ def register_module_rule(*module_types: type | str) -> Callable[[Rule], Rule]:
     """Register a rule for module classes, given as types or as "package.module:Class" names (resolved lazily)."""
 
     def decorate(rule: Rule) -> Rule:
-        for module_type in module_types:
-            if isinstance(module_type, str):
-                LAZY_MODULE_RULES[module_type] = rule
-            else:
-                MODULE_RULES[module_type] = rule
+        _register(module_types, rule, MODULE_RULES, LAZY_MODULE_RULES)
         return rule
 
     return decorate
@@ -48,13 +52,52 @@ def register_module_rule(*module_types: type | str) -> Callable[[Rule], Rule]:
 
 def module_rule(module_type: type) -> Rule | None:
     """The rule for instances of exactly `module_type`, registering lazy rules whose module is imported by now."""
-    for name in [n for n in LAZY_MODULE_RULES if n.partition(":")[0] in sys.modules]:
-        module_name, _, class_name = name.partition(":")
-        rule = LAZY_MODULE_RULES.pop(name)
-        resolved = getattr(importlib.import_module(module_name), class_name, None)
-        if resolved is not None:
-            MODULE_RULES.setdefault(resolved, rule)
+    _resolve(LAZY_MODULE_RULES, MODULE_RULES)
     return MODULE_RULES.get(module_type)
+
+
+def traceable_form(module_type: type) -> Callable | None:
+    """The traceable forward registered for exactly `module_type`, if any."""
+    _resolve(LAZY_TRACEABLE_FORMS, TRACEABLE_FORMS)
+    return TRACEABLE_FORMS.get(module_type)
+
+
+def channel_fold(module) -> int:
+    """How many channels `module` makes of each input channel (1 unless registered in LAZY_CHANNEL_FOLDS)."""
+    _resolve(LAZY_CHANNEL_FOLDS, CHANNEL_FOLDS)
+    factor = CHANNEL_FOLDS.get(type(module))
+    return factor(module) if factor is not None else 1
+
+
+def _register(module_types, value: Callable, by_type: dict[type, Callable], by_name: dict[str, Callable]) -> None:
+    for module_type in module_types:
+        if isinstance(module_type, str):
+            by_name[module_type] = value
+        else:
+            by_type[module_type] = value
+
+
+def _resolve(lazy: dict[str, Callable], resolved: dict[type, Callable]) -> None:
+    """Move the entries of `lazy` whose module is imported by now into `resolved`, keyed by their class."""
+    for name in [n for n in lazy if n.partition(":")[0] in sys.modules]:
+        module_name, _, class_name = name.partition(":")
+        value = lazy.pop(name)
+        found = getattr(importlib.import_module(module_name), class_name, None)
+        if found is not None:
+            resolved.setdefault(found, value)
+
+
+def register_traceable_form(*module_types: type | str) -> Callable[[Callable], Callable]:
+    """Trace `form(module, *args)` in place of these modules' forward (same result, no data-dependent branches).
+
+    Types may be given as "package.module:Class" names, resolved once that module is imported.
+    """
+
+    def decorate(form: Callable) -> Callable:
+        _register(module_types, form, TRACEABLE_FORMS, LAZY_TRACEABLE_FORMS)
+        return form
+
+    return decorate
 
 
 def register_function_rule(*targets: object) -> Callable[[Rule], Rule]:

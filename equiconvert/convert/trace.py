@@ -1,6 +1,7 @@
 """Symbolic tracing with leaves for every module that has a rule, and clear errors."""
 from __future__ import annotations
 
+import functools
 import sys
 import traceback
 
@@ -11,7 +12,7 @@ from torch.fx.passes.shape_prop import ShapeProp
 
 from ..errors import TracingError
 from .context import SHAPE_KEY
-from .registry import module_rule
+from .registry import module_rule, traceable_form
 
 
 class _Tracer(fx.Tracer):
@@ -24,6 +25,12 @@ class _Tracer(fx.Tracer):
         if module_rule(type(module)) is not None or isinstance(module, self.extra_leaves):
             return True
         return super().is_leaf_module(module, qualified_name)
+
+    def call_module(self, module: nn.Module, forward, args, kwargs):
+        form = traceable_form(type(module))
+        if form is not None and not self.is_leaf_module(module, self.path_of_module(module)):
+            forward = functools.partial(form, module)
+        return super().call_module(module, forward, args, kwargs)
 
 
 def _failing_module(model: nn.Module, tb) -> str | None:

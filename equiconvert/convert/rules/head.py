@@ -165,9 +165,5 @@ def convert_linear(ctx: ConversionContext, node: fx.Node) -> FieldType:
     return FieldType(t.group, "trivial", linear.out_features, spatial=False)
 
 
-try:  # timm's Linear (nn.Linear calling F.linear, for AMP under torchscript) converts like nn.Linear
-    from timm.layers.linear import Linear as _TimmLinear
-
-    register_module_rule(_TimmLinear)(convert_linear)
-except ImportError:  # timm is optional
-    pass
+# timm's Linear (nn.Linear calling F.linear, for AMP under torchscript) converts like nn.Linear
+register_module_rule("timm.layers.linear:Linear")(convert_linear)

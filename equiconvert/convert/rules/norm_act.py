@@ -8,7 +8,6 @@ gain (layer scale) becomes FieldLayerScale, one gain per field.
 from __future__ import annotations
 
 import copy
-import importlib
 
 import torch.fx as fx
 from torch import nn
@@ -17,20 +16,16 @@ from ...nn.layer_norm import FieldLayerNorm
 from ...nn.layer_scale import FieldLayerScale
 from ..context import ConversionContext
 from ..fields import FieldType
-from ..registry import head_transparent, register_module_rule
+from ..registry import head_transparent, module_rule, register_module_rule
 from .activation import (
-    ACTIVATION_MODULES, FIELD_NONLINEARITIES, POINTWISE_REPRESENTATIONS, _out_of_place, convert_activation_module,
+    FIELD_NONLINEARITIES, POINTWISE_REPRESENTATIONS, _out_of_place, convert_activation_module,
 )
 from .norm import _field_norm
 
 
-def optional_classes(module: str, *names: str) -> list[type]:
-    """The classes `names` of `module` that exist in the installed version (timm and torchvision are optional)."""
-    try:
-        found = importlib.import_module(module)
-    except ImportError:
-        return []
-    return [getattr(found, name) for name in names if hasattr(found, name)]
+def optional_classes(module: str, *names: str) -> list[str]:
+    """"module:Name" for classes of optional packages (timm, torchvision): registered once a model imports them."""
+    return [f"{module}:{name}" for name in names]
 
 
 TIMM_ACTIVATIONS = optional_classes("timm.layers.activations", "Swish", "Mish", "Sigmoid", "Tanh", "HardSwish", "HardSigmoid",
@@ -54,7 +49,7 @@ def _activation(ctx: ConversionContext, node: fx.Node, act: nn.Module, t: FieldT
     """The equivariant form of a norm-act layer's activation on fields of type `t`."""
     if isinstance(act, nn.Identity):
         return act
-    if type(act) not in (*ACTIVATION_MODULES, *TIMM_ACTIVATIONS):
+    if module_rule(type(act)) is not convert_activation_module:
         raise ctx.unsupported(node, f"its activation {type(act).__name__} has no equivariant form",
                               "Options: use an elementwise activation (ReLU, SiLU, GELU, ...) in the norm layer.")
     if t.representation in FIELD_NONLINEARITIES:

@@ -8,6 +8,7 @@ them and the residual sums beside them agree on their field counts.
 """
 from __future__ import annotations
 
+import math
 import operator
 from typing import Callable
 
@@ -55,24 +56,54 @@ def _module_of(node: fx.Node) -> str:
     return str(list(stack)[-1]) if stack else ""
 
 
-def _refine(partitions: dict[int, tuple[int, ...]], channels: int, pieces: tuple[int, ...]) -> None:
-    """Merge `pieces` into the partition of `channels`: the common refinement cuts wherever either one cuts."""
-    cuts = {sum(pieces[:i]) for i in range(1, len(pieces))}
-    old = partitions.get(channels, ())
-    cuts |= {sum(old[:i]) for i in range(1, len(old))}
-    bounds = [0, *sorted(cuts), channels]
-    partitions[channels] = tuple(b - a for a, b in zip(bounds, bounds[1:]))
+def _offsets(pieces: tuple[int, ...]) -> list[int]:
+    return [sum(pieces[:i]) for i in range(len(pieces) + 1)]
+
+
+def _closed_partitions(segmentations: dict[int, set[tuple[int, ...]]]) -> dict[int, tuple[int, ...]]:
+    """Channel count -> its finest pieces, closed so that every piece count is cut like the pieces it lies in.
+
+    A count C cut into pieces (p_1, .., p_k) in one place and differently in another gets the cuts of
+    both; a piece p_i of C then carries C's cuts inside it, and C carries p_i's own cuts at p_i's offset.
+    Field counts summed over the finest pieces then add up: fields(C) = sum of fields(p_i) for every
+    segmentation of C, and two maps of C channels built either way agree field by field.
+    """
+    cuts: dict[int, set[int]] = {c: set() for c in segmentations}
+    for c, segs in segmentations.items():
+        for pieces in segs:
+            cuts[c] |= set(_offsets(pieces)[1:-1])
+    changed = True
+    while changed:
+        changed = False
+        for c, segs in segmentations.items():
+            for pieces in segs:
+                for start, size in zip(_offsets(pieces), pieces):
+                    inner = {x - start for x in cuts[c] if start < x < start + size}
+                    own = cuts.get(size, set())
+                    if not inner <= own:
+                        cuts[size] = own | inner
+                        changed = True
+                    outer = {start + x for x in cuts.get(size, ())}
+                    if not outer <= cuts[c]:
+                        cuts[c] |= outer
+                        changed = True
+    partitions = {}
+    for c, cut in cuts.items():
+        if cut:
+            bounds = [0, *sorted(cut), c]
+            partitions[c] = tuple(b - a for a, b in zip(bounds, bounds[1:]))
+    return partitions
 
 
 def channel_partitions(gm: fx.GraphModule) -> dict[int, tuple[int, ...]]:
     """Channel count -> the finest pieces that its splits (or concatenations beside them, or slices) cut it into."""
-    partitions: dict[int, tuple[int, ...]] = {}
+    segmentations: dict[int, set[tuple[int, ...]]] = {}
     split_modules = set()
     for node in gm.graph.nodes:
         if node.op in ("call_function", "call_method") and node.target in SPLITS:
             pieces = split_pieces(node)
             if pieces and len(pieces) > 1:
-                _refine(partitions, sum(pieces), pieces)
+                segmentations.setdefault(sum(pieces), set()).add(pieces)
                 split_modules.add(_module_of(node))
     for node in gm.graph.nodes:  # x[:, a:b] on a map: its channels split at a and b (ReXNet, DPN)
         cut = _channel_slice(node)
@@ -80,14 +111,14 @@ def channel_partitions(gm: fx.GraphModule) -> dict[int, tuple[int, ...]]:
             channels, start, stop = cut
             pieces = tuple(p for p in (start, stop - start, channels - stop) if p > 0)
             if len(pieces) > 1:
-                _refine(partitions, channels, pieces)
+                segmentations.setdefault(channels, set()).add(pieces)
     for node in gm.graph.nodes:
         if node.op == "call_function" and node.target in CATS and _arg(node, 1, "dim", 0) in (1, -3):
             shapes = [a.meta.get(SHAPE_KEY) for a in node.args[0] if isinstance(a, fx.Node)]
             sliced = any(u.target is operator.getitem for u in node.users)
             if all(s and len(s) == 4 for s in shapes) and (_module_of(node) in split_modules or sliced):
-                _refine(partitions, sum(s[1] for s in shapes), tuple(s[1] for s in shapes))
-    return partitions
+                segmentations.setdefault(sum(s[1] for s in shapes), set()).add(tuple(s[1] for s in shapes))
+    return _closed_partitions(segmentations)
 
 
 def _channel_slice(node: fx.Node) -> tuple[int, int, int] | None:
@@ -103,15 +134,37 @@ def _channel_slice(node: fx.Node) -> tuple[int, int, int] | None:
     return shape[1], start, stop
 
 
-def consistent_width(gm: fx.GraphModule, width_fn: Callable) -> Callable:
-    """width_fn, except that a partitioned channel count gets the sum of its pieces' field counts."""
+def _piece_multiples(partitions: dict[int, tuple[int, ...]], multiples: dict[int, int]) -> dict[int, int]:
+    """Multiples for the field counts of unpartitioned counts, so that grouped convs on partitioned ones divide.
+
+    A partitioned count C whose grouped convs need a multiple m of fields, cut into k equal pieces of q
+    channels, gets it when fields(q) is a multiple of m / gcd(m, k) (DPN's grouped 3x3 beside its slices).
+    """
+    found = {c: m for c, m in multiples.items() if c not in partitions}
+    for channels, pieces in partitions.items():
+        m = multiples.get(channels, 1)
+        if m > 1 and len(set(pieces)) == 1 and pieces[0] not in partitions:
+            found[pieces[0]] = math.lcm(found.get(pieces[0], 1), m // math.gcd(m, len(pieces)))
+    return found
+
+
+def consistent_width(gm: fx.GraphModule, width_fn: Callable, multiples: dict[int, int] | None = None) -> Callable:
+    """width_fn, except that a partitioned channel count gets the sum of its pieces' field counts.
+
+    multiples: channel count -> multiple its field count must be (grouped convs); pieces are rounded so
+    that partitioned counts meet theirs.
+    """
     partitions = channel_partitions(gm)
     if not partitions:
         return width_fn
+    piece_multiples = _piece_multiples(partitions, multiples or {})
 
     def fields(channels: int, group) -> int:
         pieces = partitions.get(channels)
-        return sum(fields(p, group) for p in pieces) if pieces else width_fn(channels, group)
+        if pieces:
+            return sum(fields(p, group) for p in pieces)
+        m = piece_multiples.get(channels, 1)
+        return max(m, round(width_fn(channels, group) / m) * m)
 
     fields.__name__ = getattr(width_fn, "__name__", "width")
     fields.partitions = partitions  # read by the split rules to place field boundaries

@@ -103,6 +103,38 @@ def _throughput(s: Summary) -> list[str]:
     return _table(columns, rows)
 
 
+@renderer("paper_table")
+def _paper_table(s: Summary) -> list[str]:
+    columns = ["model", "epsilon", "params", "ours: median (seeds)", "std", "GPU-hours (card)", "setting",
+               "paper (median of 5)"]
+    rows = []
+    for r in s["rows"]:
+        runs = r["accuracy"]
+        ours = f"**{_pct(_median(runs))}** ({len(runs)})" if runs else "not run"
+        std = f"{statistics.stdev(runs):.2f}" if len(runs) > 1 else "-"
+        hours = "-" if r.get("gpu_hours") is None else f"{r['gpu_hours']:.2f}"
+        rows.append([r["model"], r["epsilon"], f"{r['params']:,}", ours, std, hours, r.get("setting", "paper's"),
+                     _pct(r.get("paper"))])
+    return _table(columns, rows)
+
+
+@renderer("methods")
+def _methods(s: Summary) -> list[str]:
+    base = s["rows"][0]["ms"]
+    rows = [[r["method"], f"{r['ms']:.1f} ms", f"{s['samples_per_step'] / (r['ms'] / 1000) / 1000:.1f}k",
+             f"{r['ms'] / base:.2f}x", f"{r['peak_memory_gib']:.2f}"] for r in s["rows"]]
+    return _table(["method", "step", "samples/s", "vs " + s["rows"][0]["method"], "peak memory (GiB)"], rows)
+
+
+@renderer("scaling")
+def _scaling(s: Summary) -> list[str]:
+    one = s["rows"][0]["samples_per_s"]
+    rows = [[r["gpus"], f"{r['samples_per_s'] / 1000:.1f}k", f"{r['samples_per_s'] / (one * r['gpus']):.0%}",
+             f"{r['samples_per_s_with_startup_and_evaluation'] / 1000:.1f}k"] for r in s["rows"]]
+    return _table(["GPUs", "train samples/s (steady)", "scaling efficiency", "samples/s with start-up and evaluation"],
+                  rows)
+
+
 @renderer("main_job")
 def _main_job(s: Summary) -> list[str]:
     columns = ["machine", "command", "params (before -> after)", "test accuracy", "epsilon", "steps",

@@ -8,7 +8,6 @@ from __future__ import annotations
 import copy
 
 import torch.fx as fx
-from torch import nn
 
 from ...nn.evo_norm import FieldEvoNorm
 from ..context import ConversionContext

@@ -3,7 +3,7 @@
 `convert` builds a model by its registry name (equiconvert.models.create_model), converts it,
 measures its equivariance error at a valid input size and prints the conversion
 report (readable, or one JSON object with --json). `demo` is the package's main
-job (equiconvert.demo): ResNet9 converted to D4 and trained with DP-SGD on
+job (equiconvert.recipes.demo): ResNet9 converted to D4 and trained with DP-SGD on
 Fashion-MNIST; `demo --conversion-only` converts and checks two reference networks.
 
 User errors (unknown model, group, width, a model that cannot be converted) print
@@ -18,7 +18,7 @@ import json
 import os
 import sys
 import time
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -219,7 +219,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 def demo_settings(args: argparse.Namespace):
     """demo.CPU_DEFAULTS with the flags that were given (`--time-limit 0`: no cap)."""
-    from .demo import CPU_DEFAULTS, settings_from
+    from .recipes.demo import CPU_DEFAULTS, settings_from
 
     settings = settings_from(
         CPU_DEFAULTS, dataset=args.dataset, data_dir=args.data_dir, group=args.group, widths=args.widths,
@@ -237,7 +237,7 @@ def demo_settings(args: argparse.Namespace):
 def _demo_training(args: argparse.Namespace) -> int:
     """The main job: ResNet9 -> D4, DP-SGD on Fashion-MNIST, with demo.CPU_DEFAULTS unless flags say otherwise."""
     from .data import DatasetNotFoundError
-    from .demo import format_summary, run_main_job
+    from .recipes.demo import format_summary, run_main_job
 
     s = demo_settings(args)
     if not args.json:
@@ -289,7 +289,7 @@ def _check_train_args(args: argparse.Namespace) -> None:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
-    from .privacy.run import RunSpec, run_training
+    from .recipes.runner import RunSpec, run_training
 
     _check_train_args(args)
     if args.nproc_per_node is not None:
@@ -469,13 +469,13 @@ def _widths(text: str) -> tuple[int, ...]:
 
 
 def _add_demo_parser(sub) -> None:
-    from .demo import CPU_DEFAULTS as d
+    from .recipes.demo import CPU_DEFAULTS as d
 
     demo = sub.add_parser(
         "demo", help="the main job: convert ResNet9 to D4 and train it with DP-SGD on Fashion-MNIST",
         description="Convert equiconvert's ResNet9 to D4, train it with DP-SGD on Fashion-MNIST (Poisson sampling, "
                     "RDP accounting) and print and write OUT/demo.json: test accuracy, epsilon/delta, parameters, "
-                    "equivariance error, wall time. Defaults (equiconvert.demo.CPU_DEFAULTS) finish within 15 minutes "
+                    "equivariance error, wall time. Defaults (equiconvert.recipes.demo.CPU_DEFAULTS) finish within 15 minutes "
                     "on a 2-core CPU; flags take bigger settings, e.g. --device cuda --steps 1000 --batch-size 2048.")
     demo.add_argument("--conversion-only", action="store_true",
                       help="only convert and check torchvision resnet18 and equiconvert resnet9 (no training)")

@@ -7,7 +7,7 @@ import pytest
 
 from equiconvert import cli
 from equiconvert.cli import main
-from equiconvert.demo import CPU_DEFAULTS, SUMMARY_FILE, format_summary
+from equiconvert.recipes.demo import CPU_DEFAULTS, SUMMARY_FILE, format_summary
 
 TINY = ["--dataset", "synthetic", "--widths", "4,8,16", "--batch-size", "16", "--physical-batch-size", "16",
         "--device", "cpu", "--no-progress"]

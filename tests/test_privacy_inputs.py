@@ -168,7 +168,7 @@ def test_unknown_dataset_is_one_clear_line(tmp_path, capsys):
 
 
 def test_empty_test_split_is_refused_before_training(tmp_path, monkeypatch):
-    from equiconvert.privacy import run
+    from equiconvert.recipes import runner as run
 
     def fail(*args, **kwargs):
         raise AssertionError("DPTrainer was built although the test split is empty")

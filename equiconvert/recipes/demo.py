@@ -1,6 +1,6 @@
 """The main job (`equiconvert demo`): convert ResNet9 to D4 and train it with DP-SGD on Fashion-MNIST.
 
-Everything goes through `privacy.run.run_training` (the engine of `equiconvert train`):
+Everything goes through `recipes.runner.run_training` (the engine of `equiconvert train`):
 the model is converted, checked for equivariance at the padded input size (28 -> 32),
 trained by DPTrainer (Poisson sampling, per-sample clipping, RDP accounting) and
 evaluated on the whole test set. The demo adds CPU-friendly defaults (`CPU_DEFAULTS`, one
@@ -76,7 +76,7 @@ def _clear_outputs(out: Path) -> None:
 
 def run_main_job(settings: DemoSettings = CPU_DEFAULTS) -> dict[str, Any]:
     """Train as `settings` say (through run_training); returns the summary, also written to OUT/demo.json."""
-    from .privacy.run import RunSpec, run_training
+    from .runner import RunSpec, run_training
 
     start = time.perf_counter()
     s = settings

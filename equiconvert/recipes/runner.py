@@ -19,11 +19,11 @@ from torch import nn
 from ..check import check_equivariance
 from ..convert import make_equivariant
 from ..nn.conv import SteerableConv2d
-from . import distributed
-from .accounting import refuse_delta
-from .filter_gradients import fastest_choices
-from .run_folder import prepare_out
-from .trainer import DPConfig, DPTrainer, check_config
+from ..privacy import distributed
+from ..privacy.accounting import refuse_delta
+from ..privacy.filter_gradients import fastest_choices
+from ..privacy.run_folder import prepare_out
+from ..privacy.trainer import DPConfig, DPTrainer, check_config
 
 BASELINE_GROUP = "none"
 

@@ -67,6 +67,7 @@ class RunOptions:
     resume: bool = False
     overwrite: bool = False
     progress: bool = True
+    plan_steps: bool = False  # fit the steps to time_limit_s by a timing probe before the noise is calibrated
 
 
 @dataclass
@@ -108,6 +109,15 @@ def _section_fields() -> dict[str, str]:
     return keys
 
 
+def attribute_path(key: str) -> str:
+    """The attribute path on Recipe of a dotted key (model.kwargs.NAME excluded), e.g. dp.batch_size ->
+    trainer.batch_size; an unknown key is refused by name."""
+    known = _section_fields()
+    if key not in known:
+        raise RecipeError(f"unknown recipe key {key!r}; the keys are: {', '.join(recipe_keys())}")
+    return known[key]
+
+
 def recipe_keys() -> list[str]:
     """Every dotted key a recipe file or --set accepts (model.kwargs.NAME takes any NAME the model takes)."""
     return sorted([*_section_fields(), *ALIASES, "model.kwargs.NAME"])
@@ -122,10 +132,7 @@ def set_key(recipe: Recipe, key: str, value: Any) -> None:
             raise RecipeError(f"{key}: {name!r} is not a keyword argument name")
         recipe.model.kwargs[name] = tuple(value) if isinstance(value, list) else value
         return
-    known = _section_fields()
-    if key not in known:
-        raise RecipeError(f"unknown recipe key {key!r}; the keys are: {', '.join(recipe_keys())}")
-    path = known[key].split(".")
+    path = attribute_path(key).split(".")
     target: Any = recipe
     for part in path[:-1]:
         target = getattr(target, part)

@@ -49,6 +49,7 @@ class RunSpec:
     time_limit_s: float | None = None  # stop (with a checkpoint) after this much training time; --resume continues
     init_gain: float | None = None  # ConversionConfig.init_gain; None keeps the model's default
     head: str | None = None  # "keep" or "invariant"; None: the paper preset's own head, "invariant" for other models
+    plan_steps: bool = False  # fit the steps to time_limit_s by a timing probe before the noise is calibrated
 
     def preset(self, key: str) -> Any:
         """A paper-preset keyword argument as given (None: the preset's own)."""
@@ -226,6 +227,39 @@ def _final_metrics(final: dict[str, float]) -> dict[str, float]:
     return {**plain, **averaged}
 
 
+PROBE_STEPS = 3  # timed steps, after one untimed warm-up step
+PLAN_SHARE = 0.8  # of the time budget the planned steps may take: a margin for steps slower than the probe's
+
+
+def probe_seconds_per_step(model: nn.Module, image_shape: tuple[int, ...], num_classes: int, device: str | None,
+                           options: dict[str, Any], steps: int = PROBE_STEPS) -> float:
+    """Seconds per DP-SGD step of a copy of `model` with the run's batch options on this machine, timed on random
+    images of the run's shape (one batch of batch_size examples a step; no data of the run is read)."""
+    import copy
+
+    batch = options.get("batch_size", DPConfig.batch_size)
+    generator = torch.Generator().manual_seed(0)
+    images = torch.randint(0, 256, (batch, *image_shape), dtype=torch.uint8, generator=generator)
+    labels = torch.randint(0, num_classes, (batch,), generator=generator)
+    timing = {**options, "steps": steps + 1, "target_epsilon": None, "noise_multiplier": 1.0, "eval_every": None,
+              "checkpoint_every": None, "epsilon_every": 1, "delta": None, "ema_decay": None}
+    trainer = DPTrainer(copy.deepcopy(model), device=device, out_dir=None, progress=False, **timing)
+    trainer.fit((images, labels))
+    times = [r["time_s"] for r in trainer.history if "time_s" in r]
+    return (times[-1] - times[0]) / steps
+
+
+def plan_steps(model: nn.Module, image_shape: tuple[int, ...], num_classes: int, device: str | None,
+               options: dict[str, Any], time_budget_s: float) -> dict[str, Any]:
+    """How many of the requested steps fit PLAN_SHARE of the time budget at the probe's pace (at least one); the
+    noise is then calibrated for those steps, so the run spends its whole epsilon within the budget."""
+    seconds = probe_seconds_per_step(model, image_shape, num_classes, device, options)
+    requested = options.get("steps", DPConfig.steps)
+    fitting = int(PLAN_SHARE * time_budget_s / seconds) if seconds > 0 else requested
+    return {"probe_steps": PROBE_STEPS, "seconds_per_step": seconds, "time_budget_s": time_budget_s,
+            "plan_share": PLAN_SHARE, "requested_steps": requested, "planned_steps": max(1, min(requested, fitting))}
+
+
 def pad_images(images: torch.Tensor, size: int) -> torch.Tensor:
     """Zero-pad square images symmetrically to `size` (the converted model's valid input size)."""
     margin = (size - images.shape[-1]) // 2
@@ -252,7 +286,7 @@ def spec_of(recipe: Recipe) -> RunSpec:
     return RunSpec(model=m.name, group=c.group, dataset=recipe.data.dataset, data_dir=recipe.data.data_dir,
                    out=r.out, width=c.width, model_kwargs=dict(m.kwargs), device=r.device, resume=r.resume,
                    overwrite=r.overwrite, progress=r.progress, time_limit_s=r.time_limit_s, init_gain=c.init_gain,
-                   head=c.head)
+                   head=c.head, plan_steps=r.plan_steps)
 
 
 def trainer_options(recipe: Recipe) -> dict[str, Any]:
@@ -329,6 +363,14 @@ def _run_training(spec: RunSpec, context: distributed.DistributedContext, device
         result["invariant_head"] = _head(spec) == "invariant"
     _refuse_resuming_another_model(Path(spec.out), model, spec.resume, writes=context.is_main)
     images_train, images_test = pad_images(train.images, input_size), pad_images(test.images, input_size)
+    result["step_probe"] = None
+    if spec.plan_steps and spec.time_limit_s is not None and not spec.resume:
+        if context.world_size > 1:
+            raise ValueError("run.plan_steps times one process; drop it for a multi-process run")
+        probe = plan_steps(model, tuple(images_train.shape[1:]), len(train.classes), device, trainer_options,
+                           spec.time_limit_s)
+        trainer_options = {**trainer_options, "steps": probe["planned_steps"]}
+        result["step_probe"] = probe
     trainer = DPTrainer(model, device=device, out_dir=spec.out, progress=spec.progress, distributed=context,
                         **trainer_options)
     trainer.fit((images_train, train.labels), eval_set=(images_test, test.labels), resume=spec.resume,

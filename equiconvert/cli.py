@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import json
 import os
 import sys
@@ -290,7 +289,7 @@ def _check_recipe(recipe: Any) -> None:
     for key, (valid, rule) in _RECIPE_LIMITS.items():
         value = _value(recipe, key)
         if isinstance(value, (int, float)) and not isinstance(value, bool) and not valid(value):
-            raise CLIError(f"{flags.get(key, key)} {value:g}: {rule}")
+            raise CLIError(f"{flags[key]} {value:g}: {rule}" if key in flags else f"--set {key}={value:g}: {rule}")
     if recipe.data.dataset is not None:
         resolve_name(recipe.data.dataset)
 

@@ -3,8 +3,6 @@ from __future__ import annotations
 
 import json
 
-import pytest
-
 from equiconvert import cli
 from equiconvert.cli import main
 from equiconvert.recipes.demo import CPU_DEFAULTS, SUMMARY_FILE, format_summary

@@ -264,6 +264,7 @@ _RECIPE_LIMITS: dict[str, tuple[Callable[[float], bool], str]] = {
     "schedule.lr": (lambda v: v > 0, "must be > 0"),
     "schedule.momentum": (lambda v: 0 <= v < 1, "must be in [0, 1)"),
     "data.augment_padding": (lambda v: v >= 0, "must be >= 0"),
+    "data.normalize_std": (lambda v: v > 0, "must be > 0"),
     "schedule.ema_decay": (lambda v: 0 <= v < 1, "must be in [0, 1) (0: no EMA)"),
     "schedule.eval_every": (lambda v: v >= 1, "must be >= 1"),
     "schedule.checkpoint_every": (lambda v: v >= 0, "must be >= 0 (0: none)"),

@@ -149,9 +149,9 @@ def _head(spec: RunSpec) -> str:
 
 
 # options that only a converted model has, and what each sets: refused for the unconverted baseline
-_CONVERSION_FLAGS = {"init_gain": ("--init-gain", "the steerable filters' initial scale"),
-                     "head": ("--head", "the converted model's head"),
-                     "width": ("--width", "the conversion's width rule")}
+_CONVERSION_FLAGS = {"init_gain": ("conversion.init_gain", "the steerable filters' initial scale"),
+                     "head": ("conversion.head", "the converted model's head"),
+                     "width": ("conversion.width", "the conversion's width rule")}
 
 
 def _refuse_preset_options_for_other_models(spec: RunSpec) -> None:

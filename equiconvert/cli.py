@@ -406,7 +406,7 @@ def _add_recipe_options(group) -> None:
     group.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                        help="set any recipe key, e.g. dp.epsilon=2, schedule.lr_schedule=cosine, "
                             "model.kwargs.norm_groups=4 (VALUE read as TOML: 2, 1e-5, true, [8, 16]); repeatable, "
-                            "applied last; `equiconvert recipes` lists the recipes, an unknown key lists the keys")
+                            "applied last; `equiconvert recipes` lists the recipes, an unknown key lists the keys [default: none]")
 
 
 def _add_train_parser(sub) -> None:

@@ -175,7 +175,7 @@ def test_empty_test_split_is_refused_before_training(tmp_path, monkeypatch):
 
     monkeypatch.setattr(run, "DPTrainer", fail)
     spec = run.RunSpec(model="equiconvert:resnet9", group="none", dataset="synthetic", data_dir=None,
-                       out=str(tmp_path / "o"), model_widths=(4, 8, 8), progress=False)
+                       out=str(tmp_path / "o"), model_kwargs={"widths": (4, 8, 8)}, progress=False)
     import equiconvert.data as data
 
     real = data.load_dataset

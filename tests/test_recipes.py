@@ -62,3 +62,40 @@ def test_model_kwargs_parse_lists_and_scalars():
         "widths": (8, 16, 32), "norm_groups": 4, "activation": "relu", "res2": False}
     with pytest.raises(RecipeError, match="key=value"):
         parse_kwargs("widths")
+
+
+def _train_options():
+    import argparse
+
+    from equiconvert import cli
+
+    sub = next(a for a in cli._parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return [a for a in sub.choices["train"]._actions if a.option_strings and a.dest != "help"]
+
+
+def test_train_has_at_most_25_flags_each_with_help_and_its_default():
+    options = _train_options()
+    assert len(options) <= 25, [a.option_strings for a in options]
+    for action in options:
+        assert action.help and "default" in action.help, action.option_strings
+
+
+def test_flags_override_the_recipe_and_set_comes_last():
+    from equiconvert import cli
+
+    parse = cli._parser().parse_args
+    r = cli.train_recipe(parse(["train", "--recipe", "cifar10_paper_d4_eps8", "--epsilon", "2", "--steps", "10",
+                                "--model-kwargs", "norm_groups=4", "--set", "schedule.steps=20"]))
+    assert (r.trainer.target_epsilon, r.trainer.steps, r.trainer.batch_size) == (2.0, 20, 8192)
+    assert r.model.kwargs == {"norm_groups": 4} and r.conversion.group == "D4"
+    assert cli.train_recipe(parse(["train"])) == Recipe()  # no flag given: the dataclasses' defaults
+
+
+def test_recipes_command_lists_and_prints(capsys):
+    from equiconvert.cli import main
+
+    assert main(["recipes"]) == 0
+    listing = capsys.readouterr().out
+    assert "cifar10_paper_d4_eps8:" in listing and "cpu_main_job:" in listing
+    assert main(["recipes", "fashion_mnist_d1_eps3"]) == 0
+    assert 'lr_schedule = "cosine"' in capsys.readouterr().out

@@ -1,10 +1,12 @@
-"""Command line: `equiconvert convert MODEL --group D4 ...` and `equiconvert demo`.
+"""Command line: `equiconvert convert MODEL --group D4 ...`, `train`, `recipes`, `demo` and `audit`.
 
 `convert` builds a model by its registry name (equiconvert.models.create_model), converts it,
 measures its equivariance error at a valid input size and prints the conversion
 report (readable, or one JSON object with --json). `demo` is the package's main
 job (equiconvert.recipes.demo): ResNet9 converted to D4 and trained with DP-SGD on
-Fashion-MNIST; `demo --conversion-only` converts and checks two reference networks.
+Fashion-MNIST; `demo --conversion-only` converts and checks two reference networks. `train` runs a
+recipe (equiconvert.recipes), changed by its flags and `--set KEY=VALUE`; the layering is
+cli -> recipes -> library.
 
 User errors (unknown model, group, width, a model that cannot be converted) print
 one `error: ...` line to stderr and exit with status 2.
@@ -388,17 +390,18 @@ _DEMO_FLAGS = {"--data-dir": "data.data_dir", "--out": "run.out", "--device": "r
                "--time-limit": "run.time_limit_s", "--threads": "run.threads"}
 
 
-def _default_of(key: str) -> str:
+def _default_of(key: str, base: Any = None) -> str:
     from .recipes.recipe import Recipe
 
-    value = _value(Recipe(), key)
+    value = _value(base if base is not None else Recipe(), key)
     return "none" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
 
 
-def _recipe_flag(group, flag: str, help: str, **kwargs: Any) -> None:
-    """A flag that sets one recipe key: no parser default (the recipe's dataclasses hold it), which its help shows."""
+def _recipe_flag(group, flag: str, help: str, base: Any = None, **kwargs: Any) -> None:
+    """A flag that sets one recipe key: no parser default (`base`, else the recipe dataclasses, hold it), which its
+    help shows."""
     key = _TRAIN_FLAGS.get(flag) or _DEMO_FLAGS[flag]
-    group.add_argument(flag, default=argparse.SUPPRESS, help=f"{help} [{key}; default: {_default_of(key)}]",
+    group.add_argument(flag, default=argparse.SUPPRESS, help=f"{help} [{key}; default: {_default_of(key, base)}]",
                        **kwargs)
 
 
@@ -480,6 +483,9 @@ def _model_kwargs(parse: Callable[[str], dict[str, Any]]) -> Callable[[str], dic
 
 
 def _add_demo_parser(sub) -> None:
+    from .recipes.demo import CPU_DEFAULTS as main_job
+    from .recipes.demo import MAIN_JOB
+
     demo = sub.add_parser(
         "demo", help="the main job: convert ResNet9 to D4 and train it with DP-SGD on Fashion-MNIST",
         description="Train the cpu_main_job recipe (equiconvert recipes cpu_main_job): ResNet9 converted to D4, "
@@ -488,16 +494,17 @@ def _add_demo_parser(sub) -> None:
                     "writes OUT/demo.json: test accuracy, epsilon/delta, parameters, equivariance error, wall time.")
     demo.add_argument("--conversion-only", action="store_true",
                       help="only convert and check torchvision resnet18 and equiconvert resnet9 (no training)")
-    demo.add_argument("--recipe", default="cpu_main_job", metavar="NAME|FILE", help="the recipe the demo trains")
+    demo.add_argument("--recipe", default=MAIN_JOB, metavar="NAME|FILE",
+                      help=f"the recipe the demo trains (default: {MAIN_JOB})")
     _add_recipe_options(demo)
     _recipe_flag(demo, "--data-dir", "directory of the Fashion-MNIST IDX .gz files (none: $EQUICONVERT_DATA_DIR, "
                                      "then /usr/share/datasets/fashion-mnist of the Debian package "
-                                     "dataset-fashion-mnist)")
-    _recipe_flag(demo, "--out", "output folder (its old results are replaced) [cpu_main_job: runs/demo]")
-    _recipe_flag(demo, "--device", "cpu, cuda, cuda:1 (none: cuda if available)")
-    _recipe_flag(demo, "--time-limit", "training time budget in seconds [cpu_main_job: 600]; 0: none",
-                 type=float, metavar="SECONDS")
-    _recipe_flag(demo, "--threads", "CPU threads (none: the cores this process may use)", type=int)
+                                     "dataset-fashion-mnist)", main_job)
+    _recipe_flag(demo, "--out", "output folder (its old results are replaced)", main_job)
+    _recipe_flag(demo, "--device", "cpu, cuda, cuda:1 (none: cuda if available)", main_job)
+    _recipe_flag(demo, "--time-limit", "training time budget in seconds; 0: none", main_job, type=float,
+                 metavar="SECONDS")
+    _recipe_flag(demo, "--threads", "CPU threads (none: the cores this process may use)", main_job, type=int)
     demo.add_argument("--json", action="store_true", help="print one JSON object")
     demo.set_defaults(handler=_cmd_demo)
 

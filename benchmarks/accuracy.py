@@ -47,7 +47,7 @@ LOG_FILE = "stdout.log"
 LOG_TAIL_LINES = 15
 # Arguments the benchmark sets for every run; passing them after `--` would contradict the grid.
 MANAGED_ARGS = ("--model", "--group", "--dataset", "--data-dir", "--epsilon", "--seed", "--out", "--device",
-                "--resume", "--overwrite", "--no-progress")
+                "--resume", "--overwrite")
 # result.json fields that, when set, say why a run stopped before its requested steps.
 STOP_FIELDS = ("stopped_reason", "stop_reason")
 REQUESTED_STEP_FIELDS = ("requested_steps", "steps_requested", "target_steps")
@@ -103,8 +103,8 @@ def train_command(run: Run, out_dir: Path, device: str, data_dir: str | None, ex
            "--dataset", run.dataset]
     if data_dir is not None:
         cmd += ["--data-dir", data_dir]
-    cmd += ["--epsilon", _fmt_eps(run.epsilon), "--seed", str(run.seed), "--out", str(out_dir), "--no-progress",
-            *extra, "--device", device]
+    cmd += ["--epsilon", _fmt_eps(run.epsilon), "--seed", str(run.seed), "--out", str(out_dir),
+            "--set", "run.progress=false", *extra, "--device", device]
     return cmd + (["--resume"] if resume else ["--overwrite"])  # a start replaces what a killed start left
 
 

@@ -24,7 +24,7 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 PAPER_RUN = ["--model", "equiconvert:equivariant_resnet9", "--group", "D4", "--epsilon", "8", "--delta", "1e-5",
-             "--lr", "2", "--max-grad-norm", "2", "--ema-decay", "0.999"]
+             "--lr", "2", "--max-grad-norm", "2", "--set", "schedule.ema_decay=0.999"]
 
 
 def steady_throughput(records: list[dict[str, Any]], aug_mult: int, warmup: int) -> dict[str, float]:
@@ -51,10 +51,10 @@ def run(gpus: int, args: argparse.Namespace, out: Path) -> dict[str, Any]:
         command += ["--nproc-per-node", str(gpus)]
     command += [*PAPER_RUN, "--dataset", args.dataset, "--steps", str(args.steps), "--batch-size",
                 str(args.batch_size), "--aug-mult", str(args.aug_mult), "--physical-batch-size",
-                str(args.physical_batch_size), "--precision", args.precision, "--checkpoint-every", "0",
-                "--device", args.device, "--no-progress", "--out", str(out),
+                str(args.physical_batch_size), "--set", f"dp.precision={args.precision}", "--set", "schedule.checkpoint_every=0",
+                "--device", args.device, "--set", "run.progress=false", "--out", str(out),
                 # the actual Poisson batch sizes count the samples (a temporary folder, deleted after the run)
-                "--log-nonprivate-stats", *args.extra]
+                "--set", "dp.log_nonprivate_stats=true", *args.extra]
     if args.data_dir:
         command += ["--data-dir", args.data_dir]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}

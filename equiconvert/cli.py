@@ -1,10 +1,12 @@
-"""Command line: `equiconvert convert MODEL --group D4 ...` and `equiconvert demo`.
+"""Command line: `equiconvert convert MODEL --group D4 ...`, `train`, `recipes`, `demo` and `audit`.
 
 `convert` builds a model by its registry name (equiconvert.models.create_model), converts it,
 measures its equivariance error at a valid input size and prints the conversion
 report (readable, or one JSON object with --json). `demo` is the package's main
-job (equiconvert.demo): ResNet9 converted to D4 and trained with DP-SGD on
-Fashion-MNIST; `demo --conversion-only` converts and checks two reference networks.
+job (equiconvert.recipes.demo): ResNet9 converted to D4 and trained with DP-SGD on
+Fashion-MNIST; `demo --conversion-only` converts and checks two reference networks. `train` runs a
+recipe (equiconvert.recipes), changed by its flags and `--set KEY=VALUE`; the layering is
+cli -> recipes -> library.
 
 User errors (unknown model, group, width, a model that cannot be converted) print
 one `error: ...` line to stderr and exit with status 2.
@@ -13,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import json
 import os
 import sys
@@ -208,7 +209,7 @@ def _print_demo(summary: dict) -> None:
 def _cmd_demo(args: argparse.Namespace) -> int:
     if args.conversion_only:
         with contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext():
-            summary = run_demo(args.group or "D4")
+            summary = run_demo(demo_settings(args).conversion.group)
         if args.json:
             print(json.dumps(summary))
         else:
@@ -218,36 +219,33 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 def demo_settings(args: argparse.Namespace):
-    """demo.CPU_DEFAULTS with the flags that were given (`--time-limit 0`: no cap)."""
-    from .demo import CPU_DEFAULTS, settings_from
+    """The main job's recipe (cpu_main_job) with the demo's flags and --set overrides (`--time-limit 0`: no cap)."""
+    from .recipes.recipe import apply_overrides, load_recipe
 
-    settings = settings_from(
-        CPU_DEFAULTS, dataset=args.dataset, data_dir=args.data_dir, group=args.group, widths=args.widths,
-        epsilon=args.epsilon, delta=args.delta, batch_size=args.batch_size, physical_batch_size=args.physical_batch_size,
-        steps=args.steps, aug_mult=args.aug_mult, max_grad_norm=args.max_grad_norm, lr=args.lr,
-        momentum=args.momentum, seed=args.seed, time_limit_s=args.time_limit, device=args.device, threads=args.threads,
-        init_gain=args.init_gain,
-        out=args.out, progress=False if args.no_progress else None,
-    )
-    if args.time_limit == 0:  # no cap
-        settings = dataclasses.replace(settings, time_limit_s=None)
-    return settings
+    recipe = apply_overrides(load_recipe(args.recipe), args.set)
+    _apply_flags(recipe, args, _DEMO_FLAGS)
+    if recipe.run.time_limit_s == 0:  # no cap
+        recipe.run.time_limit_s = None
+    return recipe
 
 
 def _demo_training(args: argparse.Namespace) -> int:
-    """The main job: ResNet9 -> D4, DP-SGD on Fashion-MNIST, with demo.CPU_DEFAULTS unless flags say otherwise."""
+    """The main job: ResNet9 -> D4, DP-SGD on Fashion-MNIST, as the cpu_main_job recipe says unless flags differ."""
     from .data import DatasetNotFoundError
-    from .demo import format_summary, run_main_job
+    from .recipes.demo import format_summary, run_main_job
 
-    s = demo_settings(args)
+    r = demo_settings(args)
+    _check_recipe(r)
     if not args.json:
-        cap = f"training capped at {s.time_limit_s:.0f} s" if s.time_limit_s else "no time cap"
-        print(f"equiconvert demo: {s.model} (widths {','.join(map(str, s.widths))}) -> {s.group}, DP-SGD on "
-              f"{s.dataset}, epsilon {s.epsilon:g}, delta {s.delta:g}, {s.steps} steps of batch {s.batch_size} "
-              f"({cap}); output in {s.out}", flush=True)
+        t = r.trainer
+        cap = f"training capped at {r.run.time_limit_s:.0f} s" if r.run.time_limit_s else "no time cap"
+        widths = r.model.kwargs.get("widths")
+        print(f"equiconvert demo: {r.model.name}" + (f" (widths {','.join(map(str, widths))})" if widths else "")
+              + f" -> {r.conversion.group}, DP-SGD on {r.data.dataset}, epsilon {t.target_epsilon:g}, delta "
+              f"{t.delta:g}, up to {t.steps} steps of batch {t.batch_size} ({cap}); output in {r.run.out}", flush=True)
     try:
         with contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext():
-            summary = run_main_job(s)
+            summary = run_main_job(r)
     except DatasetNotFoundError as exc:
         raise CLIError(f"{exc} For the demo: pass --data-dir DIR, or install the Debian package "
                        f"dataset-fashion-mnist (sudo apt-get install dataset-fashion-mnist).") from exc
@@ -255,67 +253,94 @@ def _demo_training(args: argparse.Namespace) -> int:
     return 0
 
 
-# `equiconvert train`'s numeric flags (argparse dest), each with its test and the error's rule: checked before any
-# data or model is loaded
-_TRAIN_LIMITS: dict[str, tuple[Callable[[float], bool], str]] = {
-    "epsilon": (lambda v: v > 0, "must be > 0"),
-    "delta": (lambda v: 0 < v < 1, "must be in (0, 1)"),
-    "noise_multiplier": (lambda v: v > 0, "must be > 0"),
-    "batch_size": (lambda v: v >= 1, "must be >= 1"),
-    "physical_batch_size": (lambda v: v >= 1, "must be >= 1"),
-    "steps": (lambda v: v >= 1, "must be >= 1"),
-    "aug_mult": (lambda v: v >= 1, "must be >= 1"),
-    "max_grad_norm": (lambda v: v > 0, "must be > 0"),
-    "lr": (lambda v: v > 0, "must be > 0"),
-    "momentum": (lambda v: 0 <= v < 1, "must be in [0, 1)"),
-    "crop_padding": (lambda v: v >= 0, "must be >= 0"),
-    "ema_decay": (lambda v: 0 <= v < 1, "must be in [0, 1) (0: no EMA)"),
-    "eval_every": (lambda v: v >= 1, "must be >= 1"),
-    "checkpoint_every": (lambda v: v >= 0, "must be >= 0 (0: none)"),
-    "time_limit": (lambda v: v > 0, "must be > 0 seconds"),
-    "threads": (lambda v: v >= 1, "give at least 1 CPU thread"),
+# recipe keys whose values are checked before any data or model is loaded: each with its test and the error's rule
+_RECIPE_LIMITS: dict[str, tuple[Callable[[float], bool], str]] = {
+    "dp.target_epsilon": (lambda v: v > 0, "must be > 0"),
+    "dp.delta": (lambda v: 0 < v < 1, "must be in (0, 1)"),
+    "dp.noise_multiplier": (lambda v: v > 0, "must be > 0"),
+    "dp.batch_size": (lambda v: v >= 1, "must be >= 1"),
+    "dp.physical_batch_size": (lambda v: v >= 1, "must be >= 1"),
+    "schedule.steps": (lambda v: v >= 1, "must be >= 1"),
+    "dp.aug_mult": (lambda v: v >= 1, "must be >= 1"),
+    "dp.max_grad_norm": (lambda v: v > 0, "must be > 0"),
+    "schedule.lr": (lambda v: v > 0, "must be > 0"),
+    "schedule.momentum": (lambda v: 0 <= v < 1, "must be in [0, 1)"),
+    "data.augment_padding": (lambda v: v >= 0, "must be >= 0"),
+    "data.normalize_std": (lambda v: v > 0, "must be > 0"),
+    "schedule.ema_decay": (lambda v: 0 <= v < 1, "must be in [0, 1) (0: no EMA)"),
+    "schedule.eval_every": (lambda v: v >= 1, "must be >= 1"),
+    "schedule.checkpoint_every": (lambda v: v >= 0, "must be >= 0 (0: none)"),
+    "run.time_limit_s": (lambda v: v > 0, "must be > 0 seconds"),
+    "run.threads": (lambda v: v >= 1, "give at least 1 CPU thread"),
 }
 
 
-def _check_train_args(args: argparse.Namespace) -> None:
-    """Every numeric flag of `train` in range, and the data set known, before any data or model is touched."""
+def _value(recipe: Any, key: str) -> Any:
+    from .recipes.recipe import ALIASES, attribute_path
+
+    target = recipe
+    for part in attribute_path(ALIASES.get(key, key)).split("."):
+        target = getattr(target, part)
+    return target
+
+
+def _check_recipe(recipe: Any) -> None:
+    """Every numeric setting in range, and the data set known, before any data or model is touched."""
     from .data import resolve_name
 
-    for dest, (valid, rule) in _TRAIN_LIMITS.items():
-        value = getattr(args, dest)
-        if value is not None and not valid(value):
-            raise CLIError(f"--{dest.replace('_', '-')} {value:g}: {rule}")
-    resolve_name(args.dataset)
+    flags = {key: flag for flag, key in _TRAIN_FLAGS.items()}
+    for key, (valid, rule) in _RECIPE_LIMITS.items():
+        value = _value(recipe, key)
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and not valid(value):
+            raise CLIError(f"{flags[key]} {value:g}: {rule}" if key in flags else f"--set {key}={value:g}: {rule}")
+    if recipe.data.dataset is not None:
+        resolve_name(recipe.data.dataset)
+
+
+def train_recipe(args: argparse.Namespace):
+    """The recipe `train` runs: --recipe (or the defaults), then the flags given, then --model-kwargs and --set."""
+    from .recipes.recipe import Recipe, apply_overrides, load_recipe
+
+    recipe = load_recipe(args.recipe) if getattr(args, "recipe", None) else Recipe()
+    _apply_flags(recipe, args, _TRAIN_FLAGS)
+    recipe.model.kwargs.update(getattr(args, "model_kwargs", {}))
+    return apply_overrides(recipe, getattr(args, "set", []))
+
+
+def _apply_flags(recipe: Any, args: argparse.Namespace, flags: dict[str, str]) -> None:
+    """recipe[key] = the value of each flag that was given (the parser leaves out those that were not)."""
+    from .recipes.recipe import set_key
+
+    for flag, key in flags.items():
+        dest = flag.removeprefix("--").replace("-", "_")
+        if hasattr(args, dest):
+            set_key(recipe, key, getattr(args, dest))
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
-    from .privacy.run import RunSpec, run_training
+    from .recipes.runner import run_recipe
 
-    _check_train_args(args)
-    if args.nproc_per_node is not None:
+    recipe = train_recipe(args)
+    _check_recipe(recipe)
+    if getattr(args, "nproc_per_node", None) is not None:
         return _launch_train(args)
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
-
-    spec = RunSpec(model=args.model, group=args.group, dataset=args.dataset, data_dir=args.data_dir, out=args.out,
-                   width=args.width, model_widths=args.widths, device=args.device, resume=args.resume,
-                   overwrite=args.overwrite,
-                   progress=not args.no_progress, time_limit_s=args.time_limit, init_gain=args.init_gain,
-                   head=args.head, activation=args.activation, norm_groups=args.norm_groups,
-                   res2=False if args.no_res2 else None, pool_after_res2=args.pool_after_res2 or None)
-    normalize = {} if args.normalize is None else dict(zip(("normalize_mean", "normalize_std"), args.normalize))
-    result = run_training(
-        spec, target_epsilon=args.epsilon, delta=args.delta, batch_size=args.batch_size, steps=args.steps,
-        aug_mult=args.aug_mult, max_grad_norm=args.max_grad_norm, lr=args.lr, momentum=args.momentum,
-        optimizer=args.optimizer, lr_schedule=args.lr_schedule, augment_flip=not args.no_flip,
-        augment_padding=args.crop_padding, ema_decay=args.ema_decay or None, accountant=args.accountant,
-        noise_multiplier=args.noise_multiplier, physical_batch_size=args.physical_batch_size, seed=args.seed,
-        eval_every=args.eval_every, checkpoint_every=args.checkpoint_every, per_sample_method=args.per_sample,
-        precision=args.precision, filter_gradients=args.filter_gradients, test_shifts=args.test_shifts, **normalize,
-        insecure_seeded_noise=args.insecure_seeded_noise, log_nonprivate_stats=args.log_nonprivate_stats,
-    )
+    if recipe.run.threads is not None:
+        torch.set_num_threads(recipe.run.threads)
+    result = run_recipe(recipe)
     if os.environ.get("RANK", "0") == "0":  # one printout per job (torchrun numbers its workers in RANK)
         print(json.dumps(result, indent=2))
+    return 0
+
+
+def _cmd_recipes(args: argparse.Namespace) -> int:
+    from .recipes.recipe import recipe_text, shipped_recipes
+
+    if args.name:
+        print(recipe_text(args.name)[0], end="")
+        return 0
+    for name, about in shipped_recipes().items():
+        print(f"{name}: {about}")
+    print("run one: equiconvert train --recipe NAME [--set KEY=VALUE ...]; show one: equiconvert recipes NAME")
     return 0
 
 
@@ -350,161 +375,136 @@ def _without_option(argv: Sequence[str], flag: str) -> list[str]:
     return kept
 
 
-def _add_train_parser(sub) -> None:
-    from .models.equivariant_resnet9 import PAPER_ACTIVATIONS
-    from .privacy.augment import TEST_SHIFTS
-    from .privacy.filter_gradients import FILTER_GRADIENT_METHODS
+# `train`'s flags -> the recipe key each sets (everything else: --set KEY=VALUE; `equiconvert recipes` shows keys)
+_TRAIN_FLAGS = {
+    "--model": "model.name", "--group": "conversion.group", "--dataset": "data.dataset", "--data-dir": "data.data_dir",
+    "--epsilon": "dp.target_epsilon", "--delta": "dp.delta", "--accountant": "dp.accountant",
+    "--batch-size": "dp.batch_size", "--aug-mult": "dp.aug_mult", "--max-grad-norm": "dp.max_grad_norm",
+    "--steps": "schedule.steps", "--lr": "schedule.lr", "--seed": "schedule.seed",
+    "--physical-batch-size": "dp.physical_batch_size", "--insecure-seeded-noise": "dp.insecure_seeded_noise",
+    "--out": "run.out", "--device": "run.device", "--time-limit": "run.time_limit_s", "--resume": "run.resume",
+    "--overwrite": "run.overwrite", "--threads": "run.threads",
+}
+# the demo's own flags (the rest of the main job is its recipe, changed by --set)
+_DEMO_FLAGS = {"--data-dir": "data.data_dir", "--out": "run.out", "--device": "run.device",
+               "--time-limit": "run.time_limit_s", "--threads": "run.threads"}
 
-    train = sub.add_parser("train", help="train a (converted) model with DP-SGD and write OUT/result.json")
-    train.add_argument("--model", default="equiconvert:resnet9",
-                       help="a registry name (equiconvert.models.list_models()): resnet9, equivariant_resnet9 (Hölzl et "
-                            "al.'s model for --group; with --group none the plain network it converts), "
-                            "torchvision:<name>, timm:<name>; bare names: equiconvert's, then torchvision's, then timm's")
-    train.add_argument("--group", default="D4", help="C1..C16, D1..D16, or 'none' for the unconverted baseline")
-    train.add_argument("--dataset", required=True, help="fashion-mnist, cifar10, rotated-mnist, imagenet32, imagefolder, synthetic")
-    train.add_argument("--data-dir", default=None)
-    train.add_argument("--out", required=True, help="output folder (log.jsonl, checkpoint.pt, result.json)")
-    train.add_argument("--epsilon", type=float, default=8.0)
-    train.add_argument("--delta", type=float, default=None,
-                       help="default: 1e-5 while 1e-5 <= 1/(10 N), else the largest power of ten <= 1/(10 N); "
-                            "refused at >= 1/N")
-    train.add_argument("--noise-multiplier", type=float, default=None, help="default: calibrated from --epsilon")
-    train.add_argument("--accountant", choices=("rdp", "prv"), default="rdp")
-    train.add_argument("--batch-size", type=int, default=2048, help="expected logical (Poisson) batch size")
-    train.add_argument("--physical-batch-size", type=int, default=256)
-    train.add_argument("--steps", type=int, default=500)
-    train.add_argument("--aug-mult", type=int, default=4)
-    train.add_argument("--max-grad-norm", type=float, default=2.0)
-    train.add_argument("--lr", type=float, default=2.0)
-    train.add_argument("--momentum", type=float, default=0.0)
-    train.add_argument("--optimizer", choices=("sgd", "nadam"), default="sgd")
-    train.add_argument("--per-sample", choices=("auto", "bookkeeping", "vmap"), default="auto",
-                       help="per-sample gradients: book-keeping (fastest, least memory measured), torch.func vmap "
-                            "(any model), or auto: book-keeping where the model allows it")
-    train.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
-                       help="bf16: forward and backward under bf16 autocast (book-keeping only); per-sample gradients, "
-                            "clipping and noise stay fp32")
-    train.add_argument("--filter-gradients", choices=FILTER_GRADIENT_METHODS, default="auto",
-                       help="book-keeping's per-example conv filter gradients: batched products per tap, cuDNN's "
-                            "grouped weight gradient, or the taps unfolded into one product; auto: the fastest "
-                            "per layer on CUDA (timed once), grouped on CPU")
-    train.add_argument("--no-flip", action="store_true",
-                       help="augment by crops only (digits: a flipped 2 is not a 2)")
-    train.add_argument("--crop-padding", type=int, default=4, metavar="PIXELS",
-                       help="random crops of the reflection-padded image shift it by up to this many pixels (default "
-                            "4, CIFAR's; 0: no crops)")
-    train.add_argument("--test-shifts", choices=sorted(TEST_SHIFTS), default=None,
-                       help="also report test metrics with the softmax averaged over these shifted copies of each test "
-                            "image (cross1: the image and its four 1-pixel shifts; grid1: all nine); result.json keeps "
-                            "the plain ones as test_accuracy and adds test_accuracy_shift_averaged")
-    train.add_argument("--lr-schedule", choices=("constant", "cosine"), default="constant")
-    train.add_argument("--time-limit", type=float, default=None, metavar="SECONDS",
-                       help="stop training after this long, with a checkpoint; --resume continues the run")
-    train.add_argument("--ema-decay", type=float, default=0.999, help="0 disables the EMA")
-    train.add_argument("--width", type=_width, default=None, help="width policy of the conversion")
-    train.add_argument("--init-gain", type=float, default=None,
-                       help="initial std of the steerable filters, gain/sqrt(fan-in) (default: the model's, He's sqrt(2) "
-                            "for conversions, 1/sqrt(2) for equiconvert:equivariant_resnet9; 1 is escnn's scale); under "
-                            "weight standardization lower gains make the filters learn faster")
-    train.add_argument("--widths", type=_widths, default=None,
-                       help="channel widths of equiconvert:resnet9 before conversion, e.g. 16,32,64")
-    train.add_argument("--head", choices=("keep", "invariant"), default=None,
-                       help="the converted model's head: 'invariant' (global pooling; the default, except for "
-                            "equiconvert:equivariant_resnet9) or 'keep' (the network's own, e.g. the paper's 2x2 pooling)")
-    train.add_argument("--activation", choices=tuple(PAPER_ACTIVATIONS), default=None,
-                       help="equiconvert:equivariant_resnet9's activation, for it and its unconverted network (default: "
-                            "the paper's mish)")
-    train.add_argument("--norm-groups", type=int, default=None,
-                       help="equiconvert:equivariant_resnet9's GroupNorm groups, for it and its unconverted network "
-                            "(default: the paper's 8; a converted norm takes groups of whole fields, at most one per field)")
-    train.add_argument("--no-res2", action="store_true",
-                       help="equiconvert:equivariant_resnet9 (and its unconverted network) without the last residual "
-                            "block, res2: about half the parameters, so less DP-SGD noise in all (not the paper's)")
-    train.add_argument("--pool-after-res2", action="store_true",
-                       help="equiconvert:equivariant_resnet9 (and its unconverted network) with layer3's pooling after "
-                            "res2, which then works on 8x8 maps instead of 4x4: the same parameters, more FLOPs "
-                            "(not the paper's)")
-    train.add_argument("--normalize", type=_mean_std, default=None,
-                       metavar="MEAN,STD", help="pixels in [0, 1] -> (x - MEAN) / STD on the training device "
-                                                "(default 0.5,0.5; Fashion-MNIST's own statistics: 0.286,0.353)")
-    train.add_argument("--eval-every", type=int, default=None)
-    train.add_argument("--checkpoint-every", type=int, default=50)
-    train.add_argument("--seed", type=int, default=0,
-                       help="initial weights, augmentation and data order (never the DP noise or sampling, which are "
-                            "secret unless --insecure-seeded-noise)")
-    train.add_argument("--device", default=None, help="cpu, cuda, cuda:1 (default: cuda if available)")
-    train.add_argument("--threads", type=int, default=None,
-                       help="CPU threads of this process (default: PyTorch's, one per core); give several runs on "
-                            "one host a share each")
-    train.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.pt (which must exist)")
-    train.add_argument("--overwrite", action="store_true",
-                       help="replace the earlier run in OUT (a non-empty OUT is refused otherwise)")
-    train.add_argument("--insecure-seeded-noise", action="store_true",
-                       help="NOT PRIVATE: seed the DP noise and batch sampling from --seed (reproducible runs for "
-                            "tests and debugging); result.json records private: false")
-    train.add_argument("--log-nonprivate-stats", action="store_true",
-                       help="NOT PRIVATE: log each step's noise-free training loss and actual batch size")
-    train.add_argument("--nproc-per-node", type=int, default=None, metavar="N",
-                       help="train on N local processes (GPUs) at once, started as torchrun --standalone "
-                            "--nproc-per-node N would (docs/multi-gpu.md); for several nodes use torchrun itself")
-    train.add_argument("--no-progress", action="store_true")
+
+def _default_of(key: str, base: Any = None) -> str:
+    from .recipes.recipe import Recipe
+
+    value = _value(base if base is not None else Recipe(), key)
+    return "none" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def _recipe_flag(group, flag: str, help: str, base: Any = None, **kwargs: Any) -> None:
+    """A flag that sets one recipe key: no parser default (`base`, else the recipe dataclasses, hold it), which its
+    help shows."""
+    key = _TRAIN_FLAGS.get(flag) or _DEMO_FLAGS[flag]
+    group.add_argument(flag, default=argparse.SUPPRESS, help=f"{help} [{key}; default: {_default_of(key, base)}]",
+                       **kwargs)
+
+
+def _add_recipe_options(group) -> None:
+    group.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                       help="set any recipe key, e.g. dp.epsilon=2, schedule.lr_schedule=cosine, "
+                            "model.kwargs.norm_groups=4 (VALUE read as TOML: 2, 1e-5, true, [8, 16]); repeatable, "
+                            "applied last; `equiconvert recipes` lists the recipes, an unknown key lists the keys [default: none]")
+
+
+def _add_train_parser(sub) -> None:
+    from .recipes.recipe import parse_kwargs
+
+    train = sub.add_parser(
+        "train", help="train a (converted) model with DP-SGD and write OUT/result.json",
+        description="Train as a recipe says (equiconvert/recipes/files/*.toml, or your own TOML file), changed by "
+                    "the flags given and then by --set KEY=VALUE. Defaults: privacy.trainer.DPConfig and the recipe "
+                    "dataclasses (equiconvert.recipes.recipe).")
+    g = train.add_argument_group("model")
+    _recipe_flag(g, "--model", "a registry name (equiconvert.models.list_models()): resnet9, equivariant_resnet9 "
+                               "(Hölzl et al.'s model for --group), torchvision:<name>, timm:<name>")
+    g.add_argument("--model-kwargs", type=_model_kwargs(parse_kwargs), default=argparse.SUPPRESS, metavar="K=V,...",
+                   help="the model's keyword arguments, e.g. widths=16,32,64 (equiconvert:resnet9) or "
+                        "activation=relu,norm_groups=4,res2=false,pool_after_res2=true (equivariant_resnet9); "
+                        "a model that does not take one refuses it [model.kwargs; default: the model's own]")
+    _recipe_flag(g, "--group", "C1..C16, D1..D16, or 'none' for the unconverted baseline "
+                               "(conversion.width/head/init_gain: --set)")
+    g = train.add_argument_group("data")
+    _recipe_flag(g, "--dataset", "fashion-mnist, cifar10, rotated-mnist, imagenet32, imagefolder, synthetic "
+                                 "(required, by the recipe or here)")
+    _recipe_flag(g, "--data-dir", "the data set's folder")
+    g = train.add_argument_group("privacy")
+    _recipe_flag(g, "--epsilon", "target epsilon (the noise is calibrated to spend it)", type=float)
+    _recipe_flag(g, "--delta", "none: 1e-5 while 1e-5 <= 1/(10 N), else the largest power of ten <= 1/(10 N)",
+                 type=float)
+    _recipe_flag(g, "--accountant", "privacy accountant", choices=("rdp", "prv"))
+    _recipe_flag(g, "--batch-size", "expected logical (Poisson) batch size", type=int)
+    _recipe_flag(g, "--aug-mult", "augmented views per example, averaged before clipping", type=int)
+    _recipe_flag(g, "--max-grad-norm", "per-example clipping norm", type=float)
+    g = train.add_argument_group("optimisation")
+    _recipe_flag(g, "--steps", "DP-SGD steps", type=int)
+    _recipe_flag(g, "--lr", "learning rate (schedule.lr_schedule, .momentum, .optimizer, .ema_decay: --set)",
+                 type=float)
+    g = train.add_argument_group("run and output")
+    g.add_argument("--recipe", default=argparse.SUPPRESS, metavar="NAME|FILE",
+                   help="a shipped recipe's name (equiconvert recipes) or a TOML file [default: none, the defaults]")
+    _add_recipe_options(g)
+    _recipe_flag(g, "--out", "output folder (log.jsonl, checkpoint.pt, result.json); required, by the recipe or here")
+    _recipe_flag(g, "--device", "cpu, cuda, cuda:1 (none: cuda if available)")
+    _recipe_flag(g, "--time-limit", "stop training after this many seconds, with a checkpoint; --resume continues",
+                 type=float, metavar="SECONDS")
+    _recipe_flag(g, "--resume", "continue from OUT/checkpoint.pt (which must exist)", action="store_true")
+    _recipe_flag(g, "--overwrite", "replace the earlier run in OUT (a non-empty OUT is refused otherwise)",
+                 action="store_true")
+    g = train.add_argument_group("advanced")
+    _recipe_flag(g, "--physical-batch-size", "examples per forward/backward pass (memory, not privacy)", type=int)
+    _recipe_flag(g, "--seed", "initial weights, augmentation and data order (never the DP noise or sampling)",
+                 type=int)
+    _recipe_flag(g, "--threads", "CPU threads of this process (none: PyTorch's, one per core)", type=int)
+    _recipe_flag(g, "--insecure-seeded-noise", "NOT PRIVATE: seed the DP noise and batch sampling from --seed (tests, "
+                                               "debugging); result.json records private: false", action="store_true")
+    g.add_argument("--nproc-per-node", type=int, default=argparse.SUPPRESS, metavar="N",
+                   help="train on N local processes (GPUs) at once, as torchrun --standalone --nproc-per-node N "
+                        "would (docs/multi-gpu.md) [default: one process]")
     train.set_defaults(handler=_cmd_train)
 
-
-def _mean_std(text: str) -> tuple[float, float]:
-    try:
-        mean, std = (float(v) for v in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not MEAN,STD, e.g. 0.286,0.353") from None
-    if not std > 0:
-        raise argparse.ArgumentTypeError(f"the STD of --normalize must be positive, got {std:g}")
-    return mean, std
+    recipes = sub.add_parser("recipes", help="list the shipped recipes, or print one")
+    recipes.add_argument("name", nargs="?", help="print this recipe's TOML")
+    recipes.set_defaults(handler=_cmd_recipes)
 
 
-def _widths(text: str) -> tuple[int, ...]:
-    try:
-        return tuple(int(w) for w in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers, e.g. 16,32,64") from None
+def _model_kwargs(parse: Callable[[str], dict[str, Any]]) -> Callable[[str], dict[str, Any]]:
+    def parse_flag(text: str) -> dict[str, Any]:
+        try:
+            return parse(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+    return parse_flag
 
 
 def _add_demo_parser(sub) -> None:
-    from .demo import CPU_DEFAULTS as d
+    from .recipes.demo import CPU_DEFAULTS as main_job
+    from .recipes.demo import MAIN_JOB
 
     demo = sub.add_parser(
         "demo", help="the main job: convert ResNet9 to D4 and train it with DP-SGD on Fashion-MNIST",
-        description="Convert equiconvert's ResNet9 to D4, train it with DP-SGD on Fashion-MNIST (Poisson sampling, "
-                    "RDP accounting) and print and write OUT/demo.json: test accuracy, epsilon/delta, parameters, "
-                    "equivariance error, wall time. Defaults (equiconvert.demo.CPU_DEFAULTS) finish within 15 minutes "
-                    "on a 2-core CPU; flags take bigger settings, e.g. --device cuda --steps 1000 --batch-size 2048.")
+        description="Train the cpu_main_job recipe (equiconvert recipes cpu_main_job): ResNet9 converted to D4, "
+                    "DP-SGD on Fashion-MNIST (Poisson sampling, RDP accounting); a timing probe plans the steps "
+                    "that fit --time-limit before the noise is calibrated, so the whole epsilon is spent. Prints and "
+                    "writes OUT/demo.json: test accuracy, epsilon/delta, parameters, equivariance error, wall time.")
     demo.add_argument("--conversion-only", action="store_true",
                       help="only convert and check torchvision resnet18 and equiconvert resnet9 (no training)")
-    demo.add_argument("--group", default=None, help=f"default {d.group}")
-    demo.add_argument("--dataset", default=None, help=f"default {d.dataset} (any name `equiconvert train` takes)")
-    demo.add_argument("--data-dir", default=None,
-                      help="directory of the Fashion-MNIST IDX .gz files (default: $EQUICONVERT_DATA_DIR, then "
-                           "/usr/share/datasets/fashion-mnist of the Debian package dataset-fashion-mnist)")
-    demo.add_argument("--out", default=None, help=f"output folder, default {d.out} (its old results are replaced)")
-    demo.add_argument("--device", default=None, help="cpu, cuda, cuda:1 (default: cuda if available)")
-    demo.add_argument("--widths", type=_widths, default=None,
-                      help=f"ResNet9 channel widths before conversion, default {','.join(map(str, d.widths))}")
-    demo.add_argument("--steps", type=int, default=None, help=f"default {d.steps}")
-    demo.add_argument("--batch-size", type=int, default=None, help=f"expected (Poisson) batch size, default {d.batch_size}")
-    demo.add_argument("--physical-batch-size", type=int, default=None, help=f"default {d.physical_batch_size}")
-    demo.add_argument("--aug-mult", type=int, default=None, help=f"augmented views per example, default {d.aug_mult}")
-    demo.add_argument("--lr", type=float, default=None, help=f"default {d.lr}")
-    demo.add_argument("--momentum", type=float, default=None, help=f"default {d.momentum}")
-    demo.add_argument("--max-grad-norm", type=float, default=None, help=f"default {d.max_grad_norm}")
-    demo.add_argument("--epsilon", type=float, default=None, help=f"default {d.epsilon}")
-    demo.add_argument("--delta", type=float, default=None, help=f"default {d.delta}")
-    demo.add_argument("--time-limit", type=float, default=None, metavar="SECONDS",
-                      help=f"cap on the training time, default {d.time_limit_s:.0f}; 0: none. A capped run says at which "
-                           f"step it stopped and the epsilon it spent")
-    demo.add_argument("--threads", type=int, default=None, help="CPU threads (default: the cores this process may use)")
-    demo.add_argument("--seed", type=int, default=None, help=f"default {d.seed}")
-    demo.add_argument("--init-gain", type=float, default=None,
-                      help=f"initial std of the steerable filters, gain/sqrt(fan-in), default {d.init_gain:.4f}")
-    demo.add_argument("--no-progress", action="store_true")
+    demo.add_argument("--recipe", default=MAIN_JOB, metavar="NAME|FILE",
+                      help=f"the recipe the demo trains (default: {MAIN_JOB})")
+    _add_recipe_options(demo)
+    _recipe_flag(demo, "--data-dir", "directory of the Fashion-MNIST IDX .gz files (none: $EQUICONVERT_DATA_DIR, "
+                                     "then /usr/share/datasets/fashion-mnist of the Debian package "
+                                     "dataset-fashion-mnist)", main_job)
+    _recipe_flag(demo, "--out", "output folder (its old results are replaced)", main_job)
+    _recipe_flag(demo, "--device", "cpu, cuda, cuda:1 (none: cuda if available)", main_job)
+    _recipe_flag(demo, "--time-limit", "training time budget in seconds; 0: none", main_job, type=float,
+                 metavar="SECONDS")
+    _recipe_flag(demo, "--threads", "CPU threads (none: the cores this process may use)", main_job, type=int)
     demo.add_argument("--json", action="store_true", help="print one JSON object")
     demo.set_defaults(handler=_cmd_demo)
 
@@ -587,7 +587,7 @@ def _add_audit_parser(sub) -> None:
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="equiconvert", description="Turn CNNs into rotation/reflection-equivariant steerable CNNs.")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{convert,demo,train}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{convert,demo,train,recipes,audit}")
 
     convert = sub.add_parser("convert", help="convert a model and report what changed")
     convert.add_argument("model", help="a registry name (equiconvert.models.list_models()): resnet9, "

@@ -24,7 +24,7 @@ import equiconvert
 from equiconvert.data import load_dataset
 from equiconvert.models import resnet9
 from equiconvert.privacy import DPTrainer
-from equiconvert.privacy.run import padded_size
+from equiconvert.recipes.runner import padded_size
 
 
 def parse_args() -> argparse.Namespace:

@@ -14,8 +14,8 @@ from benchmark_scripts import load_benchmark
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = REPO_ROOT / "benchmarks" / "accuracy.py"
 # A few seconds per run on a loaded 2-core CPU; the synthetic data set ignores --data-dir.
-TINY_TRAIN = ["--widths", "4,8,8", "--steps", "1", "--batch-size", "16", "--physical-batch-size", "16",
-              "--aug-mult", "1", "--checkpoint-every", "0"]
+TINY_TRAIN = ["--model-kwargs", "widths=4,8,8", "--steps", "1", "--batch-size", "16", "--physical-batch-size", "16",
+              "--aug-mult", "1", "--set", "schedule.checkpoint_every=0"]
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 

@@ -114,8 +114,19 @@ def test_no_import_cycles_among_module_level_imports():
 def test_no_import_cycles_even_counting_imports_inside_functions():
     """Deferred imports included: the CLI -> training runner -> CLI loop is gone (the registry builds models)."""
     graph = import_graph(module_level=False)
-    assert "equiconvert.cli" not in graph["equiconvert.privacy.run"]
+    assert "equiconvert.cli" not in graph["equiconvert.recipes.runner"]
     assert cycles(graph) == []
+
+
+def test_layers_point_one_way_cli_recipes_library():
+    """cli -> recipes -> library: the library (privacy included) imports neither the recipes nor the CLI."""
+    graph = import_graph(module_level=False)
+    upper = ("equiconvert.cli", "equiconvert.recipes", "equiconvert.__main__")
+    for name, targets in graph.items():
+        if name.startswith(upper) or name == "equiconvert":
+            continue
+        assert not {t for t in targets if t.startswith(upper)}, name
+    assert not {t for t in graph["equiconvert.recipes.runner"] if t.startswith("equiconvert.cli")}
 
 
 if __name__ == "__main__":

@@ -131,9 +131,9 @@ def test_checkpoints_from_before_the_precision_option_resume_and_precision_is_pa
 
 def test_train_precision_reaches_the_trainer_and_the_result(tmp_path, capsys):
     out = tmp_path / "run"
-    code = main(["train", "--dataset", "synthetic", "--model", "equiconvert:resnet9", "--widths", "8,16,32",
+    code = main(["train", "--dataset", "synthetic", "--model", "equiconvert:resnet9", "--model-kwargs", "widths=8,16,32",
                  "--group", "C4", "--steps", "1", "--batch-size", "8", "--aug-mult", "1", "--epsilon", "8",
-                 "--physical-batch-size", "8", "--precision", "bf16", "--out", str(out), "--no-progress",
+                 "--physical-batch-size", "8", "--set", "dp.precision=bf16", "--out", str(out), "--set", "run.progress=false",
                  "--device", "cpu"])
     assert code == 0
     result = json.loads((out / "result.json").read_text())

@@ -21,8 +21,8 @@ from equiconvert.privacy.trainer import DPTrainer
 ROOT = Path(__file__).resolve().parents[1]
 OPTIONS = dict(noise_multiplier=1.0, target_epsilon=None, batch_size=8, steps=2, aug_mult=1, lr=1.0, ema_decay=None,
                augment_padding=0, augment_flip=False, progress=False, checkpoint_every=1)
-TRAIN = ["train", "--dataset", "synthetic", "--model", "equiconvert:resnet9", "--widths", "4,8,8", "--group", "none",
-         "--steps", "1", "--batch-size", "8", "--aug-mult", "1", "--physical-batch-size", "8", "--no-progress",
+TRAIN = ["train", "--dataset", "synthetic", "--model", "equiconvert:resnet9", "--model-kwargs", "widths=4,8,8", "--group", "none",
+         "--steps", "1", "--batch-size", "8", "--aug-mult", "1", "--physical-batch-size", "8", "--set", "run.progress=false",
          "--device", "cpu"]
 
 

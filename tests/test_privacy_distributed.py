@@ -245,9 +245,9 @@ def test_training_loop_waits_for_the_device_only_at_log_steps(monkeypatch):
 def test_nproc_per_node_launches_workers_through_torchrun(tmp_path):
     out = tmp_path / "run"
     command = [sys.executable, "-m", "equiconvert", "train", "--nproc-per-node", "2", "--dataset", "synthetic",
-               "--model", "equiconvert:resnet9", "--widths", "4,8,8", "--group", "none", "--steps", "2",
+               "--model", "equiconvert:resnet9", "--model-kwargs", "widths=4,8,8", "--group", "none", "--steps", "2",
                "--batch-size", "16", "--aug-mult", "1", "--physical-batch-size", "16", "--out", str(out),
-               "--no-progress", "--device", "cpu"]
+               "--set", "run.progress=false", "--device", "cpu"]
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     finished = subprocess.run(command, check=False, capture_output=True, text=True, env=env, timeout=300)
     assert finished.returncode == 0, finished.stderr[-2000:]

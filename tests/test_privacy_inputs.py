@@ -153,7 +153,7 @@ def test_bad_labels_are_refused_through_the_api(labels, message):
 def test_cli_errors_name_the_flag_before_any_data_is_loaded(tmp_path, capsys):
     missing = str(tmp_path / "no-data-here")  # loading cifar10 from here would fail: the flag check comes first
     for flag, value in (("--epsilon", "-1"), ("--delta", "2"), ("--lr", "0"), ("--physical-batch-size", "0"),
-                        ("--ema-decay", "1.5"), ("--steps", "0")):
+                        ("--set", "schedule.ema_decay=1.5"), ("--steps", "0")):
         error = run_error(capsys, "train", "--dataset", "cifar10", "--data-dir", missing, "--out", str(tmp_path / "o"),
                           flag, value)
         assert error.startswith(f"error: {flag} ") and "target_epsilon" not in error, error
@@ -168,14 +168,14 @@ def test_unknown_dataset_is_one_clear_line(tmp_path, capsys):
 
 
 def test_empty_test_split_is_refused_before_training(tmp_path, monkeypatch):
-    from equiconvert.privacy import run
+    from equiconvert.recipes import runner as run
 
     def fail(*args, **kwargs):
         raise AssertionError("DPTrainer was built although the test split is empty")
 
     monkeypatch.setattr(run, "DPTrainer", fail)
     spec = run.RunSpec(model="equiconvert:resnet9", group="none", dataset="synthetic", data_dir=None,
-                       out=str(tmp_path / "o"), model_widths=(4, 8, 8), progress=False)
+                       out=str(tmp_path / "o"), model_kwargs={"widths": (4, 8, 8)}, progress=False)
     import equiconvert.data as data
 
     real = data.load_dataset
@@ -189,7 +189,7 @@ def test_first_step_over_budget_fails_with_a_message(tmp_path, capsys):
     trainer = DPTrainer(_linear(), **{**OPTIONS, "target_epsilon": 0.1, "noise_multiplier": 0.5})
     with pytest.raises(PrivacyBudgetError, match=r"one step .* spends epsilon .* > the target 0.1"):
         trainer.fit(_data())
-    error = run_error(capsys, "train", "--dataset", "synthetic", "--model", "equiconvert:resnet9", "--widths", "4,8,8",
+    error = run_error(capsys, "train", "--dataset", "synthetic", "--model", "equiconvert:resnet9", "--model-kwargs", "widths=4,8,8",
                       "--group", "none", "--steps", "2", "--batch-size", "8", "--aug-mult", "1", "--epsilon", "0.1",
-                      "--noise-multiplier", "0.5", "--out", str(tmp_path / "o"), "--no-progress", "--device", "cpu")
+                      "--set", "dp.noise_multiplier=0.5", "--out", str(tmp_path / "o"), "--set", "run.progress=false", "--device", "cpu")
     assert "spends epsilon" in error and not (tmp_path / "o" / "result.json").exists()

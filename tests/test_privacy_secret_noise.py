@@ -119,9 +119,9 @@ def test_checkpoint_is_owner_only_and_holds_generator_states_as_uint8_tensors(tm
 
 def _train(tmp_path, *flags: str) -> tuple[dict, list[dict]]:
     out = tmp_path / "run"
-    assert main(["train", "--dataset", "synthetic", "--model", "equiconvert:resnet9", "--widths", "4,8,8", "--group",
+    assert main(["train", "--dataset", "synthetic", "--model", "equiconvert:resnet9", "--model-kwargs", "widths=4,8,8", "--group",
                  "none", "--steps", "2", "--batch-size", "8", "--aug-mult", "1", "--physical-batch-size", "8",
-                 "--out", str(out), "--no-progress", "--device", "cpu", *flags]) == 0
+                 "--out", str(out), "--set", "run.progress=false", "--device", "cpu", *flags]) == 0
     log = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
     return json.loads((out / "result.json").read_text()), log
 
@@ -138,7 +138,7 @@ def test_train_is_private_by_default_and_logs_no_noise_free_statistics(tmp_path,
 
 def test_insecure_and_nonprivate_options_are_recorded(tmp_path):
     with pytest.warns(UserWarning, match="NOT differentially private"):
-        result, log = _train(tmp_path, "--insecure-seeded-noise", "--log-nonprivate-stats")
+        result, log = _train(tmp_path, "--insecure-seeded-noise", "--set", "dp.log_nonprivate_stats=true")
     assert result["private"] is False and result["log_nonprivate_stats"] is True
     steps = [record for record in log if "lr" in record]
     assert all({"train_loss", "batch_size"} <= set(record) for record in steps)

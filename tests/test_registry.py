@@ -96,11 +96,11 @@ def test_convert_and_train_accept_the_same_names(name, tmp_path, capsys):
     assert record["model"] == name and record["group"] == "D1" and record["params_after"] > 0
     if name == "equivariant_resnet9":  # built for the group, not converted twice
         assert record["params_before"] == PAPER_PLAIN_PARAMS
-    widths = [] if name in ("equivariant_resnet9", "torchvision:resnet18") else ["--widths", "4,8,8"]
+    widths = [] if name in ("equivariant_resnet9", "torchvision:resnet18") else ["--model-kwargs", "widths=4,8,8"]
     out = tmp_path / "run"
     assert main(["train", "--dataset", "synthetic", "--model", name, "--group", "none", *widths, "--steps", "1",
                  "--batch-size", "8", "--aug-mult", "1", "--physical-batch-size", "8", "--out", str(out),
-                 "--no-progress", "--device", "cpu"]) == 0
+                 "--set", "run.progress=false", "--device", "cpu"]) == 0
     result = json.loads((out / "result.json").read_text())
     if name == "equivariant_resnet9":  # --group none: the plain network the preset converts
         expected = PAPER_PLAIN_PARAMS

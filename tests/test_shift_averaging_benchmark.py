@@ -12,9 +12,9 @@ from equiconvert.cli import main as cli
 def test_checkpoint_reevaluation_matches_the_runs_own_plain_and_shift_averaged_metrics(tmp_path, capsys):
     run = tmp_path / "run"
     assert cli(["train", "--dataset", "synthetic", "--model", "equiconvert:equivariant_resnet9", "--group", "D1",
-                "--steps", "2", "--batch-size", "8", "--aug-mult", "1", "--physical-batch-size", "8", "--ema-decay",
-                "0.15", "--checkpoint-every", "1", "--test-shifts", "grid1", "--normalize", "0.4,0.3", "--out",
-                str(run), "--no-progress", "--device", "cpu"]) == 0
+                "--steps", "2", "--batch-size", "8", "--aug-mult", "1", "--physical-batch-size", "8", "--set",
+                "schedule.ema_decay=0.15", "--set", "schedule.checkpoint_every=1", "--set", "data.test_shifts=grid1", "--set", "data.normalize_mean=0.4", "--set", "data.normalize_std=0.3", "--out",
+                str(run), "--set", "run.progress=false", "--device", "cpu"]) == 0
     result = json.loads((run / "result.json").read_text())
     capsys.readouterr()
     out = tmp_path / "shifts.json"

@@ -1,64 +1,32 @@
 """The main job (`equiconvert demo`): convert ResNet9 to D4 and train it with DP-SGD on Fashion-MNIST.
 
-Everything goes through `privacy.run.run_training` (the engine of `equiconvert train`):
+Everything goes through `recipes.runner.run_training` (the engine of `equiconvert train`):
 the model is converted, checked for equivariance at the padded input size (28 -> 32),
 trained by DPTrainer (Poisson sampling, per-sample clipping, RDP accounting) and
-evaluated on the whole test set. The demo adds CPU-friendly defaults (`CPU_DEFAULTS`, one
-place), a training time cap, and a summary that it prints and writes to OUT/demo.json.
+evaluated on the whole test set. The demo trains the cpu_main_job recipe (`CPU_DEFAULTS`); a timing
+probe fits its steps to the time budget before the noise is calibrated (runner.plan_steps), and it
+prints and writes a summary to OUT/demo.json.
 """
 from __future__ import annotations
 
+import copy
 import json
 import os
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from .recipe import Recipe, load_recipe
+
 SUMMARY_FILE = "demo.json"
 STALE_FILES = ("log.jsonl", "checkpoint.pt", "result.json", SUMMARY_FILE)  # a demo run always starts fresh
-
-
-@dataclass(frozen=True)
-class DemoSettings:
-    """What the demo trains; `CPU_DEFAULTS` are chosen to finish within 15 minutes on a 2-core CPU.
-
-    time_limit_s caps the training loop (the final evaluation of the test set comes after it);
-    None trains for all `steps`. threads None: one per CPU core this process may use.
-    """
-
-    dataset: str = "fashion-mnist"
-    data_dir: str | None = None
-    model: str = "equiconvert:resnet9"
-    widths: tuple[int, ...] = (8, 16, 32)
-    group: str = "D4"
-    epsilon: float = 3.0
-    delta: float = 1e-5
-    accountant: str = "rdp"
-    batch_size: int = 256  # expected (Poisson) batch size
-    physical_batch_size: int = 256
-    steps: int = 300
-    aug_mult: int = 1
-    max_grad_norm: float = 2.0
-    lr: float = 0.5
-    momentum: float = 0.9
-    # De et al.'s warm-up caps step t's EMA decay at (1 + t) / (10 + t): 0.971 at the last of 300 steps, so any
-    # larger decay trains about the same EMA as 0.97 here (0.999 would need 8,990 steps to apply)
-    ema_decay: float = 0.97
-    seed: int = 0
-    # Filters start at 1/sqrt 2 of He's scale: 80.3 / 80.9% vs 79.1 / 79.9% at He's scale (seeds 0 / 1)
-    init_gain: float | None = 2 ** -0.5
-    time_limit_s: float | None = 600.0
-    device: str | None = None  # None: cuda if available, else cpu
-    threads: int | None = None
-    out: str = "runs/demo"
-    progress: bool = True
-
+MAIN_JOB = "cpu_main_job"  # the recipe (equiconvert/recipes/files/cpu_main_job.toml)
 
 # On an idle 2-core CPU: 1.6 s a step, 80.21% after all 300 steps in 481 s (docs/results.md).
-CPU_DEFAULTS = DemoSettings()
+CPU_DEFAULTS: Recipe = load_recipe(MAIN_JOB)
 
 
 def cpu_threads() -> int:
@@ -74,25 +42,20 @@ def _clear_outputs(out: Path) -> None:
         (out / name).unlink(missing_ok=True)
 
 
-def run_main_job(settings: DemoSettings = CPU_DEFAULTS) -> dict[str, Any]:
-    """Train as `settings` say (through run_training); returns the summary, also written to OUT/demo.json."""
-    from .privacy.run import RunSpec, run_training
+def run_main_job(recipe: Recipe = CPU_DEFAULTS) -> dict[str, Any]:
+    """Train as `recipe` says (through run_recipe, steps planned to fit its time limit); returns the summary, also
+    written to OUT/demo.json."""
+    from .runner import run_recipe
 
     start = time.perf_counter()
-    s = settings
-    threads = s.threads or cpu_threads()
+    recipe = copy.deepcopy(recipe)
+    threads = recipe.run.threads or cpu_threads()
     torch.set_num_threads(threads)
-    out = Path(s.out)
+    out = Path(recipe.run.out)
     out.mkdir(parents=True, exist_ok=True)
     _clear_outputs(out)
-    spec = RunSpec(model=s.model, group=s.group, dataset=s.dataset, data_dir=s.data_dir, out=str(out),
-                   model_widths=s.widths, device=s.device, progress=s.progress, time_limit_s=s.time_limit_s,
-                   init_gain=s.init_gain, overwrite=True)
-    result = run_training(
-        spec, target_epsilon=s.epsilon, delta=s.delta, accountant=s.accountant, batch_size=s.batch_size,
-        physical_batch_size=s.physical_batch_size, steps=s.steps, aug_mult=s.aug_mult, max_grad_norm=s.max_grad_norm,
-        lr=s.lr, momentum=s.momentum, ema_decay=s.ema_decay or None, seed=s.seed, checkpoint_every=None,
-    )
+    recipe.run.overwrite = True
+    result = run_recipe(recipe)
     summary = {
         "test_accuracy": result["test_accuracy"],
         "test_examples": result["test_examples"],
@@ -114,7 +77,8 @@ def run_main_job(settings: DemoSettings = CPU_DEFAULTS) -> dict[str, Any]:
         "device": result["device"],
         "threads": threads if result["device"] == "cpu" else None,
         "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
-        "settings": {**asdict(s), "widths": list(s.widths)},
+        "settings": settings_of(recipe),
+        "step_probe": result["step_probe"],
         "result_file": str(out / "result.json"),
         "test_loss": result["test_loss"],
         "brier": result["brier"],
@@ -124,17 +88,23 @@ def run_main_job(settings: DemoSettings = CPU_DEFAULTS) -> dict[str, Any]:
     return summary
 
 
-def settings_from(base: DemoSettings = CPU_DEFAULTS, **overrides: Any) -> DemoSettings:
-    """`base` with the non-None overrides applied (command-line flags that were given)."""
-    return replace(base, **{k: v for k, v in overrides.items() if v is not None})
+def settings_of(recipe: Recipe) -> dict[str, Any]:
+    """The recipe as one flat record (what the summary reports)."""
+    widths = recipe.model.kwargs.get("widths")
+    trainer = {k: v for k, v in asdict(recipe.trainer).items() if not callable(v)}
+    return {"model": recipe.model.name, "model_kwargs": {k: list(v) if isinstance(v, tuple) else v
+                                                          for k, v in recipe.model.kwargs.items()},
+            "widths": list(widths) if widths else None, **asdict(recipe.conversion), **asdict(recipe.data),
+            **trainer, "epsilon": recipe.trainer.target_epsilon, **asdict(recipe.run)}
 
 
 def format_summary(summary: dict[str, Any]) -> str:
     """The readable report of a demo run."""
     s = summary["settings"]
-    widths = ",".join(map(str, s["widths"]))
+    widths = f" (widths {','.join(map(str, s['widths']))})" if s["widths"] else ""
+    probe = summary["step_probe"]
     lines = [
-        f"model: {s['model']} (widths {widths}) -> {s['group']}: "
+        f"model: {s['model']}{widths} -> {s['group']}: "
         f"parameters {summary['params_before']:,} before, {summary['params_after']:,} after conversion",
         f"equivariance check at {summary['equivariance_input_size']}x{summary['equivariance_input_size']} "
         f"(90-degree rotations and flips of the input): max error {summary['max_equivariance_error']:.1e}",
@@ -142,6 +112,10 @@ def format_summary(summary: dict[str, Any]) -> str:
         f"{summary['train_examples']:,} {s['dataset']} images, aug_mult {s['aug_mult']}, clip {s['max_grad_norm']}, "
         f"noise multiplier {summary['noise_multiplier']:.3f}",
     ]
+    if probe is not None:
+        lines.append(f"timing probe: {probe['seconds_per_step']:.2f} s a step over {probe['probe_steps']} steps: "
+                     f"{probe['planned_steps']} of {probe['requested_steps']} steps fit the "
+                     f"{probe['time_budget_s']:.0f} s budget")
     if summary["stopped_reason"] == "time_limit":
         lines.append(f"STOPPED EARLY at step {summary['steps']} of {summary['requested_steps']}: the training time "
                      f"limit ({s['time_limit_s']:.0f} s) was reached; the epsilon below is what those steps spent")

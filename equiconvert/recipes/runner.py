@@ -6,9 +6,10 @@ with DPTrainer and writes OUT/result.json.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -19,11 +20,12 @@ from torch import nn
 from ..check import check_equivariance
 from ..convert import make_equivariant
 from ..nn.conv import SteerableConv2d
-from . import distributed
-from .accounting import refuse_delta
-from .filter_gradients import fastest_choices
-from .run_folder import prepare_out
-from .trainer import DPConfig, DPTrainer, check_config
+from ..privacy import distributed
+from ..privacy.accounting import refuse_delta
+from ..privacy.filter_gradients import fastest_choices
+from ..privacy.run_folder import prepare_out
+from ..privacy.trainer import DPConfig, DPTrainer, check_config
+from .recipe import Recipe, RecipeError
 
 BASELINE_GROUP = "none"
 
@@ -38,7 +40,8 @@ class RunSpec:
     data_dir: str | None
     out: str
     width: str | float | None = None
-    model_widths: tuple[int, ...] | None = None
+    # the model's keyword arguments (create_model's, e.g. widths); the paper preset also takes PRESET_KEYS
+    model_kwargs: dict[str, Any] = field(default_factory=dict)
     device: str | None = None
     resume: bool = False
     overwrite: bool = False  # replace an earlier run's files in `out` (otherwise a non-empty `out` is refused)
@@ -46,10 +49,21 @@ class RunSpec:
     time_limit_s: float | None = None  # stop (with a checkpoint) after this much training time; --resume continues
     init_gain: float | None = None  # ConversionConfig.init_gain; None keeps the model's default
     head: str | None = None  # "keep" or "invariant"; None: the paper preset's own head, "invariant" for other models
-    activation: str | None = None  # the paper preset's activation (PAPER_ACTIVATIONS); None: its own, Mish
-    norm_groups: int | None = None  # the paper preset's GroupNorm groups; None: its own, 8
-    res2: bool | None = None  # the paper preset's last residual block; None: its own (kept)
-    pool_after_res2: bool | None = None  # the paper preset's res2 at 8x8 (layer3's pooling after it); None: 4x4
+    plan_steps: bool = False  # fit the steps to time_limit_s by a timing probe before the noise is calibrated
+
+    def preset(self, key: str) -> Any:
+        """A paper-preset keyword argument as given (None: the preset's own)."""
+        return self.model_kwargs.get(key)
+
+    def passed_kwargs(self) -> dict[str, Any]:
+        """The keyword arguments create_model receives as they are (the preset's own ones are built separately)."""
+        return {k: v for k, v in self.model_kwargs.items() if k not in PRESET_KEYS}
+
+
+# the paper preset's keyword arguments (its conv -> activation -> norm blocks and last stage), refused for other
+# models: activation (a PAPER_ACTIVATIONS name; default mish), norm_groups (default 8), res2 (default true: the last
+# residual block kept), pool_after_res2 (default false: res2 at 4x4)
+PRESET_KEYS = ("activation", "norm_groups", "res2", "pool_after_res2")
 
 
 def _count(model: nn.Module) -> int:
@@ -78,21 +92,21 @@ def _paper_model(spec: RunSpec, activation: str, num_classes: int, channels: int
     network it is converted from, with `activation` (a PAPER_ACTIVATIONS name); also the plain network's size."""
     from ..models import create_model
 
-    if spec.model_widths is not None:
-        raise ValueError(f"{PAPER_MODEL} has the paper's layout (16, 32, 64); --widths does not apply to it "
-                         "(--width changes its conversion's width rule)")
+    if "widths" in spec.model_kwargs:
+        raise ValueError(f"{PAPER_MODEL} has the paper's layout (16, 32, 64); the keyword widths does not apply to "
+                         "it (conversion.width / --set conversion.width=... changes its conversion's width rule)")
     norm_groups = _norm_groups(spec)
     try:
         plain = create_model("plain_paper_resnet9", num_classes=num_classes, in_channels=channels, act=activation,
-                             norm_groups=norm_groups, **_blocks(spec))
+                             norm_groups=norm_groups, **_blocks(spec), **spec.passed_kwargs())
     except ValueError as exc:
-        raise ValueError(f"--norm-groups {spec.norm_groups}: {exc}") from exc
+        raise ValueError(f"norm_groups {spec.preset('norm_groups')}: {exc}") from exc
     if spec.group.lower() == BASELINE_GROUP:
         return plain, _count(plain)
     width = {} if spec.width is None else {"width": spec.width}
     model = create_model(PAPER_MODEL, group=spec.group, num_classes=num_classes, in_channels=channels,
                          head=_head(spec), act=activation, **width, norm_groups=norm_groups, **_blocks(spec),
-                         **_conversion_options(spec))
+                         **_conversion_options(spec), **spec.passed_kwargs())
     return model, _count(plain)
 
 
@@ -102,9 +116,10 @@ def _activation(spec: RunSpec) -> str | None:
 
     if not _is_paper_model(spec):
         return None
-    if spec.activation is not None and spec.activation not in PAPER_ACTIVATIONS:
-        raise ValueError(f"--activation {spec.activation!r} is not one of {sorted(PAPER_ACTIVATIONS)}")
-    return spec.activation or "mish"
+    activation = spec.preset("activation")
+    if activation is not None and activation not in PAPER_ACTIVATIONS:
+        raise ValueError(f"activation {activation!r} is not one of {sorted(PAPER_ACTIVATIONS)}")
+    return activation or "mish"
 
 
 def _norm_groups(spec: RunSpec) -> int | None:
@@ -113,14 +128,14 @@ def _norm_groups(spec: RunSpec) -> int | None:
 
     if not _is_paper_model(spec):
         return None
-    return PAPER_NORM_GROUPS if spec.norm_groups is None else spec.norm_groups
+    return PAPER_NORM_GROUPS if spec.preset("norm_groups") is None else spec.preset("norm_groups")
 
 
 def _blocks(spec: RunSpec) -> dict[str, bool | None]:
     """The paper preset's last-stage choices as built (res2 kept, pooled before it unless asked); None for others."""
     if not _is_paper_model(spec):
         return {"res2": None, "pool_after_res2": None}
-    return {"res2": spec.res2 is not False, "pool_after_res2": bool(spec.pool_after_res2)}
+    return {"res2": spec.preset("res2") is not False, "pool_after_res2": bool(spec.preset("pool_after_res2"))}
 
 
 def _final_ema_decay(trainer: DPTrainer) -> float | None:
@@ -134,30 +149,25 @@ def _head(spec: RunSpec) -> str:
 
 
 # options that only a converted model has, and what each sets: refused for the unconverted baseline
-_CONVERSION_FLAGS = {"init_gain": ("--init-gain", "the steerable filters' initial scale"),
-                     "head": ("--head", "the converted model's head"),
-                     "width": ("--width", "the conversion's width rule")}
-
-
-# options that only the paper preset has (its conv -> activation -> norm blocks): refused for other models
-_PRESET_FLAGS = {"activation": "--activation", "norm_groups": "--norm-groups", "res2": "--no-res2",
-                 "pool_after_res2": "--pool-after-res2"}
+_CONVERSION_FLAGS = {"init_gain": ("conversion.init_gain", "the steerable filters' initial scale"),
+                     "head": ("conversion.head", "the converted model's head"),
+                     "width": ("conversion.width", "the conversion's width rule")}
 
 
 def _refuse_preset_options_for_other_models(spec: RunSpec) -> None:
     if _is_paper_model(spec):
         return
-    for field, flag in _PRESET_FLAGS.items():
-        if getattr(spec, field) is not None:
-            raise ValueError(f"{flag} applies to {PAPER_MODEL} only (its conv -> activation -> norm blocks), "
-                             f"not {spec.model!r}: drop it, or train {PAPER_MODEL}")
+    for key in PRESET_KEYS:
+        if spec.preset(key) is not None:
+            raise ValueError(f"the model keyword {key} applies to {PAPER_MODEL} only (its conv -> activation -> norm "
+                             f"blocks), not {spec.model!r}: drop it, or train {PAPER_MODEL}")
 
 
 def _refuse_conversion_options_for_baseline(spec: RunSpec) -> None:
     if spec.group.lower() != BASELINE_GROUP:
         return
-    for field, (flag, what) in _CONVERSION_FLAGS.items():
-        if getattr(spec, field) is not None:
+    for name, (flag, what) in _CONVERSION_FLAGS.items():
+        if getattr(spec, name) is not None:
             raise ValueError(f"{flag} sets {what}; the unconverted baseline (--group none) has none: drop {flag}, "
                              "or pick a group")
 
@@ -167,7 +177,7 @@ def _conversion_options(spec: RunSpec) -> dict[str, Any]:
 
 
 def _refuse_resuming_another_model(out: Path, model: nn.Module, resume: bool, writes: bool) -> None:
-    """A checkpoint restores parameters by name and shape, so a change without parameters (another --activation)
+    """A checkpoint restores parameters by name and shape, so a change without parameters (another activation)
     would resume silently into another network: OUT/model.txt keeps the architecture the run started with."""
     record, description = out / "model.txt", repr(model)
     if resume and record.exists():
@@ -217,6 +227,39 @@ def _final_metrics(final: dict[str, float]) -> dict[str, float]:
     return {**plain, **averaged}
 
 
+PROBE_STEPS = 3  # timed steps, after one untimed warm-up step
+PLAN_SHARE = 0.8  # of the time budget the planned steps may take: a margin for steps slower than the probe's
+
+
+def probe_seconds_per_step(model: nn.Module, image_shape: tuple[int, ...], num_classes: int, device: str | None,
+                           options: dict[str, Any], steps: int = PROBE_STEPS) -> float:
+    """Seconds per DP-SGD step of a copy of `model` with the run's batch options on this machine, timed on random
+    images of the run's shape (one batch of batch_size examples a step; no data of the run is read)."""
+    import copy
+
+    batch = options.get("batch_size", DPConfig.batch_size)
+    generator = torch.Generator().manual_seed(0)
+    images = torch.randint(0, 256, (batch, *image_shape), dtype=torch.uint8, generator=generator)
+    labels = torch.randint(0, num_classes, (batch,), generator=generator)
+    timing = {**options, "steps": steps + 1, "target_epsilon": None, "noise_multiplier": 1.0, "eval_every": None,
+              "checkpoint_every": None, "epsilon_every": 1, "delta": None, "ema_decay": None}
+    trainer = DPTrainer(copy.deepcopy(model), device=device, out_dir=None, progress=False, **timing)
+    trainer.fit((images, labels))
+    times = [r["time_s"] for r in trainer.history if "time_s" in r]
+    return (times[-1] - times[0]) / steps
+
+
+def plan_steps(model: nn.Module, image_shape: tuple[int, ...], num_classes: int, device: str | None,
+               options: dict[str, Any], time_budget_s: float) -> dict[str, Any]:
+    """How many of the requested steps fit PLAN_SHARE of the time budget at the probe's pace (at least one); the
+    noise is then calibrated for those steps, so the run spends its whole epsilon within the budget."""
+    seconds = probe_seconds_per_step(model, image_shape, num_classes, device, options)
+    requested = options.get("steps", DPConfig.steps)
+    fitting = int(PLAN_SHARE * time_budget_s / seconds) if seconds > 0 else requested
+    return {"probe_steps": PROBE_STEPS, "seconds_per_step": seconds, "time_budget_s": time_budget_s,
+            "plan_share": PLAN_SHARE, "requested_steps": requested, "planned_steps": max(1, min(requested, fitting))}
+
+
 def pad_images(images: torch.Tensor, size: int) -> torch.Tensor:
     """Zero-pad square images symmetrically to `size` (the converted model's valid input size)."""
     margin = (size - images.shape[-1]) // 2
@@ -231,6 +274,31 @@ def _refuse_impossible_sizes(options: dict[str, Any], num_examples: int) -> None
                          "sample rate batch_size / N must be <= 1")
     if options.get("delta") is not None:
         refuse_delta(options["delta"], num_examples, flag="--delta")
+
+
+def spec_of(recipe: Recipe) -> RunSpec:
+    """The RunSpec of a recipe; data.dataset and run.out must be set (by the recipe file or the flags)."""
+    for key, value in (("data.dataset", recipe.data.dataset), ("run.out", recipe.run.out)):
+        if value is None:
+            raise RecipeError(f"{key} is not set: give it in the recipe, by its flag (--dataset, --out) or by "
+                              f"--set {key}=...")
+    m, c, r = recipe.model, recipe.conversion, recipe.run
+    return RunSpec(model=m.name, group=c.group, dataset=recipe.data.dataset, data_dir=recipe.data.data_dir,
+                   out=r.out, width=c.width, model_kwargs=dict(m.kwargs), device=r.device, resume=r.resume,
+                   overwrite=r.overwrite, progress=r.progress, time_limit_s=r.time_limit_s, init_gain=c.init_gain,
+                   head=c.head, plan_steps=r.plan_steps)
+
+
+def trainer_options(recipe: Recipe) -> dict[str, Any]:
+    """The recipe's DPConfig as run_training's keyword arguments (an EMA decay of 0: no EMA)."""
+    options = dataclasses.asdict(recipe.trainer)
+    options["ema_decay"] = options["ema_decay"] or None
+    return options
+
+
+def run_recipe(recipe: Recipe) -> dict[str, Any]:
+    """Train as the recipe says (run_training); returns the result record."""
+    return run_training(spec_of(recipe), **trainer_options(recipe))
 
 
 def run_training(spec: RunSpec, **trainer_options: Any) -> dict[str, Any]:
@@ -277,7 +345,7 @@ def _run_training(spec: RunSpec, context: distributed.DistributedContext, device
         model, params_before = _paper_model(spec, activation, len(train.classes), channels)
     else:
         model = create_model(spec.model, num_classes=len(train.classes), in_channels=channels,
-                             widths=spec.model_widths)
+                             **spec.passed_kwargs())
         params_before = _count(model)
         if spec.group.lower() == BASELINE_GROUP:
             model = _replace_batch_norm(model)
@@ -295,6 +363,14 @@ def _run_training(spec: RunSpec, context: distributed.DistributedContext, device
         result["invariant_head"] = _head(spec) == "invariant"
     _refuse_resuming_another_model(Path(spec.out), model, spec.resume, writes=context.is_main)
     images_train, images_test = pad_images(train.images, input_size), pad_images(test.images, input_size)
+    result["step_probe"] = None
+    if spec.plan_steps and spec.time_limit_s is not None and not spec.resume:
+        if context.world_size > 1:
+            raise ValueError("run.plan_steps times one process; drop it for a multi-process run")
+        probe = plan_steps(model, tuple(images_train.shape[1:]), len(train.classes), device, trainer_options,
+                           spec.time_limit_s)
+        trainer_options = {**trainer_options, "steps": probe["planned_steps"]}
+        result["step_probe"] = probe
     trainer = DPTrainer(model, device=device, out_dir=spec.out, progress=spec.progress, distributed=context,
                         **trainer_options)
     trainer.fit((images_train, train.labels), eval_set=(images_test, test.labels), resume=spec.resume,

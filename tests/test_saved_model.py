@@ -57,3 +57,45 @@ def test_corrupt_tampered_and_newer_files_are_refused(converted, tmp_path):
     torch.save({"format": "equiconvert-model", "payload": torch.nn.Linear(1, 1)}, code)  # a pickled object
     with pytest.raises(SavedModelError, match="not a readable"):
         equiconvert.load(code)
+
+
+def test_save_trained_writes_the_ema_weights(converted, tmp_path):
+    from equiconvert.privacy.trainer import DPTrainer
+    from equiconvert.saved_model import save_trained
+
+    data = torch.rand(8, 1, 16, 16), torch.randint(0, 3, (8,))
+    trainer = DPTrainer(converted, noise_multiplier=1.0, target_epsilon=None, batch_size=4, steps=2, aug_mult=1,
+                        ema_decay=0.5, progress=False, device="cpu")
+    trainer.fit(data)
+    loaded = equiconvert.load(save_trained(trainer, tmp_path / "model.pt"))
+    raw = dict(trainer.model.named_parameters())
+    with trainer.ema.applied(trainer.model):
+        averaged = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
+    assert any(not torch.equal(averaged[name], raw[name]) for name in raw)  # the EMA differs from the last step
+    for name, value in loaded.named_parameters():
+        assert torch.equal(value, averaged[name]), name
+
+
+@pytest.mark.parametrize("group", ["C4", "none"])
+def test_train_writes_a_loadable_model_and_the_versions(tmp_path, capsys, group):
+    import json
+
+    from equiconvert.cli import main
+    from equiconvert.data import load_dataset
+    from equiconvert.privacy.metrics import classification_metrics, predict
+
+    out = tmp_path / "run"
+    assert main(["train", "--dataset", "synthetic", "--model", "equiconvert:resnet9", "--widths", "4,8,8",
+                 "--group", group, "--steps", "1", "--batch-size", "8", "--aug-mult", "1", "--epsilon", "8",
+                 "--physical-batch-size", "8", "--out", str(out), "--no-progress", "--device", "cpu"]) == 0
+    result = json.loads((out / "result.json").read_text())
+    assert result["versions"] == library_versions()
+    model = equiconvert.load(out / "model.pt")
+    assert isinstance(model, equiconvert.EquivariantModel) == (group != "none")
+    test = load_dataset("synthetic", split="test")
+    margin = (result["input_size"] - test.images.shape[-1]) // 2  # train pads symmetrically to a valid size
+    images = torch.nn.functional.pad(test.images, (margin,) * 4)
+    outputs = predict(model, images, 64, "cpu", lambda x: (x - result["normalize_mean"]) / result["normalize_std"])
+    metrics = classification_metrics(outputs, test.labels)  # the file holds the weights the run scored
+    assert metrics["loss"] == pytest.approx(result["test_loss"], rel=1e-5)
+    assert metrics["accuracy"] == result["test_accuracy"]

@@ -19,6 +19,7 @@ from torch import nn
 from ..check import check_equivariance
 from ..convert import make_equivariant
 from ..nn.conv import SteerableConv2d
+from ..saved_model import library_versions, save_trained
 from . import distributed
 from .accounting import refuse_delta
 from .filter_gradients import fastest_choices
@@ -320,9 +321,10 @@ def _run_training(spec: RunSpec, context: distributed.DistributedContext, device
         evals=_eval_history(Path(spec.out) / "log.jsonl"),
         train_time_s=max((r["time_s"] for r in trainer.history if "time_s" in r), default=0.0),  # this call's
         wall_time_s=time.perf_counter() - start,
-        world_size=context.world_size,
+        world_size=context.world_size, versions=library_versions(),
     )
     if context.is_main:
         Path(spec.out).mkdir(parents=True, exist_ok=True)
+        save_trained(trainer, Path(spec.out) / "model.pt", batch_norm_to_group_norm=spec.group.lower() == BASELINE_GROUP)
         (Path(spec.out) / "result.json").write_text(json.dumps(result, indent=2))
     return result

@@ -172,3 +172,13 @@ def test_per_channel_normalisation_is_applied_and_validated_at_construction():
     one_channel = torch.rand(12, 1, SIZE, SIZE), torch.randint(0, CLASSES, (12,))
     with pytest.raises(ValueError, match="give 3 channels; the images have 1"):
         DPTrainer(_model(1), normalize_mean=mean, normalize_std=std, **OPTIONS).fit(one_channel)
+
+
+def test_tensorboard_logger_only_when_tensorboard_is_installed(tmp_path, monkeypatch):
+    from equiconvert.privacy import callbacks
+
+    monkeypatch.setattr(callbacks, "tensorboard_available", lambda: False)
+    assert callbacks.default_metrics_logger(tmp_path) is None
+    with pytest.raises(ImportError, match="pip install tensorboard"):
+        callbacks.TensorBoardLogger(tmp_path)
+    assert isinstance(_FakeLogger(), callbacks.MetricsLogger)

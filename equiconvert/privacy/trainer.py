@@ -177,6 +177,7 @@ class DPTrainer:
         self.noise_multiplier: float | None = None
         self.delta: float | None = None  # the run's delta: the configured one, else default_delta(N)
         self._nonfinite = torch.zeros((), dtype=torch.int64, device=self.device)  # examples zeroed (nonfinite.py)
+        self._normalization = _normalization(self.config, self.device)
         self._augment_rng = torch.Generator(device=self.device).manual_seed(self.dist.rank_seed(self.config.seed + 1))
         # noise: rank 0's source is the job's only one; sampling: each rank its own (its shard's) stream
         insecure = self.config.insecure_seeded_noise
@@ -241,14 +242,11 @@ class DPTrainer:
         images = images.to(self.device, non_blocking=True)
         if images.dtype == torch.uint8:
             images = images.float().div_(255.0)
-        mean, std = _channel_values(self.config.normalize_mean), _channel_values(self.config.normalize_std)
-        channels = max(len(mean), len(std))
-        if channels > 1 and images.dim() >= 3 and images.shape[-3] != channels:
-            raise ValueError(f"normalize_mean/normalize_std give {channels} channels; the images have "
+        mean, std = self._normalization
+        if isinstance(mean, torch.Tensor) and images.dim() >= 3 and images.shape[-3] != mean.shape[0]:
+            raise ValueError(f"normalize_mean/normalize_std give {mean.shape[0]} channels; the images have "
                              f"{images.shape[-3]}: give one value per image channel, or one value")
-        shape = (channels, 1, 1)
-        return (images - images.new_tensor(mean).view(-1, 1, 1).expand(shape)) / \
-            images.new_tensor(std).view(-1, 1, 1).expand(shape)
+        return (images - mean) / std
 
     def _crop_flip(self, images: torch.Tensor, num_views: int, generator: torch.Generator) -> torch.Tensor:
         """The default augmentation: reflect-pad random crops and horizontal flips (augment.py)."""
@@ -673,6 +671,17 @@ INTEGER_FIELDS = ("batch_size", "nonfinite_gradients")  # record fields that are
 
 def _channel_values(value: float | Sequence[float]) -> tuple[float, ...]:
     return tuple(float(v) for v in value) if isinstance(value, (tuple, list)) else (float(value),)
+
+
+def _normalization(config: DPConfig, device: torch.device) -> tuple[float | torch.Tensor, float | torch.Tensor]:
+    """(mean, std): numbers when both are one value, else (C, 1, 1) tensors on `device`, made once (a copy to the
+    device at every step would wait for it)."""
+    mean, std = _channel_values(config.normalize_mean), _channel_values(config.normalize_std)
+    channels = max(len(mean), len(std))
+    if channels == 1:
+        return mean[0], std[0]
+    return tuple(torch.tensor(values, device=device).expand(channels).reshape(channels, 1, 1).clone()
+                 for values in (mean, std))
 
 
 def _check_normalization(mean: Any, std: Any) -> None:

@@ -7,6 +7,7 @@ sampled examples through the Dataset.
 """
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from typing import Any
 
 import torch
@@ -15,16 +16,16 @@ from torch.utils.data import DataLoader, Dataset
 from .inputs import check_images, check_labels
 
 
-class TrainData:
+class TrainData(ABC):
     """Examples addressable by index: `gather(indices)` -> (images, labels) on the data's device."""
 
     device: torch.device
 
-    def __len__(self) -> int:
-        raise NotImplementedError
+    @abstractmethod
+    def __len__(self) -> int: ...
 
-    def gather(self, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        raise NotImplementedError
+    @abstractmethod
+    def gather(self, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
 class TensorData(TrainData):

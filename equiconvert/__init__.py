@@ -12,12 +12,13 @@ from .errors import EquivarianceBreakError, EquiconvertError, TracingError, Unsu
 from .export import export
 from .groups import GroupSpec, parse_group
 from .models import create_model, list_models, register_model
+from .saved_model import load, save
 
 __version__ = "0.1.0"
 
 __all__ = [
     "ConversionConfig", "ConversionReport", "EquivarianceBreakError", "EquivarianceResult", "EquiconvertError",
     "EquivariantModel", "GroupSpec", "TracingError", "UnsupportedLayerError", "check_equivariance", "create_model",
-    "export", "list_models", "make_equivariant", "parse_group", "register_function_rule", "register_model",
-    "register_module_rule",
+    "export", "list_models", "load", "make_equivariant", "parse_group", "register_function_rule", "register_model",
+    "register_module_rule", "save",
 ]

@@ -11,6 +11,7 @@ from torch import nn
 
 from ..errors import UnsupportedLayerError
 from ..groups import GroupSpec, parse_group
+from ..recipe import conversion_recipe, remember_recipe
 from . import rules  # noqa: F401  (registers the built-in rules)
 from .context import SPATIAL_KEY, TYPE_KEY, ConversionConfig, ConversionContext
 from .fields import FieldType
@@ -230,7 +231,11 @@ def make_equivariant(
     verify_conversion(gm, template, report, in_channels, cfg.strict)  # runs where the original ran (verify.py)
     if pretrained:
         report_pretrained_weights(model, gm, report)
-    return EquivariantModel(gm, spec, in_channels, output_type, report).train(model.training)
+    converted = EquivariantModel(gm, spec, in_channels, output_type, report).train(model.training)
+    arguments = dict(group=group if isinstance(group, str) else spec.name, width=width, input_size=input_size,
+                     config=config, strict=strict, head=head, restrict=restrict, frequency=frequency,
+                     pad_to_valid=pad_to_valid, crop_to_valid=crop_to_valid)
+    return remember_recipe(converted, conversion_recipe(model, arguments))
 
 
 def _make_config(config: dict | ConversionConfig | None, strict: bool, head: str | None) -> ConversionConfig:

@@ -16,6 +16,7 @@ from typing import Any, Callable, TypeVar, overload
 from torch import nn
 
 from ..errors import ModelNameError
+from ..recipe import registry_recipe, remember_recipe
 
 SOURCES = ("equiconvert", "torchvision", "timm")  # also the order in which a bare name is looked up
 ModelFactory = Callable[..., nn.Module]
@@ -191,6 +192,10 @@ def create_model(name: str, **kwargs: Any) -> nn.Module:
     keeping its fresh ones.
     """
     kwargs = {key: value for key, value in kwargs.items() if value is not None}
+    return remember_recipe(_create_model(name, kwargs), registry_recipe(name, kwargs))
+
+
+def _create_model(name: str, kwargs: dict[str, Any]) -> nn.Module:
     source, _, model = resolve_model_name(name).partition(":")
     if source == "torchvision":
         return _create_torchvision(model, kwargs)

@@ -16,13 +16,16 @@ import time
 import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from collections.abc import Sequence
 from typing import Any, Callable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from .accounting import PrivacyBudgetError, PrivacyLedger, calibrate_noise_multiplier, check_delta_for, default_delta
 from .augment import augment_views, shift_set
+from .callbacks import Callback, MetricsLogger, flat_metrics
 from .checkpoint import CheckpointError, load, remove_stale_temporaries, save_atomic
 from .distributed import SINGLE_PROCESS, DistributedContext
 from .dp_safety import check_dp_safe
@@ -34,14 +37,21 @@ from .filter_gradients import FILTER_GRADIENT_METHODS, filter_gradient_method
 from .inputs import check_images, check_labels
 from .nonfinite import zero_nonfinite_examples
 from .per_sample import clip_and_sum, per_sample_gradients
+from .train_data import StreamedData, TensorData as TensorSource, TrainData, as_train_data
 from .sampling import PoissonSampler, physical_chunks
 from .secure_rng import NOISE, SAMPLING, make_source
 from .validate import validate_dp_safe
 
 TensorData = tuple[torch.Tensor, torch.Tensor]
-OPTIMIZERS = ("sgd", "nadam")
+CUSTOM = "custom"  # a callable given to DPTrainer (optimizer factory, lr schedule)
+OPTIMIZERS = ("sgd", "nadam", CUSTOM)
+# loss_fn(logits (N, classes), labels (N,)) -> per-example losses (N,)
+PerExampleLoss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+# augment(images (B, C, H, W) on the device, K, generator) -> views (B, K, C, H, W), view 0 the image itself
+Augment = Callable[[torch.Tensor, int, torch.Generator], torch.Tensor]
+OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 PER_SAMPLE_METHODS = ("auto", "bookkeeping", "vmap")
-CUSTOM_SCHEDULE = "custom"  # a callable step -> lr given to DPTrainer
+CUSTOM_SCHEDULE = CUSTOM  # a callable step -> lr given to DPTrainer
 LR_SCHEDULES = ("constant", "cosine", CUSTOM_SCHEDULE)
 # forward/backward dtype under autocast (None: the model's own); per-sample gradients, clipping and noise stay fp32
 PRECISIONS: dict[str, torch.dtype | None] = {"fp32": None, "bf16": torch.bfloat16}
@@ -67,8 +77,11 @@ class DPConfig:
     physical_batch_size: int = 256
     augment_padding: int = 4
     augment_flip: bool = True
-    normalize_mean: float = 0.5
-    normalize_std: float = 0.5
+    normalize_mean: float | tuple[float, ...] = 0.5  # one value, or one per channel
+    normalize_std: float | tuple[float, ...] = 0.5
+    # a Dataset (or DataLoader) whose images take at most this many bytes is read once into tensors on the
+    # device; a larger one is streamed (each step reads its sampled examples through the Dataset)
+    data_in_memory_bytes: int = 2 ** 30
     seed: int = 0  # initial weights (set by the caller), augmentation and data order; never the noise or sampling
     # NOT private: seed the noise and the Poisson sampling from `seed` (tests, debugging); the default draws them from
     # the operating system's CSPRNG (secure_rng), and anyone with the seed could subtract the noise
@@ -99,6 +112,10 @@ class DPTrainer:
     """Train a model with DP-SGD; see DPConfig for the options (passed as keyword arguments).
 
     lr_schedule: "constant", "cosine", or a callable step -> learning rate (the schedule hook).
+    optimizer: "sgd", "nadam", or a factory params -> torch.optim.Optimizer (e.g. functools.partial(AdamW, lr=1e-3)).
+    loss_fn: logits, labels -> per-example losses (default: cross-entropy); book-keeping and vmap both use it.
+    augment: images, K, generator -> K views per image on the device (default: reflect-pad crop and flip).
+    callbacks: Callback objects (on_step_end, on_eval_end); metrics_logger: a MetricsLogger fed each log record.
     distributed: this process's rank in a data-parallel job (distributed.py); None for a single process.
     """
 
@@ -111,14 +128,29 @@ class DPTrainer:
         lr_schedule: str | Callable[[int], float] = "constant",
         progress: bool = True,
         distributed: DistributedContext | None = None,
+        loss_fn: PerExampleLoss | None = None,
+        augment: Augment | None = None,
+        callbacks: Sequence[Callback] = (),
+        metrics_logger: MetricsLogger | None = None,
         **options: Any,
     ) -> None:
+        optimizer_factory = options.pop("optimizer") if callable(options.get("optimizer")) else None
+        if optimizer_factory is not None:
+            options["optimizer"] = CUSTOM
+        _check_hooks(loss_fn, augment, callbacks, metrics_logger)
         unknown = set(options) - set(DPConfig.__dataclass_fields__)
         if unknown:
             raise ValueError(f"unknown DPTrainer options {sorted(unknown)}; known: {sorted(DPConfig.__dataclass_fields__)}")
         custom_schedule = None if isinstance(lr_schedule, str) else lr_schedule
         self.config = DPConfig(lr_schedule=CUSTOM_SCHEDULE if custom_schedule else lr_schedule, **options)
         check_config(self.config)
+        if self.config.optimizer == CUSTOM and optimizer_factory is None:
+            raise ValueError(f"optimizer {CUSTOM!r} means a factory: pass optimizer=<callable params -> Optimizer>")
+        self.optimizer_factory = optimizer_factory
+        self.loss_fn = loss_fn or _cross_entropy
+        self.augment = augment or self._crop_flip
+        self.callbacks = tuple(callbacks)
+        self.metrics_logger = metrics_logger
         validate_dp_safe(model)
         if self.config.insecure_seeded_noise:
             warnings.warn("insecure_seeded_noise: the DP-SGD noise and batch sampling are seeded from the public seed; "
@@ -145,6 +177,7 @@ class DPTrainer:
         self.noise_multiplier: float | None = None
         self.delta: float | None = None  # the run's delta: the configured one, else default_delta(N)
         self._nonfinite = torch.zeros((), dtype=torch.int64, device=self.device)  # examples zeroed (nonfinite.py)
+        self._normalization = _normalization(self.config, self.device)
         self._augment_rng = torch.Generator(device=self.device).manual_seed(self.dist.rank_seed(self.config.seed + 1))
         # noise: rank 0's source is the job's only one; sampling: each rank its own (its shard's) stream
         insecure = self.config.insecure_seeded_noise
@@ -184,6 +217,11 @@ class DPTrainer:
 
     def _make_optimizer(self) -> torch.optim.Optimizer:
         params = [p for p in self.model.parameters() if p.requires_grad]  # frozen ones: no gradient, no noise
+        if self.optimizer_factory is not None:
+            optimizer = self.optimizer_factory(params)
+            if not isinstance(optimizer, torch.optim.Optimizer):
+                raise TypeError(f"optimizer factory returned {type(optimizer).__name__}, not a torch.optim.Optimizer")
+            return optimizer
         if self.config.optimizer == "nadam":
             return torch.optim.NAdam(params, lr=self.config.lr)
         return torch.optim.SGD(params, lr=self.config.lr, momentum=self.config.momentum)
@@ -204,26 +242,37 @@ class DPTrainer:
         images = images.to(self.device, non_blocking=True)
         if images.dtype == torch.uint8:
             images = images.float().div_(255.0)
-        return (images - self.config.normalize_mean) / self.config.normalize_std
+        mean, std = self._normalization
+        if isinstance(mean, torch.Tensor) and images.dim() >= 3 and images.shape[-3] != mean.shape[0]:
+            raise ValueError(f"normalize_mean/normalize_std give {mean.shape[0]} channels; the images have "
+                             f"{images.shape[-3]}: give one value per image channel, or one value")
+        return (images - mean) / std
+
+    def _crop_flip(self, images: torch.Tensor, num_views: int, generator: torch.Generator) -> torch.Tensor:
+        """The default augmentation: reflect-pad random crops and horizontal flips (augment.py)."""
+        return augment_views(images, num_views, generator, self.config.augment_padding, self.config.augment_flip)
 
     # --- one logical step --------------------------------------------------
-    def _noisy_gradient(self, images: torch.Tensor, labels: torch.Tensor
+    def _noisy_gradient(self, data: TrainData | torch.Tensor, labels: torch.Tensor | None = None
                         ) -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor, torch.Tensor]:
         """The noisy mean gradient of the trainable parameters in one logical step, its batch size, mean training
-        loss and count of non-finite per-example gradients (device tensors: nothing here waits for the device)."""
+        loss and count of non-finite per-example gradients (device tensors: nothing here waits for the device).
+        `data`: TrainData, or images with their `labels`."""
         c = self.config
+        if labels is not None:
+            data = TensorSource(data, labels)
         indices = self.sampler.sample()
         count = torch.full((), float(len(indices)), device=self.device)
-        indices = _to_device(indices, images.device)  # where the data are (fit moves them to the device)
+        indices = _to_device(indices, data.device)  # where the data are (fit moves them to the device)
         params = {n: p.detach() for n, p in self.model.named_parameters() if p.requires_grad}
         buffers = dict(self.model.named_buffers())
         summed = {n: torch.zeros_like(p) for n, p in params.items()}
         loss_sum = torch.zeros((), device=self.device)
         nonfinite = 0
         for chunk in physical_chunks(indices, c.physical_batch_size):
-            views = augment_views(self._normalize(images[chunk]), c.aug_mult, self._augment_rng,
-                                  c.augment_padding, c.augment_flip)
-            chunk_labels = labels[chunk].to(self.device)
+            chunk_images, chunk_labels = data.gather(chunk)
+            views = self.augment(self._normalize(chunk_images), c.aug_mult, self._augment_rng)
+            chunk_labels = chunk_labels.to(self.device)
             grads, losses = self._per_sample_gradients(params, buffers, views, chunk_labels)
             loss_sum += losses.detach().sum()
             grads, bad = zero_nonfinite_examples(grads)
@@ -245,9 +294,18 @@ class DPTrainer:
             if self.per_sample_method == "bookkeeping" and not self._bookkeeping_verified:
                 self._verify_bookkeeping(tuple(views.shape[1:]))
             if self.per_sample_method == "bookkeeping":
-                return per_sample_gradients_bookkeeping(self.model, views, labels,
+                return per_sample_gradients_bookkeeping(self.model, views, labels, self._loss,
                                                         autocast_dtype=PRECISIONS[self.config.precision])
-        return per_sample_gradients(self.model, params, buffers, views, labels)
+        return per_sample_gradients(self.model, params, buffers, views, labels, self._loss)
+
+    def _loss(self, logits: torch.Tensor, labels: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+        """loss_fn in F.cross_entropy's calling convention: book-keeping asks for one loss per view
+        (reduction "none"), vmap for one example's loss averaged over its views."""
+        losses = self.loss_fn(logits, labels)
+        if losses.shape != labels.shape:
+            raise ValueError(f"loss_fn must return one loss per example, shape {tuple(labels.shape)}; got "
+                             f"{tuple(losses.shape)}")
+        return losses if reduction == "none" else losses.mean()
 
     def _verify_bookkeeping(self, view_shape: tuple[int, ...]) -> None:
         """The probe of verify_bookkeeping; "auto" falls back to vmap where it fails, "bookkeeping" raises.
@@ -255,7 +313,7 @@ class DPTrainer:
         The probe uses random inputs and leaves every RNG as it was, so a resumed run decides the same.
         """
         try:
-            verify_bookkeeping(self.model, view_shape)
+            verify_bookkeeping(self.model, view_shape, self._loss)
         except Exception as error:  # noqa: BLE001  (any failure of the probe: vmap is always exact)
             if self.config.per_sample_method == "bookkeeping":
                 raise
@@ -267,15 +325,15 @@ class DPTrainer:
 
     def train_step(self, images: torch.Tensor, labels: torch.Tensor) -> dict[str, Any]:
         """One DP-SGD step on the private data (images, labels); returns its log record."""
-        return _materialize([self._train_step(images, labels)])[0]
+        return _materialize([self._train_step(TensorSource(images, labels))])[0]
 
-    def _train_step(self, images: torch.Tensor, labels: torch.Tensor) -> dict[str, Any]:
+    def _train_step(self, data: TrainData) -> dict[str, Any]:
         """One DP-SGD step whose record keeps device tensors (batch_size, train_loss): no host synchronisation."""
         self.model.train()
         if self.lr_schedule is not None:
             for group in self.optimizer.param_groups:
                 group["lr"] = self.lr_schedule(self.step)
-        gradients, batch, train_loss, nonfinite = self._noisy_gradient(images, labels)
+        gradients, batch, train_loss, nonfinite = self._noisy_gradient(data)
         self._nonfinite += nonfinite
         for name, param in self.model.named_parameters():
             if param.requires_grad:
@@ -296,8 +354,8 @@ class DPTrainer:
     # --- the run -----------------------------------------------------------
     def fit(
         self,
-        train_set: TensorData,
-        eval_set: TensorData | None = None,
+        train_set: TensorData | Any,
+        eval_set: TensorData | Any | None = None,
         resume: bool = False,
         time_limit_s: float | None = None,
     ) -> list[dict[str, Any]]:
@@ -308,14 +366,12 @@ class DPTrainer:
         device once; a step waits for the device only where its record is written (every `epsilon_every` steps,
         evaluations, checkpoints), so `time_s` of the steps between is the time they were queued.
         """
-        images, labels = _tensors(train_set)
-        self._check_data(images, labels, "the training data")
+        data = self._data(train_set, "the training data")
         if eval_set is not None:
-            self._check_data(*_tensors(eval_set), "the evaluation data")
-        check_dp_safe(self.model, self._normalize(images[:1].to(self.device)))
-        images, labels = images.to(self.device), labels.to(self.device)
+            eval_set = self._data(eval_set, "the evaluation data")
+        check_dp_safe(self.model, self._normalize(data.gather(torch.zeros(1, dtype=torch.long))[0]))
         if self.sampler is None:
-            self._prepare_privacy(len(images))
+            self._prepare_privacy(len(data))
         if self.out_dir is not None:
             remove_stale_temporaries(self.checkpoint_path())
         if resume:
@@ -333,14 +389,16 @@ class DPTrainer:
                 self.stopped_reason = "budget"
                 self._log({"event": "stopped", "reason": "budget", "step": self.step, "epsilon": self.ledger.epsilon})
                 break
-            record = self._train_step(images, labels)
+            record = self._train_step(data)
             record["time_s"] = time.perf_counter() - start
             self._log(record, defer=not self._logs_epsilon(self.step))
+            for callback in self.callbacks:
+                callback.on_step_end(self, record)
             bar.update(1)
             if "epsilon" in record:
                 bar.set_postfix(eps=f"{record['epsilon']:.3f}")
             if eval_set is not None and self.config.eval_every and self.step % self.config.eval_every == 0:
-                self._log({"step": self.step, "eval": self.evaluate(eval_set)})
+                self._log({"step": self.step, "eval": self._evaluate_with_callbacks(eval_set)})
             if self.config.checkpoint_every and self.step % self.config.checkpoint_every == 0:
                 self.save_checkpoint()
             if time_limit_s is not None and self.step < self.config.steps and self._time_is_up(start, time_limit_s):
@@ -352,7 +410,7 @@ class DPTrainer:
         bar.close()
         final = {"step": self.step, "epsilon": self.ledger.epsilon}
         if eval_set is not None:
-            final["final_eval"] = self.evaluate(eval_set)
+            final["final_eval"] = self._evaluate_with_callbacks(eval_set)
         self._log(final)
         return self.history
 
@@ -367,19 +425,39 @@ class DPTrainer:
             return time.perf_counter() - start >= limit_s
         return self._logs_epsilon(self.step) and self.dist.agree(time.perf_counter() - start >= limit_s, self.device)
 
-    def _check_data(self, images: torch.Tensor, labels: torch.Tensor, what: str) -> None:
-        """Refuse non-finite images and labels that are not class indices of this model (inputs.py)."""
-        check_images(images, what)
-        if len(images) == 0:
-            raise ValueError(f"{what} is empty")
+    def _data(self, data: Any, what: str) -> TrainData:
+        """`data` as TrainData, checked (a streamed set: its examples as they are read) and, in memory, on the
+        device."""
+        source = data if isinstance(data, TrainData) else as_train_data(data, what, self.config.data_in_memory_bytes)
+        if isinstance(source, StreamedData):
+            images, _ = source.gather(torch.zeros(1, dtype=torch.long))
+            source.num_classes = self._num_classes(images)
+            return source
+        self._check_data(source.images, source.labels, what)
+        return source.to(self.device)
+
+    def _num_classes(self, images: torch.Tensor) -> int:
         was_training = self.model.training
         self.model.eval()
         with torch.no_grad():
             num_classes = self.model(self._normalize(images[:1].to(self.device))).shape[-1]
         self.model.train(was_training)
-        check_labels(labels, len(images), num_classes, what)
+        return num_classes
 
-    def evaluate(self, data: TensorData) -> dict[str, float]:
+    def _evaluate_with_callbacks(self, data: TrainData) -> dict[str, float]:
+        metrics = self.evaluate(data)
+        for callback in self.callbacks:
+            callback.on_eval_end(self, metrics)
+        return metrics
+
+    def _check_data(self, images: torch.Tensor, labels: torch.Tensor, what: str) -> None:
+        """Refuse non-finite images and labels that are not class indices of this model (inputs.py)."""
+        check_images(images, what)
+        if len(images) == 0:
+            raise ValueError(f"{what} is empty")
+        check_labels(labels, len(images), self._num_classes(images), what)
+
+    def evaluate(self, data: TensorData | Any) -> dict[str, float]:
         """Metrics of the EMA weights (if any) on `data`, plus shift-averaged ones when test_shifts is set.
 
         In a job each rank scores its slice of `data` and the logits are all-gathered: every rank returns the
@@ -388,14 +466,22 @@ class DPTrainer:
         with self.ema.applied(self.model) if self.ema is not None else contextlib.nullcontext():
             return self._evaluate_model(data)
 
-    def _evaluate_model(self, data: TensorData) -> dict[str, float]:
-        images, labels = _tensors(data)
-        rows = self.dist.row_slice(len(images))  # [distributed] this rank's slice
+    def _evaluate_model(self, data: TensorData | Any) -> dict[str, float]:
+        source = data if isinstance(data, TrainData) else as_train_data(data, "the evaluation data",
+                                                                         self.config.data_in_memory_bytes)
+        count = len(source)
+        rows = range(count)[self.dist.row_slice(count)]  # [distributed] this rank's slice
+        batch = self.config.eval_batch_size
 
         def metrics(shifts: tuple[tuple[int, int], ...] | None) -> dict[str, float]:
-            outputs = predict(self.model, images[rows], self.config.eval_batch_size, self.device, self._normalize,
-                              shifts)
-            return classification_metrics(self.dist.all_gather_rows(outputs, len(images)), labels)
+            outputs, labels = [], []
+            for start in range(0, len(rows), batch):
+                images, chunk_labels = source.gather(torch.tensor(rows[start:start + batch], dtype=torch.long))
+                outputs.append(predict(self.model, images, batch, self.device, self._normalize, shifts))
+                labels.append(chunk_labels.to(self.device))
+            outputs = self.dist.all_gather_rows(torch.cat(outputs), count)
+            labels = self.dist.all_gather_rows(torch.cat(labels), count)
+            return classification_metrics(outputs, labels)
 
         plain = metrics(None)
         if self.config.test_shifts is None:
@@ -419,6 +505,10 @@ class DPTrainer:
         pending = self.history[self._written:]
         _materialize(pending)
         self._written = len(self.history)
+        if self.metrics_logger is not None and self.dist.is_main:
+            for record in pending:
+                if "step" in record and (values := flat_metrics(record)):
+                    self.metrics_logger.log_metrics(values, int(record["step"]))
         if self.out_dir is not None and self.dist.is_main and pending:
             self.out_dir.mkdir(parents=True, exist_ok=True)
             with open(self.out_dir / "log.jsonl", "a") as handle:
@@ -529,13 +619,16 @@ def check_config(c: DPConfig) -> None:
         raise ValueError(f"delta must lie in (0, 1), got {c.delta}")
     if c.ema_decay is not None and not 0 < c.ema_decay < 1:
         raise ValueError(f"ema_decay must lie in (0, 1) (None: no EMA), got {c.ema_decay}")
-    if not c.lr > 0 or not c.normalize_std > 0:
-        raise ValueError(f"lr and normalize_std must be > 0, got {c.lr} and {c.normalize_std}")
+    if not c.lr > 0:
+        raise ValueError(f"lr must be > 0, got {c.lr}")
+    _check_normalization(c.normalize_mean, c.normalize_std)
+    if c.data_in_memory_bytes < 0:
+        raise ValueError(f"data_in_memory_bytes must be >= 0 (0: always stream a Dataset), got {c.data_in_memory_bytes}")
     if c.augment_padding < 0:
         raise ValueError(f"augment_padding (crop shift in pixels) must be >= 0, got {c.augment_padding}")
 
 
-METHOD_ONLY_OPTIONS = ("per_sample_method",)  # how gradients are computed, not what they are
+METHOD_ONLY_OPTIONS = ("per_sample_method", "data_in_memory_bytes")  # how gradients are computed, not what they are
 EVALUATION_ONLY_OPTIONS = ("test_shifts",)  # what evaluations also report, not what is trained
 
 
@@ -576,15 +669,65 @@ def _materialize(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
 INTEGER_FIELDS = ("batch_size", "nonfinite_gradients")  # record fields that are counts
 
 
-def _tensors(data: TensorData | Any) -> TensorData:
-    if isinstance(data, (tuple, list)) and len(data) == 2:
-        return data[0], data[1]
-    if hasattr(data, "tensors") and len(data.tensors) == 2:  # torch.utils.data.TensorDataset
-        return data.tensors
-    raise TypeError("training data must be (images, labels) tensors or a TensorDataset of them")
+def _channel_values(value: float | Sequence[float]) -> tuple[float, ...]:
+    return tuple(float(v) for v in value) if isinstance(value, (tuple, list)) else (float(value),)
+
+
+def _normalization(config: DPConfig, device: torch.device) -> tuple[float | torch.Tensor, float | torch.Tensor]:
+    """(mean, std): numbers when both are one value, else (C, 1, 1) tensors on `device`, made once (a copy to the
+    device at every step would wait for it)."""
+    mean, std = _channel_values(config.normalize_mean), _channel_values(config.normalize_std)
+    channels = max(len(mean), len(std))
+    if channels == 1:
+        return mean[0], std[0]
+    return tuple(torch.tensor(values, device=device).expand(channels).reshape(channels, 1, 1).clone()
+                 for values in (mean, std))
+
+
+def _check_normalization(mean: Any, std: Any) -> None:
+    """normalize_mean/normalize_std: finite numbers, one or one per channel, std > 0, the same channel count."""
+    values = {}
+    for name, value in (("normalize_mean", mean), ("normalize_std", std)):
+        try:
+            values[name] = _channel_values(value)
+        except (TypeError, ValueError):
+            raise ValueError(f"{name} must be a number or a tuple of numbers (one per channel), got {value!r}") from None
+        if not values[name] or not all(math.isfinite(v) for v in values[name]):
+            raise ValueError(f"{name} must be finite numbers, one or one per channel, got {value!r}")
+    if not all(v > 0 for v in values["normalize_std"]):
+        raise ValueError(f"normalize_std must be > 0 in every channel, got {std!r}")
+    lengths = {len(v) for v in values.values()} - {1}
+    if len(lengths) > 1:
+        raise ValueError(f"normalize_mean {mean!r} and normalize_std {std!r} give different channel counts")
+
+
+def _check_hooks(loss_fn: Any, augment: Any, callbacks: Any, metrics_logger: Any) -> None:
+    """The callables and objects given to DPTrainer, checked before anything is built (errors name the option)."""
+    for name, value in (("loss_fn", loss_fn), ("augment", augment)):
+        if value is not None and not callable(value):
+            raise TypeError(f"{name} must be callable, got {type(value).__name__}")
+    for callback in callbacks:
+        if not isinstance(callback, Callback):
+            raise TypeError(f"callbacks must be equiconvert.privacy.callbacks.Callback objects, got "
+                            f"{type(callback).__name__}")
+    if metrics_logger is not None and not isinstance(metrics_logger, MetricsLogger):
+        raise TypeError(f"metrics_logger must have log_metrics(metrics, step), got {type(metrics_logger).__name__}")
+
+
+def _cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits, labels, reduction="none")
 
 
 def _progress_bar(total: int, initial: int, enabled: bool):
     from tqdm.auto import tqdm
 
     return tqdm(total=total, initial=initial, disable=not enabled, desc="DP-SGD", unit="step")
+
+
+def _tensors(data: TensorData | Any) -> TensorData:
+    """(images, labels) of tensors or a TensorDataset (the audit's canary sets)."""
+    if isinstance(data, (tuple, list)) and len(data) == 2:
+        return data[0], data[1]
+    if hasattr(data, "tensors") and len(data.tensors) == 2:  # torch.utils.data.TensorDataset
+        return data.tensors
+    raise TypeError("training data must be (images, labels) tensors or a TensorDataset of them")

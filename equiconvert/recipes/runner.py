@@ -26,6 +26,7 @@ from ..privacy.filter_gradients import fastest_choices
 from ..privacy.run_folder import prepare_out
 from ..privacy.trainer import DPConfig, DPTrainer, check_config
 from .recipe import Recipe, RecipeError
+from ..saved_model import library_versions, save_trained
 
 BASELINE_GROUP = "none"
 
@@ -396,9 +397,10 @@ def _run_training(spec: RunSpec, context: distributed.DistributedContext, device
         evals=_eval_history(Path(spec.out) / "log.jsonl"),
         train_time_s=max((r["time_s"] for r in trainer.history if "time_s" in r), default=0.0),  # this call's
         wall_time_s=time.perf_counter() - start,
-        world_size=context.world_size,
+        world_size=context.world_size, versions=library_versions(),
     )
     if context.is_main:
         Path(spec.out).mkdir(parents=True, exist_ok=True)
+        save_trained(trainer, Path(spec.out) / "model.pt", batch_norm_to_group_norm=spec.group.lower() == BASELINE_GROUP)
         (Path(spec.out) / "result.json").write_text(json.dumps(result, indent=2))
     return result

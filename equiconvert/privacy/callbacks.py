@@ -1,0 +1,66 @@
+"""Hooks into DPTrainer's loop and a metrics-logger interface (TensorBoard when it is installed).
+
+Records given to `on_step_end` may hold device tensors (the loop does not wait for the device at every
+step); a MetricsLogger receives plain numbers, when the trainer writes its log.
+"""
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    from .trainer import DPTrainer
+
+
+class Callback:
+    """Override the hooks you need; the trainer calls them on rank 0 and every other rank alike."""
+
+    def on_step_end(self, trainer: "DPTrainer", record: dict[str, Any]) -> None:
+        """After each logical step; `record` is that step's log record."""
+
+    def on_eval_end(self, trainer: "DPTrainer", metrics: dict[str, float]) -> None:
+        """After each evaluation during or at the end of fit."""
+
+
+@runtime_checkable
+class MetricsLogger(Protocol):
+    """Anything with log_metrics (a TensorBoard writer adapter, an experiment tracker's client, a test fake)."""
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None: ...
+
+
+def flat_metrics(record: dict[str, Any], prefix: str = "") -> dict[str, float]:
+    """The numeric fields of a log record, nested ones as "eval/accuracy"; "step" and text fields left out."""
+    out: dict[str, float] = {}
+    for key, value in record.items():
+        if isinstance(value, dict):
+            out.update(flat_metrics(value, f"{prefix}{key}/"))
+        elif isinstance(value, (int, float)) and not isinstance(value, bool) and key != "step":
+            out[f"{prefix}{key}"] = float(value)
+    return out
+
+
+class TensorBoardLogger:
+    """MetricsLogger writing TensorBoard scalars (needs the tensorboard package)."""
+
+    def __init__(self, log_dir: str | Path) -> None:
+        if not tensorboard_available():
+            raise ImportError("TensorBoardLogger needs the tensorboard package: pip install tensorboard")
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.writer = SummaryWriter(str(log_dir))
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        for name, value in metrics.items():
+            self.writer.add_scalar(name, value, step)
+        self.writer.flush()
+
+
+def tensorboard_available() -> bool:
+    return importlib.util.find_spec("tensorboard") is not None
+
+
+def default_metrics_logger(log_dir: str | Path) -> MetricsLogger | None:
+    """A TensorBoardLogger in `log_dir` when tensorboard is installed, else None (the JSON log only)."""
+    return TensorBoardLogger(log_dir) if tensorboard_available() else None

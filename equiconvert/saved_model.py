@@ -1,0 +1,122 @@
+"""Saved models: the weights with the recipe that rebuilds the network, and the library versions.
+
+A file holds plain values and tensors only, so `load` reads it with `torch.load(weights_only=True)` (every file
+read is untrusted); the network is rebuilt through the model registry and `make_equivariant` (equiconvert's own
+kernel bases: no escnn needed), then the weights are loaded strictly.
+"""
+from __future__ import annotations
+
+import importlib.metadata
+import pickle
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from .errors import EquiconvertError
+from .recipe import Recipe, is_plain, recipe_of, remember_recipe
+
+FORMAT = "equiconvert-model"
+FORMAT_VERSION = 1
+VERSIONED_PACKAGES = ("equiconvert", "torch", "escnn", "opacus")
+# recipe key: BatchNorm replaced by GroupNorm after building (Opacus' ModuleValidator.fix; the unconverted baseline)
+BATCH_NORM_TO_GROUP_NORM = "batch_norm_to_group_norm"
+
+
+class SavedModelError(EquiconvertError, ValueError):
+    """A saved model that cannot be written or read back (no recipe, corrupt, unknown format, other weights)."""
+
+
+def library_versions() -> dict[str, str | None]:
+    """Versions of equiconvert, torch, escnn and opacus (None: not installed), for result.json and saved models."""
+    from . import __version__
+
+    versions: dict[str, str | None] = {"equiconvert": __version__, "torch": str(torch.__version__)}
+    for package in VERSIONED_PACKAGES[2:]:
+        try:
+            versions[package] = importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:
+            versions[package] = None
+    return versions
+
+
+def save(model: nn.Module, path: str | Path, recipe: Recipe | None = None) -> Path:
+    """Write `model`'s weights and its recipe (given, or remembered by create_model/make_equivariant) to `path`."""
+    recipe = recipe if recipe is not None else recipe_of(model)
+    if recipe is None:
+        raise SavedModelError(f"cannot save {type(model).__name__} to {path}: it does not remember how it was built "
+                              "(build it with equiconvert.create_model and make_equivariant from plain arguments), "
+                              "so pass recipe={'model': <registry name>, 'model_kwargs': {...}, 'conversion': {...}}")
+    if not is_plain(recipe) or "model" not in recipe:
+        raise SavedModelError(f"recipe for {path} must be plain values with a 'model' registry name, got {recipe!r}")
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    state = {"format": FORMAT, "format_version": FORMAT_VERSION, "recipe": recipe, "versions": library_versions(),
+             "state_dict": {name: value.detach().cpu() for name, value in model.state_dict().items()}}
+    temporary = path.with_name(path.name + ".tmp")
+    torch.save(state, temporary)
+    temporary.replace(path)  # a reader never sees a half-written file
+    return path
+
+
+def save_trained(trainer: Any, path: str | Path, batch_norm_to_group_norm: bool = False) -> Path:
+    """Write a DPTrainer's final model: the EMA weights when it keeps an EMA (what its evaluations score)."""
+    recipe = recipe_of(trainer.model)
+    if recipe is not None and batch_norm_to_group_norm:
+        recipe = {**recipe, BATCH_NORM_TO_GROUP_NORM: True}
+    if trainer.ema is None:
+        return save(trainer.model, path, recipe)
+    with trainer.ema.applied(trainer.model):
+        return save(trainer.model, path, recipe)
+
+
+def read(path: str | Path) -> dict[str, Any]:
+    """The checked contents of a saved model file (weights_only: no code in the file runs)."""
+    path = Path(path)
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise
+    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, OSError) as error:
+        raise SavedModelError(f"{path} is not a readable equiconvert model file ({error})") from error
+    if not isinstance(state, dict) or state.get("format") != FORMAT:
+        raise SavedModelError(f"{path} is not an equiconvert model file (written by equiconvert.save?)")
+    version = state.get("format_version")
+    if not isinstance(version, int) or version > FORMAT_VERSION or version < 1:
+        raise SavedModelError(f"{path} has model format version {version!r}; this equiconvert reads versions up to "
+                              f"{FORMAT_VERSION}: upgrade equiconvert (the file says it was written by "
+                              f"{state.get('versions', {}).get('equiconvert')!r})")
+    if not isinstance(state.get("recipe"), dict) or not isinstance(state.get("state_dict"), dict):
+        raise SavedModelError(f"{path} lacks its recipe or its weights: the file is damaged")
+    return state
+
+
+def rebuild(recipe: Recipe) -> nn.Module:
+    """The freshly initialised network `recipe` describes (the global RNG is left as it was)."""
+    from .convert import make_equivariant
+    from .models import create_model
+
+    with torch.random.fork_rng(devices=[]):
+        model = create_model(recipe["model"], **recipe.get("model_kwargs", {}))
+        if recipe.get("conversion") is not None:
+            conversion = dict(recipe["conversion"])
+            model = make_equivariant(model, conversion.pop("group"), **conversion)
+        if recipe.get(BATCH_NORM_TO_GROUP_NORM):
+            from opacus.validators import ModuleValidator
+
+            model = ModuleValidator.fix(model)
+    return remember_recipe(model, recipe)
+
+
+def load(path: str | Path) -> nn.Module:
+    """The model saved at `path`, rebuilt from its recipe with its saved weights, in eval mode."""
+    state = read(path)
+    model = rebuild(state["recipe"])
+    try:
+        model.load_state_dict(state["state_dict"], strict=True)
+    except RuntimeError as error:
+        raise SavedModelError(f"the weights in {path} do not fit the network its recipe builds ({error}); was the "
+                              "file edited, or written by another equiconvert version "
+                              f"({state.get('versions', {}).get('equiconvert')!r})?") from error
+    return model.eval()

@@ -85,9 +85,9 @@ def test_train_writes_a_loadable_model_and_the_versions(tmp_path, capsys, group)
     from equiconvert.privacy.metrics import classification_metrics, predict
 
     out = tmp_path / "run"
-    assert main(["train", "--dataset", "synthetic", "--model", "equiconvert:resnet9", "--widths", "4,8,8",
+    assert main(["train", "--dataset", "synthetic", "--model", "equiconvert:resnet9", "--model-kwargs", "widths=4,8,8",
                  "--group", group, "--steps", "1", "--batch-size", "8", "--aug-mult", "1", "--epsilon", "8",
-                 "--physical-batch-size", "8", "--out", str(out), "--no-progress", "--device", "cpu"]) == 0
+                 "--physical-batch-size", "8", "--out", str(out), "--set", "run.progress=false", "--device", "cpu"]) == 0
     result = json.loads((out / "result.json").read_text())
     assert result["versions"] == library_versions()
     model = equiconvert.load(out / "model.pt")

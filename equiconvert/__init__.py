@@ -14,7 +14,7 @@ from .groups import GroupSpec, parse_group
 from .models import create_model, list_models, register_model
 from .saved_model import load, save
 
-__version__ = "0.1.0"
+from ._version import __version__ as __version__
 
 __all__ = [
     "ConversionConfig", "ConversionReport", "EquivarianceBreakError", "EquivarianceResult", "EquiconvertError",

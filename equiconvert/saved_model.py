@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ._version import __version__
 from .errors import EquiconvertError
 from .recipe import Recipe, is_plain, recipe_of, remember_recipe
 
@@ -30,8 +31,6 @@ class SavedModelError(EquiconvertError, ValueError):
 
 def library_versions() -> dict[str, str | None]:
     """Versions of equiconvert, torch, escnn and opacus (None: not installed), for result.json and saved models."""
-    from . import __version__
-
     versions: dict[str, str | None] = {"equiconvert": __version__, "torch": str(torch.__version__)}
     for package in VERSIONED_PACKAGES[2:]:
         try:

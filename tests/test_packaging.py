@@ -21,10 +21,10 @@ PYPROJECT = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())
 def test_version_has_one_source():
     project = PYPROJECT["project"]
     assert "version" not in project and "version" in project["dynamic"]
-    assert PYPROJECT["tool"]["setuptools"]["dynamic"]["version"] == {"attr": "equiconvert.__version__"}
+    assert PYPROJECT["tool"]["setuptools"]["dynamic"]["version"] == {"attr": "equiconvert._version.__version__"}
     assert re.fullmatch(r"\d+\.\d+\.\d+(\.dev\d+|rc\d+)?", equiconvert.__version__)
     # the version setuptools reads statically is the one the package reports
-    text = (REPO_ROOT / "equiconvert" / "__init__.py").read_text()
+    text = (REPO_ROOT / "equiconvert" / "_version.py").read_text()
     assert re.findall(r'^__version__ = "([^"]+)"$', text, flags=re.MULTILINE) == [equiconvert.__version__]
 
 

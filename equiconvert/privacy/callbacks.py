@@ -7,19 +7,16 @@ from __future__ import annotations
 
 import importlib.util
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
-
-if TYPE_CHECKING:
-    from .trainer import DPTrainer
+from typing import Any, Protocol, runtime_checkable
 
 
 class Callback:
-    """Override the hooks you need; the trainer calls them on rank 0 and every other rank alike."""
+    """Override the hooks you need; the trainer (a DPTrainer) calls them on rank 0 and every other rank alike."""
 
-    def on_step_end(self, trainer: "DPTrainer", record: dict[str, Any]) -> None:
+    def on_step_end(self, trainer: Any, record: dict[str, Any]) -> None:
         """After each logical step; `record` is that step's log record."""
 
-    def on_eval_end(self, trainer: "DPTrainer", metrics: dict[str, float]) -> None:
+    def on_eval_end(self, trainer: Any, metrics: dict[str, float]) -> None:
         """After each evaluation during or at the end of fit."""
 
 

@@ -19,6 +19,7 @@ parameters and wall time; for runs trained with `--test-shifts SET`, a second ta
 accuracy) and OUT/accuracy_vs_epsilon.png. Runs that stopped before the requested
 number of steps (privacy budget, time limit) are marked in the table, never mixed in silently.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -46,8 +47,18 @@ RUN_FILE = "benchmark_run.json"  # per run: what the benchmark asked `equiconver
 LOG_FILE = "stdout.log"
 LOG_TAIL_LINES = 15
 # Arguments the benchmark sets for every run; passing them after `--` would contradict the grid.
-MANAGED_ARGS = ("--model", "--group", "--dataset", "--data-dir", "--epsilon", "--seed", "--out", "--device",
-                "--resume", "--overwrite")
+MANAGED_ARGS = (
+    "--model",
+    "--group",
+    "--dataset",
+    "--data-dir",
+    "--epsilon",
+    "--seed",
+    "--out",
+    "--device",
+    "--resume",
+    "--overwrite",
+)
 # result.json fields that, when set, say why a run stopped before its requested steps.
 STOP_FIELDS = ("stopped_reason", "stop_reason")
 REQUESTED_STEP_FIELDS = ("requested_steps", "steps_requested", "target_steps")
@@ -94,21 +105,48 @@ def check_extra_args(extra: list[str]) -> None:
     for arg in extra:
         option = arg.split("=", 1)[0]
         if option in MANAGED_ARGS:
-            raise SystemExit(f"error: {option} is set by the benchmark for every run; give it before `--` "
-                             f"(or leave it out), not in the pass-through train arguments")
+            raise SystemExit(
+                f"error: {option} is set by the benchmark for every run; give it before `--` "
+                f"(or leave it out), not in the pass-through train arguments"
+            )
 
 
-def train_command(run: Run, out_dir: Path, device: str, data_dir: str | None, extra: list[str], resume: bool) -> list[str]:
-    cmd = [sys.executable, "-m", "equiconvert", "train", "--model", run.model, "--group", run.group,
-           "--dataset", run.dataset]
+def train_command(
+    run: Run, out_dir: Path, device: str, data_dir: str | None, extra: list[str], resume: bool
+) -> list[str]:
+    cmd = [
+        sys.executable,
+        "-m",
+        "equiconvert",
+        "train",
+        "--model",
+        run.model,
+        "--group",
+        run.group,
+        "--dataset",
+        run.dataset,
+    ]
     if data_dir is not None:
         cmd += ["--data-dir", data_dir]
-    cmd += ["--epsilon", _fmt_eps(run.epsilon), "--seed", str(run.seed), "--out", str(out_dir),
-            "--set", "run.progress=false", *extra, "--device", device]
+    cmd += [
+        "--epsilon",
+        _fmt_eps(run.epsilon),
+        "--seed",
+        str(run.seed),
+        "--out",
+        str(out_dir),
+        "--set",
+        "run.progress=false",
+        *extra,
+        "--device",
+        device,
+    ]
     return cmd + (["--resume"] if resume else ["--overwrite"])  # a start replaces what a killed start left
 
 
-def plan(runs: list[Run], out: Path, extra: list[str], continue_stopped: bool = False) -> tuple[list[Run], list[Run], list[Run]]:
+def plan(
+    runs: list[Run], out: Path, extra: list[str], continue_stopped: bool = False
+) -> tuple[list[Run], list[Run], list[Run]]:
     """Split the grid into (done, to resume, to start). Refuses results made with other train arguments.
 
     With `continue_stopped`, a finished run that train stopped at its --time-limit (and left a
@@ -131,8 +169,10 @@ def plan(runs: list[Run], out: Path, extra: list[str], continue_stopped: bool = 
         else:
             start.append(run)
     if conflicts:
-        raise SystemExit("error: these finished runs used other train arguments than "
-                         f"{shlex.join(extra)!r}; use another --out:\n  " + "\n  ".join(conflicts))
+        raise SystemExit(
+            "error: these finished runs used other train arguments than "
+            f"{shlex.join(extra)!r}; use another --out:\n  " + "\n  ".join(conflicts)
+        )
     return done, resume, start
 
 
@@ -183,17 +223,28 @@ class _Printer:
             print(f"[{self.count}/{self.total}] {text}", flush=True)
 
 
-def _execute(run: Run, out: Path, device: str, data_dir: str | None, extra: list[str], resume: bool,
-             say: _Printer) -> dict | None:
+def _execute(
+    run: Run, out: Path, device: str, data_dir: str | None, extra: list[str], resume: bool, say: _Printer
+) -> dict | None:
     """One run in a subprocess; returns None on success, else a failure record."""
     run_dir = out / run.name
     run_dir.mkdir(parents=True, exist_ok=True)
     if not resume and (run_dir / "log.jsonl").exists():  # a failed attempt's log: keep it, but out of the way
         (run_dir / "log.jsonl").replace(run_dir / "log.failed-attempt.jsonl")
     cmd = train_command(run, run_dir, device, data_dir, extra, resume)
-    record = {"run": run.name, "dataset": run.dataset, "model": run.model, "group": run.group,
-              "epsilon": run.epsilon, "seed": run.seed, "device": device, "extra_args": extra,
-              "command": shlex.join(cmd), "started": _now(), "resumed": resume}
+    record = {
+        "run": run.name,
+        "dataset": run.dataset,
+        "model": run.model,
+        "group": run.group,
+        "epsilon": run.epsilon,
+        "seed": run.seed,
+        "device": device,
+        "extra_args": extra,
+        "command": shlex.join(cmd),
+        "started": _now(),
+        "resumed": resume,
+    }
     (run_dir / RUN_FILE).write_text(json.dumps(record, indent=2))
     say(f"{'resume' if resume else 'start'} {run.name} on {device}")
     with open(run_dir / LOG_FILE, "a") as log:
@@ -203,8 +254,11 @@ def _execute(run: Run, out: Path, device: str, data_dir: str | None, extra: list
         code = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env).returncode
     result = _read_json(run_dir / "result.json")
     if code == 0 and result is not None:
-        say(f"done  {run.name}: test accuracy {100 * result.get('test_accuracy', math.nan):.2f}%, "
-            f"{result.get('wall_time_s', math.nan):.0f} s", finished=True)
+        say(
+            f"done  {run.name}: test accuracy {100 * result.get('test_accuracy', math.nan):.2f}%, "
+            f"{result.get('wall_time_s', math.nan):.0f} s",
+            finished=True,
+        )
         return None
     why = f"exit status {code}" if code != 0 else "exit status 0 but no result.json"
     say(f"FAILED {run.name} ({why}); log: {run_dir / LOG_FILE}", finished=True)
@@ -213,22 +267,39 @@ def _execute(run: Run, out: Path, device: str, data_dir: str | None, extra: list
 
 def run_grid(args: argparse.Namespace, extra: list[str], argv: list[str]) -> int:
     check_extra_args(extra)
-    groups, epsilons, seeds = _split(args.groups), [float(e) for e in _split(args.epsilons)], [int(s) for s in _split(args.seeds)]
+    groups, epsilons, seeds = (
+        _split(args.groups),
+        [float(e) for e in _split(args.epsilons)],
+        [int(s) for s in _split(args.seeds)],
+    )
     devices = _split(args.devices)
     if not groups or not epsilons or not seeds or not devices or args.jobs_per_device < 1:
-        raise SystemExit("error: --groups, --epsilons, --seeds and --devices need at least one value, "
-                         "--jobs-per-device at least 1")
+        raise SystemExit(
+            "error: --groups, --epsilons, --seeds and --devices need at least one value, --jobs-per-device at least 1"
+        )
     out = Path(args.out)
     runs = build_grid(args.dataset, args.model, groups, epsilons, seeds)
     done, to_resume, to_start = plan(runs, out, extra, args.continue_stopped)
     out.mkdir(parents=True, exist_ok=True)
-    invocation = {"date": _now(), "command": _shown_command(argv), "argv": argv, "cwd": str(Path.cwd()),
-                  "git_commit": _git_commit(), "devices": devices,
-                  "groups": groups, "epsilons": epsilons, "seeds": seeds, "extra_args": extra}
+    invocation = {
+        "date": _now(),
+        "command": _shown_command(argv),
+        "argv": argv,
+        "cwd": str(Path.cwd()),
+        "git_commit": _git_commit(),
+        "devices": devices,
+        "groups": groups,
+        "epsilons": epsilons,
+        "seeds": seeds,
+        "extra_args": extra,
+    }
     with open(out / COMMANDS_FILE, "a") as handle:
         handle.write(json.dumps(invocation) + "\n")
-    print(f"{len(runs)} runs: {len(done)} done (skipped), {len(to_resume)} to resume, {len(to_start)} to start; "
-          f"{len(devices) * args.jobs_per_device} at a time on {', '.join(devices)}", flush=True)
+    print(
+        f"{len(runs)} runs: {len(done)} done (skipped), {len(to_resume)} to resume, {len(to_start)} to start; "
+        f"{len(devices) * args.jobs_per_device} at a time on {', '.join(devices)}",
+        flush=True,
+    )
 
     slots: queue.Queue[str] = queue.Queue()
     for _ in range(args.jobs_per_device):
@@ -312,10 +383,17 @@ def load_runs(out: Path) -> list[dict]:
         steps = result.get("steps")
         if reason is None and requested is not None and isinstance(steps, int) and steps < requested:
             reason = "fewer steps than requested"
-        runs.append({**result, "run": path.parent.name, "seed": result.get("seed", (recorded or {}).get("seed")),
-                     "target_epsilon": result.get("target_epsilon", (recorded or {}).get("epsilon")),
-                     "requested_steps": requested, "stopped_early": reason,
-                     "finished": _dt.datetime.fromtimestamp(path.stat().st_mtime, _dt.timezone.utc).date().isoformat()})
+        runs.append(
+            {
+                **result,
+                "run": path.parent.name,
+                "seed": result.get("seed", (recorded or {}).get("seed")),
+                "target_epsilon": result.get("target_epsilon", (recorded or {}).get("epsilon")),
+                "requested_steps": requested,
+                "stopped_early": reason,
+                "finished": _dt.datetime.fromtimestamp(path.stat().st_mtime, _dt.timezone.utc).date().isoformat(),
+            }
+        )
     return runs
 
 
@@ -338,39 +416,69 @@ def summarize(runs: list[dict]) -> list[dict]:
         cells.setdefault((r["dataset"], r["model"], r["group"], r["target_epsilon"]), []).append(r)
     summary = []
     for (dataset, model, group, epsilon), members in sorted(
-            cells.items(), key=lambda item: (item[0][0], item[0][1], _group_key(item[0][2]), item[0][3] or 0)):
+        cells.items(), key=lambda item: (item[0][0], item[0][1], _group_key(item[0][2]), item[0][3] or 0)
+    ):
         members.sort(key=lambda r: (r["seed"] is None, r["seed"], r["run"]))
         acc = [r["test_accuracy"] for r in members]
         averaged = [r for r in members if isinstance(r.get(SHIFT_AVERAGED), (int, float))]
-        summary.append({
-            "dataset": dataset, "model": model, "group": group, "epsilon": epsilon, "n": len(members),
-            "accuracy_median": statistics.median(acc),
-            "accuracy_std": statistics.stdev(acc) if len(acc) > 1 else None,  # sample std (n - 1)
-            "accuracy_min": min(acc), "accuracy_max": max(acc),
-            "brier_median": _median(members, "brier"), "ece_median": _median(members, "ece"),
-            # `train --test-shifts SET` runs: the same statistics of the shift-averaged accuracy, over the runs that have it
-            "test_shifts": _common([r.get("test_shifts") for r in averaged]) if averaged else None,
-            "shift_averaged_n": len(averaged),
-            "shift_averaged_accuracy_median": _median(averaged, SHIFT_AVERAGED),
-            "shift_averaged_accuracy_std": statistics.stdev(r[SHIFT_AVERAGED] for r in averaged) if len(averaged) > 1 else None,
-            "epsilon_spent_max": max((r.get("epsilon", math.nan) for r in members), default=None),
-            "delta": _common([r.get("delta") for r in members]),
-            "params": _common([r.get("params") for r in members]),
-            "params_before": _common([r.get("params_before") for r in members]),
-            "wall_time_s_median": _median(members, "wall_time_s"),
-            "device": _common([r.get("device") for r in members]),
-            "steps": _common([r.get("steps") for r in members]),
-            "requested_steps": _common([r["requested_steps"] for r in members]),
-            "batch_size": _common([r.get("batch_size") for r in members]),
-            "aug_mult": _common([r.get("aug_mult") for r in members]),
-            "stopped_early": [{"run": r["run"], "steps": r.get("steps"), "requested_steps": r["requested_steps"],
-                               "reason": r["stopped_early"]} for r in members if r["stopped_early"]],
-            "runs": [{"run": r["run"], "seed": r["seed"], "test_accuracy": r["test_accuracy"],
-                      SHIFT_AVERAGED: r.get(SHIFT_AVERAGED), "brier": r.get("brier"),
-                      "ece": r.get("ece"), "epsilon": r.get("epsilon"), "steps": r.get("steps"),
-                      "wall_time_s": r.get("wall_time_s"), "device": r.get("device"), "finished": r["finished"]}
-                     for r in members],
-        })
+        summary.append(
+            {
+                "dataset": dataset,
+                "model": model,
+                "group": group,
+                "epsilon": epsilon,
+                "n": len(members),
+                "accuracy_median": statistics.median(acc),
+                "accuracy_std": statistics.stdev(acc) if len(acc) > 1 else None,  # sample std (n - 1)
+                "accuracy_min": min(acc),
+                "accuracy_max": max(acc),
+                "brier_median": _median(members, "brier"),
+                "ece_median": _median(members, "ece"),
+                # `train --test-shifts SET` runs: the same statistics of the shift-averaged accuracy, over the runs that have it
+                "test_shifts": _common([r.get("test_shifts") for r in averaged]) if averaged else None,
+                "shift_averaged_n": len(averaged),
+                "shift_averaged_accuracy_median": _median(averaged, SHIFT_AVERAGED),
+                "shift_averaged_accuracy_std": statistics.stdev(r[SHIFT_AVERAGED] for r in averaged)
+                if len(averaged) > 1
+                else None,
+                "epsilon_spent_max": max((r.get("epsilon", math.nan) for r in members), default=None),
+                "delta": _common([r.get("delta") for r in members]),
+                "params": _common([r.get("params") for r in members]),
+                "params_before": _common([r.get("params_before") for r in members]),
+                "wall_time_s_median": _median(members, "wall_time_s"),
+                "device": _common([r.get("device") for r in members]),
+                "steps": _common([r.get("steps") for r in members]),
+                "requested_steps": _common([r["requested_steps"] for r in members]),
+                "batch_size": _common([r.get("batch_size") for r in members]),
+                "aug_mult": _common([r.get("aug_mult") for r in members]),
+                "stopped_early": [
+                    {
+                        "run": r["run"],
+                        "steps": r.get("steps"),
+                        "requested_steps": r["requested_steps"],
+                        "reason": r["stopped_early"],
+                    }
+                    for r in members
+                    if r["stopped_early"]
+                ],
+                "runs": [
+                    {
+                        "run": r["run"],
+                        "seed": r["seed"],
+                        "test_accuracy": r["test_accuracy"],
+                        SHIFT_AVERAGED: r.get(SHIFT_AVERAGED),
+                        "brier": r.get("brier"),
+                        "ece": r.get("ece"),
+                        "epsilon": r.get("epsilon"),
+                        "steps": r.get("steps"),
+                        "wall_time_s": r.get("wall_time_s"),
+                        "device": r.get("device"),
+                        "finished": r["finished"],
+                    }
+                    for r in members
+                ],
+            }
+        )
     return summary
 
 
@@ -411,20 +519,27 @@ def _cell_text(cell: dict, prefix: str = "accuracy", count: str = "n") -> str:
 def _header_lines(cells: list[dict], runs: list[dict], commands: list[dict]) -> list[str]:
     dataset, model = cells[0]["dataset"], cells[0]["model"]
     # train writes e.g. "cuda:0 (NVIDIA H100 80GB HBM3)"
-    shown = ", ".join(sorted({str(d) for c in cells for d in (c["device"] if isinstance(c["device"], list) else [c["device"]])}))
+    shown = ", ".join(
+        sorted({str(d) for c in cells for d in (c["device"] if isinstance(c["device"], list) else [c["device"]])})
+    )
     finished = sorted(r["finished"] for r in runs)
     dates = finished[0] if finished[0] == finished[-1] else f"{finished[0]} to {finished[-1]}"
 
     def setting(field: str) -> str:
         return _fmt_value(_common([c[field] for c in cells]))
 
-    requested = "" if all(c["requested_steps"] is None for c in cells) else f" of {setting('requested_steps')} requested"
-    lines = [f"dataset: {dataset} · model: {model} · delta: {setting('delta')} · device: {shown} · "
-             f"runs finished: {dates} (UTC)",
-             f"steps: {setting('steps')}{requested} · "
-             f"batch size: {setting('batch_size')} · aug mult: {setting('aug_mult')}"]
+    requested = (
+        "" if all(c["requested_steps"] is None for c in cells) else f" of {setting('requested_steps')} requested"
+    )
+    lines = [
+        f"dataset: {dataset} · model: {model} · delta: {setting('delta')} · device: {shown} · "
+        f"runs finished: {dates} (UTC)",
+        f"steps: {setting('steps')}{requested} · batch size: {setting('batch_size')} · aug mult: {setting('aug_mult')}",
+    ]
     for c in commands:
-        lines.append(f"command ({c.get('date', '?')}, commit {(c.get('git_commit') or 'unknown')[:10]}): `{c['command']}`")
+        lines.append(
+            f"command ({c.get('date', '?')}, commit {(c.get('git_commit') or 'unknown')[:10]}): `{c['command']}`"
+        )
     if not commands:
         lines.append("command: not recorded")
     return lines
@@ -432,8 +547,10 @@ def _header_lines(cells: list[dict], runs: list[dict], commands: list[dict]) -> 
 
 def _epsilon_table(groups: list[str], epsilons: list, by: dict, text: Callable[[dict], str]) -> list[str]:
     """Markdown rows (group x epsilon) of text(cell); "–" where a group has no run at that epsilon."""
-    lines = ["| group | " + " | ".join(f"ε = {_eps_label(e)}" for e in epsilons) + " |",
-             "|---|" + "---:|" * len(epsilons)]
+    lines = [
+        "| group | " + " | ".join(f"ε = {_eps_label(e)}" for e in epsilons) + " |",
+        "|---|" + "---:|" * len(epsilons),
+    ]
     for group in groups:
         label = BASELINE_LABEL if group.lower() == BASELINE else group
         cells = [by.get((group, e)) for e in epsilons]
@@ -443,7 +560,7 @@ def _epsilon_table(groups: list[str], epsilons: list, by: dict, text: Callable[[
 
 def markdown(summary: list[dict], runs: list[dict], commands: list[dict]) -> str:
     out = ["# Accuracy benchmark", ""]
-    for (dataset, model) in dict.fromkeys((c["dataset"], c["model"]) for c in summary):
+    for dataset, model in dict.fromkeys((c["dataset"], c["model"]) for c in summary):
         cells = [c for c in summary if (c["dataset"], c["model"]) == (dataset, model)]
         mine = [r for r in runs if (r["dataset"], r["model"]) == (dataset, model)]
         epsilons = sorted({c["epsilon"] for c in cells}, key=lambda e: (e is None, e))
@@ -452,28 +569,43 @@ def markdown(summary: list[dict], runs: list[dict], commands: list[dict]) -> str
         out += [f"## {dataset}, {model}", ""]
         out += [line + "  " for line in _header_lines(cells, mine, commands)]
         out += ["", "Test accuracy (%), median ± std (number of seeds); std is the sample standard deviation.", ""]
-        out.append("| group | params | " + " | ".join(f"ε = {_eps_label(e)}" for e in epsilons) + " | wall time / run (median) |")
+        out.append(
+            "| group | params | "
+            + " | ".join(f"ε = {_eps_label(e)}" for e in epsilons)
+            + " | wall time / run (median) |"
+        )
         out.append("|---|---:|" + "---:|" * len(epsilons) + "---:|")
         for group in groups:
             row = [by.get((group, e)) for e in epsilons]
             present = [c for c in row if c is not None]
             label = BASELINE_LABEL if group.lower() == BASELINE else group
             wall = _median([r for r in mine if r["group"] == group], "wall_time_s")
-            out.append(f"| {label} | {_fmt_value(_common([c['params'] for c in present]))} | "
-                       + " | ".join("–" if c is None else _cell_text(c) for c in row) + f" | {_fmt_time(wall)} |")
+            out.append(
+                f"| {label} | {_fmt_value(_common([c['params'] for c in present]))} | "
+                + " | ".join("–" if c is None else _cell_text(c) for c in row)
+                + f" | {_fmt_time(wall)} |"
+            )
         if any(c["shift_averaged_n"] for c in cells):
             shifts = _fmt_value(_common([c["test_shifts"] for c in cells if c["shift_averaged_n"]]))
-            out += ["", f"Test accuracy (%) of the softmax averaged over each test image's shifted copies "
-                        f"(`--test-shifts {shifts}`: post-processing, no privacy cost), median ± std (number of seeds):", ""]
-            out += _epsilon_table(groups, epsilons, by,
-                                  lambda c: _cell_text(c, "shift_averaged_accuracy", "shift_averaged_n"))
+            out += [
+                "",
+                f"Test accuracy (%) of the softmax averaged over each test image's shifted copies "
+                f"(`--test-shifts {shifts}`: post-processing, no privacy cost), median ± std (number of seeds):",
+                "",
+            ]
+            out += _epsilon_table(
+                groups, epsilons, by, lambda c: _cell_text(c, "shift_averaged_accuracy", "shift_averaged_n")
+            )
         out += ["", "Brier score (median over seeds):", ""]
-        out += _epsilon_table(groups, epsilons, by,
-                              lambda c: "–" if c["brier_median"] is None else f"{c['brier_median']:.4f}")
+        out += _epsilon_table(
+            groups, epsilons, by, lambda c: "–" if c["brier_median"] is None else f"{c['brier_median']:.4f}"
+        )
         early = [s for c in cells for s in c["stopped_early"]]
         if early:
             out += ["", f"{EARLY_MARK} includes runs that stopped before the requested steps:"]
-            out += [f"- {s['run']}: {s['steps']} of {_fmt_value(s['requested_steps'])} steps ({s['reason']})" for s in early]
+            out += [
+                f"- {s['run']}: {s['steps']} of {_fmt_value(s['requested_steps'])} steps ({s['reason']})" for s in early
+            ]
         out.append("")
     return "\n".join(out)
 
@@ -492,8 +624,10 @@ def plot(summary: list[dict], path: Path) -> None:
             line = sorted((c for c in cells if c["group"] == group), key=lambda c: c["epsilon"])
             eps = [c["epsilon"] for c in line]
             med = [100 * c["accuracy_median"] for c in line]
-            err = [[m - 100 * c["accuracy_min"] for m, c in zip(med, line)],
-                   [100 * c["accuracy_max"] - m for m, c in zip(med, line)]]
+            err = [
+                [m - 100 * c["accuracy_min"] for m, c in zip(med, line)],
+                [100 * c["accuracy_max"] - m for m, c in zip(med, line)],
+            ]
             label = BASELINE_LABEL if group.lower() == BASELINE else group
             ax.errorbar(eps, med, yerr=err, marker="o", capsize=3, label=label)
         all_eps = sorted({c["epsilon"] for c in cells})
@@ -521,13 +655,23 @@ def report(out: Path, argv: list[str] | None = None) -> dict:
             if record and all(record["command"] != c["command"] for c in commands):
                 commands.append(record)  # one entry per distinct command (a resumed grid repeats it)
     summary = summarize(runs)
-    document = {"generated": _now(), "report_command": _shown_command(argv) if argv is not None else None,
-                "commands": commands, "runs": len(runs), "cells": summary}
+    document = {
+        "generated": _now(),
+        "report_command": _shown_command(argv) if argv is not None else None,
+        "commands": commands,
+        "runs": len(runs),
+        "cells": summary,
+    }
     (out / "summary.json").write_text(json.dumps(document, indent=2))
-    (out / "table.md").write_text(markdown(summary, runs, commands) if summary else "# Accuracy benchmark\n\nno finished runs\n")
+    (out / "table.md").write_text(
+        markdown(summary, runs, commands) if summary else "# Accuracy benchmark\n\nno finished runs\n"
+    )
     plot(summary, out / "accuracy_vs_epsilon.png")
-    print(f"report: {len(runs)} runs in {len(summary)} cells -> {out / 'table.md'}, {out / 'summary.json'}, "
-          f"{out / 'accuracy_vs_epsilon.png'}", flush=True)
+    print(
+        f"report: {len(runs)} runs in {len(summary)} cells -> {out / 'table.md'}, {out / 'summary.json'}, "
+        f"{out / 'accuracy_vs_epsilon.png'}",
+        flush=True,
+    )
     return document
 
 
@@ -535,8 +679,11 @@ def report(out: Path, argv: list[str] | None = None) -> dict:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="accuracy.py", description=__doc__.split("\n\n")[0],
-                                     epilog="Arguments after `--` go verbatim to every `equiconvert train`.")
+    parser = argparse.ArgumentParser(
+        prog="accuracy.py",
+        description=__doc__.split("\n\n")[0],
+        epilog="Arguments after `--` go verbatim to every `equiconvert train`.",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="train the grid (skipping finished runs), then report")
     run.add_argument("--dataset", required=True)
@@ -548,8 +695,11 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--out", required=True, help="folder of the grid: one sub-folder per run, plus the report")
     run.add_argument("--devices", default="cpu", help="comma-separated train --device values (default cpu)")
     run.add_argument("--jobs-per-device", type=int, default=1)
-    run.add_argument("--continue-stopped", action="store_true",
-                     help="resume runs that train's --time-limit stopped (result.json + checkpoint.pt) instead of skipping them")
+    run.add_argument(
+        "--continue-stopped",
+        action="store_true",
+        help="resume runs that train's --time-limit stopped (result.json + checkpoint.pt) instead of skipping them",
+    )
     rep = sub.add_parser("report", help="summarize OUT/*/result.json into summary.json, table.md and a plot")
     rep.add_argument("--out", required=True)
     return parser
@@ -557,7 +707,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    ours, extra = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
+    ours, extra = (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (argv, [])
     args = _parser().parse_args(ours)
     if args.command == "report":
         if extra:

@@ -7,6 +7,7 @@ same fingerprints and bases equal to 1e-6. Writes a JSON summary and, with --sav
     python benchmarks/basis_fingerprints.py --save bases_here.pt
     python benchmarks/basis_fingerprints.py --compare bases_here.pt   # on the other machine
 """
+
 from __future__ import annotations
 
 import argparse
@@ -19,8 +20,12 @@ import torch
 import equiconvert
 from equiconvert.nn.conv import SteerableConv2d
 
-MODELS = (("equivariant_resnet9", "D4"), ("equivariant_resnet9", "C8"), ("torchvision:resnet18", "D16"),
-          ("torchvision:resnet18", "O2"))
+MODELS = (
+    ("equivariant_resnet9", "D4"),
+    ("equivariant_resnet9", "C8"),
+    ("torchvision:resnet18", "D16"),
+    ("torchvision:resnet18", "O2"),
+)
 
 
 def collect() -> dict[str, torch.Tensor]:
@@ -43,8 +48,13 @@ def main() -> int:
     parser.add_argument("--compare", default=None, help="compare with the bases in this .pt file")
     args = parser.parse_args()
     bases = collect()
-    summary: dict = {"python": platform.python_version(), "numpy": np.__version__, "torch": torch.__version__,
-                     "bases": len(bases), "fingerprints": sorted(bases)}
+    summary: dict = {
+        "python": platform.python_version(),
+        "numpy": np.__version__,
+        "torch": torch.__version__,
+        "bases": len(bases),
+        "fingerprints": sorted(bases),
+    }
     if args.save:
         torch.save(bases, args.save)
     if args.compare:
@@ -53,7 +63,8 @@ def main() -> int:
         summary["compare"] = {
             "same_fingerprints": sorted(other) == sorted(bases),
             "max_abs_difference": max((float((other[k] - bases[k]).abs().max()) for k in shared), default=None),
-            "only_here": sorted(set(bases) - set(other)), "only_there": sorted(set(other) - set(bases)),
+            "only_here": sorted(set(bases) - set(other)),
+            "only_there": sorted(set(other) - set(bases)),
         }
     print(json.dumps(summary, indent=2))
     return 0 if not args.compare or summary["compare"]["same_fingerprints"] else 1

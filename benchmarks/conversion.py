@@ -29,6 +29,7 @@ Markdown table is printed to stdout, progress to stderr.
     PYTHONPATH=. .venv/bin/python benchmarks/conversion.py            # full run
     PYTHONPATH=. .venv/bin/python benchmarks/conversion.py --quick    # resnet18 + resnet9, D4 and O2
 """
+
 from __future__ import annotations
 
 import argparse
@@ -140,7 +141,9 @@ def _worker(args: argparse.Namespace) -> int:
         group, _, frequency = args.group.partition("@")  # "O2@2": O(2) fields band-limited at frequency 2
 
         def convert(width=None):
-            return make_equivariant(model, group, width=width, frequency=int(frequency) if frequency else None, **kwargs)
+            return make_equivariant(
+                model, group, width=width, frequency=int(frequency) if frequency else None, **kwargs
+            )
 
         # escnn import is separated out so cold_s is the basis building + conversion itself
         record["escnn_import_s"], _, _ = _timed(import_escnn)
@@ -186,15 +189,19 @@ def _worker(args: argparse.Namespace) -> int:
             entry: dict = {"width_arg": width}
             try:
                 seconds, cpu, converted = _timed(lambda: convert(width))
-                entry.update(status="ok", time_s=seconds, cpu_s=cpu, width_name=converted.report.width,
-                             params_after=converted.report.params_after)
+                entry.update(
+                    status="ok",
+                    time_s=seconds,
+                    cpu_s=cpu,
+                    width_name=converted.report.width,
+                    params_after=converted.report.params_after,
+                )
                 del converted
             except Exception as exc:  # noqa: BLE001 - recorded, not hidden
                 entry.update(status="error", error=_error(exc))
                 match = _PARAMS_MISS.search(str(exc))
                 if width == "params" and match:
-                    entry.update(status="outside_tolerance",
-                                 params_after=int(match[1].replace(",", "")))
+                    entry.update(status="outside_tolerance", params_after=int(match[1].replace(",", "")))
                 entry["time_s"] = None
             if entry.get("params_after") is not None:
                 entry["ratio"] = entry["params_after"] / record["params_before"]
@@ -237,8 +244,11 @@ def _git() -> dict:
         return out.stdout.rstrip("\n") if out.returncode == 0 else None
 
     status = run("status", "--porcelain", "--", "equiconvert")
-    return {"commit": run("rev-parse", "HEAD"), "equiconvert_dirty": bool(status) if status is not None else None,
-            "equiconvert_changes": status.splitlines() if status else []}
+    return {
+        "commit": run("rev-parse", "HEAD"),
+        "equiconvert_dirty": bool(status) if status is not None else None,
+        "equiconvert_changes": status.splitlines() if status else [],
+    }
 
 
 def _source_hash(package: Path) -> str:
@@ -291,21 +301,46 @@ def _run_worker(model: str, group: str, args: argparse.Namespace, src: Path) -> 
     result = cache_dir.parent / (cache_dir.name + ".json")
     env = dict(os.environ, EQUICONVERT_CACHE_DIR=str(cache_dir))
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(src), str(REPO), env.get("PYTHONPATH")]))
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--_worker", "--model", model, "--group", group,
-           "--cache-dir", str(cache_dir), "--result", str(result), "--repeats", str(args.repeats),
-           "--widths", ",".join(args.widths)]
+    cmd = [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "--_worker",
+        "--model",
+        model,
+        "--group",
+        group,
+        "--cache-dir",
+        str(cache_dir),
+        "--result",
+        str(result),
+        "--repeats",
+        str(args.repeats),
+        "--widths",
+        ",".join(args.widths),
+    ]
     start = time.perf_counter()
     try:
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
         if result.exists():
             record = json.loads(result.read_text())
         else:
-            record = {"model": model, "group": group, "status": "error",
-                      "error": {"type": "WorkerDied", "message": f"exit code {proc.returncode}",
-                                "stderr_tail": proc.stderr[-3000:]}}
+            record = {
+                "model": model,
+                "group": group,
+                "status": "error",
+                "error": {
+                    "type": "WorkerDied",
+                    "message": f"exit code {proc.returncode}",
+                    "stderr_tail": proc.stderr[-3000:],
+                },
+            }
     except subprocess.TimeoutExpired:
-        record = {"model": model, "group": group, "status": "error",
-                  "error": {"type": "Timeout", "message": f"worker ran past --timeout {args.timeout} s"}}
+        record = {
+            "model": model,
+            "group": group,
+            "status": "error",
+            "error": {"type": "Timeout", "message": f"worker ran past --timeout {args.timeout} s"},
+        }
     finally:
         shutil.rmtree(cache_dir, ignore_errors=True)
         result.unlink(missing_ok=True)
@@ -342,19 +377,41 @@ def _sec(value, cpu=None) -> str:
 
 
 def markdown_table(records: list[dict]) -> str:
-    head = ["model", "group", "cold s", "warm disk s", "warm mem s", "params before", "kappa 1.75",
-            "kappa 1.5", "channels", "params", "params s", "valid sizes"]
+    head = [
+        "model",
+        "group",
+        "cold s",
+        "warm disk s",
+        "warm mem s",
+        "params before",
+        "kappa 1.75",
+        "kappa 1.5",
+        "channels",
+        "params",
+        "params s",
+        "valid sizes",
+    ]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in records:
         if r.get("status") != "ok":
             why = r.get("reason") or f"{r.get('error', {}).get('type')}: {r.get('error', {}).get('message', '')}"
             cells = [r["model"], r["group"], f"{r.get('status', '').upper()}: {why[:120]}"] + [""] * (len(head) - 3)
         else:
-            sizes = ", ".join(map(str, r["first_valid_sizes"][:4])) + (", ..." if len(r["first_valid_sizes"]) > 4 else "")
-            cells = [r["model"], r["group"], _sec(r["cold_s"], r.get("cold_cpu_s")),
-                     _sec(r["warm_disk_s"], r.get("warm_disk_cpu_s")), _sec(r["warm_memory_s"], r.get("warm_memory_cpu_s")),
-                     _fmt_params(r["params_before"])] + [_fmt_width(r, label) for label in WIDTHS] + [
-                     _sec(r.get("params_time_s"), r.get("params_cpu_s")), sizes or "none"]
+            sizes = ", ".join(map(str, r["first_valid_sizes"][:4])) + (
+                ", ..." if len(r["first_valid_sizes"]) > 4 else ""
+            )
+            cells = (
+                [
+                    r["model"],
+                    r["group"],
+                    _sec(r["cold_s"], r.get("cold_cpu_s")),
+                    _sec(r["warm_disk_s"], r.get("warm_disk_cpu_s")),
+                    _sec(r["warm_memory_s"], r.get("warm_memory_cpu_s")),
+                    _fmt_params(r["params_before"]),
+                ]
+                + [_fmt_width(r, label) for label in WIDTHS]
+                + [_sec(r.get("params_time_s"), r.get("params_cpu_s")), sizes or "none"]
+            )
         lines.append("| " + " | ".join(str(c).replace("|", "/") for c in cells) + " |")
     return "\n".join(lines)
 
@@ -372,19 +429,27 @@ def _resolve_models(text: str | None, quick: bool) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"JSON result file (default {DEFAULT_OUT.relative_to(REPO)})")
-    parser.add_argument("--groups", default=None,
-                        help="comma list of groups, NAME@FREQUENCY for SO2/O2 band limits "
-                             "(default D4,C4,O2,SO2; --quick: D4,O2)")
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--out", type=Path, default=DEFAULT_OUT, help=f"JSON result file (default {DEFAULT_OUT.relative_to(REPO)})"
+    )
+    parser.add_argument(
+        "--groups",
+        default=None,
+        help="comma list of groups, NAME@FREQUENCY for SO2/O2 band limits (default D4,C4,O2,SO2; --quick: D4,O2)",
+    )
     parser.add_argument("--models", default=None, help=f"comma list of {', '.join(MODELS)} (default: all)")
     parser.add_argument("--quick", action="store_true", help=f"small subset: {', '.join(QUICK_MODELS)} on D4 and O2")
     parser.add_argument("--repeats", type=int, default=3, help="warm repetitions, median reported (default 3)")
     parser.add_argument("--widths", default=",".join(WIDTHS), help="comma list of width policies to measure")
     parser.add_argument("--timeout", type=float, default=1800, help="seconds per (model, group) worker")
-    parser.add_argument("--no-snapshot", action="store_true",
-                        help="workers import the live equiconvert/ instead of a copy taken at start")
+    parser.add_argument(
+        "--no-snapshot",
+        action="store_true",
+        help="workers import the live equiconvert/ instead of a copy taken at start",
+    )
     # internal: one (model, group) measurement in a fresh process
     parser.add_argument("--_worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
@@ -392,7 +457,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cache-dir", help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    args.widths = [w.strip() for w in args.widths.split(",") if w.strip()] if isinstance(args.widths, str) else args.widths
+    args.widths = (
+        [w.strip() for w in args.widths.split(",") if w.strip()] if isinstance(args.widths, str) else args.widths
+    )
     unknown = set(args.widths) - set(WIDTHS)
     if unknown:
         parser.error(f"unknown widths {sorted(unknown)}; known: {list(WIDTHS)}")
@@ -402,7 +469,9 @@ def main(argv: list[str] | None = None) -> int:
         sys.path.insert(0, str(REPO))
 
     models = _resolve_models(args.models, args.quick)
-    groups = [g.strip().upper() for g in (args.groups or ("D4,O2" if args.quick else "D4,C4,O2,SO2")).split(",") if g.strip()]
+    groups = [
+        g.strip().upper() for g in (args.groups or ("D4,O2" if args.quick else "D4,C4,O2,SO2")).split(",") if g.strip()
+    ]
     timm_missing = _version("timm") is None
     package = REPO / "equiconvert"
     live_hash_start = _source_hash(package)
@@ -453,9 +522,11 @@ def main(argv: list[str] | None = None) -> int:
     live_changed = _source_hash(package) != live_hash_start
     header["equiconvert_source"]["live_tree_changed_during_run"] = live_changed
     if live_changed:
-        print("note: equiconvert/ was edited during the run"
-              + ("; measured the snapshot taken at start" if not args.no_snapshot else "; results may mix versions"),
-              file=sys.stderr)
+        print(
+            "note: equiconvert/ was edited during the run"
+            + ("; measured the snapshot taken at start" if not args.no_snapshot else "; results may mix versions"),
+            file=sys.stderr,
+        )
     if not args.no_snapshot:
         shutil.rmtree(src, ignore_errors=True)
     header["loadavg_after"] = _loadavg()
@@ -463,12 +534,16 @@ def main(argv: list[str] | None = None) -> int:
     target = dict(TARGET, description="resnet50 -> D4 in under 10 s warm on the 2-core machine")
     if target_record and target_record.get("status") == "ok":
         measured = target_record[TARGET["measure"]]["median"]
-        target.update(measured_s=measured, passed=measured < TARGET["limit_s"],
-                      warm_memory_s=target_record["warm_memory_s"]["median"],
-                      passed_warm_memory=target_record["warm_memory_s"]["median"] < TARGET["limit_s"],
-                      cold_s=target_record["cold_s"], cpu_count=os.cpu_count(),
-                      warm_disk_cpu_s=target_record["warm_disk_cpu_s"]["median"],
-                      loadavg_after_record=target_record.get("loadavg_after"))
+        target.update(
+            measured_s=measured,
+            passed=measured < TARGET["limit_s"],
+            warm_memory_s=target_record["warm_memory_s"]["median"],
+            passed_warm_memory=target_record["warm_memory_s"]["median"] < TARGET["limit_s"],
+            cold_s=target_record["cold_s"],
+            cpu_count=os.cpu_count(),
+            warm_disk_cpu_s=target_record["warm_disk_cpu_s"]["median"],
+            loadavg_after_record=target_record.get("loadavg_after"),
+        )
     else:
         target.update(measured_s=None, passed=None, note="not measured in this run")
     header["target_check"] = target
@@ -476,13 +551,17 @@ def main(argv: list[str] | None = None) -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"header": header, "records": records}, indent=1, default=str) + "\n")
     print(markdown_table(records))
-    print("\nTimes: wall-clock seconds (CPU seconds of the worker process, all threads); warm columns are medians "
-          f"of {args.repeats} runs. Parameter columns: count after conversion (x ratio to before); params: relative miss.")
+    print(
+        "\nTimes: wall-clock seconds (CPU seconds of the worker process, all threads); warm columns are medians "
+        f"of {args.repeats} runs. Parameter columns: count after conversion (x ratio to before); params: relative miss."
+    )
     print()
     if target["passed"] is not None:
-        print(f"target: {target['description']}: {'PASS' if target['passed'] else 'FAIL'} "
-              f"(warm disk median {target['measured_s']:.2f} s, warm memory median {target['warm_memory_s']:.2f} s, "
-              f"{os.cpu_count()} CPUs)")
+        print(
+            f"target: {target['description']}: {'PASS' if target['passed'] else 'FAIL'} "
+            f"(warm disk median {target['measured_s']:.2f} s, warm memory median {target['warm_memory_s']:.2f} s, "
+            f"{os.cpu_count()} CPUs)"
+        )
     print(f"total runtime {header['total_runtime_s']:.0f} s; results in {args.out}")
     return 0
 

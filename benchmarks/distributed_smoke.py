@@ -10,6 +10,7 @@ samples_per_s_with_startup_and_evaluation). Prints one JSON object.
 Usage (a 4-GPU host, CIFAR-10 extracted from shared/data/cifar10-jpeg.tar.xz into /tmp/cifar):
     python benchmarks/distributed_smoke.py --data-dir /tmp/cifar/cifar10 --gpus 1,4 --steps 80
 """
+
 from __future__ import annotations
 
 import argparse
@@ -23,8 +24,22 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
-PAPER_RUN = ["--model", "equiconvert:equivariant_resnet9", "--group", "D4", "--epsilon", "8", "--delta", "1e-5",
-             "--lr", "2", "--max-grad-norm", "2", "--set", "schedule.ema_decay=0.999"]
+PAPER_RUN = [
+    "--model",
+    "equiconvert:equivariant_resnet9",
+    "--group",
+    "D4",
+    "--epsilon",
+    "8",
+    "--delta",
+    "1e-5",
+    "--lr",
+    "2",
+    "--max-grad-norm",
+    "2",
+    "--set",
+    "schedule.ema_decay=0.999",
+]
 
 
 def steady_throughput(records: list[dict[str, Any]], aug_mult: int, warmup: int) -> dict[str, float]:
@@ -40,8 +55,12 @@ def steady_throughput(records: list[dict[str, Any]], aug_mult: int, warmup: int)
     first, last = synced[0], synced[-1]
     samples = aug_mult * sum(r["batch_size"] for r in steps if first["step"] < r["step"] <= last["step"])
     seconds = last["time_s"] - first["time_s"]
-    return {"measured_steps": last["step"] - first["step"], "seconds": seconds,
-            "samples_per_s": samples / seconds, "ms_per_step": 1000 * seconds / (last["step"] - first["step"])}
+    return {
+        "measured_steps": last["step"] - first["step"],
+        "seconds": seconds,
+        "samples_per_s": samples / seconds,
+        "ms_per_step": 1000 * seconds / (last["step"] - first["step"]),
+    }
 
 
 def run(gpus: int, args: argparse.Namespace, out: Path) -> dict[str, Any]:
@@ -49,12 +68,33 @@ def run(gpus: int, args: argparse.Namespace, out: Path) -> dict[str, Any]:
     command = [sys.executable, "-m", "equiconvert", "train"]
     if gpus > 1:
         command += ["--nproc-per-node", str(gpus)]
-    command += [*PAPER_RUN, "--dataset", args.dataset, "--steps", str(args.steps), "--batch-size",
-                str(args.batch_size), "--aug-mult", str(args.aug_mult), "--physical-batch-size",
-                str(args.physical_batch_size), "--set", f"dp.precision={args.precision}", "--set", "schedule.checkpoint_every=0",
-                "--device", args.device, "--set", "run.progress=false", "--out", str(out),
-                # the actual Poisson batch sizes count the samples (a temporary folder, deleted after the run)
-                "--set", "dp.log_nonprivate_stats=true", *args.extra]
+    command += [
+        *PAPER_RUN,
+        "--dataset",
+        args.dataset,
+        "--steps",
+        str(args.steps),
+        "--batch-size",
+        str(args.batch_size),
+        "--aug-mult",
+        str(args.aug_mult),
+        "--physical-batch-size",
+        str(args.physical_batch_size),
+        "--set",
+        f"dp.precision={args.precision}",
+        "--set",
+        "schedule.checkpoint_every=0",
+        "--device",
+        args.device,
+        "--set",
+        "run.progress=false",
+        "--out",
+        str(out),
+        # the actual Poisson batch sizes count the samples (a temporary folder, deleted after the run)
+        "--set",
+        "dp.log_nonprivate_stats=true",
+        *args.extra,
+    ]
     if args.data_dir:
         command += ["--data-dir", args.data_dir]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
@@ -66,10 +106,16 @@ def run(gpus: int, args: argparse.Namespace, out: Path) -> dict[str, Any]:
     records = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
     result = json.loads((out / "result.json").read_text())
     samples = args.aug_mult * sum(r["batch_size"] for r in records if "batch_size" in r)
-    return {"gpus": gpus, **steady_throughput(records, args.aug_mult, args.warmup), "wall_time_s": wall,
-            "samples_per_s_with_startup_and_evaluation": samples / wall,
-            "train_time_s": result["train_time_s"], "test_accuracy": result["test_accuracy"],
-            "device": result["device"], "world_size": result["world_size"]}
+    return {
+        "gpus": gpus,
+        **steady_throughput(records, args.aug_mult, args.warmup),
+        "wall_time_s": wall,
+        "samples_per_s_with_startup_and_evaluation": samples / wall,
+        "train_time_s": result["train_time_s"],
+        "test_accuracy": result["test_accuracy"],
+        "device": result["device"],
+        "world_size": result["world_size"],
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -84,19 +130,29 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--physical-batch-size", type=int, default=512)
     parser.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
     parser.add_argument("--device", default="cuda")
-    parser.add_argument("--extra", nargs=argparse.REMAINDER, default=[],
-                        help="further `train` options (last on the line), e.g. --extra --model ... --widths 4,8,8")
+    parser.add_argument(
+        "--extra",
+        nargs=argparse.REMAINDER,
+        default=[],
+        help="further `train` options (last on the line), e.g. --extra --model ... --widths 4,8,8",
+    )
     args = parser.parse_args(argv)
     runs = []
     with tempfile.TemporaryDirectory() as folder:
         for gpus in (int(g) for g in args.gpus.split(",")):
             runs.append(run(gpus, args, Path(folder) / f"gpus{gpus}"))
-    report: dict[str, Any] = {"batch_size": args.batch_size, "aug_mult": args.aug_mult, "steps": args.steps,
-                              "precision": args.precision, "runs": runs}
+    report: dict[str, Any] = {
+        "batch_size": args.batch_size,
+        "aug_mult": args.aug_mult,
+        "steps": args.steps,
+        "precision": args.precision,
+        "runs": runs,
+    }
     base = next((r for r in runs if r["gpus"] == 1), None)
     if base is not None:
-        report["scaling_efficiency"] = {str(r["gpus"]): r["samples_per_s"] / (r["gpus"] * base["samples_per_s"])
-                                        for r in runs}
+        report["scaling_efficiency"] = {
+            str(r["gpus"]): r["samples_per_s"] / (r["gpus"] * base["samples_per_s"]) for r in runs
+        }
     print(json.dumps(report, indent=2))
     return 0
 

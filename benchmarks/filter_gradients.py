@@ -11,6 +11,7 @@ of the convolutions (TF32 on CUDA by default; --dtype bf16: the tensors in bf16,
 so the error checks the layouts, not the precision. JSON.
 Usage: python benchmarks/filter_gradients.py --device cuda --batch 512 --aug-mult 4 [--dtype bf16]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -35,8 +36,9 @@ Kernel = Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]
 
 def aggregate(x: torch.Tensor, g: torch.Tensor, views: int) -> torch.Tensor:
     weight = x.new_empty(g.shape[1], x.shape[1], 3, 3)
-    return torch.ops.aten.convolution_backward(g, x, weight, None, [1, 1], [1, 1], [1, 1], False, [0, 0], 1,
-                                               [False, True, False])[1]
+    return torch.ops.aten.convolution_backward(
+        g, x, weight, None, [1, 1], [1, 1], [1, 1], False, [0, 0], 1, [False, True, False]
+    )[1]
 
 
 def unfold_einsum(x: torch.Tensor, g: torch.Tensor, views: int) -> torch.Tensor:
@@ -55,8 +57,11 @@ def equiconvert_kernel(name: str) -> Kernel:
     return kernel
 
 
-KERNELS: dict[str, Kernel] = {"aggregate": aggregate, "unfold_einsum": unfold_einsum,
-                              **{name: equiconvert_kernel(name) for name in EQUICONVERT_KERNELS}}
+KERNELS: dict[str, Kernel] = {
+    "aggregate": aggregate,
+    "unfold_einsum": unfold_einsum,
+    **{name: equiconvert_kernel(name) for name in EQUICONVERT_KERNELS},
+}
 
 
 def milliseconds(kernel: Kernel, x: torch.Tensor, g: torch.Tensor, views: int, iters: int) -> float:
@@ -96,12 +101,17 @@ def main(argv: list[str] | None = None) -> int:
                 row[f"{name}_relative_error"] = float((result - reference).norm() / reference.norm())
         rows.append(row)
         print(json.dumps(row), flush=True)
-    report = {"command": " ".join(["python", "benchmarks/filter_gradients.py", *(argv or sys.argv[1:])]),
-              "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-              "torch": torch.__version__, "batch": args.batch, "aug_mult": views, "dtype": args.dtype,
-              "relative_error_reference": "unfold_einsum, matmuls in the precision given under tf32",
-              "tf32": {"cudnn": torch.backends.cudnn.allow_tf32, "matmul": torch.backends.cuda.matmul.allow_tf32},
-              "rows": rows}
+    report = {
+        "command": " ".join(["python", "benchmarks/filter_gradients.py", *(argv or sys.argv[1:])]),
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "batch": args.batch,
+        "aug_mult": views,
+        "dtype": args.dtype,
+        "relative_error_reference": "unfold_einsum, matmuls in the precision given under tf32",
+        "tf32": {"cudnn": torch.backends.cudnn.allow_tf32, "matmul": torch.backends.cuda.matmul.allow_tf32},
+        "rows": rows,
+    }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2))
     return 0

@@ -14,6 +14,7 @@ Usage: python benchmarks/gradient_shares.py --dataset fashion-mnist --data-dir /
        python benchmarks/gradient_shares.py --data-dir /usr/share/datasets/fashion-mnist --group D1 --examples 128 \
            --checkpoint runs/fm_d1/checkpoint.pt
 """
+
 from __future__ import annotations
 
 import argparse

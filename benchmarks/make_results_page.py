@@ -75,73 +75,147 @@ def _seeds_two_evals(s: Summary) -> list[str]:
 
 @renderer("seeds")
 def _seeds(s: Summary) -> list[str]:
-    rows = [[r["model"], f"{r['params']:,}", *map(_pct, r["accuracy"]), f"**{_pct(_median(r['accuracy']))}**"]
-            for r in s["rows"]]
+    rows = [
+        [r["model"], f"{r['params']:,}", *map(_pct, r["accuracy"]), f"**{_pct(_median(r['accuracy']))}**"]
+        for r in s["rows"]
+    ]
     return _table(s["columns"], rows)
 
 
 @renderer("learning_curve")
 def _learning_curve(s: Summary) -> list[str]:
     columns = ["model", "params", *(f"step {n}" for n in s["steps"]), "epsilon spent at the last step"]
-    rows = [[r["model"], f"{r['params']:,}", *(("-" if a is None else f"{a:.1f}%") for a in r["accuracy"]),
-             f"{r['epsilon_at_last']:.2f}"] for r in s["rows"]]
+    rows = [
+        [
+            r["model"],
+            f"{r['params']:,}",
+            *(("-" if a is None else f"{a:.1f}%") for a in r["accuracy"]),
+            f"{r['epsilon_at_last']:.2f}",
+        ]
+        for r in s["rows"]
+    ]
     return _table(columns, rows)
 
 
 @renderer("throughput")
 def _throughput(s: Summary) -> list[str]:
     n, paper = s["samples_per_step"], s["paper_code_samples_per_s"]
-    columns = ["precision", "non-private step", "DP step", "DP / non-private", "DP samples/s", "vs paper code",
-               "peak memory (GiB)"]
+    columns = [
+        "precision",
+        "non-private step",
+        "DP step",
+        "DP / non-private",
+        "DP samples/s",
+        "vs paper code",
+        "peak memory (GiB)",
+    ]
     rows = []
     for r in s["rows"]:
         rate = n / (r["dp_ms"] / 1000)
         mem_np, mem_dp = r["peak_memory_gib"]
-        rows.append([r["precision"], f"{r['nonprivate_ms']:.2f} ms", f"{r['dp_ms']:.2f} ms",
-                     f"{r['dp_ms'] / r['nonprivate_ms']:.2f}x", f"{rate / 1000:.1f}k", f"{rate / paper:.2f}x",
-                     f"{mem_np:.2f} / {mem_dp:.2f} ({mem_dp / mem_np:.2f}x)"])
+        rows.append(
+            [
+                r["precision"],
+                f"{r['nonprivate_ms']:.2f} ms",
+                f"{r['dp_ms']:.2f} ms",
+                f"{r['dp_ms'] / r['nonprivate_ms']:.2f}x",
+                f"{rate / 1000:.1f}k",
+                f"{rate / paper:.2f}x",
+                f"{mem_np:.2f} / {mem_dp:.2f} ({mem_dp / mem_np:.2f}x)",
+            ]
+        )
     return _table(columns, rows)
 
 
 @renderer("paper_table")
 def _paper_table(s: Summary) -> list[str]:
-    columns = ["model", "epsilon", "params", "ours: median (seeds)", "std", "GPU-hours (card)", "setting",
-               "paper (median of 5)"]
+    columns = [
+        "model",
+        "epsilon",
+        "params",
+        "ours: median (seeds)",
+        "std",
+        "GPU-hours (card)",
+        "setting",
+        "paper (median of 5)",
+    ]
     rows = []
     for r in s["rows"]:
         runs = r["accuracy"]
         ours = f"**{_pct(_median(runs))}** ({len(runs)})" if runs else "not run"
         std = f"{statistics.stdev(runs):.2f}" if len(runs) > 1 else "-"
         hours = "-" if r.get("gpu_hours") is None else f"{r['gpu_hours']:.2f}"
-        rows.append([r["model"], r["epsilon"], f"{r['params']:,}", ours, std, hours, r.get("setting", "paper's"),
-                     _pct(r.get("paper"))])
+        rows.append(
+            [
+                r["model"],
+                r["epsilon"],
+                f"{r['params']:,}",
+                ours,
+                std,
+                hours,
+                r.get("setting", "paper's"),
+                _pct(r.get("paper")),
+            ]
+        )
     return _table(columns, rows)
 
 
 @renderer("methods")
 def _methods(s: Summary) -> list[str]:
     base = s["rows"][0]["ms"]
-    rows = [[r["method"], f"{r['ms']:.1f} ms", f"{s['samples_per_step'] / (r['ms'] / 1000) / 1000:.1f}k",
-             f"{r['ms'] / base:.2f}x", f"{r['peak_memory_gib']:.2f}"] for r in s["rows"]]
+    rows = [
+        [
+            r["method"],
+            f"{r['ms']:.1f} ms",
+            f"{s['samples_per_step'] / (r['ms'] / 1000) / 1000:.1f}k",
+            f"{r['ms'] / base:.2f}x",
+            f"{r['peak_memory_gib']:.2f}",
+        ]
+        for r in s["rows"]
+    ]
     return _table(["method", "step", "samples/s", "vs " + s["rows"][0]["method"], "peak memory (GiB)"], rows)
 
 
 @renderer("scaling")
 def _scaling(s: Summary) -> list[str]:
     one = s["rows"][0]["samples_per_s"]
-    rows = [[r["gpus"], f"{r['samples_per_s'] / 1000:.1f}k", f"{r['samples_per_s'] / (one * r['gpus']):.0%}",
-             f"{r['samples_per_s_with_startup_and_evaluation'] / 1000:.1f}k"] for r in s["rows"]]
-    return _table(["GPUs", "train samples/s (steady)", "scaling efficiency", "samples/s with start-up and evaluation"],
-                  rows)
+    rows = [
+        [
+            r["gpus"],
+            f"{r['samples_per_s'] / 1000:.1f}k",
+            f"{r['samples_per_s'] / (one * r['gpus']):.0%}",
+            f"{r['samples_per_s_with_startup_and_evaluation'] / 1000:.1f}k",
+        ]
+        for r in s["rows"]
+    ]
+    return _table(
+        ["GPUs", "train samples/s (steady)", "scaling efficiency", "samples/s with start-up and evaluation"], rows
+    )
 
 
 @renderer("main_job")
 def _main_job(s: Summary) -> list[str]:
-    columns = ["machine", "command", "params (before -> after)", "test accuracy", "epsilon", "steps",
-               "wall time (training)"]
-    rows = [[r["machine"], f"`{r['command']}`", f"{r['params'][0]:,} -> {r['params'][1]:,}",
-             f"**{r['test_accuracy']:.2f}%**", f"{r['epsilon']:.3f}", r["steps"],
-             f"{r['wall_time_s']} s ({r['train_time_s']} s)"] for r in s["rows"]]
+    columns = [
+        "machine",
+        "command",
+        "params (before -> after)",
+        "test accuracy",
+        "epsilon",
+        "steps",
+        "wall time (training)",
+    ]
+    rows = [
+        [
+            r["machine"],
+            f"`{r['command']}`",
+            f"{r['params'][0]:,} -> {r['params'][1]:,}",
+            f"**{r['test_accuracy']:.2f}%**",
+            f"{r['epsilon']:.3f}",
+            r["steps"],
+            f"{r['wall_time_s']} s ({r['train_time_s']} s)",
+        ]
+        for r in s["rows"]
+    ]
     return _table(columns, rows)
 
 

@@ -8,6 +8,7 @@ layer's per-example gradients), `equiconvert/clip_and_sum`; "other" is every ker
 Writes JSON; prints the tables.
 Usage: python benchmarks/profile_step.py --device cuda --model paper --batch 512 --aug-mult 4 --precision bf16
 """
+
 from __future__ import annotations
 
 import argparse
@@ -49,13 +50,17 @@ def profile_method(step, model, views, labels, device: torch.device, steps: int,
         phase = phases.setdefault(e.key, {"device_ms": 0.0, "cpu_ms": 0.0})
         phase["device_ms"] = max(phase["device_ms"], _device_ms(e) / steps)
         phase["cpu_ms"] = max(phase["cpu_ms"], e.cpu_time_total / 1e3 / steps)
-    kernels = sorted((e for e in events if e.device_type == torch.autograd.DeviceType.CUDA and e not in ranges),
-                     key=_device_ms, reverse=True)
+    kernels = sorted(
+        (e for e in events if e.device_type == torch.autograd.DeviceType.CUDA and e not in ranges),
+        key=_device_ms,
+        reverse=True,
+    )
     total = sum(_device_ms(e) for e in kernels) / steps
     if device.type == "cuda":  # ranges nest nowhere, so the kernels outside them are the rest
         phases["other"] = {"device_ms": total - sum(p["device_ms"] for p in phases.values() if p["device_ms"] > 0)}
-    kernel_rows = [{"name": e.key[:160], "device_ms": _device_ms(e) / steps, "calls": e.count // steps}
-                   for e in kernels[:top]]
+    kernel_rows = [
+        {"name": e.key[:160], "device_ms": _device_ms(e) / steps, "calls": e.count // steps} for e in kernels[:top]
+    ]
     return {"phases": phases, "kernel_device_ms_total": total, "kernels": kernel_rows}
 
 
@@ -80,8 +85,10 @@ def main(argv: list[str] | None = None) -> int:
     images = torch.randn(args.batch, 3, 32, 32, device=device)
     views = augment_views(images, args.aug_mult, torch.Generator(device=device).manual_seed(0))
     labels = torch.randint(0, 10, (args.batch,), device=device)
-    steps = {"nonprivate": make_nonprivate_step(autocast_dtype),
-             "bookkeeping": make_equiconvert_step(args.batch, "bookkeeping", autocast_dtype, args.filter_gradients)}
+    steps = {
+        "nonprivate": make_nonprivate_step(autocast_dtype),
+        "bookkeeping": make_equiconvert_step(args.batch, "bookkeeping", autocast_dtype, args.filter_gradients),
+    }
     results = {}
     for method, step in steps.items():
         model = build_model(args.model, (16, 32, 64), 1.5, device, args.group)
@@ -91,11 +98,18 @@ def main(argv: list[str] | None = None) -> int:
             print(f"   {phase['device_ms']:8.2f} ms device {phase.get('cpu_ms', float('nan')):8.2f} ms cpu  {name}")
         for row in results[method]["kernels"]:
             print(f"   {row['device_ms']:8.2f} ms {row['calls']:4d}x  {row['name'][:110]}")
-    report = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-              "command": " ".join(["python", "benchmarks/profile_step.py", *(argv if argv is not None else sys.argv[1:])]),
-              "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-              "torch": torch.__version__, "batch": args.batch, "aug_mult": args.aug_mult, "precision": args.precision,
-              "filter_gradients": args.filter_gradients, "cudnn_benchmark": args.cudnn_benchmark, "results": results}
+    report = {
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "command": " ".join(["python", "benchmarks/profile_step.py", *(argv if argv is not None else sys.argv[1:])]),
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "batch": args.batch,
+        "aug_mult": args.aug_mult,
+        "precision": args.precision,
+        "filter_gradients": args.filter_gradients,
+        "cudnn_benchmark": args.cudnn_benchmark,
+        "results": results,
+    }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2))
     return 0

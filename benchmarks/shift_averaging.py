@@ -7,6 +7,7 @@ equiconvert.privacy.augment.TEST_SHIFTS, the metrics of the softmax averaged ove
 Usage: python benchmarks/shift_averaging.py --data-dir /usr/share/datasets/fashion-mnist --group D1 \
            --checkpoint runs/fm_d1/checkpoint.pt
 """
+
 from __future__ import annotations
 
 import argparse
@@ -61,9 +62,15 @@ def main(argv: list[str] | None = None) -> int:
     def measure(shifts: tuple[tuple[int, int], ...] | None) -> dict[str, float]:
         return evaluate(model, images, labels, args.batch_size, "cpu", lambda x: (x - mean) / std, shifts)
 
-    result = {"checkpoint": args.checkpoint, "group": args.group, "dataset": args.dataset, "step": state["step"],
-              "examples": len(labels), "plain": measure(None),
-              "shift_averaged": {name: measure(shifts) for name, shifts in sets.items()}}
+    result = {
+        "checkpoint": args.checkpoint,
+        "group": args.group,
+        "dataset": args.dataset,
+        "step": state["step"],
+        "examples": len(labels),
+        "plain": measure(None),
+        "shift_averaged": {name: measure(shifts) for name, shifts in sets.items()},
+    }
     text = json.dumps(result, indent=2)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)

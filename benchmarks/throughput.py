@@ -23,6 +23,7 @@ per-sample gradients, clipping and noise in fp32); the other methods are fp32 on
 Writes JSON (times in ms, throughput in augmented samples/s, peak memory, ratios).
 Usage: python benchmarks/throughput.py --device cuda --batch 512 --aug-mult 4
 """
+
 from __future__ import annotations
 
 import argparse
@@ -55,23 +56,26 @@ MAX_GRAD_NORM, NOISE = 2.0, 1.0
 PAPER_CODE_DP_SAMPLES_PER_S = 12_100  # hlzl/equivariant, D4 Equivariant-ResNet9, H200, fp32, 512 x 4 (the issue)
 
 
-def build_model(name: str, widths: tuple[int, ...], kappa: float, device: torch.device,
-                group: str = "D4") -> torch.nn.Module:
-    """"resnet9": ResNet9 of `widths` converted to `group` at `kappa`; "paper": Hölzl et al.'s Equivariant-ResNet9.
+def build_model(
+    name: str, widths: tuple[int, ...], kappa: float, device: torch.device, group: str = "D4"
+) -> torch.nn.Module:
+    """ "resnet9": ResNet9 of `widths` converted to `group` at `kappa`; "paper": Hölzl et al.'s Equivariant-ResNet9.
 
     group "none": the unconverted network (for "paper", the plain network the preset converts).
     """
     if name == "paper":
-        model = create_model("plain_paper_resnet9") if group == "none" else create_model("equivariant_resnet9",
-                                                                                         group=group)
+        model = (
+            create_model("plain_paper_resnet9") if group == "none" else create_model("equivariant_resnet9", group=group)
+        )
     elif group == "none":
         from opacus.validators import ModuleValidator
 
         # BatchNorm -> GroupNorm, as `equiconvert train` does
         model = ModuleValidator.fix(create_model("resnet9", widths=widths))
     else:
-        model = equiconvert.make_equivariant(create_model("resnet9", widths=widths), group, width=kappa,
-                                             head="invariant")
+        model = equiconvert.make_equivariant(
+            create_model("resnet9", widths=widths), group, width=kappa, head="invariant"
+        )
     return model.to(device).train()
 
 
@@ -98,8 +102,9 @@ def make_nonprivate_step(autocast_dtype: torch.dtype | None = None):
     return step
 
 
-def make_equiconvert_step(chunk: int, method: str = "vmap", autocast_dtype: torch.dtype | None = None,
-                          filter_gradients: str = "auto"):
+def make_equiconvert_step(
+    chunk: int, method: str = "vmap", autocast_dtype: torch.dtype | None = None, filter_gradients: str = "auto"
+):
     """DPTrainer's computation: the batch in chunks of `chunk` examples (as its physical batches), per-sample
     gradients by torch.func vmap or by book-keeping (under autocast in autocast_dtype if given, its conv filter
     gradients by the `filter_gradients` kernel)."""
@@ -109,7 +114,7 @@ def make_equiconvert_step(chunk: int, method: str = "vmap", autocast_dtype: torc
         buffers = dict(model.named_buffers())
         summed = {n: torch.zeros_like(p) for n, p in params.items()}
         for start in range(0, views.shape[0], chunk):
-            part, part_labels = views[start:start + chunk], labels[start:start + chunk]
+            part, part_labels = views[start : start + chunk], labels[start : start + chunk]
             if method == "bookkeeping":
                 with filter_gradient_method(filter_gradients):
                     grads, _ = per_sample_gradients_bookkeeping(model, part, part_labels, autocast_dtype=autocast_dtype)
@@ -148,8 +153,13 @@ def make_private_step(model):
         if not wrapped:
             loader = DataLoader(TensorDataset(torch.arange(views.shape[0])), batch_size=views.shape[0])
             wrapped["module"], wrapped["optimizer"], _ = make_private(
-                module=model, optimizer=optimizer, data_loader=loader, noise_multiplier=NOISE,
-                max_grad_norm=MAX_GRAD_NORM, aug_mult=views.shape[1])
+                module=model,
+                optimizer=optimizer,
+                data_loader=loader,
+                noise_multiplier=NOISE,
+                max_grad_norm=MAX_GRAD_NORM,
+                aug_mult=views.shape[1],
+            )
         module, dp_optimizer = wrapped["module"], wrapped["optimizer"]
         dp_optimizer.zero_grad(set_to_none=True)
         F.cross_entropy(module(views), labels.repeat_interleave(views.shape[1])).backward()
@@ -195,8 +205,11 @@ def time_method(step, model, views, labels, device, warmup: int, iters: int) -> 
         step(model, optimizer, views, labels)
     _sync(device)
     seconds = (time.perf_counter() - start) / iters
-    record = {"ms_per_step": 1e3 * seconds, "augmented_samples_per_s": views.shape[0] * views.shape[1] / seconds,
-              "examples_per_s": views.shape[0] / seconds}
+    record = {
+        "ms_per_step": 1e3 * seconds,
+        "augmented_samples_per_s": views.shape[0] * views.shape[1] / seconds,
+        "examples_per_s": views.shape[0] / seconds,
+    }
     if device.type == "cuda":
         record["peak_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
     return record
@@ -207,22 +220,38 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--batch", type=int, default=512, help="physical batch: examples per step")
     parser.add_argument("--aug-mult", type=int, default=4)
-    parser.add_argument("--model", choices=("resnet9", "paper"), default="resnet9",
-                        help="paper: the D4 Equivariant-ResNet9 of Hölzl et al. (255,675 params; --widths/--kappa unused)")
+    parser.add_argument(
+        "--model",
+        choices=("resnet9", "paper"),
+        default="resnet9",
+        help="paper: the D4 Equivariant-ResNet9 of Hölzl et al. (255,675 params; --widths/--kappa unused)",
+    )
     parser.add_argument("--widths", default="64,128,256", help="ResNet9 channel widths before conversion")
     parser.add_argument("--group", default="D4", help='symmetry group of the conversion, or "none" (unconverted)')
     parser.add_argument("--kappa", type=float, default=1.5, help="width constant of the conversion")
-    parser.add_argument("--methods", default="nonprivate,equiconvert,bookkeeping,make_private,opacus,nested_vmap",
-                        help="equiconvert@N / bookkeeping@N process the batch in chunks of N examples (DPTrainer's physical batches)")
+    parser.add_argument(
+        "--methods",
+        default="nonprivate,equiconvert,bookkeeping,make_private,opacus,nested_vmap",
+        help="equiconvert@N / bookkeeping@N process the batch in chunks of N examples (DPTrainer's physical batches)",
+    )
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--iters", type=int, default=5)
-    parser.add_argument("--cudnn-benchmark", action="store_true",
-                        help="let cuDNN time its algorithms per shape (torch.backends.cudnn.benchmark) for every method")
-    parser.add_argument("--precision", choices=tuple(PRECISIONS), default="fp32",
-                        help="bf16: nonprivate and bookkeeping under bf16 autocast (the other methods are fp32 only)")
+    parser.add_argument(
+        "--cudnn-benchmark",
+        action="store_true",
+        help="let cuDNN time its algorithms per shape (torch.backends.cudnn.benchmark) for every method",
+    )
+    parser.add_argument(
+        "--precision",
+        choices=tuple(PRECISIONS),
+        default="fp32",
+        help="bf16: nonprivate and bookkeeping under bf16 autocast (the other methods are fp32 only)",
+    )
     parser.add_argument("--out", default="benchmarks/results/throughput.json")
     args = parser.parse_args(argv)
-    fp32_only = [m for m in args.methods.split(",") if m.partition("@")[0].partition(":")[0] not in ("nonprivate", "bookkeeping")]
+    fp32_only = [
+        m for m in args.methods.split(",") if m.partition("@")[0].partition(":")[0] not in ("nonprivate", "bookkeeping")
+    ]
     if args.precision != "fp32" and fp32_only:
         parser.error(f"--precision {args.precision} applies to nonprivate and bookkeeping only; drop {fp32_only}")
     autocast_dtype = PRECISIONS[args.precision]
@@ -243,7 +272,9 @@ def main(argv: list[str] | None = None) -> int:
         if method.startswith("equiconvert") or method.startswith("bookkeeping"):
             kind = "bookkeeping" if method.startswith("bookkeeping") else "vmap"
             name, _, kernel = method.partition(":")
-            step = make_equiconvert_step(int(name.partition("@")[2] or args.batch), kind, autocast_dtype, kernel or "auto")
+            step = make_equiconvert_step(
+                int(name.partition("@")[2] or args.batch), kind, autocast_dtype, kernel or "auto"
+            )
         if method == "opacus":
             step, _ = make_opacus_step(model)
         if method == "make_private":
@@ -270,10 +301,17 @@ def main(argv: list[str] | None = None) -> int:
         "command": " ".join(["python", "benchmarks/throughput.py", *(argv if argv is not None else sys.argv[1:])]),
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
         "torch": torch.__version__,
-        "model": {"name": args.model, "widths": widths if args.model == "resnet9" else None, "group": args.group,
-                  "kappa": args.kappa if args.model == "resnet9" else None, "params": params},
+        "model": {
+            "name": args.model,
+            "widths": widths if args.model == "resnet9" else None,
+            "group": args.group,
+            "kappa": args.kappa if args.model == "resnet9" else None,
+            "params": params,
+        },
         "paper_code_dp_samples_per_s": PAPER_CODE_DP_SAMPLES_PER_S,
-        "batch": args.batch, "aug_mult": args.aug_mult, "dtype": "float32",
+        "batch": args.batch,
+        "aug_mult": args.aug_mult,
+        "dtype": "float32",
         "autocast": args.precision if args.precision != "fp32" else None,
         "tf32": {"cudnn": torch.backends.cudnn.allow_tf32, "matmul": torch.backends.cuda.matmul.allow_tf32},
         "cudnn_benchmark": args.cudnn_benchmark,
@@ -282,8 +320,14 @@ def main(argv: list[str] | None = None) -> int:
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2))
-    print(json.dumps({k: {m: round(r.get("time_vs_nonprivate", float("nan")), 2) for m, r in results.items()}
-                      for k in ["time_vs_nonprivate"]}))
+    print(
+        json.dumps(
+            {
+                k: {m: round(r.get("time_vs_nonprivate", float("nan")), 2) for m, r in results.items()}
+                for k in ["time_vs_nonprivate"]
+            }
+        )
+    )
     return 0
 
 

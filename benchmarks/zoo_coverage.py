@@ -11,6 +11,7 @@ Each architecture ends in one outcome:
 writes the table (architecture, outcome, parameters before/after, valid sizes, conversion time) as
 JSON and as Markdown (docs/coverage.md by default).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -53,7 +54,12 @@ def _torchvision(name: str, **kwargs) -> Callable[[], nn.Module]:
 def _tv_convnext_small() -> nn.Module:
     from torchvision.models.convnext import CNBlockConfig, ConvNeXt
 
-    stages = [CNBlockConfig(16, 32, 1), CNBlockConfig(32, 64, 1), CNBlockConfig(64, 128, 1), CNBlockConfig(128, None, 1)]
+    stages = [
+        CNBlockConfig(16, 32, 1),
+        CNBlockConfig(32, 64, 1),
+        CNBlockConfig(64, 128, 1),
+        CNBlockConfig(128, None, 1),
+    ]
     return ConvNeXt(stages, num_classes=NUM_CLASSES)
 
 
@@ -128,8 +134,9 @@ TIMM: dict[str, Callable[[], nn.Module]] = {
     "gernet_s": _timm("gernet_s"),
     "nf_resnet26": _timm("nf_resnet26"),
     "convnext_tiny (small widths)": _timm("convnext_tiny", dims=(16, 32, 64, 128), depths=(1, 1, 1, 1)),
-    "convnext_tiny conv_mlp (small widths)": _timm("convnext_tiny", dims=(16, 32, 64, 128), depths=(1, 1, 1, 1),
-                                                   conv_mlp=True),
+    "convnext_tiny conv_mlp (small widths)": _timm(
+        "convnext_tiny", dims=(16, 32, 64, 128), depths=(1, 1, 1, 1), conv_mlp=True
+    ),
     "inception_v3": _timm("inception_v3"),
     "xception41": _timm("xception41"),
     "tresnet_m": _timm("tresnet_m"),
@@ -233,13 +240,19 @@ def markdown(records: list[Outcome], command: str) -> str:
         parts = ", ".join(f"{k} {v}" for k, v in sorted(counts.items()))
         lines.append(f"- {source}: {total} architectures: {parts} ({counts.get('exact', 0) / total:.0%} exact)")
     lines += ["", "Layers of these models and their equivariant forms:", "", *RULE_NOTES]
-    lines += ["", "| source | architecture | outcome | params before | params after | valid sizes | checked size | "
-              "conversion s | note |", "|---|---|---|---|---|---|---|---|---|"]
+    lines += [
+        "",
+        "| source | architecture | outcome | params before | params after | valid sizes | checked size | "
+        "conversion s | note |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in records:
         note = re.sub(r"\S*/site-packages/", "", r.message.split(". Options")[0]).replace("|", "/").replace("\n", " ")
         note = note[:200]
-        lines.append(f"| {r.source} | {r.architecture} | {r.outcome} | {r.params_before:,} | {r.params_after:,} | "
-                     f"{r.valid_sizes} | {r.checked_size or ''} | {r.seconds:.1f} | {note} |")
+        lines.append(
+            f"| {r.source} | {r.architecture} | {r.outcome} | {r.params_before:,} | {r.params_after:,} | "
+            f"{r.valid_sizes} | {r.checked_size or ''} | {r.seconds:.1f} | {note} |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -261,8 +274,12 @@ def main(argv: list[str] | None = None) -> list[Outcome]:
     parser.add_argument("--only", nargs="*", help="architecture names (default: the whole zoo)")
     parser.add_argument("--json", type=Path, default=Path("benchmarks/results/zoo_coverage.json"))
     parser.add_argument("--markdown", type=Path, default=Path("docs/coverage.md"))
-    parser.add_argument("--merge", type=Path, nargs="*",
-                        help="build the table from the JSON files of earlier (partial) runs instead of converting")
+    parser.add_argument(
+        "--merge",
+        type=Path,
+        nargs="*",
+        help="build the table from the JSON files of earlier (partial) runs instead of converting",
+    )
     args = parser.parse_args(argv)
     if args.merge:
         return _merge(args)
@@ -275,8 +292,9 @@ def main(argv: list[str] | None = None) -> list[Outcome]:
         r = records[-1]
         print(f"{source:12s} {name:40s} {r.outcome:9s} {r.seconds:6.1f}s {r.message[:100]}", flush=True)
         # written after every architecture: an interrupted run still leaves the rows it finished
-        args.json.write_text(json.dumps({"summary": summary(records), "records": [asdict(r) for r in records]},
-                                        indent=1))
+        args.json.write_text(
+            json.dumps({"summary": summary(records), "records": [asdict(r) for r in records]}, indent=1)
+        )
         args.markdown.write_text(markdown(records, command))
     return records
 

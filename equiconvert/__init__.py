@@ -1,4 +1,5 @@
 """equiconvert: turn a CNN into a rotation/reflection-equivariant steerable CNN with one call."""
+
 from .check import EquivarianceResult, check_equivariance
 from .convert import (
     ConversionConfig,
@@ -17,8 +18,24 @@ from .saved_model import load, save
 from ._version import __version__ as __version__
 
 __all__ = [
-    "ConversionConfig", "ConversionReport", "EquivarianceBreakError", "EquivarianceResult", "EquiconvertError",
-    "EquivariantModel", "GroupSpec", "TracingError", "UnsupportedLayerError", "check_equivariance", "create_model",
-    "export", "list_models", "load", "make_equivariant", "parse_group", "register_function_rule", "register_model",
-    "register_module_rule", "save",
+    "ConversionConfig",
+    "ConversionReport",
+    "EquivarianceBreakError",
+    "EquivarianceResult",
+    "EquiconvertError",
+    "EquivariantModel",
+    "GroupSpec",
+    "TracingError",
+    "UnsupportedLayerError",
+    "check_equivariance",
+    "create_model",
+    "export",
+    "list_models",
+    "load",
+    "make_equivariant",
+    "parse_group",
+    "register_function_rule",
+    "register_model",
+    "register_module_rule",
+    "save",
 ]

@@ -16,6 +16,7 @@ are checked against. Three defects are handled:
   package folder, which is read-only for non-root users. We point it at the
   user cache directory instead.
 """
+
 from __future__ import annotations
 
 import importlib.util

@@ -7,6 +7,7 @@ linear combination of its slices. It spans the same filters as escnn's R2Conv
 basis, in a canonical form that depends on nothing but these arguments (see
 docs/bases.md), so checkpoints mean the same on every machine.
 """
+
 from __future__ import annotations
 
 import os
@@ -90,7 +91,9 @@ def _orbit_means(basis: torch.Tensor, group: GroupSpec, in_repr: str, out_repr: 
     orbit = torch.stack([_act_on_filter(index, g, out_size, in_size) for g in group.grid_elements]).amin(0).flatten()
     flat = basis.double().reshape(basis.shape[0], -1)
     sums = torch.zeros_like(flat).index_add_(1, orbit, flat)
-    counts = torch.zeros(flat.shape[1], dtype=torch.float64).index_add_(0, orbit, torch.ones(flat.shape[1], dtype=torch.float64))
+    counts = torch.zeros(flat.shape[1], dtype=torch.float64).index_add_(
+        0, orbit, torch.ones(flat.shape[1], dtype=torch.float64)
+    )
     means = sums / counts.clamp_min(1)
     return means[:, orbit].reshape(basis.shape).float().contiguous()
 

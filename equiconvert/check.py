@@ -1,4 +1,5 @@
 """Measure how equivariant a model is: exact grid elements, and optionally other angles."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -84,8 +85,7 @@ def check_equivariance(
         with torch.no_grad():
             y = model(x)
             errors = {
-                g.name: _relative(model(g.act_on_grid(x)), act_on_output(g, y, output_type))
-                for g in spec.grid_elements
+                g.name: _relative(model(g.act_on_grid(x)), act_on_output(g, y, output_type)) for g in spec.grid_elements
             }
             angle_errors = _angle_errors(model, x, angles) if angles else {}
     finally:
@@ -101,6 +101,5 @@ def _angle_errors(model: nn.Module, x: torch.Tensor, angles: tuple[float, ...]) 
     if reference.ndim != 2:
         raise ValueError("angle errors are defined for invariant (batch, classes) outputs only")
     return {
-        float(angle): _relative(model(rotate(masked, angle, InterpolationMode.BILINEAR)), reference)
-        for angle in angles
+        float(angle): _relative(model(rotate(masked, angle, InterpolationMode.BILINEAR)), reference) for angle in angles
     }

@@ -12,6 +12,7 @@ Exporters live in a registry (`EXPORTERS`, filled by `@register_exporter`),
 keyed by exact module type as the conversion rules are (a subclass may override
 forward, so it needs its own exporter).
 """
+
 from __future__ import annotations
 
 import copy
@@ -27,8 +28,16 @@ from .convert.model import EquivariantModel
 from .errors import UnsupportedLayerError
 from .nn.norm import normalize_field_groups
 from .nn import (
-    FieldGroupNorm, FieldRestriction, GatedNonlinearity, GroupPool, GroupStandardization, InputFit, InvariantMap,
-    NormMaxPool2d, ReflectionRestriction, SteerableConv2d,
+    FieldGroupNorm,
+    FieldRestriction,
+    GatedNonlinearity,
+    GroupPool,
+    GroupStandardization,
+    InputFit,
+    InvariantMap,
+    NormMaxPool2d,
+    ReflectionRestriction,
+    SteerableConv2d,
 )
 from .nn.input_fit import apply_fit
 
@@ -224,9 +233,17 @@ def export_steerable_conv(module: SteerableConv2d, ctx: ExportContext) -> nn.Con
         weight, bias = module.expand_filter().detach(), module.expand_bias()
     conv = skip_init(  # no random init: the weights are overwritten at once
         nn.Conv2d,
-        module.in_channels, module.out_channels, module.kernel_size,
-        stride=module.stride, padding=module.padding, dilation=module.dilation, groups=module.groups,
-        bias=bias is not None, padding_mode=module.padding_mode, device=weight.device, dtype=weight.dtype,
+        module.in_channels,
+        module.out_channels,
+        module.kernel_size,
+        stride=module.stride,
+        padding=module.padding,
+        dilation=module.dilation,
+        groups=module.groups,
+        bias=bias is not None,
+        padding_mode=module.padding_mode,
+        device=weight.device,
+        dtype=weight.dtype,
     )
     conv.weight = _parameter(weight, module.weight)
     if bias is not None:
@@ -333,7 +350,7 @@ def export_group_pool(module: GroupPool, ctx: ExportContext) -> nn.Module:
 
     if module.mode == "norm":
         padding = (0, 0) * (dims - 1) + (0, 1)  # last dim first: one slot at the end of the field-size dim
-        eps_slot = _CONSTANT_PADS[dims](padding, NORM_POOL_EPS ** 0.5)
+        eps_slot = _CONSTANT_PADS[dims](padding, NORM_POOL_EPS**0.5)
         pool: list[nn.Module] = [eps_slot, _LP_POOLS[dims](2, kernel(size + 1))]
     else:
         pool = [_POOLS[module.mode][dims](kernel(size))]

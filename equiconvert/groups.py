@@ -3,6 +3,7 @@
 Only plain Python/NumPy lives here so that converted models and equivariance
 checks never need escnn at run time; escnn is imported lazily by `escnn_gspace`.
 """
+
 from __future__ import annotations
 
 import math
@@ -259,9 +260,7 @@ class ContinuousGroupSpec:
     @cached_property
     def grid_elements(self) -> tuple[GridElement, ...]:
         flips = (False, True) if self.kind == "O2" else (False,)
-        return tuple(
-            GridElement(f"rot{90 * q}" + ("+flip" if f else ""), q, f, ()) for f in flips for q in range(4)
-        )
+        return tuple(GridElement(f"rot{90 * q}" + ("+flip" if f else ""), q, f, ()) for f in flips for q in range(4))
 
     def field_matrix(self, representation: str, angle: float, flip: bool) -> torch.Tensor:
         """Matrix of the element rot(angle) * flip^f on one field (escnn's irreps, float64)."""
@@ -306,7 +305,7 @@ class ContinuousGroupSpec:
         return directsum(irreps, name=f"{self.cache_key}_field")
 
     def subgroup(self, target) -> GroupSpec:
-        """"invariant" (or "C1") for both groups; "reflection" (or "D1": the flip alone) for O(2).
+        """ "invariant" (or "C1") for both groups; "reflection" (or "D1": the flip alone) for O(2).
 
         The flip of D1 is O(2)'s flip at angle 0, the same horizontal flip of the grid.
         """

@@ -5,6 +5,7 @@
 loads with `torch.load(weights_only=True)`; a model built from anything else (a callable width, a module
 class) has no recipe and must be saved with an explicit one.
 """
+
 from __future__ import annotations
 
 from dataclasses import asdict, is_dataclass
@@ -49,6 +50,9 @@ def conversion_recipe(source: nn.Module, arguments: dict[str, Any]) -> Recipe | 
     built = recipe_of(source)
     if built is None:
         return None
-    arguments = {key: asdict(value) if is_dataclass(value) else value for key, value in arguments.items()
-                 if key not in BUILD_ONLY_ARGUMENTS}
+    arguments = {
+        key: asdict(value) if is_dataclass(value) else value
+        for key, value in arguments.items()
+        if key not in BUILD_ONLY_ARGUMENTS
+    }
     return {**built, "conversion": arguments}

@@ -4,6 +4,7 @@ A file holds plain values and tensors only, so `load` reads it with `torch.load(
 read is untrusted); the network is rebuilt through the model registry and `make_equivariant` (equiconvert's own
 kernel bases: no escnn needed), then the weights are loaded strictly.
 """
+
 from __future__ import annotations
 
 import importlib.metadata
@@ -44,15 +45,22 @@ def save(model: nn.Module, path: str | Path, recipe: Recipe | None = None) -> Pa
     """Write `model`'s weights and its recipe (given, or remembered by create_model/make_equivariant) to `path`."""
     recipe = recipe if recipe is not None else recipe_of(model)
     if recipe is None:
-        raise SavedModelError(f"cannot save {type(model).__name__} to {path}: it does not remember how it was built "
-                              "(build it with equiconvert.create_model and make_equivariant from plain arguments), "
-                              "so pass recipe={'model': <registry name>, 'model_kwargs': {...}, 'conversion': {...}}")
+        raise SavedModelError(
+            f"cannot save {type(model).__name__} to {path}: it does not remember how it was built "
+            "(build it with equiconvert.create_model and make_equivariant from plain arguments), "
+            "so pass recipe={'model': <registry name>, 'model_kwargs': {...}, 'conversion': {...}}"
+        )
     if not is_plain(recipe) or "model" not in recipe:
         raise SavedModelError(f"recipe for {path} must be plain values with a 'model' registry name, got {recipe!r}")
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    state = {"format": FORMAT, "format_version": FORMAT_VERSION, "recipe": recipe, "versions": library_versions(),
-             "state_dict": {name: value.detach().cpu() for name, value in model.state_dict().items()}}
+    state = {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "recipe": recipe,
+        "versions": library_versions(),
+        "state_dict": {name: value.detach().cpu() for name, value in model.state_dict().items()},
+    }
     temporary = path.with_name(path.name + ".tmp")
     torch.save(state, temporary)
     temporary.replace(path)  # a reader never sees a half-written file
@@ -83,9 +91,11 @@ def read(path: str | Path) -> dict[str, Any]:
         raise SavedModelError(f"{path} is not an equiconvert model file (written by equiconvert.save?)")
     version = state.get("format_version")
     if not isinstance(version, int) or version > FORMAT_VERSION or version < 1:
-        raise SavedModelError(f"{path} has model format version {version!r}; this equiconvert reads versions up to "
-                              f"{FORMAT_VERSION}: upgrade equiconvert (the file says it was written by "
-                              f"{state.get('versions', {}).get('equiconvert')!r})")
+        raise SavedModelError(
+            f"{path} has model format version {version!r}; this equiconvert reads versions up to "
+            f"{FORMAT_VERSION}: upgrade equiconvert (the file says it was written by "
+            f"{state.get('versions', {}).get('equiconvert')!r})"
+        )
     if not isinstance(state.get("recipe"), dict) or not isinstance(state.get("state_dict"), dict):
         raise SavedModelError(f"{path} lacks its recipe or its weights: the file is damaged")
     return state
@@ -115,7 +125,9 @@ def load(path: str | Path) -> nn.Module:
     try:
         model.load_state_dict(state["state_dict"], strict=True)
     except RuntimeError as error:
-        raise SavedModelError(f"the weights in {path} do not fit the network its recipe builds ({error}); was the "
-                              "file edited, or written by another equiconvert version "
-                              f"({state.get('versions', {}).get('equiconvert')!r})?") from error
+        raise SavedModelError(
+            f"the weights in {path} do not fit the network its recipe builds ({error}); was the "
+            "file edited, or written by another equiconvert version "
+            f"({state.get('versions', {}).get('equiconvert')!r})?"
+        ) from error
     return model.eval()

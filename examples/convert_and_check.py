@@ -8,6 +8,7 @@ report (parameters before/after, the input sizes at which the result is exactly 
 measure the equivariance error at a valid size, and export the model to plain torch.nn layers
 whose outputs match the converted model's.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -23,8 +24,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--arch", default="resnet18", help="a torchvision.models builder (resnet18, vgg11_bn, ...)")
     parser.add_argument("--num-classes", type=int, default=10)
     parser.add_argument("--group", default="D4", help="C1..C16, D1..D16 (rotations, with reflections for D)")
-    parser.add_argument("--input-size", type=int, default=None,
-                        help="where to check equivariance (default: the first valid size >= 32)")
+    parser.add_argument(
+        "--input-size", type=int, default=None, help="where to check equivariance (default: the first valid size >= 32)"
+    )
     parser.add_argument("--batch-size", type=int, default=2, help="images per forward pass in the checks")
     parser.add_argument("--verbose", action="store_true", help="print the full report (every swapped layer)")
     return parser.parse_args()

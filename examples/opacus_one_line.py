@@ -10,6 +10,7 @@ changes are the line marked "THE ONE LINE" and the two equiconvert imports. The 
 registers equiconvert's Opacus grad samplers for the steerable layers; without it Opacus still
 trains the converted model, through its generic functorch per-sample gradients.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -26,8 +27,12 @@ from equiconvert.models import resnet9
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--fashion-mnist", metavar="DIR", default=None,
-                        help="train on Fashion-MNIST's IDX files in DIR (default: random 1x32x32 tensors)")
+    parser.add_argument(
+        "--fashion-mnist",
+        metavar="DIR",
+        default=None,
+        help="train on Fashion-MNIST's IDX files in DIR (default: random 1x32x32 tensors)",
+    )
     parser.add_argument("--num-examples", type=int, default=64, help="training examples (0: the whole split)")
     parser.add_argument("--widths", default="8,16,32", help="ResNet9 channel widths (the paper: 64,128,256)")
     parser.add_argument("--batch-size", type=int, default=16, help="expected batch size (Poisson sampling)")
@@ -45,14 +50,15 @@ def load_data(args: argparse.Namespace, split: str) -> TensorDataset:
     if args.fashion_mnist is None:
         generator = torch.Generator().manual_seed(0 if split == "train" else 1)
         n = args.num_examples or 1024
-        return TensorDataset(torch.rand(n, 1, 32, 32, generator=generator),
-                             torch.randint(0, 10, (n,), generator=generator))
+        return TensorDataset(
+            torch.rand(n, 1, 32, 32, generator=generator), torch.randint(0, 10, (n,), generator=generator)
+        )
     from equiconvert.data import load_dataset
 
     data = load_dataset("fashion-mnist", args.fashion_mnist, split=split)  # uint8 (N, 1, 28, 28)
     images, labels = data.images, data.labels
     if split == "train" and args.num_examples:
-        images, labels = images[:args.num_examples], labels[:args.num_examples]
+        images, labels = images[: args.num_examples], labels[: args.num_examples]
     # The converted ResNet9 is exactly equivariant at sizes 0 mod 8: pad 28 -> 32 (2 pixels a side).
     return TensorDataset(F.pad(images.float() / 255.0, (2, 2, 2, 2)), labels)
 

@@ -11,6 +11,7 @@ is not rotation invariant, so the equivariance error is measured on the same net
 head="invariant" (global pooling), at a valid input size, under the grid elements of the group
 its last stage is restricted to (D2 for D4: the paper halves the group before the last stage).
 """
+
 from __future__ import annotations
 
 import argparse

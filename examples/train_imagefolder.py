@@ -9,6 +9,7 @@ also name the test split; a single ROOT/<class>/* is split 80/20 per class). All
 have one size, or pass --image-size to resize them on loading. They are decoded once into
 memory as uint8 (and cached); augmentation and normalisation happen on the training device.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -38,7 +39,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--delta", type=float, default=1e-5)
     parser.add_argument("--batch-size", type=int, default=16, help="expected logical batch (Poisson sampling)")
     parser.add_argument("--steps", type=int, default=4)
-    parser.add_argument("--aug-mult", type=int, default=2, help="augmented views per example (averaged before clipping)")
+    parser.add_argument(
+        "--aug-mult", type=int, default=2, help="augmented views per example (averaged before clipping)"
+    )
     parser.add_argument("--lr", type=float, default=2.0)
     parser.add_argument("--max-grad-norm", type=float, default=2.0)
     parser.add_argument("--ema-decay", type=float, default=0.999)
@@ -88,8 +91,7 @@ def main() -> None:
     channels, height, width = train.images.shape[1:]
     if height != width:
         raise SystemExit(f"images are {height}x{width}; pass --image-size to make them square")
-    print(f"{len(train)} training and {len(test)} test images of {channels}x{height}x{width}, "
-          f"classes {train.classes}")
+    print(f"{len(train)} training and {len(test)} test images of {channels}x{height}x{width}, classes {train.classes}")
 
     # An ordinary ResNet9, converted. head="invariant" pools globally: the logits are invariant.
     widths = tuple(int(w) for w in args.widths.split(","))
@@ -107,14 +109,26 @@ def main() -> None:
 
     # DP-SGD: Poisson sampling, per-example clipping of the gradient averaged over aug_mult views,
     # Gaussian noise calibrated to (epsilon, delta) for these steps, EMA of the weights.
-    trainer = DPTrainer(model, target_epsilon=args.epsilon, delta=args.delta, batch_size=args.batch_size,
-                        steps=args.steps, aug_mult=args.aug_mult, lr=args.lr, max_grad_norm=args.max_grad_norm,
-                        ema_decay=args.ema_decay, physical_batch_size=args.physical_batch_size,
-                        device=args.device, out_dir=args.out)
+    trainer = DPTrainer(
+        model,
+        target_epsilon=args.epsilon,
+        delta=args.delta,
+        batch_size=args.batch_size,
+        steps=args.steps,
+        aug_mult=args.aug_mult,
+        lr=args.lr,
+        max_grad_norm=args.max_grad_norm,
+        ema_decay=args.ema_decay,
+        physical_batch_size=args.physical_batch_size,
+        device=args.device,
+        out_dir=args.out,
+    )
     trainer.fit((train_images, train.labels), eval_set=(test_images, test.labels))
     final = trainer.history[-1]["final_eval"]
-    print(f"noise multiplier {trainer.noise_multiplier:.3f}, {trainer.step} steps, "
-          f"epsilon {trainer.epsilon:.3f} (delta {args.delta:g})")
+    print(
+        f"noise multiplier {trainer.noise_multiplier:.3f}, {trainer.step} steps, "
+        f"epsilon {trainer.epsilon:.3f} (delta {args.delta:g})"
+    )
     print(f"test accuracy: {final['accuracy']:.4f} (loss {final['loss']:.4f})")
 
 

@@ -1,4 +1,5 @@
 """Load a script of benchmarks/ as a module, for tests of its main()."""
+
 import importlib.util
 import sys
 from pathlib import Path

@@ -1,4 +1,5 @@
 """The one-line error of a CLI call that must fail (exit status 2, no traceback), for the privacy tests."""
+
 from __future__ import annotations
 
 from equiconvert.cli import main

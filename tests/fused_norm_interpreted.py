@@ -5,6 +5,7 @@ check the kernels' arithmetic (masks, block merging, row indexing, dtypes) and F
 of them against the plain-torch path in float64. Triton picks the interpreter when it is imported,
 so tests/test_fused_norm.py runs this file in a fresh process with TRITON_INTERPRET=1.
 """
+
 from __future__ import annotations
 
 import os

@@ -1,4 +1,5 @@
 """Shared check: torch.func per-sample gradients equal a naive per-example backward loop."""
+
 import torch
 import torch.nn.functional as F
 from torch.func import functional_call, grad, vmap

@@ -1,4 +1,5 @@
 """benchmarks/accuracy.py: a real tiny grid through `equiconvert train`, the report on known numbers, failures."""
+
 from __future__ import annotations
 
 import json
@@ -14,8 +15,20 @@ from benchmark_scripts import load_benchmark
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = REPO_ROOT / "benchmarks" / "accuracy.py"
 # A few seconds per run on a loaded 2-core CPU; the synthetic data set ignores --data-dir.
-TINY_TRAIN = ["--model-kwargs", "widths=4,8,8", "--steps", "1", "--batch-size", "16", "--physical-batch-size", "16",
-              "--aug-mult", "1", "--set", "schedule.checkpoint_every=0"]
+TINY_TRAIN = [
+    "--model-kwargs",
+    "widths=4,8,8",
+    "--steps",
+    "1",
+    "--batch-size",
+    "16",
+    "--physical-batch-size",
+    "16",
+    "--aug-mult",
+    "1",
+    "--set",
+    "schedule.checkpoint_every=0",
+]
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
@@ -23,8 +36,24 @@ accuracy = load_benchmark("accuracy")
 
 
 def _run(out: Path, *options: str) -> subprocess.CompletedProcess:
-    argv = [sys.executable, str(SCRIPT), "run", "--dataset", "synthetic", "--model", "equiconvert:resnet9",
-            "--epsilons", "8", "--out", str(out), "--jobs-per-device", "2", *options, "--", *TINY_TRAIN]
+    argv = [
+        sys.executable,
+        str(SCRIPT),
+        "run",
+        "--dataset",
+        "synthetic",
+        "--model",
+        "equiconvert:resnet9",
+        "--epsilons",
+        "8",
+        "--out",
+        str(out),
+        "--jobs-per-device",
+        "2",
+        *options,
+        "--",
+        *TINY_TRAIN,
+    ]
     # two runs at a time, one thread each: the test machine has 2 cores
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.run(argv, capture_output=True, text=True, cwd=REPO_ROOT, env=env, timeout=600)
@@ -43,8 +72,10 @@ def test_end_to_end_grid_resumes_and_summarizes(tmp_path):
     assert second.returncode == 0, second.stdout + second.stderr
     assert "2 runs: 1 done (skipped), 0 to resume, 1 to start" in second.stdout
 
-    names = {"none": ["synthetic_equiconvert-resnet9_none_eps8_seed0"],
-             "D4": ["synthetic_equiconvert-resnet9_D4_eps8_seed0", "synthetic_equiconvert-resnet9_D4_eps8_seed1"]}
+    names = {
+        "none": ["synthetic_equiconvert-resnet9_none_eps8_seed0"],
+        "D4": ["synthetic_equiconvert-resnet9_D4_eps8_seed0", "synthetic_equiconvert-resnet9_D4_eps8_seed1"],
+    }
     summary = json.loads((out / "summary.json").read_text())
     assert len(summary["commands"]) == 2 and all("accuracy.py run" in c["command"] for c in summary["commands"])
     cells = {c["group"]: c for c in summary["cells"]}
@@ -53,7 +84,12 @@ def test_end_to_end_grid_resumes_and_summarizes(tmp_path):
         results = [json.loads((out / name / "result.json").read_text()) for name in runs]
         assert all((out / name / "stdout.log").stat().st_size > 0 for name in runs)
         cell = cells[group]
-        assert (cell["dataset"], cell["model"], cell["epsilon"], cell["n"]) == ("synthetic", "equiconvert:resnet9", 8.0, len(runs))
+        assert (cell["dataset"], cell["model"], cell["epsilon"], cell["n"]) == (
+            "synthetic",
+            "equiconvert:resnet9",
+            8.0,
+            len(runs),
+        )
         assert [r["seed"] for r in cell["runs"]] == list(range(len(runs)))
         accs = [r["test_accuracy"] for r in results]
         assert cell["accuracy_median"] == statistics.median(accs)
@@ -76,10 +112,25 @@ def test_end_to_end_grid_resumes_and_summarizes(tmp_path):
 def _fixture(out: Path, group: str, epsilon: float, seed: int, acc: float, params: int, **fields) -> None:
     run_dir = out / accuracy.run_name("fashion-mnist", "equiconvert:resnet9", group, epsilon, seed)
     run_dir.mkdir(parents=True)
-    result = {"model": "equiconvert:resnet9", "group": group, "dataset": "fashion-mnist", "test_accuracy": acc,
-              "brier": 1.0 - acc, "ece": 0.01, "epsilon": epsilon - 0.01, "delta": 1e-5, "target_epsilon": epsilon,
-              "steps": 100, "batch_size": 2048, "aug_mult": 4, "params": params, "params_before": 300_000,
-              "device": "cuda:0", "wall_time_s": 600.0 + seed, **fields}
+    result = {
+        "model": "equiconvert:resnet9",
+        "group": group,
+        "dataset": "fashion-mnist",
+        "test_accuracy": acc,
+        "brier": 1.0 - acc,
+        "ece": 0.01,
+        "epsilon": epsilon - 0.01,
+        "delta": 1e-5,
+        "target_epsilon": epsilon,
+        "steps": 100,
+        "batch_size": 2048,
+        "aug_mult": 4,
+        "params": params,
+        "params_before": 300_000,
+        "device": "cuda:0",
+        "wall_time_s": 600.0 + seed,
+        **fields,
+    }
     (run_dir / "result.json").write_text(json.dumps(result))
     recorded = {"seed": seed, "epsilon": epsilon, "extra_args": ["--steps", "100"]}
     (run_dir / accuracy.RUN_FILE).write_text(json.dumps(recorded))
@@ -175,4 +226,7 @@ def test_plan_resumes_from_checkpoints_and_refuses_other_train_arguments(tmp_pat
     assert accuracy.plan(runs, tmp_path, ["--steps", "5"], continue_stopped=True) == ([], [runs[0], runs[1]], [])
     with pytest.raises(SystemExit, match="--device is set by the benchmark"):
         accuracy.check_extra_args(["--steps", "2", "--device=cuda"])
-    assert accuracy.run_name("fashion-mnist", "timm:resnet50d", "D4", 0.5, 2) == "fashion-mnist_timm-resnet50d_D4_eps0.5_seed2"
+    assert (
+        accuracy.run_name("fashion-mnist", "timm:resnet50d", "D4", 0.5, 2)
+        == "fashion-mnist_timm-resnet50d_D4_eps0.5_seed2"
+    )

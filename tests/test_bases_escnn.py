@@ -1,4 +1,5 @@
 """The own harmonic builder spans escnn's R2Conv basis; the canonical form depends on the span only."""
+
 import itertools
 
 import pytest
@@ -40,9 +41,18 @@ def _assert_same_span(group, in_repr, out_repr, k, d, cutoff):
 
 
 REPRESENTATIVE = [
-    ("C1", 3, 1, None), ("C4", 3, 1, 3.0), ("D4", 3, 1, 3.0), ("D4", 3, 1, None), ("C8", 5, 2, None),
-    ("D8", 1, 1, None), ("C3", 7, 1, 3.0), ("D5", 3, 2, None), ("SO2:1", 3, 1, None), ("O2:1", 5, 1, 3.0),
-    ("SO2:3", 3, 1, 3.0), ("O2:3", 3, 2, None),
+    ("C1", 3, 1, None),
+    ("C4", 3, 1, 3.0),
+    ("D4", 3, 1, 3.0),
+    ("D4", 3, 1, None),
+    ("C8", 5, 2, None),
+    ("D8", 1, 1, None),
+    ("C3", 7, 1, 3.0),
+    ("D5", 3, 2, None),
+    ("SO2:1", 3, 1, None),
+    ("O2:1", 5, 1, 3.0),
+    ("SO2:3", 3, 1, 3.0),
+    ("O2:3", 3, 2, None),
 ]
 
 
@@ -59,7 +69,8 @@ def test_big_group_span_equals_escnn_span():
 
 SWEEP = [
     (name, k, d, cutoff)
-    for name in [f"C{n}" for n in range(1, 17)] + [f"D{n}" for n in range(1, 17)]
+    for name in [f"C{n}" for n in range(1, 17)]
+    + [f"D{n}" for n in range(1, 17)]
     + [f"{g}:{f}" for g in ("SO2", "O2") for f in (1, 2, 3)]
     for k, d, cutoff in itertools.product((1, 3, 5, 7), (1, 2), (None, 3.0))
 ]
@@ -84,7 +95,9 @@ def test_canonical_form_ignores_how_the_span_is_given(name, in_repr, out_repr):
     n = reference.shape[0]
     mixing = torch.linalg.qr(torch.randn(n, n, generator=generator, dtype=torch.float64)).Q
     signs = torch.where(torch.rand(n, generator=generator) < 0.5, -1.0, 1.0).double()
-    scrambled = torch.einsum("mn,n...->m...", mixing, reference[torch.randperm(n, generator=generator)] * signs.view(-1, 1, 1, 1, 1))
+    scrambled = torch.einsum(
+        "mn,n...->m...", mixing, reference[torch.randperm(n, generator=generator)] * signs.view(-1, 1, 1, 1, 1)
+    )
     first, second = canonical_basis(reference), canonical_basis(scrambled)
     assert (first - second).abs().max() < 1e-9
     # and the own builder's float64 span gives the same canonical basis up to escnn's float32 sampling

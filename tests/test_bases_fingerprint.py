@@ -1,4 +1,5 @@
 """Checkpoints know their bases: fingerprints in the state_dict, mismatch errors, re-expressing old coefficients."""
+
 import io
 import math
 
@@ -73,8 +74,10 @@ def test_old_checkpoint_loads_with_warning_and_is_reexpressed_exactly():
 def test_legacy_bases_found_in_an_old_cache_directory(tmp_path):
     current = steerable_basis(parse_group("D4"), "regular", "regular", 3, 1, 3.0)
     torch.save(_rotated_within_span(current), tmp_path / "D4_regular_regular_k3_d1_fco3.pt")
-    torch.save(_rotated_within_span(steerable_basis(parse_group("D4"), "regular", "regular", 3, 2, 3.0)),
-               tmp_path / "D4_regular_regular_k3_d2_fco3.pt")
+    torch.save(
+        _rotated_within_span(steerable_basis(parse_group("D4"), "regular", "regular", 3, 2, 3.0)),
+        tmp_path / "D4_regular_regular_k3_d2_fco3.pt",
+    )
     model = _layer()
     found = legacy_bases(model, tmp_path)
     assert torch.equal(found["0"], torch.load(tmp_path / "D4_regular_regular_k3_d1_fco3.pt", weights_only=True))

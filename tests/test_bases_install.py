@@ -1,5 +1,6 @@
 """Acceptance: the built wheel installs into a fresh Python 3.13 + NumPy 2 venv without escnn or compilers,
 converts resnet18 to C4, D4, C8, D8, D16 and O2 (exactly invariant on grid elements) and runs a DP step."""
+
 import glob
 import os
 import subprocess
@@ -11,7 +12,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PYTHONS = sorted(glob.glob("/root/.pyenv/versions/3.13.*/bin/python"))
 
-SCRIPT = r'''
+SCRIPT = r"""
 import sys, numpy, torch, torchvision
 assert int(numpy.__version__.split(".")[0]) >= 2, numpy.__version__
 import equiconvert
@@ -33,7 +34,7 @@ torch.nn.functional.cross_entropy(model(x), y).backward()
 optimizer.step()
 assert all(torch.isfinite(p).all() for p in model.parameters())
 print("dp step ok")
-'''
+"""
 
 
 def _run(*command: str, **kwargs) -> str:

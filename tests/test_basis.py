@@ -1,4 +1,5 @@
 """Kernel bases: exact grid equivariance, disk cache outside site-packages, scikit-learn safety."""
+
 import importlib.metadata
 import os
 

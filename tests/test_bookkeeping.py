@@ -1,4 +1,5 @@
 """Book-keeping per-sample gradients equal torch.func's, layer type by layer type, and fail loudly."""
+
 import copy
 
 import pytest
@@ -10,8 +11,12 @@ from torch import nn
 import equiconvert
 from equiconvert.models import equivariant_resnet9, resnet9
 from equiconvert.models.equivariant_resnet9 import plain_paper_resnet9
-from equiconvert.privacy.bookkeeping import (BookkeepingUnsupportedError, check_bookkeeping_supported,
-                                             per_sample_gradients_bookkeeping, verify_bookkeeping)
+from equiconvert.privacy.bookkeeping import (
+    BookkeepingUnsupportedError,
+    check_bookkeeping_supported,
+    per_sample_gradients_bookkeeping,
+    verify_bookkeeping,
+)
 from equiconvert.privacy.per_sample import per_sample_gradients
 from equiconvert.privacy.trainer import DPTrainer
 from equiconvert.privacy.validate import PrivacyValidationError
@@ -35,11 +40,13 @@ class DepthwiseNet(nn.Module):
 MODELS = {
     "paper D4 (weight standardization, restriction, conv bias)": lambda: equivariant_resnet9("D4"),
     "resnet9 D4 (field group norm with affine)": lambda: equiconvert.make_equivariant(
-        resnet9(widths=(8, 16, 32)), "D4", head="invariant"),
+        resnet9(widths=(8, 16, 32)), "D4", head="invariant"
+    ),
     "plain baseline (Conv2d, GroupNorm)": lambda: ModuleValidator.fix(resnet9(widths=(8, 16, 32))),
     "plain paper network (conv bias)": plain_paper_resnet9,
-    "O2 (group standardization)": lambda: equiconvert.make_equivariant(resnet9(widths=(8, 16, 32)), "O2",
-                                                                       head="invariant"),
+    "O2 (group standardization)": lambda: equiconvert.make_equivariant(
+        resnet9(widths=(8, 16, 32)), "O2", head="invariant"
+    ),
     "C4 depthwise, reflect padding": lambda: equiconvert.make_equivariant(DepthwiseNet(), "C4", head="invariant"),
     "plain depthwise": DepthwiseNet,
 }
@@ -122,8 +129,17 @@ def test_a_layer_run_twice_is_refused():
     with pytest.raises(BookkeepingUnsupportedError, match="'conv' runs more than once"):
         per_sample_gradients_bookkeeping(TwiceNet(), views, labels)
     images = torch.randint(0, 256, (32, 3, 8, 8), dtype=torch.uint8)
-    trainer = DPTrainer(TwiceNet(), target_epsilon=8.0, batch_size=8, steps=1, aug_mult=1, augment_padding=2,
-                        progress=False, per_sample_method="bookkeeping", device="cpu")
+    trainer = DPTrainer(
+        TwiceNet(),
+        target_epsilon=8.0,
+        batch_size=8,
+        steps=1,
+        aug_mult=1,
+        augment_padding=2,
+        progress=False,
+        per_sample_method="bookkeeping",
+        device="cpu",
+    )
     with pytest.raises(BookkeepingUnsupportedError):
         trainer.fit((images, torch.randint(0, 2, (32,))))
     assert all(p.requires_grad for p in trainer.model.parameters())  # restored after the failure
@@ -165,8 +181,17 @@ class ReusedWeightNet(nn.Module):
         return self.head(F.conv2d(h, self.conv.weight, padding=1).mean((2, 3)))
 
 
-PROBE_OPTIONS = dict(target_epsilon=8.0, batch_size=8, steps=2, aug_mult=2, augment_padding=2, progress=False,
-                     device="cpu", physical_batch_size=4, insecure_seeded_noise=True)  # runs are compared bit for bit
+PROBE_OPTIONS = dict(
+    target_epsilon=8.0,
+    batch_size=8,
+    steps=2,
+    aug_mult=2,
+    augment_padding=2,
+    progress=False,
+    device="cpu",
+    physical_batch_size=4,
+    insecure_seeded_noise=True,
+)  # runs are compared bit for bit
 
 
 def _fit(model, method, data):
@@ -175,10 +200,13 @@ def _fit(model, method, data):
     return trainer
 
 
-@pytest.mark.parametrize("model, reason", [
-    (TwiceNet(), "'conv' runs more than once"),
-    (ReusedWeightNet(), "differs from torch.func's"),
-])
+@pytest.mark.parametrize(
+    "model, reason",
+    [
+        (TwiceNet(), "'conv' runs more than once"),
+        (ReusedWeightNet(), "differs from torch.func's"),
+    ],
+)
 def test_auto_falls_back_to_vmap_where_bookkeeping_fails_its_probe(model, reason):
     torch.manual_seed(0)
     data = (torch.randint(0, 256, (32, 3, 8, 8), dtype=torch.uint8), torch.randint(0, 2, (32,)))
@@ -225,9 +253,18 @@ def test_trainer_steps_agree_between_methods():
     model = equiconvert.make_equivariant(resnet9(widths=(8, 16, 32), num_classes=4), "D4", head="invariant")
     finals = []
     for method in ("vmap", "bookkeeping"):
-        trainer = DPTrainer(copy.deepcopy(model), target_epsilon=8.0, batch_size=16, steps=2, aug_mult=2,
-                            physical_batch_size=8, per_sample_method=method, progress=False, device="cpu",
-                            insecure_seeded_noise=True)  # the same noise and batches in both runs
+        trainer = DPTrainer(
+            copy.deepcopy(model),
+            target_epsilon=8.0,
+            batch_size=16,
+            steps=2,
+            aug_mult=2,
+            physical_batch_size=8,
+            per_sample_method=method,
+            progress=False,
+            device="cpu",
+            insecure_seeded_noise=True,
+        )  # the same noise and batches in both runs
         trainer.fit(data)
         assert trainer.config.per_sample_method == method
         finals.append(trainer.model.state_dict())
@@ -239,8 +276,9 @@ def test_a_run_resumes_with_the_other_per_sample_method(tmp_path):
     images = torch.randint(0, 256, (32, 3, 16, 16), dtype=torch.uint8)
     data = (images, torch.randint(0, 4, (32,)))
     model = equiconvert.make_equivariant(resnet9(widths=(8, 8, 8), num_classes=4), "C4", head="invariant")
-    options = dict(target_epsilon=8.0, batch_size=8, steps=2, aug_mult=1, progress=False, device="cpu",
-                   out_dir=tmp_path)
+    options = dict(
+        target_epsilon=8.0, batch_size=8, steps=2, aug_mult=1, progress=False, device="cpu", out_dir=tmp_path
+    )
     first = DPTrainer(copy.deepcopy(model), per_sample_method="vmap", **options)
     first.fit(data, time_limit_s=0.0)
     resumed = DPTrainer(copy.deepcopy(model), per_sample_method="bookkeeping", **options)

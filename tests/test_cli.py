@@ -1,4 +1,5 @@
 """The `equiconvert` command line: convert, demo, and its one-line errors."""
+
 from __future__ import annotations
 
 import json
@@ -26,8 +27,31 @@ def run_json(capsys, *argv: str) -> dict:
 def tiny_train_result(tmp_path, *flags: str) -> dict:
     """One step of `train` on the synthetic data set, batch 8, on the CPU; its result.json (later flags win)."""
     out = tmp_path / "run"
-    assert main(["train", "--dataset", "synthetic", "--steps", "1", "--batch-size", "8", "--aug-mult", "1",
-                 "--physical-batch-size", "8", "--out", str(out), "--set", "run.progress=false", "--device", "cpu", *flags]) == 0
+    assert (
+        main(
+            [
+                "train",
+                "--dataset",
+                "synthetic",
+                "--steps",
+                "1",
+                "--batch-size",
+                "8",
+                "--aug-mult",
+                "1",
+                "--physical-batch-size",
+                "8",
+                "--out",
+                str(out),
+                "--set",
+                "run.progress=false",
+                "--device",
+                "cpu",
+                *flags,
+            ]
+        )
+        == 0
+    )
     return json.loads((out / "result.json").read_text())
 
 
@@ -45,9 +69,23 @@ def test_module_entry_point_resnet18_json():
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
     proc = subprocess.run(
-        [sys.executable, "-m", "equiconvert", "convert", "torchvision:resnet18", "--group", "D4",
-         "--input-size", "225", "--json"],
-        capture_output=True, text=True, env=env, cwd=REPO_ROOT, timeout=600,
+        [
+            sys.executable,
+            "-m",
+            "equiconvert",
+            "convert",
+            "torchvision:resnet18",
+            "--group",
+            "D4",
+            "--input-size",
+            "225",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=REPO_ROOT,
+        timeout=600,
     )
     assert proc.returncode == 0, proc.stderr
     data = json.loads(proc.stdout)
@@ -64,11 +102,27 @@ def test_module_entry_point_resnet18_json():
 
 
 def test_convert_resnet9_json_keys_and_check(capsys):
-    data = run_json(capsys, "convert", "equiconvert:resnet9", "--group", "D4", "--input-size", "8",
-                    "--head", "invariant", "--json")
-    for key in ("params_before", "params_after", "valid_input_sizes", "valid_input_rule", "layers", "warnings",
-                "max_equivariance_error", "group", "model", "conversion_time_s", "equivariance", "width",
-                "input_size", "input_size_valid", "invariant_output", "num_valid_input_sizes"):
+    data = run_json(
+        capsys, "convert", "equiconvert:resnet9", "--group", "D4", "--input-size", "8", "--head", "invariant", "--json"
+    )
+    for key in (
+        "params_before",
+        "params_after",
+        "valid_input_sizes",
+        "valid_input_rule",
+        "layers",
+        "warnings",
+        "max_equivariance_error",
+        "group",
+        "model",
+        "conversion_time_s",
+        "equivariance",
+        "width",
+        "input_size",
+        "input_size_valid",
+        "invariant_output",
+        "num_valid_input_sizes",
+    ):
         assert key in data, key
     assert data["params_before"] == 2_448_714  # resnet9, 10 classes, ScaleNorm
     assert data["input_size"] == 8 and data["input_size_valid"] is True
@@ -96,8 +150,9 @@ def test_convert_refuses_an_invalid_size_and_names_the_nearest_valid_ones(capsys
 
 @pytest.mark.parametrize("flag, target", [("--pad-to-valid", 225), ("--crop-to-valid", 193)])
 def test_convert_fits_an_invalid_size_with_pad_or_crop(capsys, flag, target):
-    data = run_json(capsys, "convert", "torchvision:resnet18", "--group", "D4", "--input-size", "224", flag,
-                    "--no-check", "--json")
+    data = run_json(
+        capsys, "convert", "torchvision:resnet18", "--group", "D4", "--input-size", "224", flag, "--no-check", "--json"
+    )
     assert data["input_size"] == 224 and data["input_size_valid"] is True
     assert data["valid_input_sizes"] == [224]
     assert data["input_fit"].startswith(f"input 224 -> {target}: ")
@@ -123,15 +178,29 @@ def test_check_size_falls_back_to_default_size():
 
 
 def test_width_params_matches_parameter_count(capsys):
-    data = run_json(capsys, "convert", "equiconvert:resnet9", "--group", "D4", "--width", "params", "--no-check",
-                    "--json")
+    data = run_json(
+        capsys, "convert", "equiconvert:resnet9", "--group", "D4", "--width", "params", "--no-check", "--json"
+    )
     assert data["width"].startswith("params")
     assert abs(data["params_after"] - data["params_before"]) <= 0.02 * data["params_before"]
 
 
 def test_width_float_kappa_and_model_options(capsys):
-    data = run_json(capsys, "convert", "equiconvert:resnet9", "--group", "C4", "--width", "1.5", "--num-classes", "7",
-                    "--in-channels", "1", "--no-check", "--json")
+    data = run_json(
+        capsys,
+        "convert",
+        "equiconvert:resnet9",
+        "--group",
+        "C4",
+        "--width",
+        "1.5",
+        "--num-classes",
+        "7",
+        "--in-channels",
+        "1",
+        "--no-check",
+        "--json",
+    )
     assert data["width"] == "kappa=1.5"
     assert data["group"] == "C4"
     assert data["layers"][0]["before"].startswith("Conv2d(1, 64")
@@ -164,8 +233,9 @@ def test_unknown_group(capsys):
 
 
 def test_torchvision_rejects_other_channel_counts(capsys):
-    assert "3 input channels" in run_error(capsys, "convert", "torchvision:resnet18", "--group", "D4",
-                                           "--in-channels", "1")
+    assert "3 input channels" in run_error(
+        capsys, "convert", "torchvision:resnet18", "--group", "D4", "--in-channels", "1"
+    )
 
 
 def test_bad_width_is_an_argparse_error(capsys):
@@ -198,13 +268,50 @@ def test_demo_conversion_only_json_lists_both_models(capsys):
 
 def test_train_on_synthetic_data_writes_result(tmp_path, capsys):
     out = tmp_path / "run"
-    code = main(["train", "--dataset", "synthetic", "--model", "equiconvert:resnet9", "--model-kwargs", "widths=8,16,32",
-                 "--group", "C4", "--steps", "2", "--batch-size", "16", "--aug-mult", "2", "--epsilon", "8",
-                 "--physical-batch-size", "16", "--out", str(out), "--set", "run.progress=false", "--device", "cpu"])
+    code = main(
+        [
+            "train",
+            "--dataset",
+            "synthetic",
+            "--model",
+            "equiconvert:resnet9",
+            "--model-kwargs",
+            "widths=8,16,32",
+            "--group",
+            "C4",
+            "--steps",
+            "2",
+            "--batch-size",
+            "16",
+            "--aug-mult",
+            "2",
+            "--epsilon",
+            "8",
+            "--physical-batch-size",
+            "16",
+            "--out",
+            str(out),
+            "--set",
+            "run.progress=false",
+            "--device",
+            "cpu",
+        ]
+    )
     assert code == 0
     result = json.loads((out / "result.json").read_text())
-    for key in ("test_accuracy", "epsilon", "delta", "noise_multiplier", "steps", "batch_size", "aug_mult",
-                "params", "wall_time_s", "group", "model"):
+    for key in (
+        "test_accuracy",
+        "epsilon",
+        "delta",
+        "noise_multiplier",
+        "steps",
+        "batch_size",
+        "aug_mult",
+        "params",
+        "wall_time_s",
+        "group",
+        "model",
+    ):
         assert key in result, key
     assert result["steps"] == 2 and 0 < result["epsilon"] <= 8 and result["group"] == "C4"
     assert result["per_sample_method"] == "bookkeeping"  # what the default "auto" chose for this model
@@ -219,24 +326,70 @@ def test_train_threads_sets_the_processes_cpu_threads(tmp_path, capsys):
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(2)
-        code = main(["train", "--dataset", "synthetic", "--model", "equiconvert:resnet9", "--model-kwargs", "widths=8,16,32",
-                     "--group", "none", "--steps", "1", "--batch-size", "8", "--epsilon", "8", "--threads", "1",
-                     "--out", str(tmp_path / "run"), "--set", "run.progress=false", "--device", "cpu"])
+        code = main(
+            [
+                "train",
+                "--dataset",
+                "synthetic",
+                "--model",
+                "equiconvert:resnet9",
+                "--model-kwargs",
+                "widths=8,16,32",
+                "--group",
+                "none",
+                "--steps",
+                "1",
+                "--batch-size",
+                "8",
+                "--epsilon",
+                "8",
+                "--threads",
+                "1",
+                "--out",
+                str(tmp_path / "run"),
+                "--set",
+                "run.progress=false",
+                "--device",
+                "cpu",
+            ]
+        )
         assert code == 0 and torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(before)
     capsys.readouterr()
-    assert "--threads 0: give at least 1" in run_error(capsys, "train", "--dataset", "synthetic", "--threads", "0",
-                                                       "--out", str(tmp_path / "bad"))
+    assert "--threads 0: give at least 1" in run_error(
+        capsys, "train", "--dataset", "synthetic", "--threads", "0", "--out", str(tmp_path / "bad")
+    )
 
 
 def test_train_init_gain_reaches_the_model_and_the_result(tmp_path, capsys):
-    result = tiny_train_result(tmp_path, "--model", "equiconvert:resnet9", "--model-kwargs", "widths=8,16,32", "--group", "C4",
-                               "--epsilon", "8", "--set", "conversion.init_gain=0.5")
+    result = tiny_train_result(
+        tmp_path,
+        "--model",
+        "equiconvert:resnet9",
+        "--model-kwargs",
+        "widths=8,16,32",
+        "--group",
+        "C4",
+        "--epsilon",
+        "8",
+        "--set",
+        "conversion.init_gain=0.5",
+    )
     assert result["init_gain"] == 0.5
     capsys.readouterr()
-    error = run_error(capsys, "train", "--dataset", "synthetic", "--group", "none", "--set", "conversion.init_gain=1",
-                      "--out", str(tmp_path / "bad"))
+    error = run_error(
+        capsys,
+        "train",
+        "--dataset",
+        "synthetic",
+        "--group",
+        "none",
+        "--set",
+        "conversion.init_gain=1",
+        "--out",
+        str(tmp_path / "bad"),
+    )
     assert "conversion.init_gain" in error and "--group none" in error
 
 
@@ -248,10 +401,43 @@ def test_train_seed_fixes_the_initial_weights_too(tmp_path, capsys):
     def final_loss(seed: str, name: str) -> float:
         torch.manual_seed(int(name[-1]) + 100)  # whatever the global RNG held before must not matter
         out = tmp_path / name
-        assert main(["train", "--dataset", "synthetic", "--model", "equiconvert:resnet9", "--model-kwargs", "widths=4,8,8",
-                     "--group", "C4", "--steps", "1", "--batch-size", "8", "--aug-mult", "1", "--epsilon", "8",
-                     "--physical-batch-size", "8", "--set", "schedule.checkpoint_every=0", "--seed", seed, "--out", str(out),
-                     "--set", "run.progress=false", "--device", "cpu", "--insecure-seeded-noise"]) == 0
+        assert (
+            main(
+                [
+                    "train",
+                    "--dataset",
+                    "synthetic",
+                    "--model",
+                    "equiconvert:resnet9",
+                    "--model-kwargs",
+                    "widths=4,8,8",
+                    "--group",
+                    "C4",
+                    "--steps",
+                    "1",
+                    "--batch-size",
+                    "8",
+                    "--aug-mult",
+                    "1",
+                    "--epsilon",
+                    "8",
+                    "--physical-batch-size",
+                    "8",
+                    "--set",
+                    "schedule.checkpoint_every=0",
+                    "--seed",
+                    seed,
+                    "--out",
+                    str(out),
+                    "--set",
+                    "run.progress=false",
+                    "--device",
+                    "cpu",
+                    "--insecure-seeded-noise",
+                ]
+            )
+            == 0
+        )
         return json.loads((out / "result.json").read_text())["test_loss"]
 
     first, again, other = final_loss("3", "a1"), final_loss("3", "a2"), final_loss("4", "b3")
@@ -260,8 +446,25 @@ def test_train_seed_fixes_the_initial_weights_too(tmp_path, capsys):
 
 
 def test_train_baseline_replaces_batch_norm_and_widths_only_for_resnet9(tmp_path, capsys):
-    code = main(["train", "--dataset", "synthetic", "--model", "torchvision:resnet18", "--model-kwargs", "widths=8,16,32",
-                 "--group", "none", "--steps", "1", "--batch-size", "8", "--out", str(tmp_path)])
+    code = main(
+        [
+            "train",
+            "--dataset",
+            "synthetic",
+            "--model",
+            "torchvision:resnet18",
+            "--model-kwargs",
+            "widths=8,16,32",
+            "--group",
+            "none",
+            "--steps",
+            "1",
+            "--batch-size",
+            "8",
+            "--out",
+            str(tmp_path),
+        ]
+    )
     error = capsys.readouterr().err
     assert code == 2 and "cannot build torchvision:resnet18" in error and "keyword argument 'widths'" in error
 
@@ -269,9 +472,33 @@ def test_train_baseline_replaces_batch_norm_and_widths_only_for_resnet9(tmp_path
 @pytest.mark.parametrize("group, params", [("D4", 255_675), ("none", 155_434)])
 def test_train_paper_model_preset_and_its_unconverted_network(tmp_path, group, params):
     out = tmp_path / group
-    code = main(["train", "--dataset", "synthetic", "--model", "equiconvert:equivariant_resnet9", "--group", group,
-                 "--steps", "2", "--batch-size", "8", "--aug-mult", "1", "--physical-batch-size", "8",
-                 "--set", "schedule.eval_every=1", "--out", str(out), "--set", "run.progress=false", "--device", "cpu"])
+    code = main(
+        [
+            "train",
+            "--dataset",
+            "synthetic",
+            "--model",
+            "equiconvert:equivariant_resnet9",
+            "--group",
+            group,
+            "--steps",
+            "2",
+            "--batch-size",
+            "8",
+            "--aug-mult",
+            "1",
+            "--physical-batch-size",
+            "8",
+            "--set",
+            "schedule.eval_every=1",
+            "--out",
+            str(out),
+            "--set",
+            "run.progress=false",
+            "--device",
+            "cpu",
+        ]
+    )
     assert code == 0
     result = json.loads((out / "result.json").read_text())
     assert result["params"] == params and result["params_before"] == 155_434
@@ -282,26 +509,62 @@ def test_train_paper_model_preset_and_its_unconverted_network(tmp_path, group, p
 
 def test_train_head_and_normalize_reach_the_model_the_trainer_and_the_result(tmp_path, capsys):
     """--head invariant makes the paper preset's logits flip-invariant (its own head is not); --normalize is used."""
-    result = tiny_train_result(tmp_path, "--model", "equiconvert:equivariant_resnet9", "--group", "D1",
-                               "--set", "conversion.head=invariant", "--set", "data.normalize_mean=0.25", "--set", "data.normalize_std=0.4")
+    result = tiny_train_result(
+        tmp_path,
+        "--model",
+        "equiconvert:equivariant_resnet9",
+        "--group",
+        "D1",
+        "--set",
+        "conversion.head=invariant",
+        "--set",
+        "data.normalize_mean=0.25",
+        "--set",
+        "data.normalize_std=0.4",
+    )
     assert result["invariant_head"] is True and result["max_equivariance_error"] < 1e-4
     assert (result["normalize_mean"], result["normalize_std"]) == (0.25, 0.4)
     capsys.readouterr()
-    assert "conversion.head" in run_error(capsys, "train", "--dataset", "synthetic", "--group", "none", "--set", "conversion.head=invariant",
-                                 "--out", str(tmp_path / "bad"))
-    error = run_error(capsys, "train", "--dataset", "synthetic", "--set", "data.normalize_std=0",
-                      "--out", str(tmp_path / "bad"))
+    assert "conversion.head" in run_error(
+        capsys,
+        "train",
+        "--dataset",
+        "synthetic",
+        "--group",
+        "none",
+        "--set",
+        "conversion.head=invariant",
+        "--out",
+        str(tmp_path / "bad"),
+    )
+    error = run_error(
+        capsys, "train", "--dataset", "synthetic", "--set", "data.normalize_std=0", "--out", str(tmp_path / "bad")
+    )
     assert "--set data.normalize_std=0: must be > 0" in error
 
 
 def test_train_width_rescales_the_paper_preset_and_is_refused_for_its_baseline(tmp_path, capsys):
-    result = tiny_train_result(tmp_path, "--model", "equiconvert:equivariant_resnet9", "--group", "D4", "--set", "conversion.width=1.0")
+    result = tiny_train_result(
+        tmp_path, "--model", "equiconvert:equivariant_resnet9", "--group", "D4", "--set", "conversion.width=1.0"
+    )
     # kappa 1 instead of the preset's 1.5: fewer fields per layer, so fewer than Table 1's 255,675 parameters
     assert result["width"] == 1.0 and 0 < result["params"] < 255_675
     capsys.readouterr()
     for model in ("equiconvert:equivariant_resnet9", "equiconvert:resnet9"):  # never silently ignored
-        error = run_error(capsys, "train", "--dataset", "synthetic", "--model", model,
-                          "--group", "none", "--set", "conversion.width=1.0", "--out", str(tmp_path / "bad"))
+        error = run_error(
+            capsys,
+            "train",
+            "--dataset",
+            "synthetic",
+            "--model",
+            model,
+            "--group",
+            "none",
+            "--set",
+            "conversion.width=1.0",
+            "--out",
+            str(tmp_path / "bad"),
+        )
         assert "conversion.width" in error and "--group none" in error
 
 
@@ -309,102 +572,307 @@ def test_train_filter_gradients_fastest_records_each_layers_kernel(tmp_path, cap
     from equiconvert.privacy import filter_gradients
 
     monkeypatch.setattr(filter_gradients, "_fastest", {})
-    result = tiny_train_result(tmp_path, "--model", "equiconvert:resnet9", "--model-kwargs", "widths=4,8,8", "--group", "C4",
-                               "--aug-mult", "2", "--set", "dp.per_sample_method=bookkeeping", "--set", "dp.filter_gradients=fastest")
+    result = tiny_train_result(
+        tmp_path,
+        "--model",
+        "equiconvert:resnet9",
+        "--model-kwargs",
+        "widths=4,8,8",
+        "--group",
+        "C4",
+        "--aug-mult",
+        "2",
+        "--set",
+        "dp.per_sample_method=bookkeeping",
+        "--set",
+        "dp.filter_gradients=fastest",
+    )
     kernels = result["filter_gradient_kernels"]
-    assert result["filter_gradients"] == "fastest" and kernels and set(kernels.values()) <= {"products", "grouped", "unfolded"}
+    assert (
+        result["filter_gradients"] == "fastest"
+        and kernels
+        and set(kernels.values()) <= {"products", "grouped", "unfolded"}
+    )
     assert any("float32" in layer for layer in kernels)  # the training's layers, not only the float64 probe's
 
 
 def test_train_activation_builds_the_paper_preset_and_its_baseline_with_it(tmp_path, capsys):
-    converted = tiny_train_result(tmp_path / "d1", "--model", "equiconvert:equivariant_resnet9", "--group", "D1",
-                                  "--model-kwargs", "activation=tanh", "--set", "conversion.head=invariant")
+    converted = tiny_train_result(
+        tmp_path / "d1",
+        "--model",
+        "equiconvert:equivariant_resnet9",
+        "--group",
+        "D1",
+        "--model-kwargs",
+        "activation=tanh",
+        "--set",
+        "conversion.head=invariant",
+    )
     # float32 check: tanh networks round to ~1e-4 (exactness in float64: tests/test_equivariant_resnet9.py); a
     # broken symmetry shows as ~0.3
     assert converted["activation"] == "tanh" and converted["max_equivariance_error"] < 1e-3
-    plain = tiny_train_result(tmp_path / "none", "--model", "equiconvert:equivariant_resnet9", "--group", "none",
-                              "--model-kwargs", "activation=tanh")
+    plain = tiny_train_result(
+        tmp_path / "none",
+        "--model",
+        "equiconvert:equivariant_resnet9",
+        "--group",
+        "none",
+        "--model-kwargs",
+        "activation=tanh",
+    )
     assert plain["activation"] == "tanh" and plain["params"] == 155_434  # an activation has no parameters
-    assert tiny_train_result(tmp_path / "default", "--model", "equiconvert:equivariant_resnet9", "--group", "none",
-                             )["activation"] == "mish"
+    assert (
+        tiny_train_result(
+            tmp_path / "default",
+            "--model",
+            "equiconvert:equivariant_resnet9",
+            "--group",
+            "none",
+        )["activation"]
+        == "mish"
+    )
     capsys.readouterr()
-    error = run_error(capsys, "train", "--dataset", "synthetic", "--model", "equiconvert:resnet9", "--group", "D4",
-                      "--model-kwargs", "activation=tanh", "--out", str(tmp_path / "bad"))  # never silently ignored
+    error = run_error(
+        capsys,
+        "train",
+        "--dataset",
+        "synthetic",
+        "--model",
+        "equiconvert:resnet9",
+        "--group",
+        "D4",
+        "--model-kwargs",
+        "activation=tanh",
+        "--out",
+        str(tmp_path / "bad"),
+    )  # never silently ignored
     assert "model keyword activation applies to equiconvert:equivariant_resnet9 only" in error
 
 
 def test_resuming_into_another_activation_is_refused(tmp_path, capsys):
     """Activations have no parameters: the checkpoint would load into the other network without complaint."""
-    first = tiny_train_result(tmp_path, "--model", "equiconvert:equivariant_resnet9", "--group", "none",
-                              "--model-kwargs", "activation=tanh", "--set", "schedule.checkpoint_every=1")
+    first = tiny_train_result(
+        tmp_path,
+        "--model",
+        "equiconvert:equivariant_resnet9",
+        "--group",
+        "none",
+        "--model-kwargs",
+        "activation=tanh",
+        "--set",
+        "schedule.checkpoint_every=1",
+    )
     assert first["activation"] == "tanh" and "Tanh()" in (tmp_path / "run" / "model.txt").read_text()
     capsys.readouterr()
-    error = run_error(capsys, "train", "--dataset", "synthetic", "--model", "equiconvert:equivariant_resnet9",
-                      "--group", "none", "--steps", "2", "--batch-size", "8", "--aug-mult", "1",
-                      "--physical-batch-size", "8", "--out", str(tmp_path / "run"), "--set", "run.progress=false", "--device", "cpu",
-                      "--resume")
+    error = run_error(
+        capsys,
+        "train",
+        "--dataset",
+        "synthetic",
+        "--model",
+        "equiconvert:equivariant_resnet9",
+        "--group",
+        "none",
+        "--steps",
+        "2",
+        "--batch-size",
+        "8",
+        "--aug-mult",
+        "1",
+        "--physical-batch-size",
+        "8",
+        "--out",
+        str(tmp_path / "run"),
+        "--set",
+        "run.progress=false",
+        "--device",
+        "cpu",
+        "--resume",
+    )
     assert "another network" in error and "Tanh()" in error and "Mish()" in error
-    resumed = tiny_train_result(tmp_path, "--model", "equiconvert:equivariant_resnet9", "--group", "none",
-                                "--model-kwargs", "activation=tanh", "--set", "schedule.checkpoint_every=1", "--resume")
+    resumed = tiny_train_result(
+        tmp_path,
+        "--model",
+        "equiconvert:equivariant_resnet9",
+        "--group",
+        "none",
+        "--model-kwargs",
+        "activation=tanh",
+        "--set",
+        "schedule.checkpoint_every=1",
+        "--resume",
+    )
     assert resumed["steps"] == 1
 
 
 def test_train_norm_groups_and_crop_padding_reach_the_model_and_the_augmentation(tmp_path, capsys):
-    converted = tiny_train_result(tmp_path / "d1", "--model", "equiconvert:equivariant_resnet9", "--group", "D1",
-                                  "--model-kwargs", "norm_groups=2", "--set", "data.augment_padding=2", "--aug-mult", "2")
+    converted = tiny_train_result(
+        tmp_path / "d1",
+        "--model",
+        "equiconvert:equivariant_resnet9",
+        "--group",
+        "D1",
+        "--model-kwargs",
+        "norm_groups=2",
+        "--set",
+        "data.augment_padding=2",
+        "--aug-mult",
+        "2",
+    )
     assert converted["norm_groups"] == 2 and converted["augment_padding"] == 2
     assert converted["ema_final_decay"] == pytest.approx(0.1)  # one step: the warm-up's (1 + 0) / (10 + 0)
     assert "num_groups=2," in (tmp_path / "d1" / "run" / "model.txt").read_text()
     assert "num_groups=8," not in (tmp_path / "d1" / "run" / "model.txt").read_text()
-    plain = tiny_train_result(tmp_path / "none", "--model", "equiconvert:equivariant_resnet9", "--group", "none",
-                              "--model-kwargs", "norm_groups=16")
+    plain = tiny_train_result(
+        tmp_path / "none",
+        "--model",
+        "equiconvert:equivariant_resnet9",
+        "--group",
+        "none",
+        "--model-kwargs",
+        "norm_groups=16",
+    )
     assert plain["norm_groups"] == 16 and "GroupNorm(16, 16" in (tmp_path / "none" / "run" / "model.txt").read_text()
     capsys.readouterr()
-    error = run_error(capsys, "train", "--dataset", "synthetic", "--model", "equiconvert:equivariant_resnet9",
-                      "--group", "none", "--model-kwargs", "norm_groups=3", "--batch-size", "8", "--out", str(tmp_path / "bad"))
+    error = run_error(
+        capsys,
+        "train",
+        "--dataset",
+        "synthetic",
+        "--model",
+        "equiconvert:equivariant_resnet9",
+        "--group",
+        "none",
+        "--model-kwargs",
+        "norm_groups=3",
+        "--batch-size",
+        "8",
+        "--out",
+        str(tmp_path / "bad"),
+    )
     assert "norm_groups 3" in error and "must divide every width" in error
-    error = run_error(capsys, "train", "--dataset", "synthetic", "--model", "equiconvert:resnet9", "--group", "D4",
-                      "--model-kwargs", "norm_groups=4", "--out", str(tmp_path / "bad"))  # never silently ignored
+    error = run_error(
+        capsys,
+        "train",
+        "--dataset",
+        "synthetic",
+        "--model",
+        "equiconvert:resnet9",
+        "--group",
+        "D4",
+        "--model-kwargs",
+        "norm_groups=4",
+        "--out",
+        str(tmp_path / "bad"),
+    )  # never silently ignored
     assert "model keyword norm_groups applies to equiconvert:equivariant_resnet9 only" in error
-    error = run_error(capsys, "train", "--dataset", "synthetic", "--set", "data.augment_padding=-1", "--out", str(tmp_path / "bad"))
+    error = run_error(
+        capsys, "train", "--dataset", "synthetic", "--set", "data.augment_padding=-1", "--out", str(tmp_path / "bad")
+    )
     assert "--set data.augment_padding=-1: must be >= 0" in error
 
 
 def test_train_no_res2_reaches_the_preset_and_its_baseline_and_is_recorded(tmp_path, capsys):
-    converted = tiny_train_result(tmp_path / "d1", "--model", "equiconvert:equivariant_resnet9", "--group", "D1",
-                                  "--model-kwargs", "res2=false", "--set", "conversion.head=invariant")  # the paper's 2x2 grid head is not invariant
-    full = tiny_train_result(tmp_path / "full", "--model", "equiconvert:equivariant_resnet9", "--group", "D1",
-                             "--set", "conversion.head=invariant")
+    converted = tiny_train_result(
+        tmp_path / "d1",
+        "--model",
+        "equiconvert:equivariant_resnet9",
+        "--group",
+        "D1",
+        "--model-kwargs",
+        "res2=false",
+        "--set",
+        "conversion.head=invariant",
+    )  # the paper's 2x2 grid head is not invariant
+    full = tiny_train_result(
+        tmp_path / "full",
+        "--model",
+        "equiconvert:equivariant_resnet9",
+        "--group",
+        "D1",
+        "--set",
+        "conversion.head=invariant",
+    )
     assert converted["res2"] is False and full["res2"] is True and converted["params"] < full["params"] * 0.6
     assert converted["max_equivariance_error"] < 1e-4
-    plain = tiny_train_result(tmp_path / "none", "--model", "equiconvert:equivariant_resnet9", "--group", "none",
-                              "--model-kwargs", "res2=false")
+    plain = tiny_train_result(
+        tmp_path / "none",
+        "--model",
+        "equiconvert:equivariant_resnet9",
+        "--group",
+        "none",
+        "--model-kwargs",
+        "res2=false",
+    )
     assert plain["res2"] is False and "(res2): Identity()" in (tmp_path / "none" / "run" / "model.txt").read_text()
     assert converted["pool_after_res2"] is False
-    late = tiny_train_result(tmp_path / "late", "--model", "equiconvert:equivariant_resnet9", "--group", "D1",
-                             "--model-kwargs", "pool_after_res2=true", "--set", "conversion.head=invariant")
+    late = tiny_train_result(
+        tmp_path / "late",
+        "--model",
+        "equiconvert:equivariant_resnet9",
+        "--group",
+        "D1",
+        "--model-kwargs",
+        "pool_after_res2=true",
+        "--set",
+        "conversion.head=invariant",
+    )
     assert late["pool_after_res2"] is True and late["res2"] is True and late["params"] == full["params"]
     assert late["max_equivariance_error"] < 1e-4
     capsys.readouterr()
-    error = run_error(capsys, "train", "--dataset", "synthetic", "--model", "equiconvert:resnet9", "--group", "D4",
-                      "--model-kwargs", "res2=false", "--out", str(tmp_path / "bad"))  # never silently ignored
+    error = run_error(
+        capsys,
+        "train",
+        "--dataset",
+        "synthetic",
+        "--model",
+        "equiconvert:resnet9",
+        "--group",
+        "D4",
+        "--model-kwargs",
+        "res2=false",
+        "--out",
+        str(tmp_path / "bad"),
+    )  # never silently ignored
     assert "model keyword res2 applies to equiconvert:equivariant_resnet9 only" in error
-    error = run_error(capsys, "train", "--dataset", "synthetic", "--model", "equiconvert:resnet9", "--group", "D4",
-                      "--model-kwargs", "pool_after_res2=true", "--out", str(tmp_path / "bad"))
+    error = run_error(
+        capsys,
+        "train",
+        "--dataset",
+        "synthetic",
+        "--model",
+        "equiconvert:resnet9",
+        "--group",
+        "D4",
+        "--model-kwargs",
+        "pool_after_res2=true",
+        "--out",
+        str(tmp_path / "bad"),
+    )
     assert "model keyword pool_after_res2 applies to equiconvert:equivariant_resnet9 only" in error
 
 
 def test_train_test_shifts_adds_shift_averaged_metrics_beside_the_plain_ones(tmp_path, capsys):
     plain = tiny_train_result(tmp_path / "plain", "--group", "none", "--seed", "3", "--insecure-seeded-noise")
-    averaged = tiny_train_result(tmp_path / "averaged", "--group", "none", "--seed", "3", "--insecure-seeded-noise",
-                                 "--set", "data.test_shifts=cross1")
+    averaged = tiny_train_result(
+        tmp_path / "averaged",
+        "--group",
+        "none",
+        "--seed",
+        "3",
+        "--insecure-seeded-noise",
+        "--set",
+        "data.test_shifts=cross1",
+    )
     assert plain["test_shifts"] is None and "test_accuracy_shift_averaged" not in plain
     assert averaged["test_shifts"] == "cross1"
     assert averaged["test_accuracy"] == plain["test_accuracy"] and averaged["brier"] == plain["brier"]
     bounds = {"test_accuracy": 1, "brier": 2, "ece": 1, "test_loss": float("inf")}
     assert all(0 <= averaged[f"{key}_shift_averaged"] <= bound for key, bound in bounds.items())
     assert averaged["test_loss_shift_averaged"] != averaged["test_loss"]
-    assert main(["train", "--dataset", "synthetic", "--set", "data.test_shifts=cross9", "--out",
-                 str(tmp_path / "bad")]) == 2
+    assert (
+        main(["train", "--dataset", "synthetic", "--set", "data.test_shifts=cross9", "--out", str(tmp_path / "bad")])
+        == 2
+    )
     assert "unknown test-time shift set 'cross9'" in capsys.readouterr().err
     assert not (tmp_path / "bad").exists()  # refused before the run folder is made

@@ -1,4 +1,5 @@
 """SO(2)/O(2): gated irrep fields, their layers, conversions, export and per-sample gradients."""
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -51,8 +52,14 @@ def _layers(group, fields=5):
     with torch.no_grad():
         norm.weight.normal_()
         norm.bias.normal_()
-    return [GatedNonlinearity(fields, layout, nn.Mish()), norm, GroupStandardization(fields, layout, 3),
-            NormMaxPool2d(fields, layout, 2), NormMaxPool2d(fields, layout, 3, 2, 1), InvariantMap(fields, layout.size)]
+    return [
+        GatedNonlinearity(fields, layout, nn.Mish()),
+        norm,
+        GroupStandardization(fields, layout, 3),
+        NormMaxPool2d(fields, layout, 2),
+        NormMaxPool2d(fields, layout, 3, 2, 1),
+        InvariantMap(fields, layout.size),
+    ]
 
 
 @pytest.mark.parametrize("name,frequency", GROUPS)
@@ -95,8 +102,9 @@ def test_gated_nonlinearity_gates_each_component_with_its_own_invariant():
 
 def _assert_invariant_logits(model, name):
     result = equiconvert.check_equivariance(model, batch_size=2)
-    expected = {"rot0", "rot90", "rot180", "rot270"} | ({"rot0+flip", "rot90+flip", "rot180+flip", "rot270+flip"}
-                                                         if name == "O2" else set())
+    expected = {"rot0", "rot90", "rot180", "rot270"} | (
+        {"rot0+flip", "rot90+flip", "rot180+flip", "rot270+flip"} if name == "O2" else set()
+    )
     assert set(result.errors) == expected
     assert result.max_error <= 1e-5, result.errors
     return result
@@ -112,8 +120,9 @@ ANGLE_BOUND = 0.3
 
 @pytest.mark.parametrize("name,frequency", [("O2", 1), ("O2", 2), ("SO2", 1)])
 def test_resnet9_converts_with_invariant_logits_and_bounded_angle_error(name, frequency):
-    model = equiconvert.make_equivariant(resnet9(widths=(16, 32, 64)), name, frequency=frequency, head="invariant",
-                                         input_size=32).eval()
+    model = equiconvert.make_equivariant(
+        resnet9(widths=(16, 32, 64)), name, frequency=frequency, head="invariant", input_size=32
+    ).eval()
     assert model.report.invariant_output
     _assert_invariant_logits(model, name)
     result = equiconvert.check_equivariance(model, angles=ANGLES, batch_size=4)
@@ -123,8 +132,9 @@ def test_resnet9_converts_with_invariant_logits_and_bounded_angle_error(name, fr
 
 @pytest.mark.parametrize("name,frequency", [("O2", 1), ("O2", 2), ("SO2", 1)])
 def test_resnet18_converts_with_invariant_logits_and_bounded_angle_error(name, frequency):
-    model = equiconvert.make_equivariant(torchvision.models.resnet18(num_classes=10), name, frequency=frequency,
-                                         head="invariant", input_size=33).eval()
+    model = equiconvert.make_equivariant(
+        torchvision.models.resnet18(num_classes=10), name, frequency=frequency, head="invariant", input_size=33
+    ).eval()
     assert any(isinstance(m, NormMaxPool2d) for m in model.modules())  # the stem max pool
     _assert_invariant_logits(model, name)
     result = equiconvert.check_equivariance(model, angles=ANGLES, batch_size=2)
@@ -160,8 +170,9 @@ def test_bias_only_on_trivial_channels():
 
 
 def test_restriction_to_invariant_and_unsupported_restrictions():
-    model = equiconvert.make_equivariant(resnet9(widths=(8, 16, 32)), "O2", head="invariant", restrict="invariant",
-                                         input_size=32)
+    model = equiconvert.make_equivariant(
+        resnet9(widths=(8, 16, 32)), "O2", head="invariant", restrict="invariant", input_size=32
+    )
     assert model.output_type.group.name == "C1"
     with pytest.raises(GroupSpecError, match="restrict only to 'invariant', not 'halved'"):
         equiconvert.make_equivariant(resnet9(widths=(8, 16, 32)), "SO2", restrict="halved", input_size=32)
@@ -191,14 +202,19 @@ def test_per_sample_gradients_through_every_irrep_layer_match_naive_loop():
                 m.bias.normal_(0, 0.1)
     # float64: in float32 the two orders of summation already differ by ~1e-5 relative, so 1e-6 in float64
     # is the test that would catch a wrong gradient and not rounding
-    assert_per_sample_gradients_match_loop(model.double(), torch.randn(3, 3, 16, 16, dtype=torch.float64),
-                                           torch.tensor([1, 4, 7]), tolerance=1e-6)
+    assert_per_sample_gradients_match_loop(
+        model.double(), torch.randn(3, 3, 16, 16, dtype=torch.float64), torch.tensor([1, 4, 7]), tolerance=1e-6
+    )
 
 
 class _Functional(nn.Module):
     def __init__(self):
         super().__init__()
-        self.conv1, self.conv2, self.fc = nn.Conv2d(3, 16, 3, padding=1), nn.Conv2d(16, 16, 3, padding=1), nn.Linear(16, 5)
+        self.conv1, self.conv2, self.fc = (
+            nn.Conv2d(3, 16, 3, padding=1),
+            nn.Conv2d(16, 16, 3, padding=1),
+            nn.Linear(16, 5),
+        )
 
     def forward(self, x):
         x = F.relu(self.conv1(x))

@@ -1,4 +1,5 @@
 """The conversion pass: rules, widths, grid analysis, diagnostics and run-time properties."""
+
 import copy
 
 import pytest
@@ -18,6 +19,7 @@ def _convs(model):
 
 
 # --- width policies -------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("width,first_fields", [(None, 29), (1.5, 27), ("channels", 8), (lambda c, g: c // 16, 4)])
 def test_width_policies_on_resnet9(width, first_fields):
@@ -52,6 +54,7 @@ def test_grouped_convs_get_field_counts_divisible_by_groups():
 
 # --- grid symmetry ----------------------------------------------------------------------------
 
+
 def test_valid_input_sizes_of_resnet18_and_vgg():
     resnet = equiconvert.make_equivariant(torchvision.models.resnet18(num_classes=10), "C4", input_size=225)
     assert resnet.report.valid_input_sizes[:3] == [33, 65, 97]  # five stride-2 stages: 32k + 1
@@ -69,6 +72,7 @@ def test_invalid_size_really_breaks_equivariance_and_valid_size_does_not():
 
 def test_resnet_d_avgpool_shortcut_is_rewritten_symmetrically():
     import timm
+
     model = equiconvert.make_equivariant(timm.create_model("resnet50d", num_classes=10), "C4", input_size=33)
     pools = [c for c in model.report.layers if c.before.startswith("AvgPool2d(kernel_size=2")]
     assert len(pools) == 3 and all("kernel_size=3" in c.after for c in pools)
@@ -76,6 +80,7 @@ def test_resnet_d_avgpool_shortcut_is_rewritten_symmetrically():
 
 
 # --- heads and diagnostics ---------------------------------------------------------------------
+
 
 def test_spatial_flatten_head_is_reported_with_location():
     model = equiconvert.make_equivariant(resnet9(), "D4", input_size=32)
@@ -213,6 +218,7 @@ def test_bad_options_raise_early():
 
 
 # --- run-time properties ---------------------------------------------------------------------
+
 
 def test_no_batch_statistics_and_original_untouched():
     original = torchvision.models.resnet18(num_classes=10)

@@ -1,4 +1,5 @@
 """Data loaders: formats, errors, cache, rotation; on format-exact small files and real data where present."""
+
 from __future__ import annotations
 
 import gzip
@@ -14,17 +15,27 @@ import torch
 from PIL import Image
 
 import equiconvert.data.imagefolder as imagefolder_mod
-from equiconvert.data import (DATASETS, DatasetFormatError, DatasetNotFoundError, ImageData, load_dataset,
-                              read_idx, rotate_images)
+from equiconvert.data import (
+    DATASETS,
+    DatasetFormatError,
+    DatasetNotFoundError,
+    ImageData,
+    load_dataset,
+    read_idx,
+    rotate_images,
+)
 from equiconvert.data._base import resolve_name
 from equiconvert.data.mnist import FASHION_MNIST_CLASSES
 
 # torchvision 0.29 deprecates its image decoders (the loader falls back to PIL when they go away)
 pytestmark = pytest.mark.filterwarnings(
-    "ignore:The image decoding and encoding capabilities of TorchVision:DeprecationWarning")
+    "ignore:The image decoding and encoding capabilities of TorchVision:DeprecationWarning"
+)
 
-SHARED = next((p for p in (Path(__file__).resolve().parents[2] / "shared" / "data", Path("/work/shared/data"))
-               if p.is_dir()), Path("/nonexistent/shared/data"))
+SHARED = next(
+    (p for p in (Path(__file__).resolve().parents[2] / "shared" / "data", Path("/work/shared/data")) if p.is_dir()),
+    Path("/nonexistent/shared/data"),
+)
 CIFAR_TAR = SHARED / "cifar10-jpeg.tar.xz"
 MNIST_NPZ = SHARED / "mnist-10k.npz"
 DEBIAN_FMNIST = Path("/usr/share/datasets/fashion-mnist")
@@ -40,8 +51,16 @@ def _isolated_env(tmp_path, monkeypatch) -> None:
 
 
 def test_registry_and_name_aliases() -> None:
-    assert {"cifar10", "mnist", "fashion_mnist", "rotated_mnist", "imagenet32", "imagenet64", "imagefolder",
-            "synthetic"} <= set(DATASETS)
+    assert {
+        "cifar10",
+        "mnist",
+        "fashion_mnist",
+        "rotated_mnist",
+        "imagenet32",
+        "imagenet64",
+        "imagefolder",
+        "synthetic",
+    } <= set(DATASETS)
     assert resolve_name("Fashion-MNIST") == resolve_name("fmnist") == "fashion_mnist"
     assert resolve_name("CIFAR-10") == "cifar10" and resolve_name("ImageNet32") == "imagenet32"
     assert len(load_dataset("Synthetic", None, "test", num_examples=4)) == 4
@@ -150,8 +169,13 @@ def test_idx_missing_files_error_names_dir_and_files(tmp_path) -> None:
         load_dataset("mnist", tmp_path / "nowhere", "train")
     msg = str(err.value)
     assert str(tmp_path / "nowhere") in msg and "does not exist" in msg
-    for name in ("train-images-idx3-ubyte.gz", "train-labels-idx1-ubyte.gz", "t10k-images-idx3-ubyte.gz",
-                 "t10k-labels-idx1-ubyte.gz", "MNIST/raw"):
+    for name in (
+        "train-images-idx3-ubyte.gz",
+        "train-labels-idx1-ubyte.gz",
+        "t10k-images-idx3-ubyte.gz",
+        "t10k-labels-idx1-ubyte.gz",
+        "MNIST/raw",
+    ):
         assert name in msg
     assert "data_dir" in msg and "nothing is downloaded" in msg
 
@@ -170,8 +194,10 @@ def test_idx_image_label_count_mismatch(tmp_path) -> None:
         load_dataset("mnist", tmp_path, "test")
 
 
-@pytest.mark.skipif(not (DEBIAN_FMNIST / "train-images-idx3-ubyte.gz").is_file(),
-                    reason="Debian package dataset-fashion-mnist not installed (/usr/share/datasets/fashion-mnist)")
+@pytest.mark.skipif(
+    not (DEBIAN_FMNIST / "train-images-idx3-ubyte.gz").is_file(),
+    reason="Debian package dataset-fashion-mnist not installed (/usr/share/datasets/fashion-mnist)",
+)
 def test_real_fashion_mnist_from_debian_package() -> None:
     train = load_dataset("fashion_mnist", None, "train")  # found without data_dir
     test = load_dataset("fashion_mnist", None, "test")
@@ -192,12 +218,30 @@ def write_cifar_pickle(d: Path, per_batch: int = 4, seed: int = 0) -> dict:
         data = rng.integers(0, 256, size=(per_batch, 3072), dtype=np.uint8)
         labels = rng.integers(0, 10, size=per_batch).tolist()
         with open(d / name, "wb") as f:
-            pickle.dump({b"batch_label": name.encode(), b"labels": labels, b"data": data,
-                         b"filenames": [b"x.png"] * per_batch}, f)
+            pickle.dump(
+                {b"batch_label": name.encode(), b"labels": labels, b"data": data, b"filenames": [b"x.png"] * per_batch},
+                f,
+            )
         out[name] = (data, labels)
     with open(d / "batches.meta", "wb") as f:
-        pickle.dump({b"label_names": [b"airplane", b"automobile", b"bird", b"cat", b"deer", b"dog", b"frog",
-                                      b"horse", b"ship", b"truck"], b"num_vis": 3072}, f)
+        pickle.dump(
+            {
+                b"label_names": [
+                    b"airplane",
+                    b"automobile",
+                    b"bird",
+                    b"cat",
+                    b"deer",
+                    b"dog",
+                    b"frog",
+                    b"horse",
+                    b"ship",
+                    b"truck",
+                ],
+                b"num_vis": 3072,
+            },
+            f,
+        )
     return out
 
 
@@ -404,7 +448,7 @@ def test_rotate_images_matches_rot90_and_keeps_mass() -> None:
     assert torch.equal(rotate_images(x, [0.0] * 4), x)
     disc = torch.zeros(1, 1, 28, 28, dtype=torch.uint8)
     yy, xx = torch.meshgrid(torch.arange(28) - 13.5, torch.arange(28) - 13.5, indexing="ij")
-    disc[0, 0, (yy ** 2 + xx ** 2) < 64] = 255
+    disc[0, 0, (yy**2 + xx**2) < 64] = 255
     r = rotate_images(disc, [33.0])
     assert abs(r.float().sum() / disc.float().sum() - 1) < 0.02
 

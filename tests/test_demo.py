@@ -1,4 +1,5 @@
 """The main job (`equiconvert demo`, what `scripts/run.sh main` runs): its code path on tiny synthetic data."""
+
 from __future__ import annotations
 
 import json
@@ -7,8 +8,20 @@ from equiconvert import cli
 from equiconvert.cli import main
 from equiconvert.recipes.demo import CPU_DEFAULTS, SUMMARY_FILE, format_summary
 
-TINY = ["--set", "data.dataset=synthetic", "--set", "model.kwargs.widths=[4, 8, 16]", "--set", "dp.batch_size=16",
-        "--set", "dp.physical_batch_size=16", "--device", "cpu", "--set", "run.progress=false"]
+TINY = [
+    "--set",
+    "data.dataset=synthetic",
+    "--set",
+    "model.kwargs.widths=[4, 8, 16]",
+    "--set",
+    "dp.batch_size=16",
+    "--set",
+    "dp.physical_batch_size=16",
+    "--device",
+    "cpu",
+    "--set",
+    "run.progress=false",
+]
 T = CPU_DEFAULTS.trainer
 
 
@@ -37,7 +50,7 @@ def test_demo_trains_and_reports(tmp_path, capsys):
     assert json.loads((out / SUMMARY_FILE).read_text()) == summary
     result = json.loads((out / "result.json").read_text())  # run_training's own record of the same run
     assert result["test_accuracy"] == summary["test_accuracy"] and result["evals"] == []
-    assert result["init_gain"] == summary["settings"]["init_gain"] == CPU_DEFAULTS.conversion.init_gain == 2 ** -0.5
+    assert result["init_gain"] == summary["settings"]["init_gain"] == CPU_DEFAULTS.conversion.init_gain == 2**-0.5
     probe = summary["step_probe"]  # 3 steps fit the 600 s budget: none dropped
     assert probe["planned_steps"] == probe["requested_steps"] == 3 and probe["seconds_per_step"] > 0
 
@@ -48,8 +61,18 @@ def test_demo_trains_and_reports(tmp_path, capsys):
 
 
 def test_demo_time_limit_says_where_it_stopped(tmp_path, capsys):
-    summary = run_demo_json(capsys, *TINY, "--set", "schedule.steps=5", "--set", "run.plan_steps=false",
-                             "--time-limit", "1e-9", "--out", str(tmp_path))
+    summary = run_demo_json(
+        capsys,
+        *TINY,
+        "--set",
+        "schedule.steps=5",
+        "--set",
+        "run.plan_steps=false",
+        "--time-limit",
+        "1e-9",
+        "--out",
+        str(tmp_path),
+    )
     assert summary["stopped_reason"] == "time_limit" and summary["steps"] == 1 and summary["requested_steps"] == 5
     assert 0 < summary["epsilon"] < summary["target_epsilon"]
     assert "STOPPED EARLY at step 1 of 5" in format_summary(summary)
@@ -64,8 +87,9 @@ def test_demo_readable_output(tmp_path, capsys):
 
 def test_the_probe_fits_the_steps_to_a_tiny_budget_and_spends_the_whole_epsilon(tmp_path, capsys):
     budget = 2.0
-    summary = run_demo_json(capsys, *TINY, "--set", "schedule.steps=100000", "--time-limit", str(budget),
-                            "--out", str(tmp_path))
+    summary = run_demo_json(
+        capsys, *TINY, "--set", "schedule.steps=100000", "--time-limit", str(budget), "--out", str(tmp_path)
+    )
     probe = summary["step_probe"]
     assert probe["requested_steps"] == 100000 and probe["time_budget_s"] == budget
     assert 1 <= probe["planned_steps"] < 100000
@@ -77,12 +101,33 @@ def test_the_probe_fits_the_steps_to_a_tiny_budget_and_spends_the_whole_epsilon(
 def test_demo_defaults_live_in_one_place():
     parse = cli._parser().parse_args
     assert cli.demo_settings(parse(["demo"])) == CPU_DEFAULTS
-    big = cli.demo_settings(parse(["demo", "--device", "cuda", "--set", "schedule.steps=1000", "--set",
-                                   "dp.batch_size=2048", "--set", "model.kwargs.widths=[16, 32, 64]", "--set",
-                                   "dp.aug_mult=4", "--time-limit", "0"]))
+    big = cli.demo_settings(
+        parse(
+            [
+                "demo",
+                "--device",
+                "cuda",
+                "--set",
+                "schedule.steps=1000",
+                "--set",
+                "dp.batch_size=2048",
+                "--set",
+                "model.kwargs.widths=[16, 32, 64]",
+                "--set",
+                "dp.aug_mult=4",
+                "--time-limit",
+                "0",
+            ]
+        )
+    )
     t = big.trainer
     assert (big.run.device, t.steps, t.batch_size, big.model.kwargs["widths"], t.aug_mult) == (
-        "cuda", 1000, 2048, (16, 32, 64), 4)
+        "cuda",
+        1000,
+        2048,
+        (16, 32, 64),
+        4,
+    )
     assert big.run.time_limit_s is None and t.target_epsilon == T.target_epsilon
     assert cli.demo_settings(parse(["demo", "--set", "conversion.init_gain=1.4142"])).conversion.init_gain == 1.4142
     assert CPU_DEFAULTS.run.time_limit_s == 600 and CPU_DEFAULTS.run.plan_steps
@@ -90,13 +135,19 @@ def test_demo_defaults_live_in_one_place():
 
 def test_missing_fashion_mnist_says_where_to_put_it(tmp_path, capsys):
     missing = tmp_path / "no-such-dir"
-    assert main(["demo", "--data-dir", str(missing), "--out", str(tmp_path / "out"),
-                 "--set", "run.progress=false"]) == 2
+    assert (
+        main(["demo", "--data-dir", str(missing), "--out", str(tmp_path / "out"), "--set", "run.progress=false"]) == 2
+    )
     captured = capsys.readouterr()
     lines = captured.err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: "), captured.err
-    for needle in (str(missing), "train-images-idx3-ubyte.gz", "dataset-fashion-mnist", "--data-dir",
-                   "/usr/share/datasets/fashion-mnist"):
+    for needle in (
+        str(missing),
+        "train-images-idx3-ubyte.gz",
+        "dataset-fashion-mnist",
+        "--data-dir",
+        "/usr/share/datasets/fashion-mnist",
+    ):
         assert needle in lines[0], needle
 
 

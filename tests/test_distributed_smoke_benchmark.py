@@ -1,11 +1,14 @@
 """benchmarks/distributed_smoke.py measures steady-state samples/s from the steps whose record waited for the device."""
+
 import pytest
 from benchmark_scripts import load_benchmark
 
 
 def _records(times: dict[int, float], batch: int = 100) -> list[dict]:
-    return [{"step": step, "batch_size": batch, "time_s": time, **({"epsilon": 1.0} if step % 10 == 0 else {})}
-            for step, time in times.items()]
+    return [
+        {"step": step, "batch_size": batch, "time_s": time, **({"epsilon": 1.0} if step % 10 == 0 else {})}
+        for step, time in times.items()
+    ]
 
 
 def test_throughput_spans_the_synced_steps_after_warmup():

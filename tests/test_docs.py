@@ -26,13 +26,33 @@ def test_every_nav_page_exists():
 def test_mkdocs_build_strict(tmp_path):
     site = tmp_path / "site"
     env = {**os.environ, "NO_MKDOCS_2_WARNING": "1"}
-    proc = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--config-file",
-                           str(REPO_ROOT / "mkdocs.yml"), "--site-dir", str(site)],
-                          cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "mkdocs",
+            "build",
+            "--strict",
+            "--config-file",
+            str(REPO_ROOT / "mkdocs.yml"),
+            "--site-dir",
+            str(site),
+        ],
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, f"mkdocs build --strict failed:\n{proc.stdout}\n{proc.stderr}"
     assert (site / "index.html").is_file()
-    for page in ("guides/conversion", "guides/private-training", "guides/reproducing-the-paper",
-                 "guides/performance", "results"):
+    for page in (
+        "guides/conversion",
+        "guides/private-training",
+        "guides/reproducing-the-paper",
+        "guides/performance",
+        "results",
+    ):
         assert (site / page / "index.html").is_file(), page
     api = (site / "api" / "index.html").read_text()
     # mkdocstrings rendered the docstrings, not just the headings

@@ -1,4 +1,5 @@
 """DP-SGD: per-sample gradients, clipping, noise, sampling edge cases, budget, resume, safety."""
+
 import copy
 
 import pytest
@@ -78,8 +79,16 @@ class _EmptySampler:
 
 def test_noise_has_the_calibrated_standard_deviation_and_empty_batch_works():
     model = _small_model()
-    trainer = DPTrainer(model, noise_multiplier=3.0, target_epsilon=None, batch_size=64, steps=10,
-                        max_grad_norm=0.5, progress=False, ema_decay=None)
+    trainer = DPTrainer(
+        model,
+        noise_multiplier=3.0,
+        target_epsilon=None,
+        batch_size=64,
+        steps=10,
+        max_grad_norm=0.5,
+        progress=False,
+        ema_decay=None,
+    )
     trainer._prepare_privacy(1000)
     trainer.sampler = _EmptySampler()
     noise, batch, _, _ = trainer._noisy_gradient(*_synthetic())
@@ -94,8 +103,17 @@ def test_noise_has_the_calibrated_standard_deviation_and_empty_batch_works():
 
 
 def test_training_stops_before_the_budget_is_exceeded():
-    trainer = DPTrainer(_small_model(), target_epsilon=2.0, noise_multiplier=2.5, batch_size=24, steps=200,
-                        aug_mult=1, physical_batch_size=64, progress=False, ema_decay=None)
+    trainer = DPTrainer(
+        _small_model(),
+        target_epsilon=2.0,
+        noise_multiplier=2.5,
+        batch_size=24,
+        steps=200,
+        aug_mult=1,
+        physical_batch_size=64,
+        progress=False,
+        ema_decay=None,
+    )
     history = trainer.fit(_synthetic())
     assert 1 <= trainer.step < 200
     assert trainer.epsilon <= 2.0
@@ -111,9 +129,21 @@ def test_model_with_batch_norm_is_refused():
 def _trainer(model, out_dir, steps, **options):
     """Reproducible (not private) unless options say otherwise: two separate runs are compared bit for bit."""
     options = {"insecure_seeded_noise": True, **options}
-    return DPTrainer(model, target_epsilon=8.0, batch_size=16, steps=steps, aug_mult=2, lr=0.5, momentum=0.9,
-                     physical_batch_size=8, progress=False, out_dir=out_dir, checkpoint_every=1, ema_decay=0.99,
-                     **options)
+    return DPTrainer(
+        model,
+        target_epsilon=8.0,
+        batch_size=16,
+        steps=steps,
+        aug_mult=2,
+        lr=0.5,
+        momentum=0.9,
+        physical_batch_size=8,
+        progress=False,
+        out_dir=out_dir,
+        checkpoint_every=1,
+        ema_decay=0.99,
+        **options,
+    )
 
 
 def _assert_same_weights(expected: DPTrainer, got: DPTrainer) -> None:
@@ -142,8 +172,16 @@ def test_resume_after_interruption_is_bit_identical(tmp_path):
 
 
 def test_fit_logs_and_evaluates(tmp_path):
-    trainer = DPTrainer(_small_model(), target_epsilon=8.0, batch_size=16, steps=3, aug_mult=2,
-                        progress=False, out_dir=tmp_path, eval_every=2)
+    trainer = DPTrainer(
+        _small_model(),
+        target_epsilon=8.0,
+        batch_size=16,
+        steps=3,
+        aug_mult=2,
+        progress=False,
+        out_dir=tmp_path,
+        eval_every=2,
+    )
     history = trainer.fit(_synthetic(), eval_set=_synthetic(n=20, seed=1))
     final = history[-1]["final_eval"]
     assert set(final) >= {"accuracy", "loss", "brier", "ece"}
@@ -174,12 +212,27 @@ def test_time_limit_stops_with_a_checkpoint_and_resume_matches_an_uninterrupted_
 
 
 def test_cosine_schedule_and_custom_schedule_hook(tmp_path):
-    cosine = DPTrainer(_small_model(), target_epsilon=8.0, batch_size=16, steps=4, aug_mult=1, lr=2.0,
-                       lr_schedule="cosine", progress=False)
+    cosine = DPTrainer(
+        _small_model(),
+        target_epsilon=8.0,
+        batch_size=16,
+        steps=4,
+        aug_mult=1,
+        lr=2.0,
+        lr_schedule="cosine",
+        progress=False,
+    )
     lrs = [record["lr"] for record in cosine.fit(_synthetic()) if "lr" in record]
-    assert lrs == pytest.approx([2.0, 2.0 * (1 + 2 ** -0.5) / 2, 1.0, 2.0 * (1 - 2 ** -0.5) / 2])
-    hooked = DPTrainer(_small_model(), target_epsilon=8.0, batch_size=16, steps=2, aug_mult=1,
-                       lr_schedule=lambda step: 0.1 * (step + 1), progress=False)
+    assert lrs == pytest.approx([2.0, 2.0 * (1 + 2**-0.5) / 2, 1.0, 2.0 * (1 - 2**-0.5) / 2])
+    hooked = DPTrainer(
+        _small_model(),
+        target_epsilon=8.0,
+        batch_size=16,
+        steps=2,
+        aug_mult=1,
+        lr_schedule=lambda step: 0.1 * (step + 1),
+        progress=False,
+    )
     assert [r["lr"] for r in hooked.fit(_synthetic()) if "lr" in r] == pytest.approx([0.1, 0.2])
     assert hooked.config.lr_schedule == "custom"
     with pytest.raises(ValueError, match="lr_schedule must be one of"):

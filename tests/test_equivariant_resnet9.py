@@ -1,4 +1,5 @@
 """The paper's Equivariant-ResNet9 preset: Table 1 parameter counts and the paper's choices."""
+
 import pytest
 import torch
 
@@ -48,10 +49,10 @@ def test_paper_preset_starts_filters_at_gain_one_over_sqrt2_and_takes_another():
     torch.manual_seed(0)
     escnn_scale = equivariant_resnet9("D1", in_channels=1, init_gain=1.0)
     pairs = [(a, b) for a, b in zip(preset.modules(), escnn_scale.modules()) if isinstance(a, SteerableConv2d)]
-    assert pairs and all(a.init_gain == PAPER_INIT_GAIN == 2 ** -0.5 and b.init_gain == 1.0 for a, b in pairs)
-    assert all(torch.allclose(a.weight * 2 ** 0.5, b.weight) for a, b in pairs)
+    assert pairs and all(a.init_gain == PAPER_INIT_GAIN == 2**-0.5 and b.init_gain == 1.0 for a, b in pairs)
+    assert all(torch.allclose(a.weight * 2**0.5, b.weight) for a, b in pairs)
     converted = equiconvert.make_equivariant(torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3)), "C4")
-    assert next(m for m in converted.modules() if isinstance(m, SteerableConv2d)).init_gain == 2 ** 0.5  # He
+    assert next(m for m in converted.modules() if isinstance(m, SteerableConv2d)).init_gain == 2**0.5  # He
 
 
 def test_paper_head_is_reported_not_invariant():
@@ -81,8 +82,12 @@ def test_the_preset_without_res2_drops_its_parameters_and_stays_equivariant():
     res2 = sum(p.numel() for p in full.network.res2.parameters())
     assert count(full) == 200_532 and res2 == 96_910 and count(reduced) == 200_532 - 96_910
     assert isinstance(reduced.network.res2, torch.nn.Identity)
-    assert equiconvert.check_equivariance(equivariant_resnet9("D1", in_channels=1, res2=False, head="invariant").eval(),
-                                          input_size=32).max_error < 1e-5
+    assert (
+        equiconvert.check_equivariance(
+            equivariant_resnet9("D1", in_channels=1, res2=False, head="invariant").eval(), input_size=32
+        ).max_error
+        < 1e-5
+    )
 
 
 def test_the_preset_with_res2_before_the_pooling_keeps_its_parameters_and_equivariance():

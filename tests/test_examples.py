@@ -1,4 +1,5 @@
 """The scripts in examples/ run with their tiny defaults and print what they promise."""
+
 from __future__ import annotations
 
 import math
@@ -16,8 +17,14 @@ def run_example(name: str, *args: str) -> str:
     """Run examples/<name> in a fresh interpreter; returns its stdout (fails on a non-zero exit)."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
-    proc = subprocess.run([sys.executable, str(REPO_ROOT / "examples" / name), *args], capture_output=True,
-                          text=True, cwd=REPO_ROOT, env=env, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, str(REPO_ROOT / "examples" / name), *args],
+        capture_output=True,
+        text=True,
+        cwd=REPO_ROOT,
+        env=env,
+        timeout=300,
+    )
     assert proc.returncode == 0, f"{name} exited {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
     return proc.stdout
 
@@ -66,12 +73,13 @@ def test_make_private_pipeline():
 def test_make_private_pipeline_is_the_opacus_script_with_its_import_swapped():
     def code(name: str) -> list[str]:
         source = (REPO_ROOT / "examples" / name).read_text()
-        return source[source.index('"""', 3) + 3:].splitlines()  # after the docstring
+        return source[source.index('"""', 3) + 3 :].splitlines()  # after the docstring
 
     changed = [(a, b) for a, b in zip(code("opacus_one_line.py"), code("make_private_pipeline.py")) if a != b]
     assert len(code("opacus_one_line.py")) == len(code("make_private_pipeline.py"))
     assert [(a, b.split("  #")[0]) for a, b in changed] == [
-        ("from opacus import PrivacyEngine", "from equiconvert.privacy import PrivacyEngine")]
+        ("from opacus import PrivacyEngine", "from equiconvert.privacy import PrivacyEngine")
+    ]
 
 
 def test_paper_table1_row():

@@ -1,4 +1,5 @@
 """equiconvert.export: converted models -> plain torch.nn layers with the same outputs."""
+
 from __future__ import annotations
 
 import functools
@@ -92,6 +93,7 @@ def test_converted_model_exports_exactly(name: str) -> None:
 @pytest.mark.parametrize("name", ["resnet9-D4", "resnet18-D4"])
 def test_onnx_export(name: str, tmp_path: Path) -> None:
     import onnx
+
     _, exported, x = converted(name)
     path = tmp_path / f"{name}.onnx"
     torch.onnx.export(exported, (x,), str(path), dynamo=True)  # the default (dynamo) exporter works as is
@@ -189,8 +191,12 @@ def _traced_with_shapes(module: nn.Module, x: torch.Tensor) -> fx.GraphModule:
 
 
 POOL_LAYERS = {
-    ("max", 4): nn.MaxPool3d, ("mean", 4): nn.AvgPool3d, ("norm", 4): nn.LPPool3d,
-    ("max", 2): nn.MaxPool1d, ("mean", 2): nn.AvgPool1d, ("norm", 2): nn.LPPool1d,
+    ("max", 4): nn.MaxPool3d,
+    ("mean", 4): nn.AvgPool3d,
+    ("norm", 4): nn.LPPool3d,
+    ("max", 2): nn.MaxPool1d,
+    ("mean", 2): nn.AvgPool1d,
+    ("norm", 2): nn.LPPool1d,
 }
 
 
@@ -225,12 +231,28 @@ def test_group_pool_exports(mode: str, shape: tuple[int, ...]) -> None:
     assert torch.equal(alone(x), expected)
 
 
-def _steerable(padding, padding_mode: str, *, groups: int = 1, stride: int = 1, dilation: int = 1,
-               weight_standardization: bool = False) -> SteerableConv2d:
+def _steerable(
+    padding,
+    padding_mode: str,
+    *,
+    groups: int = 1,
+    stride: int = 1,
+    dilation: int = 1,
+    weight_standardization: bool = False,
+) -> SteerableConv2d:
     torch.manual_seed(0)
     basis = torch.randn(5, 4, 4, 3, 3)  # any basis: export only needs the expanded filter
-    conv = SteerableConv2d(basis, 6, 4, stride=stride, padding=padding, dilation=dilation, groups=groups,
-                           padding_mode=padding_mode, weight_standardization=weight_standardization)
+    conv = SteerableConv2d(
+        basis,
+        6,
+        4,
+        stride=stride,
+        padding=padding,
+        dilation=dilation,
+        groups=groups,
+        padding_mode=padding_mode,
+        weight_standardization=weight_standardization,
+    )
     with torch.no_grad():
         conv.bias.normal_()
     return conv
@@ -240,7 +262,11 @@ def test_steerable_conv_reflect_same_padding() -> None:
     conv = _steerable("same", "reflect", dilation=2)
     exported = equiconvert.export(conv)
     assert type(exported) is nn.Conv2d
-    assert (exported.padding, exported.padding_mode, exported.dilation) == ((2, 2), "reflect", (2, 2))  # "same" at dilation 2
+    assert (exported.padding, exported.padding_mode, exported.dilation) == (
+        (2, 2),
+        "reflect",
+        (2, 2),
+    )  # "same" at dilation 2
     x = torch.randn(2, 24, 9, 9)
     pad = 2  # dilation * (kernel - 1) // 2
     reference = F.conv2d(F.pad(x, (pad,) * 4, mode="reflect"), conv.expand_filter(), conv.expand_bias(), 1, 0, 2)
@@ -257,8 +283,13 @@ def test_steerable_conv_reflect_same_padding_forward() -> None:
 
 @pytest.mark.parametrize(
     "padding, padding_mode, groups, stride, standardize",
-    [(1, "reflect", 1, 1, False), ((1, 1), "circular", 2, 2, False), ("same", "zeros", 1, 1, True),
-     ("valid", "zeros", 2, 1, False), (0, "replicate", 1, 2, True)],
+    [
+        (1, "reflect", 1, 1, False),
+        ((1, 1), "circular", 2, 2, False),
+        ("same", "zeros", 1, 1, True),
+        ("valid", "zeros", 2, 1, False),
+        (0, "replicate", 1, 2, True),
+    ],
 )
 def test_steerable_conv_matches_forward(
     padding, padding_mode: str, groups: int, stride: int, standardize: bool

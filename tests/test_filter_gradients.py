@@ -1,4 +1,5 @@
 """The filter-gradient kernel's guards and its matmul-precision switch (CUDA path exercised on CPU flags)."""
+
 import pytest
 import torch
 
@@ -41,7 +42,9 @@ def test_an_output_gradient_of_the_wrong_size_is_refused(method, stride, out):
     from equiconvert.privacy.filter_gradients import filter_gradient_method
 
     inputs, grad_out = torch.randn(2, 3, 6, 6), torch.randn(2, 4, out, out)
-    with pytest.raises(ValueError, match=r"does not fit a 3x3 conv \(stride \(%d, %d\).*whose output is" % (stride, stride)):
+    with pytest.raises(
+        ValueError, match=r"does not fit a 3x3 conv \(stride \(%d, %d\).*whose output is" % (stride, stride)
+    ):
         with filter_gradient_method(method):
             per_example_filter_gradients(inputs, grad_out, 1, kernel=3, padding=1, stride=stride)
 
@@ -49,8 +52,9 @@ def test_an_output_gradient_of_the_wrong_size_is_refused(method, stride, out):
 def test_an_empty_batch_gives_an_empty_result_on_both_paths():
     for stride in (1, 2):
         out = 6 if stride == 1 else 3
-        grads = per_example_filter_gradients(torch.randn(0, 3, 6, 6), torch.randn(0, 4, out, out), 2,
-                                             kernel=3, padding=1, stride=stride)
+        grads = per_example_filter_gradients(
+            torch.randn(0, 3, 6, 6), torch.randn(0, 4, out, out), 2, kernel=3, padding=1, stride=stride
+        )
         assert grads.shape == (0, 4, 3, 3, 3)
 
 
@@ -60,7 +64,7 @@ def naive_filter_gradients(inputs, grad_out, views, weight_shape, **conv):
     grads = []
     for b in range(inputs.shape[0] // views):
         weight = torch.zeros(weight_shape, dtype=inputs.dtype, requires_grad=True)
-        x = inputs[b * views:(b + 1) * views]
+        x = inputs[b * views : (b + 1) * views]
         if padding_mode != "zeros":
             pad = conv.pop("padding")
             x = torch.nn.functional.pad(x, (pad, pad, pad, pad), mode=padding_mode)
@@ -69,7 +73,7 @@ def naive_filter_gradients(inputs, grad_out, views, weight_shape, **conv):
             conv["padding"] = pad
         else:
             out = torch.nn.functional.conv2d(x, weight, **conv)
-        (out * grad_out[b * views:(b + 1) * views]).sum().backward()
+        (out * grad_out[b * views : (b + 1) * views]).sum().backward()
         grads.append(weight.grad)
     return torch.stack(grads)
 
@@ -99,8 +103,10 @@ def test_every_kernel_equals_a_per_example_autograd_loop(method, c_in, c_out, si
     padded = size + 2 * conv.get("padding", 0) if conv.get("padding_mode", "zeros") != "zeros" else None
     zero_filter = torch.zeros(c_out, c_in // groups, kernel, kernel, dtype=torch.float64)
     probe = torch.nn.functional.conv2d(  # only for the output's shape
-        inputs.new_zeros(1, c_in, padded, padded) if padded else inputs[:1], zero_filter,
-        **{k: (0 if padded and k == "padding" else v) for k, v in conv.items() if k != "padding_mode"})
+        inputs.new_zeros(1, c_in, padded, padded) if padded else inputs[:1],
+        zero_filter,
+        **{k: (0 if padded and k == "padding" else v) for k, v in conv.items() if k != "padding_mode"},
+    )
     grad_out = torch.randn(4 * views, *probe.shape[1:], generator=generator, dtype=torch.float64)
     expected = naive_filter_gradients(inputs, grad_out, views, (c_out, c_in // groups, kernel, kernel), **conv)
     with filter_gradient_method(method):
@@ -116,9 +122,11 @@ def spied_kernels(monkeypatch):
 
     calls = []
     for name, kernel in dict(filter_gradients.KERNELS).items():
+
         def spy(*args, _name=name, _kernel=kernel):
             calls.append(_name)
             return _kernel(*args)
+
         monkeypatch.setitem(filter_gradients.KERNELS, name, spy)
     monkeypatch.setattr(filter_gradients, "_fastest", {})
     return calls
@@ -169,9 +177,18 @@ def test_dptrainer_runs_the_kernel_it_is_given_and_both_take_the_same_steps(spie
     model = equiconvert.make_equivariant(resnet9(widths=(8, 8, 8), num_classes=4), "C4", head="invariant")
     generator = torch.Generator().manual_seed(0)
     data = torch.randint(0, 256, (32, 3, 16, 16), dtype=torch.uint8, generator=generator), torch.arange(32) % 4
-    options = dict(target_epsilon=8.0, batch_size=8, steps=2, aug_mult=2, lr=0.5, progress=False, device="cpu",
-                   physical_batch_size=8, per_sample_method="bookkeeping",
-                   insecure_seeded_noise=True)  # the same noise and batches in every run
+    options = dict(
+        target_epsilon=8.0,
+        batch_size=8,
+        steps=2,
+        aug_mult=2,
+        lr=0.5,
+        progress=False,
+        device="cpu",
+        physical_batch_size=8,
+        per_sample_method="bookkeeping",
+        insecure_seeded_noise=True,
+    )  # the same noise and batches in every run
     runs = {}
     for method in ("products", "grouped", "unfolded"):
         spied_kernels.clear()
@@ -261,4 +278,3 @@ def test_unfolded_products_over_slices_of_the_examples_equal_the_loop(monkeypatc
     assert seen == [2, 2, 1]
     expected = naive_filter_gradients(inputs, grad_out, 2, (4, 3, 3, 3), padding=1)
     torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-10)
-

@@ -3,6 +3,7 @@
 Triton chooses between compiling and interpreting when it is first imported, which this process did
 long ago, so the kernel tests need a process started with TRITON_INTERPRET=1.
 """
+
 from __future__ import annotations
 
 import os
@@ -13,7 +14,9 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("triton", reason="Triton ships with PyTorch's CUDA wheels on Linux; without it the kernels never run")
+pytest.importorskip(
+    "triton", reason="Triton ships with PyTorch's CUDA wheels on Linux; without it the kernels never run"
+)
 
 INTERPRETED_TESTS = Path(__file__).with_name("fused_norm_interpreted.py")
 
@@ -21,8 +24,11 @@ INTERPRETED_TESTS = Path(__file__).with_name("fused_norm_interpreted.py")
 def test_norm_kernels_pass_under_the_triton_interpreter():
     result = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(INTERPRETED_TESTS)],
-        env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True,
-        cwd=INTERPRETED_TESTS.parent.parent, timeout=600,
+        env={**os.environ, "TRITON_INTERPRET": "1"},
+        capture_output=True,
+        text=True,
+        cwd=INTERPRETED_TESTS.parent.parent,
+        timeout=600,
     )
     report = result.stdout[-6000:] + result.stderr[-2000:]
     assert result.returncode == 0, report

@@ -2,6 +2,7 @@
 
 This is what `init_gain` relies on, checked exactly, and benchmarks/gradient_shares.py reporting it.
 """
+
 from __future__ import annotations
 
 import copy
@@ -28,7 +29,7 @@ def test_weight_standardized_filters_forward_alike_and_their_gradients_scale_as_
     torch.manual_seed(0)
     he = equivariant_resnet9("D1", in_channels=1, layout=(8, 16, 16)).eval().double()
     small = copy.deepcopy(he)
-    c = 2 ** 0.5 / 0.5  # He's gain over 0.5
+    c = 2**0.5 / 0.5  # He's gain over 0.5
     convs = [(a, b) for a, b in zip(he.modules(), small.modules()) if isinstance(a, SteerableConv2d)]
     with torch.no_grad():
         for a, b in convs:
@@ -46,8 +47,12 @@ def test_weight_standardized_filters_forward_alike_and_their_gradients_scale_as_
 
 def test_benchmark_reports_the_classifier_share_falling_with_the_gain(tmp_path, capsys):
     out = tmp_path / "shares.json"
-    assert load_benchmark("gradient_shares").main(["--dataset", "synthetic", "--group", "D1", "--gains", "1.4142,0.5",
-                                   "--examples", "6", "--out", str(out)]) == 0
+    assert (
+        load_benchmark("gradient_shares").main(
+            ["--dataset", "synthetic", "--group", "D1", "--gains", "1.4142,0.5", "--examples", "6", "--out", str(out)]
+        )
+        == 0
+    )
     result = json.loads(out.read_text())
     assert json.loads(capsys.readouterr().out) == result
     he, small = result["converted"]["1.4142"], result["converted"]["0.5"]
@@ -72,8 +77,23 @@ def test_benchmark_at_a_checkpoint_reports_the_trained_weights_norms(tmp_path, c
             p.mul_(1.5)  # not what a fresh model would hold
     torch.save({"model": model.state_dict()}, tmp_path / "checkpoint.pt")
     out = tmp_path / "trained.json"
-    assert load_benchmark("gradient_shares").main(["--dataset", "synthetic", "--group", "D1", "--examples", "6",
-                                   "--checkpoint", str(tmp_path / "checkpoint.pt"), "--out", str(out)]) == 0
+    assert (
+        load_benchmark("gradient_shares").main(
+            [
+                "--dataset",
+                "synthetic",
+                "--group",
+                "D1",
+                "--examples",
+                "6",
+                "--checkpoint",
+                str(tmp_path / "checkpoint.pt"),
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     capsys.readouterr()
     trained = json.loads(out.read_text())["trained"]
     x = (pad_images(images, padded_size(model, images.shape[-1])).float() / 255 - 0.5) / 0.5
@@ -81,7 +101,7 @@ def test_benchmark_at_a_checkpoint_reports_the_trained_weights_norms(tmp_path, c
     norms = []
     for i in range(len(labels)):
         model.zero_grad()
-        torch.nn.functional.cross_entropy(model(x[i:i + 1]), labels[i:i + 1]).backward()
+        torch.nn.functional.cross_entropy(model(x[i : i + 1]), labels[i : i + 1]).backward()
         norms.append(torch.cat([p.grad.flatten() for p in model.parameters()]).norm())
     norms = torch.stack(norms)
     assert abs(trained["median_norm"] - float(norms.median())) < 1e-4 * float(norms.median())

@@ -1,4 +1,5 @@
 """Group names, grid elements, and our pixel/channel action against escnn's own."""
+
 import pytest
 import torch
 
@@ -8,8 +9,21 @@ from equiconvert.convert.fields import FieldType
 from equiconvert.errors import GroupSpecError
 
 
-@pytest.mark.parametrize("name,order,grid", [("C1", 1, 1), ("C4", 4, 4), ("C8", 8, 4), ("C3", 3, 1), ("C16", 16, 4),
-                                             ("D1", 2, 2), ("D4", 8, 8), ("D8", 16, 8), ("D3", 6, 2), ("d2", 4, 4)])
+@pytest.mark.parametrize(
+    "name,order,grid",
+    [
+        ("C1", 1, 1),
+        ("C4", 4, 4),
+        ("C8", 8, 4),
+        ("C3", 3, 1),
+        ("C16", 16, 4),
+        ("D1", 2, 2),
+        ("D4", 8, 8),
+        ("D8", 16, 8),
+        ("D3", 6, 2),
+        ("d2", 4, 4),
+    ],
+)
 def test_parse_and_grid_elements(name, order, grid):
     group = parse_group(name)
     assert group.order == order
@@ -46,6 +60,7 @@ def test_action_matches_escnn(name):
     fields = FieldType(group, "regular", 3)
     x = torch.randn(2, fields.channels, 5, 5)
     escnn_type = enn.FieldType(gspace, [gspace.regular_repr] * 3)
+
     def key(value):  # escnn: (flip, rotation) for D_N, rotation for C_N, flip alone for D1
         if isinstance(value, tuple):
             return int(value[0]), int(value[1])

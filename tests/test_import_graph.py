@@ -2,6 +2,7 @@
 
 Run as a script to print the import graph's cycles: `python tests/test_import_graph.py [--all]`.
 """
+
 from __future__ import annotations
 
 import ast
@@ -23,7 +24,8 @@ def module_names(root: Path = PACKAGE) -> dict[str, Path]:
 def _is_type_checking(node: ast.If) -> bool:
     test = node.test
     return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
 
 
 def _import_nodes(tree: ast.Module, module_level: bool) -> list[ast.Import | ast.ImportFrom]:

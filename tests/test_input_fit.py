@@ -1,4 +1,5 @@
 """Any input size: invalid sizes are refused with the nearest valid ones, or fitted symmetrically and stay exact."""
+
 import pytest
 import torch
 import torchvision
@@ -10,8 +11,11 @@ from equiconvert.export import export
 from equiconvert.nn import InputFit
 
 GRID_ELEMENTS = {
-    "rot90": lambda x: x.rot90(1, (-2, -1)), "rot180": lambda x: x.rot90(2, (-2, -1)),
-    "rot270": lambda x: x.rot90(3, (-2, -1)), "flip": lambda x: x.flip(-1), "transpose": lambda x: x.transpose(-1, -2),
+    "rot90": lambda x: x.rot90(1, (-2, -1)),
+    "rot180": lambda x: x.rot90(2, (-2, -1)),
+    "rot270": lambda x: x.rot90(3, (-2, -1)),
+    "flip": lambda x: x.flip(-1),
+    "transpose": lambda x: x.transpose(-1, -2),
 }
 
 
@@ -48,15 +52,23 @@ def test_an_invalid_size_is_an_error_naming_the_nearest_valid_sizes():
 
 def _two_stride_two_stages():
     """Valid sizes 1 mod 4 (two stride-2 3x3 convs): 224 is not, 225 and 221 are."""
-    return nn.Sequential(nn.Conv2d(3, 4, 3, stride=2, padding=1), nn.ReLU(), nn.Conv2d(4, 4, 3, stride=2, padding=1),
-                         nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 3))
+    return nn.Sequential(
+        nn.Conv2d(3, 4, 3, stride=2, padding=1),
+        nn.ReLU(),
+        nn.Conv2d(4, 4, 3, stride=2, padding=1),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(4, 3),
+    )
 
 
 @pytest.mark.parametrize("option, target", [("pad_to_valid", 225), ("crop_to_valid", 221)])
 def test_224_fitted_is_exactly_invariant_under_every_grid_element(option, target):
     torch.manual_seed(0)
-    model = equiconvert.make_equivariant(_two_stride_two_stages(), "D4", input_size=224, head="invariant",
-                                         **{option: True}).eval()
+    model = equiconvert.make_equivariant(
+        _two_stride_two_stages(), "D4", input_size=224, head="invariant", **{option: True}
+    ).eval()
     report = model.report
     assert report.input_size == 224 and report.input_size_valid and report.valid_input_sizes == [224]
     assert report.input_fit.startswith(f"input 224 -> {target}")
@@ -71,7 +83,8 @@ def test_224_fitted_is_exactly_invariant_under_every_grid_element(option, target
     with torch.no_grad():
         lopsided = model(x)
         assert max(float((model(g(x)) - lopsided).abs().max()) for g in GRID_ELEMENTS.values()) > 1e-3 * float(
-            lopsided.abs().max())
+            lopsided.abs().max()
+        )
     model.network.input_fit = InputFit(224, target)
     assert equiconvert.check_equivariance(model, batch_size=1).max_error < 1e-5  # at 224, the model's own size
     plain = export(model)

@@ -1,4 +1,5 @@
 """`import equiconvert` and `equiconvert --help` load neither torchvision, timm nor escnn (each costs seconds)."""
+
 from __future__ import annotations
 
 import json
@@ -32,15 +33,19 @@ print(json.dumps(stages))
 @pytest.fixture(scope="module")
 def stages() -> dict[str, list[str]]:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-    done = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, env=env, cwd=REPO,
-                          timeout=300)
+    done = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, env=env, cwd=REPO, timeout=300)
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout.splitlines()[-1])
 
 
 def test_import_and_help_load_no_heavy_package(stages):
     assert {stage: heavy for stage, heavy in stages.items() if not stage.startswith("create_model")} == {
-        "import equiconvert": [], "--help": [], "convert --help": [], "train --help": [], "demo --help": []}
+        "import equiconvert": [],
+        "--help": [],
+        "convert --help": [],
+        "train --help": [],
+        "demo --help": [],
+    }
 
 
 def test_the_probe_sees_a_heavy_import(stages):

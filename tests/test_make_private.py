@@ -1,4 +1,5 @@
 """make_private: Opacus' per-example gradients and epsilon, Poisson batches, physical batching, noise, refusals."""
+
 import copy
 import math
 
@@ -64,8 +65,9 @@ def _private(model, data, batch_size=4, **options):
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     options = {"noise_multiplier": 1.0, "max_grad_norm": 1.0, "debug_seed": 0, **options}
     with pytest.warns(UserWarning, match="NOT differentially private"):
-        return make_private(module=model, optimizer=optimizer, data_loader=DataLoader(data, batch_size=batch_size),
-                            **options)
+        return make_private(
+            module=model, optimizer=optimizer, data_loader=DataLoader(data, batch_size=batch_size), **options
+        )
 
 
 def _ours(model, x, y, aug_mult=1):
@@ -81,8 +83,8 @@ def _naive(model, x, y):
     """Each example's gradient of its loss (the mean over its views when x is (B, K, ...)), one example at a time."""
     out = {name: [] for name, _ in model.named_parameters()}
     for i in range(x.shape[0]):
-        views = x[i] if x.dim() == 5 else x[i:i + 1]
-        loss = F.cross_entropy(model(views), y[i:i + 1].expand(views.shape[0]))
+        views = x[i] if x.dim() == 5 else x[i : i + 1]
+        loss = F.cross_entropy(model(views), y[i : i + 1].expand(views.shape[0]))
         for (name, _), g in zip(model.named_parameters(), torch.autograd.grad(loss, list(model.parameters()))):
             out[name].append(g)
     return {name: torch.stack(gs) for name, gs in out.items()}
@@ -116,8 +118,17 @@ def test_views_are_averaged_before_clipping(name):
 
 
 def test_in_place_activations_after_the_first_layer_are_allowed():
-    model = _perturbed(nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(inplace=True), nn.Conv2d(4, 4, 3),
-                                     nn.ReLU(inplace=True), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 10)))
+    model = _perturbed(
+        nn.Sequential(
+            nn.Conv2d(3, 4, 3),
+            nn.ReLU(inplace=True),
+            nn.Conv2d(4, 4, 3),
+            nn.ReLU(inplace=True),
+            nn.AdaptiveAvgPool2d(1),
+            nn.Flatten(),
+            nn.Linear(4, 10),
+        )
+    )
     x, y = torch.randn(4, 3, 9, 9), torch.randint(0, 10, (4,))
     _assert_close(_ours(copy.deepcopy(model), x, y), _naive(copy.deepcopy(model), x, y))
 
@@ -154,9 +165,13 @@ def test_embedding_per_sample_gradients_equal_a_naive_loop():
 
 def _epsilon_after_steps(engine, model, data, steps):
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    private, optimizer, loader = engine.make_private(module=model, optimizer=optimizer,
-                                                     data_loader=DataLoader(data, batch_size=4),
-                                                     noise_multiplier=0.8, max_grad_norm=1.0)
+    private, optimizer, loader = engine.make_private(
+        module=model,
+        optimizer=optimizer,
+        data_loader=DataLoader(data, batch_size=4),
+        noise_multiplier=0.8,
+        max_grad_norm=1.0,
+    )
     for x, y in list(loader)[:steps]:
         optimizer.zero_grad()
         F.cross_entropy(private(x), y).backward()
@@ -178,9 +193,14 @@ def test_poisson_loader_inclusion_statistics():
     data = TensorDataset(torch.arange(n))
     model = nn.Linear(1, 1)
     with pytest.warns(UserWarning, match="NOT differentially private"):
-        _, _, loader = make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-                                    data_loader=DataLoader(data, batch_size=batch), noise_multiplier=1.0,
-                                    max_grad_norm=1.0, debug_seed=3)
+        _, _, loader = make_private(
+            module=model,
+            optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+            data_loader=DataLoader(data, batch_size=batch),
+            noise_multiplier=1.0,
+            max_grad_norm=1.0,
+            debug_seed=3,
+        )
     assert len(loader) == n // batch and loader.sample_rate == pytest.approx(batch / n)
     masks = torch.zeros(epochs * len(loader), n)
     for row, (indices,) in enumerate(b for _ in range(epochs) for b in loader):
@@ -201,7 +221,7 @@ def test_an_empty_poisson_batch_keeps_its_shape_and_still_steps():
     data = TensorDataset(torch.randn(3, 3, 9, 9), torch.randint(0, 10, (3,)))
     private, optimizer, loader = _private(model, data, batch_size=1)
     loader.batch_sampler.sample_rate = 1e-12  # every batch empty
-    (x, y), = list(loader)[:1]
+    ((x, y),) = list(loader)[:1]
     assert x.shape == (0, 3, 9, 9) and y.shape == (0,) and y.dtype == torch.int64
     before = [p.detach().clone() for p in model.parameters()]
     optimizer.zero_grad()
@@ -213,8 +233,11 @@ def test_an_empty_poisson_batch_keeps_its_shape_and_still_steps():
 
 def _train(model, data, physical=None, steps=2):
     private, optimizer, loader = _private(model, data, batch_size=4)
-    batches = BatchMemoryManager(data_loader=loader, max_physical_batch_size=physical, optimizer=optimizer) \
-        if physical else None
+    batches = (
+        BatchMemoryManager(data_loader=loader, max_physical_batch_size=physical, optimizer=optimizer)
+        if physical
+        else None
+    )
     with batches if batches else _nullcontext(loader) as iterator:
         for x, y in iterator:
             optimizer.zero_grad()
@@ -297,22 +320,28 @@ def test_randomness_is_secret_unless_a_debug_seed_is_given():
     loaders = []
     for _ in range(2):
         model = nn.Linear(1, 1)
-        _, optimizer, loader = make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-                                            data_loader=DataLoader(data, batch_size=40), noise_multiplier=1.0,
-                                            max_grad_norm=1.0)
+        _, optimizer, loader = make_private(
+            module=model,
+            optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+            data_loader=DataLoader(data, batch_size=40),
+            noise_multiplier=1.0,
+            max_grad_norm=1.0,
+        )
         assert optimizer.private
         loaders.append([b[0].tolist() for b in loader])
     assert loaders[0] != loaders[1]
-    seeded = [[b[0].tolist() for b in _private(nn.Linear(1, 1), data, batch_size=40, debug_seed=5)[2]]
-              for _ in range(2)]
+    seeded = [
+        [b[0].tolist() for b in _private(nn.Linear(1, 1), data, batch_size=40, debug_seed=5)[2]] for _ in range(2)
+    ]
     assert seeded[0] == seeded[1]
 
 
 def test_target_epsilon_is_calibrated_and_enforced():
     model = PlainCNN()
     data = TensorDataset(torch.randn(16, 3, 9, 9), torch.randint(0, 10, (16,)))
-    private, optimizer, loader = _private(model, data, noise_multiplier=None, target_epsilon=3.0, target_delta=1e-5,
-                                          steps=4, accountant="rdp")
+    private, optimizer, loader = _private(
+        model, data, noise_multiplier=None, target_epsilon=3.0, target_delta=1e-5, steps=4, accountant="rdp"
+    )
     x, y = next(iter(loader))
     for _ in range(4):
         optimizer.zero_grad()
@@ -336,29 +365,49 @@ class SharedWeights(nn.Module):
         return self.b(self.a(x))
 
 
-@pytest.mark.parametrize("model, error, match", [
-    (lambda: nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4)), PrivacyValidationError,
-     r"1 \(torch.nn.modules.batchnorm.BatchNorm2d\): batch norm"),
-    (SharedWeights, BookkeepingUnsupportedError, "shared by layers 'a' and 'b'"),
-])
+@pytest.mark.parametrize(
+    "model, error, match",
+    [
+        (
+            lambda: nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4)),
+            PrivacyValidationError,
+            r"1 \(torch.nn.modules.batchnorm.BatchNorm2d\): batch norm",
+        ),
+        (SharedWeights, BookkeepingUnsupportedError, "shared by layers 'a' and 'b'"),
+    ],
+)
 def test_unsupported_models_are_refused_by_name(model, error, match):
     model = model()
     with pytest.raises(error, match=match):
-        make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-                     data_loader=DataLoader(TensorDataset(torch.randn(4, 3, 8, 8)), batch_size=2),
-                     noise_multiplier=1.0, max_grad_norm=1.0)
+        make_private(
+            module=model,
+            optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+            data_loader=DataLoader(TensorDataset(torch.randn(4, 3, 8, 8)), batch_size=2),
+            noise_multiplier=1.0,
+            max_grad_norm=1.0,
+        )
 
 
 def test_bad_inputs_fail_early_and_say_what_to_do():
     model, other = PlainCNN(), nn.Linear(2, 2)
     data = TensorDataset(torch.randn(8, 3, 9, 9), torch.randint(0, 10, (8,)))
     with pytest.raises(ValueError, match="not the module's"):
-        make_private(module=model, optimizer=torch.optim.SGD([*model.parameters(), *other.parameters()], lr=0.1),
-                     data_loader=DataLoader(data, batch_size=2), noise_multiplier=1.0, max_grad_norm=1.0)
+        make_private(
+            module=model,
+            optimizer=torch.optim.SGD([*model.parameters(), *other.parameters()], lr=0.1),
+            data_loader=DataLoader(data, batch_size=2),
+            noise_multiplier=1.0,
+            max_grad_norm=1.0,
+        )
     with pytest.raises(ValueError, match="not both"):
-        make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-                     data_loader=DataLoader(data, batch_size=2), noise_multiplier=1.0, target_epsilon=1.0,
-                     max_grad_norm=1.0)
+        make_private(
+            module=model,
+            optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+            data_loader=DataLoader(data, batch_size=2),
+            noise_multiplier=1.0,
+            target_epsilon=1.0,
+            max_grad_norm=1.0,
+        )
     private, _, _ = _private(model, data, aug_mult=2)
     with pytest.raises(ValueError, match=r"\(B, 2, ...\)"):
         private(torch.randn(2, 3, 9, 9))
@@ -369,8 +418,13 @@ def test_any_torch_optimizer_and_its_lr_scheduler_run_under_make_private():
     data = TensorDataset(torch.randn(12, 3, 9, 9), torch.randint(0, 10, (12,)))
     with pytest.warns(UserWarning, match="NOT differentially private"):
         private, optimizer, loader = make_private(
-            module=model, optimizer=torch.optim.Adam(model.parameters(), lr=0.01), data_loader=DataLoader(data, 4),
-            noise_multiplier=1.0, max_grad_norm=1.0, debug_seed=1)
+            module=model,
+            optimizer=torch.optim.Adam(model.parameters(), lr=0.01),
+            data_loader=DataLoader(data, 4),
+            noise_multiplier=1.0,
+            max_grad_norm=1.0,
+            debug_seed=1,
+        )
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
     for x, y in loader:
         optimizer.zero_grad()

@@ -1,4 +1,5 @@
 """bf16 autocast (precision="bf16"): the same computation as autocast's own backward, per example, in fp32."""
+
 import copy
 import json
 
@@ -19,8 +20,10 @@ MAX_GRAD_NORM = 0.01  # below every example's norm here: every example is clippe
 
 def _views_and_labels(batch=4, views=2, size=32):
     generator = torch.Generator().manual_seed(0)
-    return (torch.randn(batch, views, 3, size, size, generator=generator),
-            torch.randint(0, 10, (batch,), generator=generator))
+    return (
+        torch.randn(batch, views, 3, size, size, generator=generator),
+        torch.randint(0, 10, (batch,), generator=generator),
+    )
 
 
 def _autocast_gradient(model, views, labels):
@@ -33,10 +36,14 @@ def _autocast_gradient(model, views, labels):
     return {name: p.grad.clone() for name, p in model.named_parameters()}
 
 
-@pytest.mark.parametrize("make", [lambda: equivariant_resnet9("D4"),
-                                  lambda: equiconvert.make_equivariant(resnet9(widths=(8, 16, 32)), "C4",
-                                                                       head="invariant")],
-                         ids=["paper D4", "resnet9 C4"])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: equivariant_resnet9("D4"),
+        lambda: equiconvert.make_equivariant(resnet9(widths=(8, 16, 32)), "C4", head="invariant"),
+    ],
+    ids=["paper D4", "resnet9 C4"],
+)
 def test_bf16_per_example_gradients_sum_to_autocasts_gradient_and_are_fp32(make):
     torch.manual_seed(0)
     model = make().train()
@@ -50,7 +57,9 @@ def test_bf16_per_example_gradients_sum_to_autocasts_gradient_and_are_fp32(make)
     clipped, norms = clip_and_sum(grads, MAX_GRAD_NORM)
     assert bool((norms > MAX_GRAD_NORM).all())
     # every example contributes at most C: the sum of clipped gradients has norm <= B * C
-    assert float(per_sample_norms({n: v.unsqueeze(0) for n, v in clipped.items()})) <= len(labels) * MAX_GRAD_NORM * (1 + 1e-6)
+    assert float(per_sample_norms({n: v.unsqueeze(0) for n, v in clipped.items()})) <= len(labels) * MAX_GRAD_NORM * (
+        1 + 1e-6
+    )
 
 
 def _model():
@@ -62,8 +71,17 @@ def _data(n=32):
     return torch.randint(0, 256, (n, 3, 16, 16), dtype=torch.uint8, generator=generator), torch.arange(n) % 4
 
 
-OPTIONS = dict(target_epsilon=8.0, batch_size=8, steps=2, aug_mult=2, lr=0.5, progress=False, device="cpu",
-               physical_batch_size=8, insecure_seeded_noise=True)  # runs are compared: the same noise in each
+OPTIONS = dict(
+    target_epsilon=8.0,
+    batch_size=8,
+    steps=2,
+    aug_mult=2,
+    lr=0.5,
+    progress=False,
+    device="cpu",
+    physical_batch_size=8,
+    insecure_seeded_noise=True,
+)  # runs are compared: the same noise in each
 
 
 def test_a_bf16_run_takes_the_fp32_runs_steps_up_to_rounding():
@@ -131,10 +149,37 @@ def test_checkpoints_from_before_the_precision_option_resume_and_precision_is_pa
 
 def test_train_precision_reaches_the_trainer_and_the_result(tmp_path, capsys):
     out = tmp_path / "run"
-    code = main(["train", "--dataset", "synthetic", "--model", "equiconvert:resnet9", "--model-kwargs", "widths=8,16,32",
-                 "--group", "C4", "--steps", "1", "--batch-size", "8", "--aug-mult", "1", "--epsilon", "8",
-                 "--physical-batch-size", "8", "--set", "dp.precision=bf16", "--out", str(out), "--set", "run.progress=false",
-                 "--device", "cpu"])
+    code = main(
+        [
+            "train",
+            "--dataset",
+            "synthetic",
+            "--model",
+            "equiconvert:resnet9",
+            "--model-kwargs",
+            "widths=8,16,32",
+            "--group",
+            "C4",
+            "--steps",
+            "1",
+            "--batch-size",
+            "8",
+            "--aug-mult",
+            "1",
+            "--epsilon",
+            "8",
+            "--physical-batch-size",
+            "8",
+            "--set",
+            "dp.precision=bf16",
+            "--out",
+            str(out),
+            "--set",
+            "run.progress=false",
+            "--device",
+            "cpu",
+        ]
+    )
     assert code == 0
     result = json.loads((out / "result.json").read_text())
     assert result["precision"] == "bf16" and result["per_sample_method"] == "bookkeeping"

@@ -1,4 +1,5 @@
 """The plain-tensor equivariant modules, each checked against the group action."""
+
 import math
 
 import pytest
@@ -210,12 +211,14 @@ def test_uneven_group_norm_backward_equals_autograd_of_its_forward(num_fields, f
     """FieldGroupNorm's hand-written backward against autograd through the same ops (float64, with eps)."""
     from equiconvert.nn.norm import field_groups, normalize_field_groups
 
-    norm = FieldGroupNorm(num_fields, field_size, num_groups, affine=True, eps=1e-2).double()  # a large eps: its term counts
+    norm = FieldGroupNorm(
+        num_fields, field_size, num_groups, affine=True, eps=1e-2
+    ).double()  # a large eps: its term counts
     with torch.no_grad():
         norm.weight.normal_()
         norm.bias.normal_()
     generator = torch.Generator().manual_seed(0)
-    x = (torch.randn(3, num_fields * field_size, 5, 5, generator=generator, dtype=torch.float64) * 2 + 1)
+    x = torch.randn(3, num_fields * field_size, 5, 5, generator=generator, dtype=torch.float64) * 2 + 1
     x.requires_grad_(True)
     upstream = torch.randn(x.shape, generator=generator, dtype=torch.float64)
     grads = torch.autograd.grad((norm(x) * upstream).sum(), (x, norm.weight, norm.bias))

@@ -1,4 +1,5 @@
 """Opacus interop: per-sample gradients of steerable modules and a real make_private pipeline."""
+
 from __future__ import annotations
 
 import copy
@@ -31,12 +32,13 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 # --- per-layer checks ---------------------------------------------------------------------------
 
+
 def naive_per_sample(module: nn.Module, x: torch.Tensor, cotangent: torch.Tensor) -> dict[str, torch.Tensor]:
     """Each sample's gradient of <module(x_i), cotangent_i>, one backward pass per sample."""
     grads = []
     for i in range(x.shape[0]):
         module.zero_grad(set_to_none=True)
-        (module(x[i:i + 1]) * cotangent[i:i + 1]).sum().backward()
+        (module(x[i : i + 1]) * cotangent[i : i + 1]).sum().backward()
         grads.append({n: p.grad.detach().clone() for n, p in module.named_parameters()})
     module.zero_grad(set_to_none=True)
     return {n: torch.stack([g[n] for g in grads]) for n in grads[0]}
@@ -74,14 +76,32 @@ CONV_CASES = {
     "depthwise_per_field": (10, 8, 8, 4, 4, 3, dict(padding=1, groups=4), (7, 8)),
     "depthwise_multiplier2": (10, 8, 8, 3, 6, 3, dict(padding="same", groups=3, bias=False), (8, 7)),
     "reflect": (12, 8, 8, 2, 3, 3, dict(padding=1, padding_mode="reflect"), (8, 9)),
-    "reflect_tuple_stride_groups": (7, 4, 4, 4, 2, 3, dict(padding=(1, 2), padding_mode="reflect", stride=2, groups=2), (9, 8)),
+    "reflect_tuple_stride_groups": (
+        7,
+        4,
+        4,
+        4,
+        2,
+        3,
+        dict(padding=(1, 2), padding_mode="reflect", stride=2, groups=2),
+        (9, 8),
+    ),
     "circular_no_bias": (5, 8, 1, 3, 2, 3, dict(padding=1, padding_mode="circular", bias=False), (6, 7)),
     "replicate_dilated": (5, 4, 2, 2, 3, 3, dict(padding=2, dilation=2, padding_mode="replicate"), (8, 8)),
     "mixed_k5": (9, 4, 2, 4, 6, 5, dict(padding=(2, 1), stride=(2, 1), dilation=(1, 2), groups=2), (11, 10)),
     "one_by_one": (3, 8, 8, 3, 5, 1, dict(), (5, 6)),
     "regular_to_trivial_no_padding": (4, 1, 8, 3, 2, 3, dict(), (7, 7)),
     "weight_standardization": (12, 8, 8, 2, 3, 3, dict(padding=1, weight_standardization=True), (8, 8)),
-    "weight_standardization_groups": (6, 4, 4, 4, 4, 3, dict(padding=1, groups=2, weight_standardization=True, bias=False), (7, 6)),
+    "weight_standardization_groups": (
+        6,
+        4,
+        4,
+        4,
+        4,
+        3,
+        dict(padding=1, groups=2, weight_standardization=True, bias=False),
+        (7, 6),
+    ),
 }
 
 
@@ -121,8 +141,11 @@ def test_empty_batch():
     conv = SteerableConv2d(torch.randn(3, 4, 4, 3, 3), 2, 2, padding=1, weight_standardization=True)
     norm = FieldGroupNorm(4, 4, 2)  # even groups: FieldGroupNorm's uneven path cannot run an empty batch
     standardization = GroupStandardization(3, parse_group("O2").layout, 2, affine=True)
-    for layer, x in ((conv, torch.randn(0, 8, 5, 5)), (norm, torch.randn(0, 16, 5, 5)),
-                     (standardization, torch.randn(0, 27, 5, 5))):
+    for layer, x in (
+        (conv, torch.randn(0, 8, 5, 5)),
+        (norm, torch.randn(0, 16, 5, 5)),
+        (standardization, torch.randn(0, 27, 5, 5)),
+    ):
         backprops = torch.zeros_like(layer(x))
         grads = GradSampleModule.GRAD_SAMPLERS[type(layer)](layer, [x], backprops)
         norms = GradSampleModuleFastGradientClipping.NORM_SAMPLERS[type(layer)](layer, [x], backprops)
@@ -159,8 +182,11 @@ def test_norm_samplers_match_naive_norms():
     standardization = GroupStandardization(4, parse_group("O2").layout, 3, affine=True).double()
     with torch.no_grad():
         standardization.bias.normal_()
-    for layer, x in ((conv, torch.randn(3, 16, 6, 6)), (norm, torch.randn(3, 20, 4, 4)),
-                     (standardization, torch.randn(3, 36, 5, 4))):
+    for layer, x in (
+        (conv, torch.randn(3, 16, 6, 6)),
+        (norm, torch.randn(3, 20, 4, 4)),
+        (standardization, torch.randn(3, 36, 5, 4)),
+    ):
         x = x.double()
         backprops = torch.randn_like(layer(x))
         expected = naive_per_sample(copy.deepcopy(layer), x, backprops)
@@ -203,6 +229,7 @@ def test_missing_opacus_gives_clear_import_error():
 
 
 # --- the converted ResNet9 ----------------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def converted() -> nn.Module:
@@ -298,8 +325,9 @@ def test_resnet9_per_sample_grads_match_vmap(model):
 def o2_model() -> nn.Module:
     """A whole O(2) ResNet9: gated fields, GroupStandardization (affine), norm max pooling, invariant map."""
     torch.manual_seed(0)
-    model = equiconvert.make_equivariant(resnet9(num_classes=10, widths=(8, 16, 32)), "O2", head="invariant",
-                                         input_size=32).train()
+    model = equiconvert.make_equivariant(
+        resnet9(num_classes=10, widths=(8, 16, 32)), "O2", head="invariant", input_size=32
+    ).train()
     assert GroupStandardization in {type(m) for m in model.modules()}
     return model
 
@@ -310,8 +338,10 @@ def test_o2_resnet9_make_private_with_default_arguments_trains_two_steps(o2_mode
 
 def test_o2_resnet9_opacus_per_sample_grads_match_vmap(o2_model):
     errors = _assert_opacus_per_sample_grads_match_vmap(o2_model)
-    print(f"O2 resnet9: Opacus vs torch.func per-sample gradients, max relative error {max(errors.values()):.1e} "
-          f"over {len(errors)} parameters")
+    print(
+        f"O2 resnet9: Opacus vs torch.func per-sample gradients, max relative error {max(errors.values()):.1e} "
+        f"over {len(errors)} parameters"
+    )
 
 
 def test_functorch_mode_per_sample_grads_match_vmap(model):
@@ -343,7 +373,7 @@ def test_every_parameter_gets_a_grad_sample(model):
     # and no parameter-free module mixes samples (what per-sample clipping could not see)
     with torch.no_grad():
         together = model(x)
-        alone = torch.cat([model(x[i:i + 1]) for i in range(3)])
+        alone = torch.cat([model(x[i : i + 1]) for i in range(3)])
     assert rel_err(together, alone) < RTOL
 
 
@@ -351,8 +381,6 @@ def test_ghost_clipping_norms_match_exact(model):
     x, y = torch.randn(4, 3, 32, 32), torch.randint(0, 10, (4,))
     expected = _exact_per_sample(model, x, y)
     exact_norms = torch.stack([g.reshape(4, -1).pow(2).sum(1) for g in expected.values()]).sum(0).sqrt()
-    gsm = GradSampleModuleFastGradientClipping(
-        model, max_grad_norm=1.0, use_ghost_clipping=True, loss_reduction="sum"
-    )
+    gsm = GradSampleModuleFastGradientClipping(model, max_grad_norm=1.0, use_ghost_clipping=True, loss_reduction="sum")
     F.cross_entropy(gsm(x), y, reduction="sum").backward()
     assert rel_err(gsm.get_norm_sample(), exact_norms) < RTOL

@@ -1,4 +1,5 @@
 """Pretrained weights: the builders pass them through, and conversion says which layers keep them."""
+
 import json
 
 import pytest
@@ -54,9 +55,17 @@ def test_timm_builder_passes_pretrained_and_refuses_a_weights_name(monkeypatch):
 
 
 def test_conversion_of_a_pretrained_model_warns_and_lists_the_layers():
-    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.GroupNorm(2, 8), nn.ReLU(), nn.AdaptiveAvgPool2d(1),
-                          nn.Flatten(), nn.Linear(8, 4))
-    with pytest.warns(UserWarning, match=r"do not carry over to 3 of its 3 parametrised layers.*kept their weights: none"):
+    model = nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1),
+        nn.GroupNorm(2, 8),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(8, 4),
+    )
+    with pytest.warns(
+        UserWarning, match=r"do not carry over to 3 of its 3 parametrised layers.*kept their weights: none"
+    ):
         converted = equiconvert.make_equivariant(model, "C4", head="invariant", pretrained=True)
     report = converted.report
     assert report.weights_kept == [] and report.weights_reinitialised == ["0", "1", "5"]
@@ -78,8 +87,9 @@ def test_weight_transfer_keeps_layers_with_the_same_name_shape_and_values():
 
 def test_convert_cli_pretrained_flag(fake_torchvision_weights, capsys):
     with pytest.warns(UserWarning, match="freshly initialised"):
-        assert cli.main(["convert", "torchvision:resnet18", "--group", "C4", "--pretrained", "--no-check",
-                         "--json"]) == 0
+        assert (
+            cli.main(["convert", "torchvision:resnet18", "--group", "C4", "--pretrained", "--no-check", "--json"]) == 0
+        )
     data = json.loads(capsys.readouterr().out)
     assert fake_torchvision_weights[-1] == {"weights": "DEFAULT"}
     assert data["weights_kept"] == [] and "conv1" in data["weights_reinitialised"]

@@ -4,6 +4,7 @@ Reference values: RDP/PRV epsilons of Opacus for sigma=1.5, q=0.04, delta=1e-5;
 get_noise_multiplier for epsilon=8 over 2000 steps; and, for full-batch
 (q=1) DP-SGD, the exact mu-GDP trade-off of the composed Gaussian mechanism.
 """
+
 from __future__ import annotations
 
 import math
@@ -103,7 +104,9 @@ def test_calibration_repairs_a_proposal_above_or_far_below_target(monkeypatch, f
 
 
 def test_unreachable_target_is_a_clear_error() -> None:
-    with pytest.raises(PrivacyBudgetError, match=r"unreachable.*smallest epsilon RDP certifies here is 0\.0084; the PRV"):
+    with pytest.raises(
+        PrivacyBudgetError, match=r"unreachable.*smallest epsilon RDP certifies here is 0\.0084; the PRV"
+    ):
         calibrate_noise_multiplier(1e-7, DELTA, RATE, 2000, "rdp")
     assert issubclass(PrivacyBudgetError, EquiconvertError)
 
@@ -134,7 +137,8 @@ def test_small_budgets_get_the_tighter_bound_of_more_orders() -> None:
 def test_more_orders_leave_ordinary_budgets_unchanged() -> None:
     for sigma, rate, steps in [(SIGMA, RATE, 2250), (1.8115, 2048 / 60000, 1000), (4.98, 8192 / 50000, 2200)]:
         assert compute_epsilon("rdp", sigma, rate, steps, DELTA) == pytest.approx(
-            _opacus_rdp_epsilon(sigma, rate, steps, RDPAccountant.DEFAULT_ALPHAS), rel=1e-12)
+            _opacus_rdp_epsilon(sigma, rate, steps, RDPAccountant.DEFAULT_ALPHAS), rel=1e-12
+        )
 
 
 @pytest.mark.parametrize("kind", ACCOUNTANTS)
@@ -244,7 +248,10 @@ def test_ledger_refuses_unknown_accountant_and_bad_settings() -> None:
 # --- validate_dp_safe -----------------------------------------------------------
 def test_all_batch_norms_are_reported_in_one_error() -> None:
     model = nn.Sequential(
-        nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.Flatten(),
+        nn.Conv2d(3, 8, 3),
+        nn.BatchNorm2d(8),
+        nn.ReLU(),
+        nn.Flatten(),
         nn.Sequential(nn.Linear(8, 4), nn.BatchNorm1d(4)),
     )
     with pytest.raises(PrivacyValidationError) as info:
@@ -262,8 +269,9 @@ def test_batch_norm_is_rejected_in_eval_mode_and_as_root() -> None:
 
 
 def test_group_norm_model_passes() -> None:
-    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.GroupNorm(4, 8), nn.ReLU(), nn.Dropout(0.1),
-                          nn.InstanceNorm2d(8), nn.LayerNorm([8]))
+    model = nn.Sequential(
+        nn.Conv2d(3, 8, 3), nn.GroupNorm(4, 8), nn.ReLU(), nn.Dropout(0.1), nn.InstanceNorm2d(8), nn.LayerNorm([8])
+    )
     validate_dp_safe(model)
 
 
@@ -276,7 +284,9 @@ def test_instance_norm_with_running_stats_is_rejected() -> None:
 def test_escnn_batch_norm_is_rejected_without_importing_escnn() -> None:
     IIDBatchNorm2d = type("IIDBatchNorm2d", (nn.Module,), {"__module__": "escnn.nn.modules.batchnormalization.iid"})
     model = nn.Sequential(nn.Conv2d(3, 8, 3), IIDBatchNorm2d())
-    with pytest.raises(PrivacyValidationError, match=r"1 \(escnn\.nn\.modules\.batchnormalization\.iid\.IIDBatchNorm2d\)"):
+    with pytest.raises(
+        PrivacyValidationError, match=r"1 \(escnn\.nn\.modules\.batchnormalization\.iid\.IIDBatchNorm2d\)"
+    ):
         validate_dp_safe(model)
 
 

@@ -1,4 +1,5 @@
 """The one-run privacy audit: its bound against hand-computed answers, and against broken and real DP-SGD."""
+
 from __future__ import annotations
 
 import json
@@ -29,11 +30,14 @@ def _all_correct_bound(guesses: int, beta: float) -> float:
 @pytest.mark.parametrize("guesses", [5, 10, 40])
 def test_all_correct_bound_matches_closed_form(guesses):
     assert epsilon_lower_bound(guesses, guesses, 1000, delta=0.0, beta=0.05) == pytest.approx(
-        _all_correct_bound(guesses, 0.05), abs=1e-9)
+        _all_correct_bound(guesses, 0.05), abs=1e-9
+    )
 
 
 def test_ten_of_ten_correct_bound_epsilon_by_1_052():
-    assert epsilon_lower_bound(10, 10, 10, delta=0.0, beta=0.05) == pytest.approx(1.0519, abs=1e-4)  # logit(0.05 ** 0.1)
+    assert epsilon_lower_bound(10, 10, 10, delta=0.0, beta=0.05) == pytest.approx(
+        1.0519, abs=1e-4
+    )  # logit(0.05 ** 0.1)
 
 
 def test_no_or_chance_level_correct_guesses_bound_nothing():
@@ -134,8 +138,18 @@ def _audit(trainer_class: type[DPTrainer], score: str, seed: int):
     model = nn.Sequential(nn.Flatten(), nn.Linear(3 * 16 * 16, data.num_classes))
     canaries = make_canaries(data.image_shape, data.num_classes, CANARIES, seed=seed + 100)
     options = {**AUDIT_DEFAULTS, "target_epsilon": CLAIMED_EPSILON, "delta": 1e-5, "seed": seed}
-    return run_audit(model, data.as_tuple(), canaries, guesses_included=GUESSES, guesses_excluded=GUESSES,
-                     score=score, inclusion_seed=seed, trainer_class=trainer_class, device="cpu", **options)
+    return run_audit(
+        model,
+        data.as_tuple(),
+        canaries,
+        guesses_included=GUESSES,
+        guesses_excluded=GUESSES,
+        score=score,
+        inclusion_seed=seed,
+        trainer_class=trainer_class,
+        device="cpu",
+        **options,
+    )
 
 
 @pytest.mark.parametrize("score", sorted(SCORES))
@@ -167,16 +181,36 @@ def test_run_audit_refuses_bad_arguments_before_training():
     with pytest.raises(ValueError, match="unknown audit score 'mia'"):
         run_audit(model, data.as_tuple(), canaries, guesses_included=2, guesses_excluded=2, score="mia")
     with pytest.raises(ValueError, match="shape and dtype"):
-        run_audit(model, data.as_tuple(), make_canaries((3, 8, 8), data.num_classes, 10, seed=0),
-                  guesses_included=2, guesses_excluded=2)
+        run_audit(
+            model,
+            data.as_tuple(),
+            make_canaries((3, 8, 8), data.num_classes, 10, seed=0),
+            guesses_included=2,
+            guesses_excluded=2,
+        )
     with pytest.raises(ValueError, match="at least 2 canaries"):
         make_canaries(data.image_shape, data.num_classes, 1, seed=0)
 
 
 def test_audit_cli_writes_json_and_refuses_a_non_empty_out(tmp_path, capsys):
     out = tmp_path / "audit"
-    argv = ["audit", "--out", str(out), "--num-examples", "128", "--canaries", "60", "--guesses", "10",
-            "--steps", "20", "--batch-size", "32", "--device", "cpu"]
+    argv = [
+        "audit",
+        "--out",
+        str(out),
+        "--num-examples",
+        "128",
+        "--canaries",
+        "60",
+        "--guesses",
+        "10",
+        "--steps",
+        "20",
+        "--batch-size",
+        "32",
+        "--device",
+        "cpu",
+    ]
     assert main(argv) == 0
     record = json.loads((out / "audit.json").read_text())
     assert json.loads(capsys.readouterr().out) == record

@@ -1,4 +1,5 @@
 """Checkpoints and output folders: safe loading, clear errors, one run per --out, crash leftovers."""
+
 from __future__ import annotations
 
 import json
@@ -19,11 +20,42 @@ from equiconvert.privacy.checkpoint import CheckpointError, load, save_atomic
 from equiconvert.privacy.trainer import DPTrainer
 
 ROOT = Path(__file__).resolve().parents[1]
-OPTIONS = dict(noise_multiplier=1.0, target_epsilon=None, batch_size=8, steps=2, aug_mult=1, lr=1.0, ema_decay=None,
-               augment_padding=0, augment_flip=False, progress=False, checkpoint_every=1)
-TRAIN = ["train", "--dataset", "synthetic", "--model", "equiconvert:resnet9", "--model-kwargs", "widths=4,8,8", "--group", "none",
-         "--steps", "1", "--batch-size", "8", "--aug-mult", "1", "--physical-batch-size", "8", "--set", "run.progress=false",
-         "--device", "cpu"]
+OPTIONS = dict(
+    noise_multiplier=1.0,
+    target_epsilon=None,
+    batch_size=8,
+    steps=2,
+    aug_mult=1,
+    lr=1.0,
+    ema_decay=None,
+    augment_padding=0,
+    augment_flip=False,
+    progress=False,
+    checkpoint_every=1,
+)
+TRAIN = [
+    "train",
+    "--dataset",
+    "synthetic",
+    "--model",
+    "equiconvert:resnet9",
+    "--model-kwargs",
+    "widths=4,8,8",
+    "--group",
+    "none",
+    "--steps",
+    "1",
+    "--batch-size",
+    "8",
+    "--aug-mult",
+    "1",
+    "--physical-batch-size",
+    "8",
+    "--set",
+    "run.progress=false",
+    "--device",
+    "cpu",
+]
 
 
 def _linear() -> nn.Module:
@@ -33,8 +65,6 @@ def _linear() -> nn.Module:
 def _data() -> tuple[torch.Tensor, torch.Tensor]:
     generator = torch.Generator().manual_seed(1)
     return torch.rand(32, 1, 4, 4, generator=generator), torch.randint(0, 3, (32,), generator=generator)
-
-
 
 
 class _Payload:
@@ -64,8 +94,9 @@ def test_every_file_read_uses_weights_only():
     assert not unsafe, unsafe
 
 
-@pytest.mark.parametrize("content", [b"", b"PK\x03\x04 truncated", b"not a checkpoint at all"],
-                         ids=["empty", "truncated", "corrupt"])
+@pytest.mark.parametrize(
+    "content", [b"", b"PK\x03\x04 truncated", b"not a checkpoint at all"], ids=["empty", "truncated", "corrupt"]
+)
 def test_bad_checkpoint_is_one_clear_line(tmp_path, capsys, content):
     out = tmp_path / "run"
     assert main([*TRAIN, "--out", str(out)]) == 0

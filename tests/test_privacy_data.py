@@ -1,4 +1,5 @@
 """Poisson sampling, augmentation multiplicity, metrics and EMA of the DP training loop."""
+
 from __future__ import annotations
 
 import math
@@ -108,8 +109,10 @@ def test_physical_chunks() -> None:
 def _naive_view(image: torch.Tensor, dy: int, dx: int, flipped: bool, padding: int) -> torch.Tensor:
     """Reference: pad one (C, H, W) image, crop at (dy, dx), maybe flip."""
     h, w = image.shape[-2:]
-    padded = F.pad(image[None].to(torch.float64), (padding,) * 4, mode="reflect")[0] if padding else image.to(torch.float64)
-    crop = padded[:, dy:dy + h, dx:dx + w]
+    padded = (
+        F.pad(image[None].to(torch.float64), (padding,) * 4, mode="reflect")[0] if padding else image.to(torch.float64)
+    )
+    crop = padded[:, dy : dy + h, dx : dx + w]
     return (crop.flip(-1) if flipped else crop).to(image.dtype)
 
 
@@ -159,7 +162,9 @@ def test_augment_views_are_some_padded_crop_and_vary() -> None:
     for i in range(batch):
         candidates = {
             (dy, dx, f): _naive_view(images[i], dy, dx, f, p)
-            for dy in range(2 * p + 1) for dx in range(2 * p + 1) for f in (False, True)
+            for dy in range(2 * p + 1)
+            for dx in range(2 * p + 1)
+            for f in (False, True)
         }
         for v in range(1, k):
             matches = [key for key, cand in candidates.items() if torch.equal(views[i, v], cand)]
@@ -210,13 +215,16 @@ def test_metrics_uniform_logits() -> None:
 
 def test_metrics_hand_made_ece_and_brier() -> None:
     # Binary problem, probabilities given directly (logits = log p).
-    probs = torch.tensor([
-        [0.95, 0.05],  # conf 0.95, correct  -> bin (0.9, 1.0]
-        [0.95, 0.05],  # conf 0.95, wrong    -> bin (0.9, 1.0]
-        [0.35, 0.65],  # conf 0.65, correct  -> bin (0.6, 0.7]
-        [0.70, 0.30],  # conf 0.70, correct  -> bin (0.6, 0.7] (upper edge inclusive)
-        [0.45, 0.55],  # conf 0.55, wrong    -> bin (0.5, 0.6]
-    ], dtype=torch.float64)
+    probs = torch.tensor(
+        [
+            [0.95, 0.05],  # conf 0.95, correct  -> bin (0.9, 1.0]
+            [0.95, 0.05],  # conf 0.95, wrong    -> bin (0.9, 1.0]
+            [0.35, 0.65],  # conf 0.65, correct  -> bin (0.6, 0.7]
+            [0.70, 0.30],  # conf 0.70, correct  -> bin (0.6, 0.7] (upper edge inclusive)
+            [0.45, 0.55],  # conf 0.55, wrong    -> bin (0.5, 0.6]
+        ],
+        dtype=torch.float64,
+    )
     labels = torch.tensor([0, 1, 1, 0, 0])
     m = classification_metrics(probs.log(), labels, num_bins=10)
     # Bins: {0.95, 0.95}: acc 0.5, conf 0.95 -> 2/5 * 0.45
@@ -302,8 +310,14 @@ def test_the_trainer_warns_when_its_ema_decay_is_never_reached() -> None:
     from equiconvert.privacy import DPTrainer
 
     with pytest.warns(UserWarning, match="EMA decay 0.999 is never reached in 300 steps"):
-        DPTrainer(nn.Sequential(nn.Flatten(), nn.Linear(4, 2)), device="cpu", steps=300, ema_decay=0.999,
-                  noise_multiplier=1.0, progress=False)
+        DPTrainer(
+            nn.Sequential(nn.Flatten(), nn.Linear(4, 2)),
+            device="cpu",
+            steps=300,
+            ema_decay=0.999,
+            noise_multiplier=1.0,
+            progress=False,
+        )
 
 
 def test_ema_converges_to_constant_params_and_copies_buffers() -> None:
@@ -421,8 +435,11 @@ def test_everything_runs_on_cuda() -> None:
     ema = ExponentialMovingAverage(model)
     ema.update(model, 0)
     state = ema.state_dict()
-    cpu_state = {**state, "params": {k: v.cpu() for k, v in state["params"].items()},
-                 "buffers": {k: v.cpu() for k, v in state["buffers"].items()}}
+    cpu_state = {
+        **state,
+        "params": {k: v.cpu() for k, v in state["params"].items()},
+        "buffers": {k: v.cpu() for k, v in state["buffers"].items()},
+    }
     ema.load_state_dict(cpu_state)  # checkpoints load on CPU
     assert all(t.device.type == "cuda" for t in ema.params.values())
     with ema.applied(model):

@@ -3,6 +3,7 @@
 One job of 2 spawned processes (the `job` fixture) runs every distributed scenario once and saves what each
 rank saw; the tests below check one property each on those records.
 """
+
 from __future__ import annotations
 
 import json
@@ -33,14 +34,17 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def _model() -> nn.Module:
-    return nn.Sequential(nn.Conv2d(3, 4, 3), nn.GroupNorm(2, 4), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
-                         nn.Linear(4, 3))
+    return nn.Sequential(
+        nn.Conv2d(3, 4, 3), nn.GroupNorm(2, 4), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 3)
+    )
 
 
 def _data(n: int = 64, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     generator = torch.Generator().manual_seed(seed)
-    return (torch.randint(0, 256, (n, 3, 8, 8), dtype=torch.uint8, generator=generator),
-            torch.randint(0, 3, (n,), generator=generator))
+    return (
+        torch.randint(0, 256, (n, 3, 8, 8), dtype=torch.uint8, generator=generator),
+        torch.randint(0, 3, (n,), generator=generator),
+    )
 
 
 class _FixedSampler:
@@ -54,19 +58,35 @@ class _FixedSampler:
 
 
 def _trainer(context: DistributedContext, out_dir: Path | None = None, **options) -> DPTrainer:
-    settings = {"target_epsilon": 8.0, "batch_size": 16, "steps": 4, "aug_mult": 2, "lr": 0.5, "momentum": 0.9,
-                "physical_batch_size": 8, "ema_decay": 0.99, "epsilon_every": 1, "checkpoint_every": 1,
-                "eval_batch_size": 7,
-                # runs compared with each other need the same noise; the log test reads the batch sizes
-                "insecure_seeded_noise": True, "log_nonprivate_stats": True}
+    settings = {
+        "target_epsilon": 8.0,
+        "batch_size": 16,
+        "steps": 4,
+        "aug_mult": 2,
+        "lr": 0.5,
+        "momentum": 0.9,
+        "physical_batch_size": 8,
+        "ema_decay": 0.99,
+        "epsilon_every": 1,
+        "checkpoint_every": 1,
+        "eval_batch_size": 7,
+        # runs compared with each other need the same noise; the log test reads the batch sizes
+        "insecure_seeded_noise": True,
+        "log_nonprivate_stats": True,
+    }
     settings.update(options)
     return DPTrainer(_model(), device="cpu", out_dir=out_dir, progress=False, distributed=context, **settings)
 
 
 def _states(trainer: DPTrainer) -> dict:
-    return {"model": trainer.model.state_dict(), "optimizer": trainer.optimizer.state_dict(),
-            "ema": trainer.ema.state_dict(), "ledger": trainer.ledger.state_dict(), "step": trainer.step,
-            "sampler": trainer.sampler.state_dict()}
+    return {
+        "model": trainer.model.state_dict(),
+        "optimizer": trainer.optimizer.state_dict(),
+        "ema": trainer.ema.state_dict(),
+        "ledger": trainer.ledger.state_dict(),
+        "step": trainer.step,
+        "sampler": trainer.sampler.state_dict(),
+    }
 
 
 def _worker(rank: int, root: str) -> None:
@@ -100,8 +120,9 @@ def _worker(rank: int, root: str) -> None:
     noisy = _trainer(context, noise_multiplier=SIGMA, target_epsilon=None, max_grad_norm=CLIP, batch_size=8)
     noisy._prepare_privacy(len(data[0]))
     noisy.sampler = _FixedSampler(torch.empty(0, dtype=torch.long), noisy.sampler.sample_rate)
-    saved["noise"] = [torch.cat([g.flatten() for g in noisy._noisy_gradient(*data)[0].values()]) * 8
-                      for _ in range(NOISE_STEPS)]
+    saved["noise"] = [
+        torch.cat([g.flatten() for g in noisy._noisy_gradient(*data)[0].values()]) * 8 for _ in range(NOISE_STEPS)
+    ]
 
     # a training run, uninterrupted, and the same run stopped after its first step and resumed
     eval_set = _data(21, seed=1)
@@ -201,8 +222,9 @@ def test_only_rank_zero_writes_and_the_log_has_each_step_once(job):
     root, _ = job
     records = [json.loads(line) for line in (root / "straight" / "log.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if "batch_size" in r] == [1, 2, 3, 4]
-    assert all(isinstance(r["train_loss"], float) and isinstance(r["batch_size"], int) for r in records
-               if "batch_size" in r)
+    assert all(
+        isinstance(r["train_loss"], float) and isinstance(r["batch_size"], int) for r in records if "batch_size" in r
+    )
     state = torch.load(root / "straight" / "checkpoint.pt", weights_only=True)
     assert state["world_size"] == WORLD and len(state["other_ranks"]) == WORLD - 1
     assert state["other_ranks"][0]["sampler"]["shard"] == (1, WORLD)
@@ -244,10 +266,36 @@ def test_training_loop_waits_for_the_device_only_at_log_steps(monkeypatch):
 
 def test_nproc_per_node_launches_workers_through_torchrun(tmp_path):
     out = tmp_path / "run"
-    command = [sys.executable, "-m", "equiconvert", "train", "--nproc-per-node", "2", "--dataset", "synthetic",
-               "--model", "equiconvert:resnet9", "--model-kwargs", "widths=4,8,8", "--group", "none", "--steps", "2",
-               "--batch-size", "16", "--aug-mult", "1", "--physical-batch-size", "16", "--out", str(out),
-               "--set", "run.progress=false", "--device", "cpu"]
+    command = [
+        sys.executable,
+        "-m",
+        "equiconvert",
+        "train",
+        "--nproc-per-node",
+        "2",
+        "--dataset",
+        "synthetic",
+        "--model",
+        "equiconvert:resnet9",
+        "--model-kwargs",
+        "widths=4,8,8",
+        "--group",
+        "none",
+        "--steps",
+        "2",
+        "--batch-size",
+        "16",
+        "--aug-mult",
+        "1",
+        "--physical-batch-size",
+        "16",
+        "--out",
+        str(out),
+        "--set",
+        "run.progress=false",
+        "--device",
+        "cpu",
+    ]
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     finished = subprocess.run(command, check=False, capture_output=True, text=True, env=env, timeout=300)
     assert finished.returncode == 0, finished.stderr[-2000:]

@@ -1,4 +1,5 @@
 """Bad inputs refused up front with clear errors: non-finite data, labels, delta, budget, frozen parameters."""
+
 from __future__ import annotations
 
 import re
@@ -18,8 +19,18 @@ from equiconvert.privacy.inputs import InvalidDataError
 from equiconvert.privacy.trainer import DPTrainer
 
 N, SIZE, CLASSES = 32, 4, 3
-OPTIONS = dict(noise_multiplier=1.0, target_epsilon=None, batch_size=8, steps=1, aug_mult=1, lr=1.0,
-               ema_decay=None, augment_padding=0, augment_flip=False, progress=False)
+OPTIONS = dict(
+    noise_multiplier=1.0,
+    target_epsilon=None,
+    batch_size=8,
+    steps=1,
+    aug_mult=1,
+    lr=1.0,
+    ema_decay=None,
+    augment_padding=0,
+    augment_flip=False,
+    progress=False,
+)
 
 
 def _linear() -> nn.Module:
@@ -29,8 +40,6 @@ def _linear() -> nn.Module:
 def _data() -> tuple[torch.Tensor, torch.Tensor]:
     generator = torch.Generator().manual_seed(1)
     return torch.rand(N, 1, SIZE, SIZE, generator=generator), torch.randint(0, CLASSES, (N,), generator=generator)
-
-
 
 
 # --- non-finite inputs and gradients ----------------------------------------------------------------------------
@@ -120,8 +129,9 @@ def test_frozen_parameters_get_no_gradient_no_noise_and_both_methods_agree():
         model = nn.Sequential(nn.Flatten(), nn.Linear(SIZE * SIZE, 8), nn.Tanh(), nn.Linear(8, CLASSES))
         model[1].requires_grad_(False)
         frozen = model[1].weight.detach().clone()
-        trainer = DPTrainer(model, per_sample_method=method, insecure_seeded_noise=True,
-                            **{**OPTIONS, "steps": 2, "batch_size": 16})
+        trainer = DPTrainer(
+            model, per_sample_method=method, insecure_seeded_noise=True, **{**OPTIONS, "steps": 2, "batch_size": 16}
+        )
         params = {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
         grads, _ = trainer._per_sample_gradients(params, {}, trainer._normalize(images[:4]).unsqueeze(1), labels[:4])
         assert set(grads) == {"3.weight", "3.bias"}  # clipping norms see the trainable parameters only
@@ -135,12 +145,16 @@ def test_frozen_parameters_get_no_gradient_no_noise_and_both_methods_agree():
 # --- labels -----------------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("labels, message", [
-    (torch.full((N,), 3), r"labels\[0\] = 3 is outside \[0, 3\)"),
-    (torch.arange(N) % 3 - (torch.arange(N) == 4).long() * 5, r"labels\[4\] = -4 is outside"),
-    (torch.zeros(N), "dtype torch.float32; give integer class indices"),
-    (torch.zeros(N - 1, dtype=torch.long), "has 32 images but 31 labels"),
-], ids=["out-of-range", "negative", "float", "shorter"])
+@pytest.mark.parametrize(
+    "labels, message",
+    [
+        (torch.full((N,), 3), r"labels\[0\] = 3 is outside \[0, 3\)"),
+        (torch.arange(N) % 3 - (torch.arange(N) == 4).long() * 5, r"labels\[4\] = -4 is outside"),
+        (torch.zeros(N), "dtype torch.float32; give integer class indices"),
+        (torch.zeros(N - 1, dtype=torch.long), "has 32 images but 31 labels"),
+    ],
+    ids=["out-of-range", "negative", "float", "shorter"],
+)
 def test_bad_labels_are_refused_through_the_api(labels, message):
     images, _ = _data()
     with pytest.raises(InvalidDataError, match=message):
@@ -152,10 +166,17 @@ def test_bad_labels_are_refused_through_the_api(labels, message):
 
 def test_cli_errors_name_the_flag_before_any_data_is_loaded(tmp_path, capsys):
     missing = str(tmp_path / "no-data-here")  # loading cifar10 from here would fail: the flag check comes first
-    for flag, value in (("--epsilon", "-1"), ("--delta", "2"), ("--lr", "0"), ("--physical-batch-size", "0"),
-                        ("--set", "schedule.ema_decay=1.5"), ("--steps", "0")):
-        error = run_error(capsys, "train", "--dataset", "cifar10", "--data-dir", missing, "--out", str(tmp_path / "o"),
-                          flag, value)
+    for flag, value in (
+        ("--epsilon", "-1"),
+        ("--delta", "2"),
+        ("--lr", "0"),
+        ("--physical-batch-size", "0"),
+        ("--set", "schedule.ema_decay=1.5"),
+        ("--steps", "0"),
+    ):
+        error = run_error(
+            capsys, "train", "--dataset", "cifar10", "--data-dir", missing, "--out", str(tmp_path / "o"), flag, value
+        )
         assert error.startswith(f"error: {flag} ") and "target_epsilon" not in error, error
     assert not (tmp_path / "o").exists()
 
@@ -174,13 +195,25 @@ def test_empty_test_split_is_refused_before_training(tmp_path, monkeypatch):
         raise AssertionError("DPTrainer was built although the test split is empty")
 
     monkeypatch.setattr(run, "DPTrainer", fail)
-    spec = run.RunSpec(model="equiconvert:resnet9", group="none", dataset="synthetic", data_dir=None,
-                       out=str(tmp_path / "o"), model_kwargs={"widths": (4, 8, 8)}, progress=False)
+    spec = run.RunSpec(
+        model="equiconvert:resnet9",
+        group="none",
+        dataset="synthetic",
+        data_dir=None,
+        out=str(tmp_path / "o"),
+        model_kwargs={"widths": (4, 8, 8)},
+        progress=False,
+    )
     import equiconvert.data as data
 
     real = data.load_dataset
-    monkeypatch.setattr(data, "load_dataset", lambda name, data_dir=None, split="train": real(
-        name, data_dir, split, num_examples=0 if split == "test" else 64))
+    monkeypatch.setattr(
+        data,
+        "load_dataset",
+        lambda name, data_dir=None, split="train": real(
+            name, data_dir, split, num_examples=0 if split == "test" else 64
+        ),
+    )
     with pytest.raises(ValueError, match="test split of 'synthetic' is empty"):
         run.run_training(spec, batch_size=8, steps=1)
 
@@ -189,7 +222,32 @@ def test_first_step_over_budget_fails_with_a_message(tmp_path, capsys):
     trainer = DPTrainer(_linear(), **{**OPTIONS, "target_epsilon": 0.1, "noise_multiplier": 0.5})
     with pytest.raises(PrivacyBudgetError, match=r"one step .* spends epsilon .* > the target 0.1"):
         trainer.fit(_data())
-    error = run_error(capsys, "train", "--dataset", "synthetic", "--model", "equiconvert:resnet9", "--model-kwargs", "widths=4,8,8",
-                      "--group", "none", "--steps", "2", "--batch-size", "8", "--aug-mult", "1", "--epsilon", "0.1",
-                      "--set", "dp.noise_multiplier=0.5", "--out", str(tmp_path / "o"), "--set", "run.progress=false", "--device", "cpu")
+    error = run_error(
+        capsys,
+        "train",
+        "--dataset",
+        "synthetic",
+        "--model",
+        "equiconvert:resnet9",
+        "--model-kwargs",
+        "widths=4,8,8",
+        "--group",
+        "none",
+        "--steps",
+        "2",
+        "--batch-size",
+        "8",
+        "--aug-mult",
+        "1",
+        "--epsilon",
+        "0.1",
+        "--set",
+        "dp.noise_multiplier=0.5",
+        "--out",
+        str(tmp_path / "o"),
+        "--set",
+        "run.progress=false",
+        "--device",
+        "cpu",
+    )
     assert "spends epsilon" in error and not (tmp_path / "o" / "result.json").exists()

@@ -1,4 +1,5 @@
 """check_dp_safe: buffers that forward changes and batch mixing are refused by behaviour, naming the module."""
+
 from __future__ import annotations
 
 import pytest
@@ -65,8 +66,17 @@ def test_timm_batch_norm_act_is_refused_by_name():
 def test_safe_model_passes_and_the_trainer_probes_before_training():
     check_dp_safe(_model(nn.ReLU()), EXAMPLE)
     images, labels = torch.rand(16, 2, 6, 6), torch.arange(16) % 4
-    trainer = DPTrainer(_model(MeanCentred()), noise_multiplier=1.0, target_epsilon=None, batch_size=4, steps=1,
-                        aug_mult=1, augment_padding=0, progress=False, ema_decay=None)
+    trainer = DPTrainer(
+        _model(MeanCentred()),
+        noise_multiplier=1.0,
+        target_epsilon=None,
+        batch_size=4,
+        steps=1,
+        aug_mult=1,
+        augment_padding=0,
+        progress=False,
+        ema_decay=None,
+    )
     with pytest.raises(PrivacyValidationError, match="mixes examples"):
         trainer.fit((images, labels))
     assert trainer.step == 0
@@ -83,8 +93,14 @@ def test_opacus_make_private_checks_the_model_first():
     loader = torch.utils.data.DataLoader(data, batch_size=4)
 
     def private(model: nn.Module):
-        return make_private(PrivacyEngine(), module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-                            data_loader=loader, noise_multiplier=1.0, max_grad_norm=1.0)
+        return make_private(
+            PrivacyEngine(),
+            module=model,
+            optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+            data_loader=loader,
+            noise_multiplier=1.0,
+            max_grad_norm=1.0,
+        )
 
     with pytest.raises(PrivacyValidationError, match="BatchNormAct2d"):
         private(_model(timm_norm.BatchNormAct2d(3)))

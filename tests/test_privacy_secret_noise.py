@@ -1,4 +1,5 @@
 """The DP-SGD noise and sampling are secret: the noise-removal attack, the reproducible mode, checkpoints, logs."""
+
 from __future__ import annotations
 
 import json
@@ -16,9 +17,21 @@ from equiconvert.privacy.secure_rng import NOISE, SAMPLING, RandomSource
 from equiconvert.privacy.trainer import DPTrainer
 
 N, SIZE, CLASSES, SEED = 32, 4, 3, 0
-OPTIONS = dict(noise_multiplier=1.0, target_epsilon=None, batch_size=8, steps=1, aug_mult=1, lr=1.0,
-               max_grad_norm=1.0, ema_decay=None, augment_padding=0, augment_flip=False, physical_batch_size=64,
-               progress=False, seed=SEED)
+OPTIONS = dict(
+    noise_multiplier=1.0,
+    target_epsilon=None,
+    batch_size=8,
+    steps=1,
+    aug_mult=1,
+    lr=1.0,
+    max_grad_norm=1.0,
+    ema_decay=None,
+    augment_padding=0,
+    augment_flip=False,
+    physical_batch_size=64,
+    progress=False,
+    seed=SEED,
+)
 
 
 def _build() -> nn.Module:
@@ -49,8 +62,10 @@ def _attack(insecure: bool) -> float:
     rebuilt = dict(_build().named_parameters())
     source = RandomSource.seeded_from(SEED, NOISE)
     std = trainer.noise_multiplier * OPTIONS["max_grad_norm"]
-    recovered = {n: (p.detach() - released[n].detach()) / OPTIONS["lr"] * OPTIONS["batch_size"]
-                 - source.gaussian(p.shape, std) for n, p in rebuilt.items()}
+    recovered = {
+        n: (p.detach() - released[n].detach()) / OPTIONS["lr"] * OPTIONS["batch_size"] - source.gaussian(p.shape, std)
+        for n, p in rebuilt.items()
+    }
 
     chosen = drawn[0]
     views = trainer._normalize(images[chosen]).unsqueeze(1)
@@ -119,9 +134,37 @@ def test_checkpoint_is_owner_only_and_holds_generator_states_as_uint8_tensors(tm
 
 def _train(tmp_path, *flags: str) -> tuple[dict, list[dict]]:
     out = tmp_path / "run"
-    assert main(["train", "--dataset", "synthetic", "--model", "equiconvert:resnet9", "--model-kwargs", "widths=4,8,8", "--group",
-                 "none", "--steps", "2", "--batch-size", "8", "--aug-mult", "1", "--physical-batch-size", "8",
-                 "--out", str(out), "--set", "run.progress=false", "--device", "cpu", *flags]) == 0
+    assert (
+        main(
+            [
+                "train",
+                "--dataset",
+                "synthetic",
+                "--model",
+                "equiconvert:resnet9",
+                "--model-kwargs",
+                "widths=4,8,8",
+                "--group",
+                "none",
+                "--steps",
+                "2",
+                "--batch-size",
+                "8",
+                "--aug-mult",
+                "1",
+                "--physical-batch-size",
+                "8",
+                "--out",
+                str(out),
+                "--set",
+                "run.progress=false",
+                "--device",
+                "cpu",
+                *flags,
+            ]
+        )
+        == 0
+    )
     log = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
     return json.loads((out / "result.json").read_text()), log
 

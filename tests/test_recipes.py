@@ -1,11 +1,18 @@
 """Typed recipes: the shipped TOML files, dotted --set overrides, and their refusals."""
+
 from __future__ import annotations
 
 import pytest
 
 from equiconvert.privacy.trainer import DPConfig
 from equiconvert.recipes.recipe import (
-    Recipe, RecipeError, apply_overrides, load_recipe, parse_kwargs, parse_value, shipped_recipes,
+    Recipe,
+    RecipeError,
+    apply_overrides,
+    load_recipe,
+    parse_kwargs,
+    parse_value,
+    shipped_recipes,
 )
 from equiconvert.recipes.runner import spec_of, trainer_options
 
@@ -14,25 +21,57 @@ def test_the_paper_cell_recipe_holds_the_papers_settings():
     r = load_recipe("cifar10_paper_d4_eps8")
     assert (r.model.name, r.conversion.group, r.data.dataset) == ("equiconvert:equivariant_resnet9", "D4", "cifar10")
     t = r.trainer
-    assert (t.target_epsilon, t.delta, t.batch_size, t.aug_mult, t.lr, t.max_grad_norm, t.steps, t.ema_decay,
-            t.eval_every, t.checkpoint_every) == (8.0, 1e-5, 8192, 4, 2.0, 2.0, 2200, 0.999, 200, 100)
+    assert (
+        t.target_epsilon,
+        t.delta,
+        t.batch_size,
+        t.aug_mult,
+        t.lr,
+        t.max_grad_norm,
+        t.steps,
+        t.ema_decay,
+        t.eval_every,
+        t.checkpoint_every,
+    ) == (8.0, 1e-5, 8192, 4, 2.0, 2.0, 2200, 0.999, 200, 100)
     assert load_recipe("cifar10_paper_baseline_eps8").conversion.group == "none"
 
 
 def test_fashion_mnist_recipe_and_every_shipped_one_loads():
     f = load_recipe("fashion_mnist_d1_eps3").trainer
-    assert (f.max_grad_norm, f.lr, f.lr_schedule, f.ema_decay, f.steps, f.batch_size, f.aug_mult, f.accountant,
-            f.augment_padding, f.test_shifts) == (0.1, 40.0, "cosine", 0.995, 4000, 2048, 2, "prv", 1, "cross1")
-    assert set(shipped_recipes()) >= {"cifar10_paper_d4_eps8", "cifar10_paper_baseline_eps8",
-                                      "fashion_mnist_d1_eps3", "cpu_main_job"}
+    assert (
+        f.max_grad_norm,
+        f.lr,
+        f.lr_schedule,
+        f.ema_decay,
+        f.steps,
+        f.batch_size,
+        f.aug_mult,
+        f.accountant,
+        f.augment_padding,
+        f.test_shifts,
+    ) == (0.1, 40.0, "cosine", 0.995, 4000, 2048, 2, "prv", 1, "cross1")
+    assert set(shipped_recipes()) >= {
+        "cifar10_paper_d4_eps8",
+        "cifar10_paper_baseline_eps8",
+        "fashion_mnist_d1_eps3",
+        "cpu_main_job",
+    }
     for name in shipped_recipes():
         spec_of(load_recipe(name))  # dataset and out set in every shipped recipe
 
 
 def test_set_overrides_dotted_keys_with_toml_values():
-    r = apply_overrides(load_recipe("cifar10_paper_d4_eps8"),
-                        ["dp.epsilon=2", "model.kwargs.norm_groups=4", "schedule.lr_schedule=cosine",
-                         "run.out=somewhere", "model.kwargs.widths=[4, 8, 16]", "schedule.ema_decay=0"])
+    r = apply_overrides(
+        load_recipe("cifar10_paper_d4_eps8"),
+        [
+            "dp.epsilon=2",
+            "model.kwargs.norm_groups=4",
+            "schedule.lr_schedule=cosine",
+            "run.out=somewhere",
+            "model.kwargs.widths=[4, 8, 16]",
+            "schedule.ema_decay=0",
+        ],
+    )
     assert r.trainer.target_epsilon == 2.0 and r.model.kwargs == {"norm_groups": 4, "widths": (4, 8, 16)}
     assert r.trainer.lr_schedule == "cosine" and r.run.out == "somewhere"
     assert trainer_options(r)["ema_decay"] is None  # 0: no EMA
@@ -59,7 +98,11 @@ def test_defaults_come_from_dpconfig():
 
 def test_model_kwargs_parse_lists_and_scalars():
     assert parse_kwargs("widths=8,16,32,norm_groups=4,activation=relu,res2=false") == {
-        "widths": (8, 16, 32), "norm_groups": 4, "activation": "relu", "res2": False}
+        "widths": (8, 16, 32),
+        "norm_groups": 4,
+        "activation": "relu",
+        "res2": False,
+    }
     with pytest.raises(RecipeError, match="key=value"):
         parse_kwargs("widths")
 
@@ -84,8 +127,23 @@ def test_flags_override_the_recipe_and_set_comes_last():
     from equiconvert import cli
 
     parse = cli._parser().parse_args
-    r = cli.train_recipe(parse(["train", "--recipe", "cifar10_paper_d4_eps8", "--epsilon", "2", "--steps", "10",
-                                "--model-kwargs", "norm_groups=4", "--set", "schedule.steps=20"]))
+    r = cli.train_recipe(
+        parse(
+            [
+                "train",
+                "--recipe",
+                "cifar10_paper_d4_eps8",
+                "--epsilon",
+                "2",
+                "--steps",
+                "10",
+                "--model-kwargs",
+                "norm_groups=4",
+                "--set",
+                "schedule.steps=20",
+            ]
+        )
+    )
     assert (r.trainer.target_epsilon, r.trainer.steps, r.trainer.batch_size) == (2.0, 20, 8192)
     assert r.model.kwargs == {"norm_groups": 4} and r.conversion.group == "D4"
     assert cli.train_recipe(parse(["train"])) == Recipe()  # no flag given: the dataclasses' defaults

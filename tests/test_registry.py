@@ -1,4 +1,5 @@
 """The model registry: one set of names for the library, `equiconvert convert` and `equiconvert train`."""
+
 from __future__ import annotations
 
 import json
@@ -49,8 +50,11 @@ def test_paper_preset_variants_are_keyword_arguments():
     assert any(isinstance(m, nn.Tanh) for m in create_model("plain_paper_resnet9", act="tanh").modules())
     assert _count(create_model("plain_paper_resnet9", res2=False)) < _count(plain)
     assert _count(create_model("plain_paper_resnet9", pool_after_res2=True)) == _count(plain)
-    groups = {m.num_groups for m in create_model("plain_paper_resnet9", norm_groups=4).modules()
-              if isinstance(m, nn.GroupNorm)}
+    groups = {
+        m.num_groups
+        for m in create_model("plain_paper_resnet9", norm_groups=4).modules()
+        if isinstance(m, nn.GroupNorm)
+    }
     assert groups == {4}
     with pytest.raises(ModelNameError, match="swish"):
         create_model("plain_paper_resnet9", act="swish")
@@ -77,6 +81,7 @@ def test_unknown_names_and_keywords_fail_with_close_names():
 
 def test_register_model_adds_a_name_and_refuses_a_taken_one():
     try:
+
         @register_model
         def tiny_test_net(num_classes: int = 10, in_channels: int = 3) -> nn.Module:
             return nn.Sequential(nn.Conv2d(in_channels, num_classes, 3), nn.AdaptiveAvgPool2d(1), nn.Flatten())
@@ -98,9 +103,35 @@ def test_convert_and_train_accept_the_same_names(name, tmp_path, capsys):
         assert record["params_before"] == PAPER_PLAIN_PARAMS
     widths = [] if name in ("equivariant_resnet9", "torchvision:resnet18") else ["--model-kwargs", "widths=4,8,8"]
     out = tmp_path / "run"
-    assert main(["train", "--dataset", "synthetic", "--model", name, "--group", "none", *widths, "--steps", "1",
-                 "--batch-size", "8", "--aug-mult", "1", "--physical-batch-size", "8", "--out", str(out),
-                 "--set", "run.progress=false", "--device", "cpu"]) == 0
+    assert (
+        main(
+            [
+                "train",
+                "--dataset",
+                "synthetic",
+                "--model",
+                name,
+                "--group",
+                "none",
+                *widths,
+                "--steps",
+                "1",
+                "--batch-size",
+                "8",
+                "--aug-mult",
+                "1",
+                "--physical-batch-size",
+                "8",
+                "--out",
+                str(out),
+                "--set",
+                "run.progress=false",
+                "--device",
+                "cpu",
+            ]
+        )
+        == 0
+    )
     result = json.loads((out / "result.json").read_text())
     if name == "equivariant_resnet9":  # --group none: the plain network the preset converts
         expected = PAPER_PLAIN_PARAMS

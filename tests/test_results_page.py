@@ -24,7 +24,8 @@ def test_results_page_is_up_to_date(tmp_path):
     out = tmp_path / "results.md"
     assert page.main(["--out", str(out)]) == 0
     assert out.read_text() == (REPO_ROOT / "docs" / "results.md").read_text(), (
-        "docs/results.md is out of date: run python benchmarks/make_results_page.py")
+        "docs/results.md is out of date: run python benchmarks/make_results_page.py"
+    )
     assert page.main(["--check"]) == 0
 
 
@@ -39,14 +40,25 @@ def test_every_summary_names_command_card_and_date():
 
 def test_medians_and_rates_are_computed_from_the_data(tmp_path):
     page = _load_script()
-    summary = {"kind": "seeds", "title": "T", "description": "D", "card": "C", "date": "2026-01-01",
-               "command": "x", "columns": ["model", "params", "s0", "s1", "s2", "median"],
-               "rows": [{"model": "m", "params": 1000, "accuracy": [90.0, 80.0, 85.0]}]}
+    summary = {
+        "kind": "seeds",
+        "title": "T",
+        "description": "D",
+        "card": "C",
+        "date": "2026-01-01",
+        "command": "x",
+        "columns": ["model", "params", "s0", "s1", "s2", "median"],
+        "rows": [{"model": "m", "params": 1000, "accuracy": [90.0, 80.0, 85.0]}],
+    }
     (tmp_path / "a.json").write_text(json.dumps(summary))
     text = page.render_page(page.load_summaries(tmp_path))
     assert "| m | 1,000 | 90.00% | 80.00% | 85.00% | **85.00%** |" in text
-    thr = {"kind": "throughput", "samples_per_step": 2048, "paper_code_samples_per_s": 12100,
-           "rows": [{"precision": "bf16", "nonprivate_ms": 34.3, "dp_ms": 48.5, "peak_memory_gib": [6.0, 7.2]}]}
+    thr = {
+        "kind": "throughput",
+        "samples_per_step": 2048,
+        "paper_code_samples_per_s": 12100,
+        "rows": [{"precision": "bf16", "nonprivate_ms": 34.3, "dp_ms": 48.5, "peak_memory_gib": [6.0, 7.2]}],
+    }
     row = page.RENDERERS["throughput"](thr)[2]
     assert "1.41x" in row and "42.2k" in row and "3.49x" in row and "(1.20x)" in row
 

@@ -1,4 +1,5 @@
 """Selective kernels, split attention, VGG's ConvMlp, EvoNorm and nested channel splits (tiny models, float64)."""
+
 import pytest
 import torch
 from torch import nn
@@ -21,8 +22,9 @@ def _exact(model: nn.Module, **kwargs) -> equiconvert.EquivariantModel:
 
 
 def _classifier(*body: nn.Module, channels: int = 16) -> nn.Module:
-    return nn.Sequential(nn.Conv2d(3, channels, 3, padding=1), *body, nn.AdaptiveAvgPool2d(1), nn.Flatten(),
-                         nn.Linear(channels, 3))
+    return nn.Sequential(
+        nn.Conv2d(3, channels, 3, padding=1), *body, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(channels, 3)
+    )
 
 
 def test_selective_kernel_converts_exactly_and_weights_whole_fields():
@@ -42,9 +44,19 @@ def test_conv_mlp_head_traces_and_pools_small_maps_up_symmetrically():
     assert equiconvert.check_equivariance(converted, input_size=3).max_error <= 1e-10  # 3 < 5: pooled up to 5
 
 
-@pytest.mark.parametrize("name,apply_act", [("EvoNorm2dS0", True), ("EvoNorm2dS0", False), ("EvoNorm2dS0a", True),
-                                            ("EvoNorm2dS1", True), ("EvoNorm2dS1", False), ("EvoNorm2dS1a", True),
-                                            ("EvoNorm2dS2", True), ("EvoNorm2dS2a", False)])
+@pytest.mark.parametrize(
+    "name,apply_act",
+    [
+        ("EvoNorm2dS0", True),
+        ("EvoNorm2dS0", False),
+        ("EvoNorm2dS0a", True),
+        ("EvoNorm2dS1", True),
+        ("EvoNorm2dS1", False),
+        ("EvoNorm2dS1a", True),
+        ("EvoNorm2dS2", True),
+        ("EvoNorm2dS2a", False),
+    ],
+)
 def test_field_evo_norm_with_one_channel_fields_is_timms(name, apply_act):
     torch.manual_seed(0)
     timm_norm = getattr(evo_norm, name)(12, groups=4, apply_act=apply_act)
@@ -53,16 +65,19 @@ def test_field_evo_norm_with_one_channel_fields_is_timms(name, apply_act):
     statistic = "rms" if "S2" in name else "std"
     swish = getattr(timm_norm, "v", None) is not None
     normalize = swish or name.endswith("a") or timm_norm.apply_act
-    field = FieldEvoNorm(12, 1, 4, statistic, normalize, getattr(timm_norm, "act", None), swish,
-                         timm_norm.eps)
+    field = FieldEvoNorm(12, 1, 4, statistic, normalize, getattr(timm_norm, "act", None), swish, timm_norm.eps)
     field.load_state_dict({k: v for k, v in timm_norm.state_dict().items()})
     x = torch.randn(3, 12, 5, 5)
     torch.testing.assert_close(field(x), timm_norm(x))
 
 
 def test_sample_wise_evo_norms_convert_exactly():
-    model = _classifier(evo_norm.EvoNorm2dS0(16, groups=4), nn.Conv2d(16, 16, 3, padding=1),
-                        evo_norm.EvoNorm2dS1(16, groups=8), evo_norm.EvoNorm2dS2a(16, group_size=4))
+    model = _classifier(
+        evo_norm.EvoNorm2dS0(16, groups=4),
+        nn.Conv2d(16, 16, 3, padding=1),
+        evo_norm.EvoNorm2dS1(16, groups=8),
+        evo_norm.EvoNorm2dS2a(16, group_size=4),
+    )
     converted = _exact(model)
     assert sum("FieldEvoNorm" in change.after for change in converted.report.layers) == 3
 
@@ -141,8 +156,11 @@ def test_path_attention_and_evo_norm_give_per_sample_gradients_and_pickle():
     from per_sample_check import assert_per_sample_gradients_match_loop
 
     torch.manual_seed(0)
-    model = _classifier(SelectiveKernel(16, 16, kernel_size=[3, 5]), evo_norm.EvoNorm2dS0(16, groups=4),
-                        SplitAttn(16, 16, radix=2, groups=2))
+    model = _classifier(
+        SelectiveKernel(16, 16, kernel_size=[3, 5]),
+        evo_norm.EvoNorm2dS0(16, groups=4),
+        SplitAttn(16, 16, radix=2, groups=2),
+    )
     converted = equiconvert.make_equivariant(model, "C4", head="invariant").eval()
     x, y = torch.randn(3, 3, 9, 9), torch.tensor([0, 2, 1])
     assert_per_sample_gradients_match_loop(converted, x, y)
@@ -159,8 +177,14 @@ def test_space_to_depth_stem_makes_regular_fields_for_rotations_and_is_refused_w
     from timm.layers import BlurPool2d, SpaceToDepth
 
     def model():
-        return nn.Sequential(SpaceToDepth(), nn.Conv2d(48, 16, 3, padding=1), BlurPool2d(16, stride=2),
-                             nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 3))
+        return nn.Sequential(
+            SpaceToDepth(),
+            nn.Conv2d(48, 16, 3, padding=1),
+            BlurPool2d(16, stride=2),
+            nn.AdaptiveAvgPool2d(1),
+            nn.Flatten(),
+            nn.Linear(16, 3),
+        )
 
     converted = equiconvert.make_equivariant(model().eval(), "C4", head="invariant").eval().double()
     assert converted.in_channels == 3 and converted.report.valid_input_sizes[0] % 4 == 0

@@ -1,4 +1,5 @@
 """Rules for timm's norm-act layers, layer norms over channels, layer scale, channel splits, upsampling, even kernels."""
+
 import pytest
 import torch
 from timm.layers import BatchNormAct2d, GroupNormAct, LayerNorm2d, LayerScale2d
@@ -103,14 +104,22 @@ def test_a_split_through_fields_is_refused_naming_node_and_options():
 
     # the grouped conv needs 4 fields for its 8 channels, so channel 3 falls inside the first field
     net = Net(nn.Conv2d(8, 8, 3, padding=1, groups=4), Uneven(), nn.Conv2d(3, 8, 1))
-    with pytest.raises(equiconvert.UnsupportedLayerError, match="cannot convert node 'getitem'.*cuts through fields.*Options"):
+    with pytest.raises(
+        equiconvert.UnsupportedLayerError, match="cannot convert node 'getitem'.*cuts through fields.*Options"
+    ):
         equiconvert.make_equivariant(net, "C4", width=one_field)
 
 
 @pytest.mark.parametrize("mode", ["nearest", "bilinear"])
 def test_integer_upsampling_is_exact_and_scales_the_valid_sizes(mode):
-    model = _exact(Net(nn.Conv2d(8, 8, 3, stride=2, padding=1), nn.Upsample(scale_factor=2, mode=mode),
-                       nn.Conv2d(8, 8, 3, padding=1), nn.AvgPool2d(2)))
+    model = _exact(
+        Net(
+            nn.Conv2d(8, 8, 3, stride=2, padding=1),
+            nn.Upsample(scale_factor=2, mode=mode),
+            nn.Conv2d(8, 8, 3, padding=1),
+            nn.AvgPool2d(2),
+        )
+    )
     # odd H for the stride-2 conv, then (H+1)/2 doubled: the 2x2 pool sees H+1, even
     assert model.report.valid_input_sizes[:3] == [9, 11, 13]
 

@@ -1,4 +1,5 @@
 """equiconvert.save / equiconvert.load: weights with their recipe, rebuilt to identical outputs; bad files refused."""
+
 from __future__ import annotations
 
 import pytest
@@ -45,11 +46,15 @@ def test_corrupt_tampered_and_newer_files_are_refused(converted, tmp_path):
         equiconvert.load(truncated)
     state = torch.load(path, weights_only=True)
     for name, change, match in (
-            ("newer", {"format_version": FORMAT_VERSION + 1}, "upgrade equiconvert"),
-            ("other", {"format": "something"}, "not an equiconvert model file"),
-            ("no_weights", {"state_dict": None}, "lacks its recipe or its weights"),
-            ("edited", {"state_dict": {k: v[..., :1] if v.dim() else v for k, v in state["state_dict"].items()}},
-             "do not fit the network")):
+        ("newer", {"format_version": FORMAT_VERSION + 1}, "upgrade equiconvert"),
+        ("other", {"format": "something"}, "not an equiconvert model file"),
+        ("no_weights", {"state_dict": None}, "lacks its recipe or its weights"),
+        (
+            "edited",
+            {"state_dict": {k: v[..., :1] if v.dim() else v for k, v in state["state_dict"].items()}},
+            "do not fit the network",
+        ),
+    ):
         torch.save({**state, **change}, tmp_path / f"{name}.pt")
         with pytest.raises(SavedModelError, match=match):
             equiconvert.load(tmp_path / f"{name}.pt")
@@ -64,8 +69,17 @@ def test_save_trained_writes_the_ema_weights(converted, tmp_path):
     from equiconvert.saved_model import save_trained
 
     data = torch.rand(8, 1, 16, 16), torch.randint(0, 3, (8,))
-    trainer = DPTrainer(converted, noise_multiplier=1.0, target_epsilon=None, batch_size=4, steps=2, aug_mult=1,
-                        ema_decay=0.5, progress=False, device="cpu")
+    trainer = DPTrainer(
+        converted,
+        noise_multiplier=1.0,
+        target_epsilon=None,
+        batch_size=4,
+        steps=2,
+        aug_mult=1,
+        ema_decay=0.5,
+        progress=False,
+        device="cpu",
+    )
     trainer.fit(data)
     loaded = equiconvert.load(save_trained(trainer, tmp_path / "model.pt"))
     raw = dict(trainer.model.named_parameters())
@@ -85,9 +99,38 @@ def test_train_writes_a_loadable_model_and_the_versions(tmp_path, capsys, group)
     from equiconvert.privacy.metrics import classification_metrics, predict
 
     out = tmp_path / "run"
-    assert main(["train", "--dataset", "synthetic", "--model", "equiconvert:resnet9", "--model-kwargs", "widths=4,8,8",
-                 "--group", group, "--steps", "1", "--batch-size", "8", "--aug-mult", "1", "--epsilon", "8",
-                 "--physical-batch-size", "8", "--out", str(out), "--set", "run.progress=false", "--device", "cpu"]) == 0
+    assert (
+        main(
+            [
+                "train",
+                "--dataset",
+                "synthetic",
+                "--model",
+                "equiconvert:resnet9",
+                "--model-kwargs",
+                "widths=4,8,8",
+                "--group",
+                group,
+                "--steps",
+                "1",
+                "--batch-size",
+                "8",
+                "--aug-mult",
+                "1",
+                "--epsilon",
+                "8",
+                "--physical-batch-size",
+                "8",
+                "--out",
+                str(out),
+                "--set",
+                "run.progress=false",
+                "--device",
+                "cpu",
+            ]
+        )
+        == 0
+    )
     result = json.loads((out / "result.json").read_text())
     assert result["versions"] == library_versions()
     model = equiconvert.load(out / "model.pt")

@@ -1,4 +1,5 @@
 """Test-time shift averaging: the views, the averaged metrics, and the options that turn it on."""
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -13,7 +14,7 @@ def reference_shift(images: torch.Tensor, dy: int, dx: int, padding: int) -> tor
     """The image moved by (dy, dx): reflect-pad by `padding`, then crop at (padding + dy, padding + dx)."""
     height, width = images.shape[-2:]
     padded = F.pad(images.double(), (padding,) * 4, mode="reflect").to(images.dtype)
-    return padded[..., padding + dy:padding + dy + height, padding + dx:padding + dx + width]
+    return padded[..., padding + dy : padding + dy + height, padding + dx : padding + dx + width]
 
 
 @pytest.mark.parametrize("dtype", [torch.uint8, torch.float32])
@@ -56,15 +57,27 @@ def test_evaluate_averages_the_softmax_over_the_shifted_images():
     assert got == pytest.approx(expected, abs=1e-9)
     # the identity alone is the plain evaluation
     plain = evaluate(model, images, labels, batch_size=4, device="cpu")
-    assert evaluate(model, images, labels, batch_size=4, device="cpu", shifts=((0, 0),)) == pytest.approx(plain, abs=1e-6)
+    assert evaluate(model, images, labels, batch_size=4, device="cpu", shifts=((0, 0),)) == pytest.approx(
+        plain, abs=1e-6
+    )
     assert got["accuracy"] != plain["accuracy"] or got["loss"] != pytest.approx(plain["loss"], abs=1e-6)
 
 
 def test_trainer_reports_shift_averaged_metrics_of_the_ema_weights_beside_the_plain_ones():
     images, labels = torch.randint(0, 256, (16, 1, 8, 8), dtype=torch.uint8), torch.randint(0, 5, (16,))
-    trainer = DPTrainer(small_classifier(), device="cpu", progress=False, steps=2, batch_size=8, aug_mult=1,
-                        physical_batch_size=8, target_epsilon=None, noise_multiplier=1.0, ema_decay=0.15,
-                        test_shifts="cross1")
+    trainer = DPTrainer(
+        small_classifier(),
+        device="cpu",
+        progress=False,
+        steps=2,
+        batch_size=8,
+        aug_mult=1,
+        physical_batch_size=8,
+        target_epsilon=None,
+        noise_multiplier=1.0,
+        ema_decay=0.15,
+        test_shifts="cross1",
+    )
     trainer.fit((images, labels))
     metrics = trainer.evaluate((images, labels))
     with trainer.ema.applied(trainer.model):
@@ -78,11 +91,23 @@ def test_trainer_reports_shift_averaged_metrics_of_the_ema_weights_beside_the_pl
 def test_a_run_resumes_with_other_test_shifts_but_not_with_another_schedule(tmp_path):
     """test_shifts only changes what evaluations report, so a checkpoint resumes under another set."""
     images, labels = torch.randint(0, 256, (16, 1, 8, 8), dtype=torch.uint8), torch.randint(0, 5, (16,))
-    options = dict(device="cpu", out_dir=tmp_path, progress=False, batch_size=8, aug_mult=1, physical_batch_size=8,
-                   target_epsilon=None, noise_multiplier=1.0, ema_decay=None, checkpoint_every=1)
+    options = dict(
+        device="cpu",
+        out_dir=tmp_path,
+        progress=False,
+        batch_size=8,
+        aug_mult=1,
+        physical_batch_size=8,
+        target_epsilon=None,
+        noise_multiplier=1.0,
+        ema_decay=None,
+        checkpoint_every=1,
+    )
     DPTrainer(small_classifier(), steps=1, **options).fit((images, labels))
     resumed = DPTrainer(small_classifier(), steps=1, test_shifts="grid1", **options)
     resumed.fit((images, labels), resume=True)
     assert resumed.step == 1 and "shift_averaged_accuracy" in resumed.evaluate((images, labels))
     with pytest.raises(ValueError, match="different configuration"):
-        DPTrainer(small_classifier(), steps=1, lr=1.0, test_shifts="grid1", **options).fit((images, labels), resume=True)
+        DPTrainer(small_classifier(), steps=1, lr=1.0, test_shifts="grid1", **options).fit(
+            (images, labels), resume=True
+        )

@@ -1,4 +1,5 @@
 """benchmarks/throughput.py runs each filter-gradient kernel it is asked for, and reports what "fastest" chose."""
+
 import json
 
 from benchmark_scripts import load_benchmark
@@ -7,8 +8,31 @@ from benchmark_scripts import load_benchmark
 def test_kernel_suffixes_run_side_by_side_and_fastest_is_reported(tmp_path, capsys):
     out = tmp_path / "throughput.json"
     methods = "nonprivate,bookkeeping:products,bookkeeping:grouped,bookkeeping:fastest"
-    assert load_benchmark("throughput").main(["--device", "cpu", "--widths", "4,8,8", "--group", "C4", "--batch", "2", "--aug-mult", "2",
-                         "--methods", methods, "--iters", "1", "--warmup", "0", "--out", str(out)]) == 0
+    assert (
+        load_benchmark("throughput").main(
+            [
+                "--device",
+                "cpu",
+                "--widths",
+                "4,8,8",
+                "--group",
+                "C4",
+                "--batch",
+                "2",
+                "--aug-mult",
+                "2",
+                "--methods",
+                methods,
+                "--iters",
+                "1",
+                "--warmup",
+                "0",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     capsys.readouterr()
     report = json.loads(out.read_text())
     assert list(report["results"]) == methods.split(",")
@@ -21,9 +45,31 @@ def test_kernel_suffixes_run_side_by_side_and_fastest_is_reported(tmp_path, caps
 def test_make_private_runs_beside_opacus_and_the_nonprivate_step(tmp_path, capsys):
     out = tmp_path / "throughput.json"
     methods = "nonprivate,make_private,opacus"
-    assert load_benchmark("throughput").main(["--device", "cpu", "--widths", "4,8,8", "--group", "C4", "--batch", "2",
-                                              "--aug-mult", "2", "--methods", methods, "--iters", "1", "--warmup", "1",
-                                              "--out", str(out)]) == 0
+    assert (
+        load_benchmark("throughput").main(
+            [
+                "--device",
+                "cpu",
+                "--widths",
+                "4,8,8",
+                "--group",
+                "C4",
+                "--batch",
+                "2",
+                "--aug-mult",
+                "2",
+                "--methods",
+                methods,
+                "--iters",
+                "1",
+                "--warmup",
+                "1",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     capsys.readouterr()
     results = json.loads(out.read_text())["results"]
     assert list(results) == methods.split(",")

@@ -1,5 +1,6 @@
 """DPTrainer's open interface: Datasets and DataLoaders, optimizer factories, loss_fn, callbacks, loggers,
 augmentation callables and per-channel normalisation."""
+
 from __future__ import annotations
 
 import functools
@@ -16,8 +17,18 @@ from equiconvert.privacy.callbacks import Callback, flat_metrics
 from equiconvert.privacy.trainer import DPTrainer
 
 SIZE, CLASSES, PER_CLASS = 6, 2, 6
-OPTIONS = dict(noise_multiplier=1.0, target_epsilon=None, batch_size=6, steps=3, aug_mult=1, lr=0.5,
-               ema_decay=None, progress=False, insecure_seeded_noise=True, seed=3)
+OPTIONS = dict(
+    noise_multiplier=1.0,
+    target_epsilon=None,
+    batch_size=6,
+    steps=3,
+    aug_mult=1,
+    lr=0.5,
+    ema_decay=None,
+    progress=False,
+    insecure_seeded_noise=True,
+    seed=3,
+)
 
 
 def _model(channels: int = 3) -> nn.Module:
@@ -125,8 +136,7 @@ class _FakeLogger:
 def test_callbacks_and_metrics_logger_see_every_step_and_evaluation():
     data = torch.rand(12, 3, SIZE, SIZE), torch.randint(0, CLASSES, (12,))
     recorder, logger = _Recorder(), _FakeLogger()
-    trainer = DPTrainer(_model(), callbacks=[recorder], metrics_logger=logger, eval_every=2, epsilon_every=1,
-                        **OPTIONS)
+    trainer = DPTrainer(_model(), callbacks=[recorder], metrics_logger=logger, eval_every=2, epsilon_every=1, **OPTIONS)
     trainer.fit(data, eval_set=data)
     assert recorder.steps == [1, 2, 3]
     assert len(recorder.evaluations) == 2 and recorder.evaluations[-1] == trainer.history[-1]["final_eval"]
@@ -163,10 +173,12 @@ def test_per_channel_normalisation_is_applied_and_validated_at_construction():
     images = torch.rand(2, 3, SIZE, SIZE)
     expected = (images - torch.tensor(mean).view(3, 1, 1)) / torch.tensor(std).view(3, 1, 1)
     torch.testing.assert_close(trainer._normalize(images), expected)
-    for bad, match in (({"normalize_std": (0.5, 0.0, 1.0)}, "normalize_std must be > 0"),
-                       ({"normalize_mean": (0.1, 0.2)}, "different channel counts"),
-                       ({"normalize_mean": ("a", 0.2, 0.3)}, "normalize_mean must be a number"),
-                       ({"normalize_std": ()}, "normalize_std must be finite numbers")):
+    for bad, match in (
+        ({"normalize_std": (0.5, 0.0, 1.0)}, "normalize_std must be > 0"),
+        ({"normalize_mean": (0.1, 0.2)}, "different channel counts"),
+        ({"normalize_mean": ("a", 0.2, 0.3)}, "normalize_mean must be a number"),
+        ({"normalize_std": ()}, "normalize_std must be finite numbers"),
+    ):
         with pytest.raises(ValueError, match=match):
             DPTrainer(_model(), **{**OPTIONS, "normalize_mean": mean, "normalize_std": std, **bad})
     one_channel = torch.rand(12, 1, SIZE, SIZE), torch.randint(0, CLASSES, (12,))

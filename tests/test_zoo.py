@@ -1,4 +1,5 @@
 """Acceptance: standard CNNs convert to exactly C4/D4-equivariant networks (logits within 1e-5)."""
+
 import pickle
 
 import pytest
@@ -66,10 +67,18 @@ def test_converted_model_survives_pickle_deepcopy_and_state_dict():
 
 
 OTHER_TORCHVISION = {  # model -> None (converts exactly) or the expected error text
-    "alexnet": None, "squeezenet1_1": None, "efficientnet_b0": None, "mnasnet0_5": None, "regnet_x_400mf": None,
-    "mobilenet_v3_small": None, "googlenet": None,
-    "shufflenet_v2_x0_5": "splits fields", "convnext_tiny": "even kernel_size=4", "inception_v3": "not square",
-    "swin_t": "even kernel_size=4", "vit_b_16": "no conversion rule",
+    "alexnet": None,
+    "squeezenet1_1": None,
+    "efficientnet_b0": None,
+    "mnasnet0_5": None,
+    "regnet_x_400mf": None,
+    "mobilenet_v3_small": None,
+    "googlenet": None,
+    "shufflenet_v2_x0_5": "splits fields",
+    "convnext_tiny": "even kernel_size=4",
+    "inception_v3": "not square",
+    "swin_t": "even kernel_size=4",
+    "vit_b_16": "no conversion rule",
 }
 
 

@@ -1,4 +1,5 @@
 """ConvNeXt-T (torchvision and timm) converts exactly with even_kernels="grow" (its 4x4 stem and 2x2 downsamplers)."""
+
 import pytest
 import timm
 import torchvision

@@ -4,6 +4,7 @@ Each converts exactly (logits within 1e-5 under every C4 element at a size the r
 valid), converts with a warning that no size is exact, or is refused with an UnsupportedLayerError
 / TracingError naming node, module and options: never a crash or a silent failure.
 """
+
 import pytest
 
 from benchmark_scripts import load_benchmark
@@ -15,8 +16,12 @@ FAST = ("ghostnet_050", "rexnet_100", "convnext_tiny (small widths)", "dla46_c",
 def _assert_clear(record) -> None:
     assert record.outcome != "crash", (record.architecture, record.message)
     if record.outcome == "refused":
-        assert "cannot convert node" in record.message and "Options" in record.message or \
-            "could not trace" in record.message and "module" in record.message, record.message
+        assert (
+            "cannot convert node" in record.message
+            and "Options" in record.message
+            or "could not trace" in record.message
+            and "module" in record.message
+        ), record.message
     if record.outcome == "no-exact":
         assert "no size from 8" in record.message and record.params_after > 0
     if record.outcome == "exact":

@@ -1,4 +1,5 @@
 """Conversion proves that the converted graph runs: no model is returned that fails where the original runs."""
+
 import pytest
 import timm
 import torch
@@ -49,7 +50,9 @@ def test_a_rule_that_breaks_shapes_is_caught_and_names_the_node():
 
     register_module_rule(_Keep)(shrinking_rule)
     try:
-        with pytest.raises(equiconvert.UnsupportedLayerError, match="fails at node 'add'.*32x32 input where the original runs"):
+        with pytest.raises(
+            equiconvert.UnsupportedLayerError, match="fails at node 'add'.*32x32 input where the original runs"
+        ):
             equiconvert.make_equivariant(_Residual(), "C4", input_size=32)
     finally:
         del MODULE_RULES[_Keep]

@@ -1,4 +1,5 @@
 """Canonical steerable kernel bases for planar groups: own builder, canonical form, fingerprints."""
+
 from .canonical import basis_fingerprint, canonical_basis, reexpress_coefficients
 from .harmonic import BUILDER_VERSION, harmonic_span
 

@@ -6,6 +6,7 @@ the vectors whose residual is not (numerically) zero: it depends on the span
 only, is orthonormal (so coefficient norms equal filter Frobenius norms), and
 each vector is positive on the first index where it is new.
 """
+
 from __future__ import annotations
 
 import hashlib

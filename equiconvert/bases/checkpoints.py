@@ -1,4 +1,5 @@
 """Re-express checkpoints saved without basis fingerprints in this model's canonical bases."""
+
 from __future__ import annotations
 
 from collections.abc import Mapping

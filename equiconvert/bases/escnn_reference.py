@@ -2,6 +2,7 @@
 
 Needs the optional extra (`pip install equiconvert[escnn]`); never used to build a model.
 """
+
 from __future__ import annotations
 
 import torch

@@ -10,6 +10,7 @@ coefficients of one block; its image, sampled on the k x k grid, spans exactly
 the equivariant filters. SO(2)/O(2) average over C_M/D_M with M above the
 highest frequency of the integrand, which is exact for trigonometric polynomials.
 """
+
 from __future__ import annotations
 
 import math

@@ -1,4 +1,5 @@
 """The FX pass that turns a CNN into a steerable CNN."""
+
 from .context import ConversionConfig
 from .core import make_equivariant
 from .model import EquivariantModel
@@ -6,6 +7,10 @@ from .registry import register_function_rule, register_module_rule
 from .report import ConversionReport
 
 __all__ = [
-    "ConversionConfig", "ConversionReport", "EquivariantModel", "make_equivariant",
-    "register_function_rule", "register_module_rule",
+    "ConversionConfig",
+    "ConversionReport",
+    "EquivariantModel",
+    "make_equivariant",
+    "register_function_rule",
+    "register_module_rule",
 ]

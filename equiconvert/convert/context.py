@@ -1,4 +1,5 @@
 """State shared by the conversion rules while they rewrite one traced graph."""
+
 from __future__ import annotations
 
 import math

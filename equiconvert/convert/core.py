@@ -1,4 +1,5 @@
 """The conversion pass: trace, type every node with a rule, rewrite, analyse the grid."""
+
 from __future__ import annotations
 
 import contextlib
@@ -42,7 +43,9 @@ def _input_channels(model: nn.Module) -> int:
     raise UnsupportedLayerError(f"{type(model).__name__} has no nn.Conv2d; equiconvert converts convolutional networks")
 
 
-def _traced_with_shapes(model: nn.Module, input_size: int | None, in_channels: int, leaves: tuple) -> tuple[fx.GraphModule, int]:
+def _traced_with_shapes(
+    model: nn.Module, input_size: int | None, in_channels: int, leaves: tuple
+) -> tuple[fx.GraphModule, int]:
     sizes = (input_size,) if input_size else PROBE_SIZES
     errors = []
     for size in sizes:
@@ -118,8 +121,13 @@ def _prepare(model: nn.Module, input_size: int | None, leaves: tuple) -> tuple[f
 
 
 def _convert_once(
-    template: fx.GraphModule, in_channels: int, group: GroupSpec, width_fn, config: ConversionConfig,
-    width_name: str, device: str | None = None,
+    template: fx.GraphModule,
+    in_channels: int,
+    group: GroupSpec,
+    width_fn,
+    config: ConversionConfig,
+    width_name: str,
+    device: str | None = None,
 ) -> tuple[fx.GraphModule, ConversionReport, FieldType | None]:
     """Rewrite a copy of the traced template; device="meta" only counts parameters."""
     gm = copy.deepcopy(template)
@@ -232,9 +240,18 @@ def make_equivariant(
     if pretrained:
         report_pretrained_weights(model, gm, report)
     converted = EquivariantModel(gm, spec, in_channels, output_type, report).train(model.training)
-    arguments = dict(group=group if isinstance(group, str) else spec.name, width=width, input_size=input_size,
-                     config=config, strict=strict, head=head, restrict=restrict, frequency=frequency,
-                     pad_to_valid=pad_to_valid, crop_to_valid=crop_to_valid)
+    arguments = dict(
+        group=group if isinstance(group, str) else spec.name,
+        width=width,
+        input_size=input_size,
+        config=config,
+        strict=strict,
+        head=head,
+        restrict=restrict,
+        frequency=frequency,
+        pad_to_valid=pad_to_valid,
+        crop_to_valid=crop_to_valid,
+    )
     return remember_recipe(converted, conversion_recipe(model, arguments))
 
 
@@ -245,7 +262,9 @@ def _make_config(config: dict | ConversionConfig | None, strict: bool, head: str
         options = dict(config or {})
         unknown = set(options) - set(ConversionConfig.__dataclass_fields__)
         if unknown:
-            raise ValueError(f"unknown config keys {sorted(unknown)}; known: {sorted(ConversionConfig.__dataclass_fields__)}")
+            raise ValueError(
+                f"unknown config keys {sorted(unknown)}; known: {sorted(ConversionConfig.__dataclass_fields__)}"
+            )
         if "leaf_modules" in options:
             options["leaf_modules"] = tuple(options["leaf_modules"])
         cfg = ConversionConfig(**options)
@@ -262,4 +281,6 @@ def _validate_no_batch_statistics(gm: nn.Module) -> None:
         if isinstance(module, nn.modules.batchnorm._NormBase) and (
             isinstance(module, nn.modules.batchnorm._BatchNorm) or module.track_running_stats
         ):
-            raise UnsupportedLayerError(f"module {name!r} ({type(module).__name__}) uses batch statistics after conversion")
+            raise UnsupportedLayerError(
+                f"module {name!r} ({type(module).__name__}) uses batch statistics after conversion"
+            )

@@ -1,4 +1,5 @@
 """Field types carried by the FX graph during conversion (never at run time)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass

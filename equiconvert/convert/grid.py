@@ -6,6 +6,7 @@ windows are placed symmetrically: (H + 2p - d(k-1) - 1) is divisible by s.
 Stride-2 3x3 convs therefore need odd sizes and 2x2 pools even ones; adaptive
 pooling is always symmetric.
 """
+
 from __future__ import annotations
 
 import math
@@ -82,4 +83,3 @@ class GridAnalysis:
 
     def is_valid(self, size: int) -> bool:
         return size in self.valid_sizes
-

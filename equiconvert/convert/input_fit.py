@@ -4,6 +4,7 @@
 after the input placeholder), so the converted model takes the requested size and
 the network sees the nearest valid size at or above it ("pad") or at or below it ("crop").
 """
+
 from __future__ import annotations
 
 from torch import fx
@@ -30,7 +31,8 @@ def invalid_size_error(size: int, grid: GridAnalysis) -> InvalidInputSizeError:
     return InvalidInputSizeError(
         f"input size {size} does not keep exact equivariance (valid: {grid.rule()}; nearest: {nearest}). Pass "
         "pad_to_valid=True (CLI --pad-to-valid) to pad it symmetrically to the next valid size, crop_to_valid=True "
-        "(--crop-to-valid) to crop it to the previous one, or an input size that is valid")
+        "(--crop-to-valid) to crop it to the previous one, or an input size that is valid"
+    )
 
 
 def fit_input(gm: fx.GraphModule, report: ConversionReport, size: int, grid: GridAnalysis, mode: str) -> None:

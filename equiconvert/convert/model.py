@@ -1,4 +1,5 @@
 """The converted network: a traced GraphModule plus what is known about its symmetry."""
+
 from __future__ import annotations
 
 import torch

@@ -4,6 +4,7 @@ A rule takes (context, node) and returns the FieldType of the node's output
 (None for non-tensor values such as sizes). Module rules match the exact type:
 a subclass may override forward, so it needs its own rule.
 """
+
 from __future__ import annotations
 
 import importlib

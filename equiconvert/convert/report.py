@@ -1,4 +1,5 @@
 """What a conversion did: swapped layers, parameter counts, valid input sizes, warnings."""
+
 from __future__ import annotations
 
 import json

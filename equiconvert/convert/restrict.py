@@ -13,6 +13,7 @@ sits on the input of the conv that leads to that downsampling (torchvision
 ResNets: the stage's stride-2 conv; ResNet9: the conv before the stage's pool,
 the paper's "before conv4"). Every use of that tensor sees the restricted fields.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -44,7 +45,9 @@ def parse_schedule(restrict: Any, group_name: str) -> list | dict | None:
         steps = [s.strip() for s in restrict.split("->")]
         if len(steps) > 1:
             if steps[0].upper() != group_name.upper():
-                raise GroupSpecError(f"restriction schedule {restrict!r} must start with the model's group {group_name}")
+                raise GroupSpecError(
+                    f"restriction schedule {restrict!r} must start with the model's group {group_name}"
+                )
             steps = steps[1:]
         return steps
     if isinstance(restrict, (list, tuple)):
@@ -83,8 +86,12 @@ def _conv_input(gm: fx.GraphModule, node: fx.Node) -> fx.Node:
     current = node
     while not _is_conv(gm, current):
         previous = current.args[0]
-        if (not isinstance(previous, fx.Node) or previous.op == "placeholder" or len(previous.users) != 1
-                or len(previous.all_input_nodes) != 1):
+        if (
+            not isinstance(previous, fx.Node)
+            or previous.op == "placeholder"
+            or len(previous.users) != 1
+            or len(previous.all_input_nodes) != 1
+        ):
             return previous
         current = previous
     return current.args[0]
@@ -134,7 +141,7 @@ def plan(gm: fx.GraphModule, restrict: Any, group_name: str) -> list[Restriction
             f"restriction schedule {restrict!r} has {len(schedule)} steps but the model has only {len(stages)} "
             "stages (resolution drops); pass a {module name: step} dict instead"
         )
-    return [RestrictionPoint(node.name, step) for node, step in zip(stages[len(stages) - len(schedule):], schedule)]
+    return [RestrictionPoint(node.name, step) for node, step in zip(stages[len(stages) - len(schedule) :], schedule)]
 
 
 def _named_input(gm: fx.GraphModule, name: str) -> fx.Node:

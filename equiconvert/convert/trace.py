@@ -1,4 +1,5 @@
 """Symbolic tracing with leaves for every module that has a rule, and clear errors."""
+
 from __future__ import annotations
 
 import functools

@@ -5,6 +5,7 @@ spatial size without saying so (or a merge of branches that disagree) would
 otherwise give a model that fails at run time. Conversion runs the converted
 graph node by node and names the node that fails.
 """
+
 from __future__ import annotations
 
 import torch
@@ -48,8 +49,9 @@ def run_at(gm: fx.GraphModule, in_channels: int, size: int) -> tuple[int, ...] |
     try:
         with torch.no_grad():
             parameter = next(gm.parameters(), None)
-            example = torch.zeros(1, in_channels, size, size,
-                                  device=parameter.device if parameter is not None else None)
+            example = torch.zeros(
+                1, in_channels, size, size, device=parameter.device if parameter is not None else None
+            )
             out = _NodeRunner(gm).run(example)
     finally:
         gm.train(was_training)
@@ -64,7 +66,11 @@ def check_size(size: int, valid: list[int]) -> int | None:
 
 
 def verify_conversion(
-    converted: fx.GraphModule, original: fx.GraphModule, report: ConversionReport, in_channels: int, strict: bool,
+    converted: fx.GraphModule,
+    original: fx.GraphModule,
+    report: ConversionReport,
+    in_channels: int,
+    strict: bool,
 ) -> None:
     """Raise UnsupportedLayerError if `converted` fails where `original` runs; warn (strict: raise) on no valid size.
 
@@ -85,8 +91,14 @@ def verify_conversion(
             shape = run_at(converted, in_channels, size)
         except _NodeFailure as failure:
             if size != traced_size and not _runs(original, in_channels, size):
-                report.warnings.append(EquivarianceWarning(
-                    "", "", "", f"the original model does not run at size {size}, which the grid analysis calls valid"))
+                report.warnings.append(
+                    EquivarianceWarning(
+                        "",
+                        "",
+                        "",
+                        f"the original model does not run at size {size}, which the grid analysis calls valid",
+                    )
+                )
                 continue
             raise UnsupportedLayerError(
                 f"the converted model fails at node {failure.node.name!r} ({_where(failure.node)}) on a "

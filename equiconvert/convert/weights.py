@@ -6,6 +6,7 @@ qualified name, shape and values as in the original model. Steerable convolution
 changed (a Linear head after group pooling) have no counterpart and start from their
 initialisation: fine-tuning a converted pretrained model does not start from its weights.
 """
+
 from __future__ import annotations
 
 import warnings
@@ -18,8 +19,11 @@ from .report import ConversionReport
 
 def _layers(model: nn.Module) -> dict[str, list[tuple[str, torch.Tensor]]]:
     """Module path -> its own parameters (name, tensor), for modules that own parameters."""
-    return {path: list(module.named_parameters(recurse=False)) for path, module in model.named_modules()
-            if any(True for _ in module.parameters(recurse=False))}
+    return {
+        path: list(module.named_parameters(recurse=False))
+        for path, module in model.named_modules()
+        if any(True for _ in module.parameters(recurse=False))
+    }
 
 
 def weight_transfer(original: nn.Module, converted: nn.Module) -> tuple[list[str], list[str]]:
@@ -28,9 +32,11 @@ def weight_transfer(original: nn.Module, converted: nn.Module) -> tuple[list[str
     kept, fresh = [], []
     for path, params in _layers(converted).items():
         same = all(
-            (old := before.get(f"{path}.{name}" if path else name)) is not None and old.shape == value.shape
+            (old := before.get(f"{path}.{name}" if path else name)) is not None
+            and old.shape == value.shape
             and torch.equal(old.detach().cpu(), value.detach().cpu())
-            for name, value in params)
+            for name, value in params
+        )
         (kept if same else fresh).append(path)
     return kept, fresh
 
@@ -43,5 +49,6 @@ def report_pretrained_weights(original: nn.Module, converted: nn.Module, report:
         report.weights_warning = (
             f"the model's pretrained weights do not carry over to {len(fresh)} of its {len(kept) + len(fresh)} "
             "parametrised layers: steerable convolutions, field norms and layers whose input width changed are "
-            f"freshly initialised; layers that kept their weights: {', '.join(kept) if kept else 'none'}")
+            f"freshly initialised; layers that kept their weights: {', '.join(kept) if kept else 'none'}"
+        )
         warnings.warn(report.weights_warning, stacklevel=3)

@@ -5,6 +5,7 @@ SO(2)/O(2) (GroupSpec.order / ContinuousGroupSpec.order). The paper's Table 1
 counts need kappa 1.5 for C_N/D_N (with the 3r basis band limit, see
 models/equivariant_resnet9.py) and kappa 1.75 for O(2).
 """
+
 from __future__ import annotations
 
 import math

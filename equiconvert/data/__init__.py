@@ -15,19 +15,42 @@ With ``data_dir=None`` a loader looks in ``$EQUICONVERT_DATA_DIR`` and its own d
 Decoded image folders are cached in ``$EQUICONVERT_CACHE_DIR`` (default
 ``~/.cache/equiconvert/datasets``).
 """
+
 from __future__ import annotations
 
 import os
 
-from ._base import (DATASETS, SPLITS, DatasetFormatError, DatasetNotFoundError, ImageData, UnknownDatasetError,
-                    cache_dir, register, resolve_name)
+from ._base import (
+    DATASETS,
+    SPLITS,
+    DatasetFormatError,
+    DatasetNotFoundError,
+    ImageData,
+    UnknownDatasetError,
+    cache_dir,
+    register,
+    resolve_name,
+)
 from . import cifar, imagefolder, imagenet, mnist, rotated_mnist, synthetic  # noqa: F401  (fill DATASETS)
 from .imagefolder import decode_images, load_image_folder
 from .mnist import read_idx
 from .rotated_mnist import rotate_images
 
-__all__ = ["DATASETS", "SPLITS", "DatasetFormatError", "DatasetNotFoundError", "ImageData", "UnknownDatasetError",
-           "cache_dir", "decode_images", "load_dataset", "load_image_folder", "read_idx", "register", "rotate_images"]
+__all__ = [
+    "DATASETS",
+    "SPLITS",
+    "DatasetFormatError",
+    "DatasetNotFoundError",
+    "ImageData",
+    "UnknownDatasetError",
+    "cache_dir",
+    "decode_images",
+    "load_dataset",
+    "load_image_folder",
+    "read_idx",
+    "register",
+    "rotate_images",
+]
 
 
 def load_dataset(name: str, data_dir: str | os.PathLike | None = None, split: str = "train", **kwargs) -> ImageData:

@@ -1,4 +1,5 @@
 """Shared pieces of the data loaders: the result type, the registry, errors, paths, the cache."""
+
 from __future__ import annotations
 
 import hashlib
@@ -78,12 +79,12 @@ class ImageData:
         return tuple(self.images.shape[1:])  # type: ignore[return-value]
 
     def __repr__(self) -> str:
-        return (f"ImageData(name={self.name!r}, n={len(self)}, image_shape={self.image_shape}, "
-                f"classes={self.num_classes})")
+        return (
+            f"ImageData(name={self.name!r}, n={len(self)}, image_shape={self.image_shape}, classes={self.num_classes})"
+        )
 
 
-def make_image_data(images: np.ndarray, labels: np.ndarray, classes: Sequence[str], name: str,
-                    **meta) -> ImageData:
+def make_image_data(images: np.ndarray, labels: np.ndarray, classes: Sequence[str], name: str, **meta) -> ImageData:
     """Wrap numpy arrays (images N,C,H,W uint8) without copying where possible.
 
     Float images must be finite and integer-valued labels integers: a cast to uint8/int64 would
@@ -96,8 +97,7 @@ def make_image_data(images: np.ndarray, labels: np.ndarray, classes: Sequence[st
         images = images.copy()
     if not labels.flags.writeable:
         labels = labels.copy()
-    return ImageData(torch.from_numpy(images), torch.from_numpy(labels), [str(c) for c in classes], name,
-                     dict(meta))
+    return ImageData(torch.from_numpy(images), torch.from_numpy(labels), [str(c) for c in classes], name, dict(meta))
 
 
 def refuse_non_finite(images: np.ndarray, where: str) -> None:
@@ -105,8 +105,10 @@ def refuse_non_finite(images: np.ndarray, where: str) -> None:
     if images.dtype.kind in "fc" and len(images):
         finite = np.isfinite(images.reshape(len(images), -1)).all(axis=1)
         if not finite.all():
-            raise DatasetFormatError(f"{where}: image {int(np.flatnonzero(~finite)[0])} holds a non-finite value "
-                                     f"(NaN or inf; {int((~finite).sum())} such images): clean the file")
+            raise DatasetFormatError(
+                f"{where}: image {int(np.flatnonzero(~finite)[0])} holds a non-finite value "
+                f"(NaN or inf; {int((~finite).sum())} such images): clean the file"
+            )
 
 
 def _check_arrays(images: np.ndarray, labels: np.ndarray, where: str) -> None:
@@ -174,10 +176,12 @@ def not_found(dataset: str, searched: Sequence[Path], expected: str, how: str = 
     where = "\n".join(f"  - {p}" + ("" if p.exists() else " (does not exist)") for p in searched)
     if not searched:
         where = "  (no directory given: pass data_dir=... or set $EQUICONVERT_DATA_DIR)"
-    msg = (f"{dataset}: data files not found. Looked in:\n{where}\n"
-           f"Expected: {expected}\n"
-           f"Put the files in a directory and pass it as data_dir (or set $EQUICONVERT_DATA_DIR); "
-           f"nothing is downloaded at run time.")
+    msg = (
+        f"{dataset}: data files not found. Looked in:\n{where}\n"
+        f"Expected: {expected}\n"
+        f"Put the files in a directory and pass it as data_dir (or set $EQUICONVERT_DATA_DIR); "
+        f"nothing is downloaded at run time."
+    )
     if how:
         msg += f"\n{how}"
     return DatasetNotFoundError(msg)

@@ -1,4 +1,5 @@
 """CIFAR-10: torchvision's pickle layout (``cifar-10-batches-py/``) or an ImageFolder copy."""
+
 from __future__ import annotations
 
 import pickle
@@ -13,9 +14,11 @@ CIFAR10_CLASSES = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog
 PICKLE_DIR = "cifar-10-batches-py"
 PICKLE_FILES = {"train": [f"data_batch_{i}" for i in range(1, 6)], "test": ["test_batch"]}
 FOLDER_NAMES = ("cifar10", "cifar-10", "CIFAR10", "CIFAR-10")
-EXPECTED = (f"{PICKLE_DIR}/data_batch_1..5 and {PICKLE_DIR}/test_batch (the 'python version' of CIFAR-10, "
-            f"as torchvision's CIFAR10(root) keeps it), or an ImageFolder copy train/<class>/*.png|jpg and "
-            f"test/<class>/*.png|jpg (also under a cifar10/ sub-folder), 32x32 images")
+EXPECTED = (
+    f"{PICKLE_DIR}/data_batch_1..5 and {PICKLE_DIR}/test_batch (the 'python version' of CIFAR-10, "
+    f"as torchvision's CIFAR10(root) keeps it), or an ImageFolder copy train/<class>/*.png|jpg and "
+    f"test/<class>/*.png|jpg (also under a cifar10/ sub-folder), 32x32 images"
+)
 
 
 def _pickle_dir(d: Path) -> Path | None:
@@ -43,7 +46,9 @@ def _read_batch(path: Path) -> tuple[np.ndarray, np.ndarray]:
     except (KeyError, TypeError) as exc:
         raise DatasetFormatError(f"{path}: not a CIFAR-10 batch (needs keys b'data' and b'labels')") from exc
     if data.ndim != 2 or data.shape[1] != 3072 or labels.shape != (data.shape[0],):
-        raise DatasetFormatError(f"{path}: expected data (N, 3072) and labels (N,), got {data.shape} and {labels.shape}")
+        raise DatasetFormatError(
+            f"{path}: expected data (N, 3072) and labels (N,), got {data.shape} and {labels.shape}"
+        )
     return data.reshape(-1, 3, 32, 32), labels
 
 
@@ -59,8 +64,14 @@ def load_cifar10_pickle(batch_dir: Path, split: str) -> ImageData:
             names = pickle.load(f, encoding="bytes").get(b"label_names")
         if names:
             classes = [n.decode() if isinstance(n, bytes) else str(n) for n in names]
-    return make_image_data(np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts]), classes,
-                           "cifar10", source=str(batch_dir), format="pickle")
+    return make_image_data(
+        np.concatenate([p[0] for p in parts]),
+        np.concatenate([p[1] for p in parts]),
+        classes,
+        "cifar10",
+        source=str(batch_dir),
+        format="pickle",
+    )
 
 
 @register("cifar10", "cifar-10")

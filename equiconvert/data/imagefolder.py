@@ -10,6 +10,7 @@ changes a class folder's mtime, so the cache is rebuilt; delete the cache direct
 All images of a split must have one size, unless ``image_size=`` is given, in which case every
 image is resized with PIL (bilinear) to that (height, width).
 """
+
 from __future__ import annotations
 
 import os
@@ -26,8 +27,18 @@ try:  # torchvision >= 0.19 decodes lists of JPEGs in C++; optional, PIL is the 
 except ImportError:  # pragma: no cover
     decode_jpeg = None
 
-from ._base import (DatasetFormatError, ImageData, cache_dir, cache_key, cache_load, cache_save, check_split,
-                    make_image_data, not_found, register)
+from ._base import (
+    DatasetFormatError,
+    ImageData,
+    cache_dir,
+    cache_key,
+    cache_load,
+    cache_save,
+    check_split,
+    make_image_data,
+    not_found,
+    register,
+)
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".ppm", ".pgm", ".pbm", ".tif", ".tiff", ".webp", ".gif")
 SPLIT_DIR_NAMES = {"train": ("train", "training"), "test": ("test", "val", "valid", "validation")}
@@ -86,7 +97,8 @@ def _read_one(path: str, channels: int, size_hw: tuple[int, int], resize: bool) 
                 raise DatasetFormatError(
                     f"{path}: image is {im.size[1]}x{im.size[0]} (HxW) but the first image of the folder is "
                     f"{size_hw[0]}x{size_hw[1]}; all images must have one size. Pass image_size=(H, W) to "
-                    f"resize every image on loading, or resize the files.")
+                    f"resize every image on loading, or resize the files."
+                )
             elif im.mode != mode:
                 im = im.convert(mode)
             else:
@@ -123,8 +135,9 @@ def _jpeg_batch(files: Sequence[str], start: int, stop: int, out: np.ndarray) ->
     return True
 
 
-def decode_images(files: Sequence[str], image_size: SizeArg = None, channels: int | None = None,
-                  num_workers: int | None = None) -> np.ndarray:
+def decode_images(
+    files: Sequence[str], image_size: SizeArg = None, channels: int | None = None, num_workers: int | None = None
+) -> np.ndarray:
     """Decode ``files`` into one (N, C, H, W) uint8 array with a thread pool.
 
     Without ``image_size`` every file must have the size of the first one; ``channels`` (1 or 3)
@@ -168,17 +181,31 @@ def _folder_stamp(split_dir: Path) -> list[tuple[str, int]]:
     return [(d.name, d.stat().st_mtime_ns) for d in dirs]
 
 
-def load_folder(split_dir: str | os.PathLike, classes: Sequence[str] | None = None, *, image_size: SizeArg = None,
-                channels: int | None = None, cache: bool = True, num_workers: int | None = None,
-                name: str = "imagefolder") -> tuple[np.ndarray, np.ndarray, list[str]]:
+def load_folder(
+    split_dir: str | os.PathLike,
+    classes: Sequence[str] | None = None,
+    *,
+    image_size: SizeArg = None,
+    channels: int | None = None,
+    cache: bool = True,
+    num_workers: int | None = None,
+    name: str = "imagefolder",
+) -> tuple[np.ndarray, np.ndarray, list[str]]:
     """Decode every image of ``split_dir/<class>/*`` (cached), returning (images NCHW, labels, classes)."""
     split_dir = Path(split_dir).expanduser().resolve()
     classes = list(classes) if classes is not None else class_dirs(split_dir)
     files, labels = list_files(split_dir, classes)
     if not files:
         raise not_found(name, [split_dir], f"image files ({', '.join(IMAGE_EXTENSIONS)}) in {split_dir}/<class>/")
-    key = cache_key("imagefolder-v1", str(split_dir), _folder_stamp(split_dir), len(files), tuple(classes),
-                    _hw(image_size), channels)
+    key = cache_key(
+        "imagefolder-v1",
+        str(split_dir),
+        _folder_stamp(split_dir),
+        len(files),
+        tuple(classes),
+        _hw(image_size),
+        channels,
+    )
     path = cache_dir() / f"{name}-{split_dir.name}-{key}.npz"
     if cache:
         hit = cache_load(path)
@@ -211,9 +238,18 @@ def stratified_split(labels: np.ndarray, test_fraction: float, seed: int) -> tup
     return np.sort(np.concatenate(train)), np.sort(np.concatenate(test))
 
 
-def load_image_folder(root: str | os.PathLike, split: str = "train", *, image_size: SizeArg = None,
-                      channels: int | None = None, test_fraction: float = 0.2, seed: int = 0, cache: bool = True,
-                      num_workers: int | None = None, name: str = "imagefolder") -> ImageData:
+def load_image_folder(
+    root: str | os.PathLike,
+    split: str = "train",
+    *,
+    image_size: SizeArg = None,
+    channels: int | None = None,
+    test_fraction: float = 0.2,
+    seed: int = 0,
+    cache: bool = True,
+    num_workers: int | None = None,
+    name: str = "imagefolder",
+) -> ImageData:
     """Load one split of an ImageFolder tree.
 
     - ``root/train/<class>/*`` and ``root/test/<class>/*`` (``val``/``validation`` also name the
@@ -223,15 +259,23 @@ def load_image_folder(root: str | os.PathLike, split: str = "train", *, image_si
     check_split(split)
     root = Path(root).expanduser()
     if not root.is_dir():
-        raise not_found(name, [root], "root/train/<class>/*.jpg|png and root/test/<class>/*.jpg|png, "
-                                      "or root/<class>/*.jpg|png (split by test_fraction)")
+        raise not_found(
+            name,
+            [root],
+            "root/train/<class>/*.jpg|png and root/test/<class>/*.jpg|png, "
+            "or root/<class>/*.jpg|png (split by test_fraction)",
+        )
     train_dir, test_dir = find_split_dir(root, "train"), find_split_dir(root, "test")
     opts = dict(image_size=image_size, channels=channels, cache=cache, num_workers=num_workers, name=name)
     if train_dir is not None or test_dir is not None:
         split_dir = train_dir if split == "train" else test_dir
         if split_dir is None:
-            raise not_found(name, [root], f"a {'/'.join(SPLIT_DIR_NAMES[split])} folder with <class>/ sub-folders "
-                                          f"next to {(train_dir or test_dir).name}/")
+            raise not_found(
+                name,
+                [root],
+                f"a {'/'.join(SPLIT_DIR_NAMES[split])} folder with <class>/ sub-folders "
+                f"next to {(train_dir or test_dir).name}/",
+            )
         classes = sorted(set().union(*(class_dirs(d) for d in (train_dir, test_dir) if d is not None)))
         images, labels, classes = load_folder(split_dir, classes, **opts)
         return make_image_data(images, labels, classes, name, source=str(split_dir))
@@ -241,8 +285,9 @@ def load_image_folder(root: str | os.PathLike, split: str = "train", *, image_si
     images, labels, classes = load_folder(root, classes, **opts)
     train_idx, test_idx = stratified_split(labels, test_fraction, seed)
     idx = train_idx if split == "train" else test_idx
-    return make_image_data(images[idx], labels[idx], classes, name, source=str(root),
-                           test_fraction=test_fraction, seed=seed)
+    return make_image_data(
+        images[idx], labels[idx], classes, name, source=str(root), test_fraction=test_fraction, seed=seed
+    )
 
 
 @register("imagefolder", "folder", "image_folder")

@@ -8,6 +8,7 @@ They may lie in ``data_dir`` or one or two folders below it (the archives unpack
 come from ``map_clsloc.txt`` when it is there, else "0".."999". The test split is the
 validation set (ImageNet's test labels are not public).
 """
+
 from __future__ import annotations
 
 import re
@@ -15,8 +16,16 @@ from pathlib import Path
 
 import numpy as np
 
-from ._base import (DatasetFormatError, ImageData, candidate_dirs, check_split, make_image_data, not_found,
-                    refuse_non_finite, register)
+from ._base import (
+    DatasetFormatError,
+    ImageData,
+    candidate_dirs,
+    check_split,
+    make_image_data,
+    not_found,
+    refuse_non_finite,
+    register,
+)
 
 _TRAIN_RE = re.compile(r"^train_data_batch_(\d+)\.npz$")
 VAL_NAMES = ("val_data.npz", "Imagenet{r}_val.npz")
@@ -72,7 +81,9 @@ def load_npz_batches(files: list[Path], resolution: int | None, max_classes: int
                 raise DatasetFormatError(f"{p}: expected keys 'data' and 'labels', found {z.files}")
             lab = np.asarray(z["labels"]).reshape(-1).astype(np.int64) - 1
         if lab.size and lab.min() < 0:
-            raise DatasetFormatError(f"{p}: labels must start at 1 (downsampled-ImageNet format), found {lab.min() + 1}")
+            raise DatasetFormatError(
+                f"{p}: labels must start at 1 (downsampled-ImageNet format), found {lab.min() + 1}"
+            )
         keep = lab < max_classes if max_classes is not None else None
         labels_parts.append(lab if keep is None else lab[keep])
         keep_parts.append(keep)
@@ -94,12 +105,11 @@ def load_npz_batches(files: list[Path], resolution: int | None, max_classes: int
             data = data[keep]
         if images is None:
             images = np.empty((total, 3, r, r), dtype=np.uint8)
-        images[pos:pos + len(data)] = data.reshape(-1, 3, r, r)
+        images[pos : pos + len(data)] = data.reshape(-1, 3, r, r)
         pos += len(data)
     labels = np.concatenate(labels_parts) if labels_parts else np.zeros(0, np.int64)
     n_classes = max_classes or max(1000, int(labels.max()) + 1 if labels.size else 0)
-    return make_image_data(images, labels, _class_names(files, n_classes), name,
-                           files=[str(p) for p in files])
+    return make_image_data(images, labels, _class_names(files, n_classes), name, files=[str(p) for p in files])
 
 
 def _loader(name: str, resolution: int | None):
@@ -112,18 +122,23 @@ def _loader(name: str, resolution: int | None):
                 return load_npz_batches(files, resolution, max_classes, name)
         r = resolution or "R"
         val = " or ".join(n.format(r=r) for n in VAL_NAMES)
-        raise not_found(name, searched, f"train_data_batch_1.npz ... train_data_batch_10.npz (train) and {val} (test), "
-                                        f"keys 'data' (N, {3 * resolution * resolution if resolution else '3*R*R'}) "
-                                        f"and 'labels' (1-based), in data_dir or up to two folders below it")
+        raise not_found(
+            name,
+            searched,
+            f"train_data_batch_1.npz ... train_data_batch_10.npz (train) and {val} (test), "
+            f"keys 'data' (N, {3 * resolution * resolution if resolution else '3*R*R'}) "
+            f"and 'labels' (1-based), in data_dir or up to two folders below it",
+        )
 
     load.__name__ = name
-    load.__doc__ = (f"Downsampled ImageNet{resolution or ''} (npz batches), uint8 (N, 3, R, R); "
-                    f"max_classes keeps only labels below it.")
+    load.__doc__ = (
+        f"Downsampled ImageNet{resolution or ''} (npz batches), uint8 (N, 3, R, R); "
+        f"max_classes keeps only labels below it."
+    )
     return load
 
 
 imagenet16 = register("imagenet16")(_loader("imagenet16", 16))
 imagenet32 = register("imagenet32")(_loader("imagenet32", 32))
 imagenet64 = register("imagenet64")(_loader("imagenet64", 64))
-imagenet_downsampled = register("imagenet_downsampled", "downsampled_imagenet")(
-    _loader("imagenet_downsampled", None))
+imagenet_downsampled = register("imagenet_downsampled", "downsampled_imagenet")(_loader("imagenet_downsampled", None))

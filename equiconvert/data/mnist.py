@@ -4,6 +4,7 @@ Looked for in ``data_dir`` itself, torchvision's layout (``data_dir/MNIST/raw``,
 ``data_dir/FashionMNIST/raw``) and, for Fashion-MNIST, the Debian package
 ``dataset-fashion-mnist`` (``/usr/share/datasets/fashion-mnist``).
 """
+
 from __future__ import annotations
 
 import gzip
@@ -18,13 +19,29 @@ IDX_FILES = {
     "test": ("t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"),
 }
 MNIST_CLASSES = [str(i) for i in range(10)]
-FASHION_MNIST_CLASSES = ["T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", "Sandal", "Shirt", "Sneaker",
-                         "Bag", "Ankle boot"]
+FASHION_MNIST_CLASSES = [
+    "T-shirt/top",
+    "Trouser",
+    "Pullover",
+    "Dress",
+    "Coat",
+    "Sandal",
+    "Shirt",
+    "Sneaker",
+    "Bag",
+    "Ankle boot",
+]
 DEBIAN_FASHION_MNIST = "/usr/share/datasets/fashion-mnist"
 
 # IDX type byte -> numpy big-endian dtype
-_IDX_TYPES = {0x08: np.dtype(">u1"), 0x09: np.dtype(">i1"), 0x0B: np.dtype(">i2"), 0x0C: np.dtype(">i4"),
-              0x0D: np.dtype(">f4"), 0x0E: np.dtype(">f8")}
+_IDX_TYPES = {
+    0x08: np.dtype(">u1"),
+    0x09: np.dtype(">i1"),
+    0x0B: np.dtype(">i2"),
+    0x0C: np.dtype(">i4"),
+    0x0D: np.dtype(">f4"),
+    0x0E: np.dtype(">f8"),
+}
 
 
 def _open(path: Path):
@@ -46,20 +63,26 @@ def read_idx(path: str | Path, expect_ndim: int | None = None) -> np.ndarray:
     except (OSError, EOFError) as exc:
         raise DatasetFormatError(f"{path}: cannot be read ({exc})") from exc
     if len(raw) < 4 or raw[0] != 0 or raw[1] != 0 or raw[2] not in _IDX_TYPES:
-        raise DatasetFormatError(f"{path}: not an IDX file (magic bytes {raw[:4].hex() or 'missing'}; "
-                                 f"expected 0000 followed by a type byte 08..0e and the number of dimensions)")
+        raise DatasetFormatError(
+            f"{path}: not an IDX file (magic bytes {raw[:4].hex() or 'missing'}; "
+            f"expected 0000 followed by a type byte 08..0e and the number of dimensions)"
+        )
     dtype, ndim = _IDX_TYPES[raw[2]], raw[3]
     if expect_ndim is not None and ndim != expect_ndim:
-        raise DatasetFormatError(f"{path}: IDX file has {ndim} dimensions, expected {expect_ndim} "
-                                 f"(magic {int.from_bytes(raw[:4], 'big')}; images are 2051, labels 2049)")
+        raise DatasetFormatError(
+            f"{path}: IDX file has {ndim} dimensions, expected {expect_ndim} "
+            f"(magic {int.from_bytes(raw[:4], 'big')}; images are 2051, labels 2049)"
+        )
     header = 4 + 4 * ndim
     if len(raw) < header:
         raise DatasetFormatError(f"{path}: truncated IDX header")
     dims = tuple(int(d) for d in np.frombuffer(raw, dtype=">u4", count=ndim, offset=4))
     expected = int(np.prod(dims, dtype=np.int64)) * dtype.itemsize
     if len(raw) - header != expected:
-        raise DatasetFormatError(f"{path}: IDX header says shape {dims} ({expected} bytes of data) but the file "
-                                 f"holds {len(raw) - header} bytes after the header (truncated or corrupt download?)")
+        raise DatasetFormatError(
+            f"{path}: IDX header says shape {dims} ({expected} bytes of data) but the file "
+            f"holds {len(raw) - header} bytes after the header (truncated or corrupt download?)"
+        )
     arr = np.frombuffer(raw, dtype=dtype, offset=header).reshape(dims)
     return arr.astype(dtype.newbyteorder("="), copy=False)
 
@@ -81,8 +104,9 @@ def load_idx_pair(d: Path, split: str, classes: list[str], name: str) -> ImageDa
     if images.dtype != np.uint8 or labels.dtype != np.uint8:
         raise DatasetFormatError(f"{img_path}, {lbl_path}: expected unsigned-byte IDX data (type 0x08)")
     if images.shape[0] != labels.shape[0]:
-        raise DatasetFormatError(f"{img_path} holds {images.shape[0]} images but {lbl_path} holds "
-                                 f"{labels.shape[0]} labels")
+        raise DatasetFormatError(
+            f"{img_path} holds {images.shape[0]} images but {lbl_path} holds {labels.shape[0]} labels"
+        )
     if labels.size and labels.max() >= len(classes):
         raise DatasetFormatError(f"{lbl_path}: label {labels.max()} out of range for {len(classes)} classes")
     return make_image_data(images[:, None], labels, classes, name, source=str(d))
@@ -92,8 +116,16 @@ def _idx_dirs(d: Path, torchvision_name: str, extra: tuple[str, ...]) -> list[Pa
     return [d, d / torchvision_name / "raw", d / torchvision_name, *(d / e for e in extra)]
 
 
-def _load_idx_dataset(name: str, data_dir: str | None, split: str, torchvision_name: str, extra: tuple[str, ...],
-                      defaults: tuple[str, ...], classes: list[str], hint: str = "") -> ImageData:
+def _load_idx_dataset(
+    name: str,
+    data_dir: str | None,
+    split: str,
+    torchvision_name: str,
+    extra: tuple[str, ...],
+    defaults: tuple[str, ...],
+    classes: list[str],
+    hint: str = "",
+) -> ImageData:
     check_split(split)
     searched: list[Path] = []
     for base in candidate_dirs(data_dir, defaults):
@@ -108,18 +140,30 @@ def _load_idx_dataset(name: str, data_dir: str | None, split: str, torchvision_n
         present = [s for s in IDX_FILES[split] if find_idx_file(d, s)]
         if present:
             how.insert(0, f"{d} has {', '.join(present)} but not all of the {split} files.")
-    raise not_found(name, searched, f"the IDX files {want} (gzip-compressed or not), in the directory itself "
-                                    f"or in {torchvision_name}/raw/ (torchvision's layout)", "\n".join(how))
+    raise not_found(
+        name,
+        searched,
+        f"the IDX files {want} (gzip-compressed or not), in the directory itself "
+        f"or in {torchvision_name}/raw/ (torchvision's layout)",
+        "\n".join(how),
+    )
 
 
 @register("fashion_mnist", "fashionmnist", "fmnist")
 def fashion_mnist(data_dir: str | None, split: str = "train") -> ImageData:
     """Fashion-MNIST (60k/10k, 1x28x28). Without data_dir: $EQUICONVERT_DATA_DIR, then the Debian
     package's /usr/share/datasets/fashion-mnist (``apt-get install dataset-fashion-mnist``)."""
-    return _load_idx_dataset("fashion_mnist", data_dir, split, "FashionMNIST", ("fashion-mnist", "fashion_mnist"),
-                             (DEBIAN_FASHION_MNIST,), FASHION_MNIST_CLASSES,
-                             f"On Debian/Ubuntu, `apt-get install dataset-fashion-mnist` puts them in "
-                             f"{DEBIAN_FASHION_MNIST} (found there without data_dir).")
+    return _load_idx_dataset(
+        "fashion_mnist",
+        data_dir,
+        split,
+        "FashionMNIST",
+        ("fashion-mnist", "fashion_mnist"),
+        (DEBIAN_FASHION_MNIST,),
+        FASHION_MNIST_CLASSES,
+        f"On Debian/Ubuntu, `apt-get install dataset-fashion-mnist` puts them in "
+        f"{DEBIAN_FASHION_MNIST} (found there without data_dir).",
+    )
 
 
 @register("mnist")

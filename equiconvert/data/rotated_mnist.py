@@ -12,6 +12,7 @@ images. The 28x28 frame is kept: rotation by angles that are not multiples of 90
 interpolates (bilinear, zeros outside), and the corners of a digit's 20x20 box may be clipped
 slightly; MNIST digits are centred by mass so almost nothing is lost.
 """
+
 from __future__ import annotations
 
 import math
@@ -21,15 +22,25 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ._base import (DatasetFormatError, ImageData, candidate_dirs, check_split, make_image_data, not_found,
-                    refuse_non_finite, register, SPLITS)
+from ._base import (
+    DatasetFormatError,
+    ImageData,
+    candidate_dirs,
+    check_split,
+    make_image_data,
+    not_found,
+    refuse_non_finite,
+    register,
+    SPLITS,
+)
 from .mnist import IDX_FILES, MNIST_CLASSES, find_idx_file, load_idx_pair
 
 NPZ_NAMES = ("mnist-10k.npz", "mnist.npz", "mnist_10k.npz")
 
 
-def rotate_images(images: np.ndarray | torch.Tensor, angles_deg: np.ndarray | torch.Tensor,
-                  chunk: int = 4096) -> torch.Tensor:
+def rotate_images(
+    images: np.ndarray | torch.Tensor, angles_deg: np.ndarray | torch.Tensor, chunk: int = 4096
+) -> torch.Tensor:
     """Rotate uint8 images (N, C, H, W) about their centre by ``angles_deg`` (N,), bilinear, zero fill.
 
     Positive angles turn the image anticlockwise as displayed (row 0 at the top).
@@ -40,14 +51,15 @@ def rotate_images(images: np.ndarray | torch.Tensor, angles_deg: np.ndarray | to
         raise ValueError(f"expected images (N, C, H, W) and angles (N,), got {tuple(x.shape)} and {tuple(a.shape)}")
     out = torch.empty_like(x, dtype=torch.uint8)
     for s in range(0, x.shape[0], chunk):
-        xs, t = x[s:s + chunk].float(), a[s:s + chunk]
+        xs, t = x[s : s + chunk].float(), a[s : s + chunk]
         cos, sin = torch.cos(t), torch.sin(t)
         # affine_grid maps output coordinates (x right, y down, in [-1, 1]) to input coordinates.
-        theta = torch.stack([torch.stack([cos, -sin, torch.zeros_like(t)], 1),
-                             torch.stack([sin, cos, torch.zeros_like(t)], 1)], 1).float()
+        theta = torch.stack(
+            [torch.stack([cos, -sin, torch.zeros_like(t)], 1), torch.stack([sin, cos, torch.zeros_like(t)], 1)], 1
+        ).float()
         grid = F.affine_grid(theta, list(xs.shape), align_corners=False)
         rot = F.grid_sample(xs, grid, mode="bilinear", padding_mode="zeros", align_corners=False)
-        out[s:s + chunk] = rot.round_().clamp_(0, 255).to(torch.uint8)
+        out[s : s + chunk] = rot.round_().clamp_(0, 255).to(torch.uint8)
     return out
 
 
@@ -60,8 +72,10 @@ def _npz_digits(path: Path, split: str, test_fraction: float, split_seed: int) -
         img_key = next((k for k in ("images", "x", "data") if k in keys), None)
         lbl_key = next((k for k in ("labels", "y", "targets") if k in keys), None)
         if img_key is None or lbl_key is None:
-            raise DatasetFormatError(f"{path}: expected keys 'images' and 'labels' (or x_train, y_train, x_test, "
-                                     f"y_test), found {sorted(keys)}")
+            raise DatasetFormatError(
+                f"{path}: expected keys 'images' and 'labels' (or x_train, y_train, x_test, "
+                f"y_test), found {sorted(keys)}"
+            )
         images, labels = z[img_key], z[lbl_key]
     refuse_non_finite(images, f"{path} ({img_key})")
     if not 0.0 < test_fraction < 1.0:
@@ -86,8 +100,15 @@ def _find_source(data_dir: str | None) -> tuple[str, Path] | None:
 
 
 @register("rotated_mnist", "rotmnist", "mnist_rot", "mnistrot")
-def rotated_mnist(data_dir: str | None, split: str = "train", *, seed: int = 0, test_fraction: float = 0.2,
-                  split_seed: int = 0, max_angle: float = 360.0) -> ImageData:
+def rotated_mnist(
+    data_dir: str | None,
+    split: str = "train",
+    *,
+    seed: int = 0,
+    test_fraction: float = 0.2,
+    split_seed: int = 0,
+    max_angle: float = 360.0,
+) -> ImageData:
     """Rotated MNIST (1x28x28 uint8); ``meta['angles']`` holds each image's angle in degrees.
 
     Angles are uniform in [0, max_angle); ``max_angle=0`` gives the same split unrotated (a baseline).
@@ -95,10 +116,13 @@ def rotated_mnist(data_dir: str | None, split: str = "train", *, seed: int = 0, 
     check_split(split)
     found = _find_source(data_dir)
     if found is None:
-        raise not_found("rotated_mnist", candidate_dirs(data_dir),
-                        f"an .npz of digits ({' or '.join(NPZ_NAMES)}, keys 'images' (N, 28, 28) uint8 and 'labels'), "
-                        f"or MNIST's IDX files ({', '.join(s + '.gz' for sp in SPLITS for s in IDX_FILES[sp])}); "
-                        f"data_dir may also name the .npz file itself")
+        raise not_found(
+            "rotated_mnist",
+            candidate_dirs(data_dir),
+            f"an .npz of digits ({' or '.join(NPZ_NAMES)}, keys 'images' (N, 28, 28) uint8 and 'labels'), "
+            f"or MNIST's IDX files ({', '.join(s + '.gz' for sp in SPLITS for s in IDX_FILES[sp])}); "
+            f"data_dir may also name the .npz file itself",
+        )
     kind, path = found
     if kind == "idx":
         base = load_idx_pair(path, split, MNIST_CLASSES, "mnist")
@@ -113,5 +137,12 @@ def rotated_mnist(data_dir: str | None, split: str = "train", *, seed: int = 0, 
     angles = np.random.default_rng([seed, SPLITS.index(split)]).uniform(0.0, 360.0, size=len(images))
     angles *= max_angle / 360.0
     rotated = rotate_images(images[:, None], angles).numpy() if max_angle else images[:, None]
-    return make_image_data(rotated, np.asarray(labels, dtype=np.int64), MNIST_CLASSES, "rotated_mnist",
-                           source=str(path), angles=angles, seed=seed)
+    return make_image_data(
+        rotated,
+        np.asarray(labels, dtype=np.int64),
+        MNIST_CLASSES,
+        "rotated_mnist",
+        source=str(path),
+        angles=angles,
+        seed=seed,
+    )

@@ -1,4 +1,5 @@
 """A deterministic random data set for smoke runs and tests (no files needed)."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -7,9 +8,17 @@ from ._base import ImageData, check_split, make_image_data, register
 
 
 @register("synthetic", "random")
-def synthetic(data_dir: str | None = None, split: str = "train", *, num_examples: int | None = None,
-              image_size: int = 32, channels: int = 3, num_classes: int = 10, seed: int = 0,
-              noise: float = 48.0) -> ImageData:
+def synthetic(
+    data_dir: str | None = None,
+    split: str = "train",
+    *,
+    num_examples: int | None = None,
+    image_size: int = 32,
+    channels: int = 3,
+    num_classes: int = 10,
+    seed: int = 0,
+    noise: float = 48.0,
+) -> ImageData:
     """Each class is a fixed random template (from ``seed``) plus Gaussian noise, so it is learnable.
 
     ``num_examples`` defaults to 512 (train) / 128 (test); labels cycle through the classes and

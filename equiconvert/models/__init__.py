@@ -6,5 +6,13 @@ from equiconvert.models._registry import ModelNameError, create_model, list_mode
 from equiconvert.models.equivariant_resnet9 import equivariant_resnet9, plain_paper_resnet9
 from equiconvert.models.resnet9 import ResNet9, resnet9
 
-__all__ = ["ModelNameError", "ResNet9", "create_model", "equivariant_resnet9", "list_models", "plain_paper_resnet9",
-           "register_model", "resnet9"]
+__all__ = [
+    "ModelNameError",
+    "ResNet9",
+    "create_model",
+    "equivariant_resnet9",
+    "list_models",
+    "plain_paper_resnet9",
+    "register_model",
+    "resnet9",
+]

@@ -5,6 +5,7 @@ Names: equiconvert's own models (`resnet9`, `equivariant_resnet9`, ...; `equicon
 not equiconvert's own is looked up in torchvision, then in timm: `resnet18` is torchvision's; write
 `timm:resnet18` for timm's.
 """
+
 from __future__ import annotations
 
 import difflib
@@ -46,8 +47,9 @@ def register_model(factory: F | None = None, *, name: str | None = None, equivar
     def decorate(fn: F) -> F:
         key = name or fn.__name__
         if ":" in key or key in _MODELS:
-            raise ModelNameError(f"cannot register model {key!r}: " +
-                                 ("names have no ':'" if ":" in key else "that name is taken"))
+            raise ModelNameError(
+                f"cannot register model {key!r}: " + ("names have no ':'" if ":" in key else "that name is taken")
+            )
         _MODELS[key] = ModelEntry(key, fn, equivariant)
         return fn
 
@@ -97,9 +99,11 @@ def _bare_source(name: str) -> str:
     own = sorted(_MODELS)
     close = difflib.get_close_matches(name, own + _torchvision_names(), n=5)
     hint = f"; close names: {', '.join(close)}" if close else ""
-    raise ModelNameError(f"unknown model {name!r}: not equiconvert's own ({', '.join(own)}), nor torchvision's, "
-                         f"nor timm's{hint}. Bare names are looked up in that order; list_models('torchvision:*') "
-                         "and list_models('timm:*') list the others")
+    raise ModelNameError(
+        f"unknown model {name!r}: not equiconvert's own ({', '.join(own)}), nor torchvision's, "
+        f"nor timm's{hint}. Bare names are looked up in that order; list_models('torchvision:*') "
+        "and list_models('timm:*') list the others"
+    )
 
 
 def resolve_model_name(name: str) -> str:
@@ -109,12 +113,15 @@ def resolve_model_name(name: str) -> str:
     if not sep:
         return f"{_bare_source(name)}:{name}"
     if source not in SOURCES or not model:
-        raise ModelNameError(f"cannot parse model {name!r}: give a name, or one of "
-                             f"{', '.join(f'{s}:<name>' for s in SOURCES)}")
+        raise ModelNameError(
+            f"cannot parse model {name!r}: give a name, or one of {', '.join(f'{s}:<name>' for s in SOURCES)}"
+        )
     if source == "equiconvert" and model not in _MODELS:
         close = difflib.get_close_matches(model, list(_MODELS), n=5)
-        raise ModelNameError(f"unknown equiconvert model {model!r}; known: {', '.join(sorted(_MODELS))}"
-                             + (f" (close: {', '.join(close)})" if close else ""))
+        raise ModelNameError(
+            f"unknown equiconvert model {model!r}; known: {', '.join(sorted(_MODELS))}"
+            + (f" (close: {', '.join(close)})" if close else "")
+        )
     return name
 
 
@@ -130,8 +137,9 @@ def _check_keywords(full_name: str, factory: ModelFactory, kwargs: dict[str, Any
         return
     unknown = sorted(set(kwargs) - set(parameters))
     if unknown:
-        raise ModelNameError(f"{full_name} takes no keyword argument {', '.join(map(repr, unknown))}; "
-                             f"it takes {', '.join(parameters)}")
+        raise ModelNameError(
+            f"{full_name} takes no keyword argument {', '.join(map(repr, unknown))}; it takes {', '.join(parameters)}"
+        )
 
 
 def _create_torchvision(name: str, kwargs: dict[str, Any]) -> nn.Module:
@@ -139,12 +147,15 @@ def _create_torchvision(name: str, kwargs: dict[str, Any]) -> nn.Module:
 
     in_channels = kwargs.pop("in_channels", 3)
     if in_channels != 3:
-        raise ModelNameError(f"torchvision models take 3 input channels; in_channels={in_channels} needs a timm: "
-                             "or equiconvert model")
+        raise ModelNameError(
+            f"torchvision models take 3 input channels; in_channels={in_channels} needs a timm: or equiconvert model"
+        )
     if name not in torchvision.models.list_models():
         close = difflib.get_close_matches(name, torchvision.models.list_models(), n=5)
-        raise ModelNameError(f"unknown torchvision model {name!r} (see torchvision.models.list_models())"
-                             + (f"; close names: {', '.join(close)}" if close else ""))
+        raise ModelNameError(
+            f"unknown torchvision model {name!r} (see torchvision.models.list_models())"
+            + (f"; close names: {', '.join(close)}" if close else "")
+        )
     pretrained = kwargs.pop("pretrained", False)
     try:
         model = torchvision.models.get_model(name, **kwargs)
@@ -159,8 +170,9 @@ def _create_torchvision(name: str, kwargs: dict[str, Any]) -> nn.Module:
 def _with_weights_of(model: nn.Module, trained: nn.Module) -> nn.Module:
     """`model` with every tensor of `trained` whose name and shape match (a head for other classes stays fresh)."""
     own = model.state_dict()
-    model.load_state_dict({k: v for k, v in trained.state_dict().items() if k in own and own[k].shape == v.shape},
-                          strict=False)
+    model.load_state_dict(
+        {k: v for k, v in trained.state_dict().items() if k in own and own[k].shape == v.shape}, strict=False
+    )
     return model
 
 
@@ -168,17 +180,22 @@ def _create_timm(name: str, kwargs: dict[str, Any]) -> nn.Module:
     try:
         import timm
     except ImportError as exc:
-        raise ModelNameError(f"timm is not installed, so 'timm:{name}' cannot be built; install it with "
-                             "`pip install timm`") from exc
+        raise ModelNameError(
+            f"timm is not installed, so 'timm:{name}' cannot be built; install it with `pip install timm`"
+        ) from exc
     if not timm.is_model(name):
         close = difflib.get_close_matches(name, timm.list_models(), n=5)
-        raise ModelNameError(f"unknown timm model {name!r} (see timm.list_models())"
-                             + (f"; close names: {', '.join(close)}" if close else ""))
+        raise ModelNameError(
+            f"unknown timm model {name!r} (see timm.list_models())"
+            + (f"; close names: {', '.join(close)}" if close else "")
+        )
     if "in_channels" in kwargs:
         kwargs["in_chans"] = kwargs.pop("in_channels")
     if isinstance(kwargs.get("pretrained"), str):
-        raise ModelNameError(f"timm takes its pretrained weights' tag in the model name (timm:{name}.<tag>), not "
-                             f"pretrained={kwargs['pretrained']!r}")
+        raise ModelNameError(
+            f"timm takes its pretrained weights' tag in the model name (timm:{name}.<tag>), not "
+            f"pretrained={kwargs['pretrained']!r}"
+        )
     try:
         return timm.create_model(name, **{"pretrained": False, **kwargs})
     except TypeError as exc:

@@ -15,6 +15,7 @@ field size in place of |G| and kappa 1.75 (the paper's text constant) gives
 215,428 parameters, 0.2% from Table 1's 215k (kappa 1.5 would give 185,438).
 No restriction, as in the paper.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -36,15 +37,27 @@ PAPER_RESTRICTION = {"layer3": "halved"}  # "before conv4", the last stage
 # standardization a smaller start makes the filters learn faster and take a larger share of the clipped per-sample
 # gradient; measured (one seed each): CIFAR-10 D4 65.0% at step 300 vs 62.0% (gain 1) and 60.0%
 # (He, sqrt(2)); Fashion-MNIST D1 median 89.85% vs 89.46% (He).
-PAPER_INIT_GAIN = 2 ** -0.5
+PAPER_INIT_GAIN = 2**-0.5
 # Pointwise activations the preset can be built with (Mish: the paper's). Tempered sigmoids (tanh) and SELU are the
 # DP literature's alternatives (Papernot et al. 2021; Cheng et al.'s DPNAS); every one is equivariant on regular fields.
 PAPER_ACTIVATIONS: dict[str, type[nn.Module]] = {
-    "mish": nn.Mish, "tanh": nn.Tanh, "selu": nn.SELU, "elu": nn.ELU, "relu": nn.ReLU, "silu": nn.SiLU, "gelu": nn.GELU,
+    "mish": nn.Mish,
+    "tanh": nn.Tanh,
+    "selu": nn.SELU,
+    "elu": nn.ELU,
+    "relu": nn.ReLU,
+    "silu": nn.SiLU,
+    "gelu": nn.GELU,
 }
 
 TABLE1_PARAMS = {  # 10 classes
-    "C4": 258_328, "C8": 255_675, "C16": 244_397, "D4": 255_675, "D8": 244_397, "D16": 237_995, "O2": 215_000,
+    "C4": 258_328,
+    "C8": 255_675,
+    "C16": 244_397,
+    "D4": 255_675,
+    "D8": 244_397,
+    "D16": 237_995,
+    "O2": 215_000,
 }
 
 
@@ -58,18 +71,36 @@ def paper_activation(act: type[nn.Module] | str) -> type[nn.Module]:
 
 
 @register_model
-def plain_paper_resnet9(num_classes: int = 10, in_channels: int = 3, layout=PAPER_LAYOUT,
-                        act: type[nn.Module] | str = nn.Mish, norm_groups: int = PAPER_NORM_GROUPS,
-                        res2: bool = True, pool_after_res2: bool = False) -> ResNet9:
+def plain_paper_resnet9(
+    num_classes: int = 10,
+    in_channels: int = 3,
+    layout=PAPER_LAYOUT,
+    act: type[nn.Module] | str = nn.Mish,
+    norm_groups: int = PAPER_NORM_GROUPS,
+    res2: bool = True,
+    pool_after_res2: bool = False,
+) -> ResNet9:
     """The non-equivariant network the preset converts: conv -> act (Mish) -> GroupNorm(8, no affine) -> pool;
     res2=False leaves out the last residual block (the 4x4 stage), pool_after_res2 runs it at 8x8.
     act: a module class or a PAPER_ACTIVATIONS name."""
     if norm_groups < 1 or any(channels % norm_groups for channels in layout):
-        raise ValueError(f"norm_groups={norm_groups} must divide every width of the layout {tuple(layout)} "
-                         "(GroupNorm splits channels evenly), e.g. 1, 2, 4, 8 or 16 for (16, 32, 64)")
+        raise ValueError(
+            f"norm_groups={norm_groups} must divide every width of the layout {tuple(layout)} "
+            "(GroupNorm splits channels evenly), e.g. 1, 2, 4, 8 or 16 for (16, 32, 64)"
+        )
     options = BlockOptions(block_order="conv-act-norm", conv_bias=True, norm_affine=False, norm_groups=norm_groups)
-    return ResNet9(num_classes, in_channels, layout, norm="group", scale_norm=True, act=paper_activation(act),
-                   options=options, head_pool="avg", res2=res2, pool_after_res2=pool_after_res2)
+    return ResNet9(
+        num_classes,
+        in_channels,
+        layout,
+        norm="group",
+        scale_norm=True,
+        act=paper_activation(act),
+        options=options,
+        head_pool="avg",
+        res2=res2,
+        pool_after_res2=pool_after_res2,
+    )
 
 
 @register_model(equivariant=True)
@@ -104,8 +135,12 @@ def equivariant_resnet9(
     same parameters, more FLOPs (not the paper's).
     Extra keyword arguments are ConversionConfig fields.
     """
-    options = {"weight_standardization": True, "basis_cutoff": PAPER_BASIS_CUTOFF, "init_gain": PAPER_INIT_GAIN,
-               **config}
+    options = {
+        "weight_standardization": True,
+        "basis_cutoff": PAPER_BASIS_CUTOFF,
+        "init_gain": PAPER_INIT_GAIN,
+        **config,
+    }
     if restrict == "paper":
         restrict = _paper_restriction(group)
     cfg = ConversionConfig(**options)
@@ -113,8 +148,9 @@ def equivariant_resnet9(
     plain = plain_paper_resnet9(num_classes, in_channels, layout, act, norm_groups, res2, pool_after_res2)
     if width is None:
         width = kappa_width(PAPER_KAPPA if _is_continuous(group) else RELEASED_CODE_KAPPA)
-    return make_equivariant(plain, group, width=width, input_size=input_size, config=cfg, head=head,
-                            frequency=frequency)
+    return make_equivariant(
+        plain, group, width=width, input_size=input_size, config=cfg, head=head, frequency=frequency
+    )
 
 
 def _is_continuous(group: str) -> bool:

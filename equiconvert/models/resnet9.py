@@ -84,7 +84,9 @@ class BlockOptions:
         norm_groups: int | None = None,
     ) -> None:
         if block_order not in BLOCK_ORDERS:
-            raise ValueError(f"unknown block_order {block_order!r}; allowed values are {', '.join(map(repr, BLOCK_ORDERS))}")
+            raise ValueError(
+                f"unknown block_order {block_order!r}; allowed values are {', '.join(map(repr, BLOCK_ORDERS))}"
+            )
         self.block_order, self.conv_bias = block_order, conv_bias
         self.norm_affine, self.norm_groups = norm_affine, norm_groups
 
@@ -141,9 +143,7 @@ class ResNet9(nn.Module):
     ) -> None:
         super().__init__()
         if norm not in NORMS:
-            raise ValueError(
-                f"unknown norm {norm!r}; allowed values are {', '.join(map(repr, NORMS))}"
-            )
+            raise ValueError(f"unknown norm {norm!r}; allowed values are {', '.join(map(repr, NORMS))}")
         if len(widths) != 3:
             raise ValueError(f"widths must have 3 entries, got {tuple(widths)!r}")
         if head_pool not in HEAD_POOLS:

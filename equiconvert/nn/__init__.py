@@ -1,4 +1,5 @@
 """Plain-tensor equivariant modules: what a converted model is made of (no escnn objects)."""
+
 from .conv import SteerableConv2d
 from .input_fit import InputFit
 from .irrep_fields import GatedNonlinearity, GroupStandardization, InvariantMap, NormMaxPool2d
@@ -7,6 +8,14 @@ from .pooling import GroupPool
 from .restriction import FieldRestriction, ReflectionRestriction
 
 __all__ = [
-    "SteerableConv2d", "FieldGroupNorm", "GroupPool", "FieldRestriction", "ReflectionRestriction",
-    "GatedNonlinearity", "GroupStandardization", "InvariantMap", "NormMaxPool2d", "InputFit",
+    "SteerableConv2d",
+    "FieldGroupNorm",
+    "GroupPool",
+    "FieldRestriction",
+    "ReflectionRestriction",
+    "GatedNonlinearity",
+    "GroupStandardization",
+    "InvariantMap",
+    "NormMaxPool2d",
+    "InputFit",
 ]

@@ -1,4 +1,5 @@
 """Anti-aliased downsampling with a fixed symmetric filter, for any number of channels."""
+
 from __future__ import annotations
 
 import torch

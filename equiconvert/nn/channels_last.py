@@ -1,4 +1,5 @@
 """A steerable 1x1 convolution applied to channels-last (B, ..., C) tensors: ConvNeXt's pointwise Linear layers."""
+
 from __future__ import annotations
 
 import torch

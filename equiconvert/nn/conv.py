@@ -1,4 +1,5 @@
 """Steerable convolution as plain tensors: filter = coefficients x basis, then F.conv2d."""
+
 from __future__ import annotations
 
 import math

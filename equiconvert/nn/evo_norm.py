@@ -1,4 +1,5 @@
 """EvoNorm-S on fields: per-sample statistics over groups of whole fields, parameters tied per field."""
+
 from __future__ import annotations
 
 import torch
@@ -19,12 +20,22 @@ class FieldEvoNorm(nn.Module):
     within a field, so it commutes with permutations of regular fields and with trivial ones.
     """
 
-    def __init__(self, num_fields: int, field_size: int, num_groups: int, statistic: str, normalize: bool,
-                 activation: nn.Module | None, swish_gain: bool, eps: float) -> None:
+    def __init__(
+        self,
+        num_fields: int,
+        field_size: int,
+        num_groups: int,
+        statistic: str,
+        normalize: bool,
+        activation: nn.Module | None,
+        swish_gain: bool,
+        eps: float,
+    ) -> None:
         super().__init__()
         if statistic not in STATISTICS or num_fields % num_groups:
-            raise ValueError(f"statistic must be one of {STATISTICS} and num_groups={num_groups} must divide "
-                             f"num_fields={num_fields}")
+            raise ValueError(
+                f"statistic must be one of {STATISTICS} and num_groups={num_groups} must divide num_fields={num_fields}"
+            )
         self.num_fields, self.field_size, self.num_groups = num_fields, field_size, num_groups
         self.statistic, self.normalize, self.eps = statistic, normalize, eps
         self.activation = activation if activation is not None else nn.Identity()
@@ -48,5 +59,7 @@ class FieldEvoNorm(nn.Module):
         return x * self._per_channel(self.weight) + self._per_channel(self.bias)
 
     def extra_repr(self) -> str:
-        return (f"fields={self.num_fields}x{self.field_size}, groups={self.num_groups}, {self.statistic}, "
-                f"normalize={self.normalize}, swish_gain={self.v is not None}")
+        return (
+            f"fields={self.num_fields}x{self.field_size}, groups={self.num_groups}, {self.statistic}, "
+            f"normalize={self.normalize}, swish_gain={self.v is not None}"
+        )

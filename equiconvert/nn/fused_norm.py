@@ -8,6 +8,7 @@ Rows are (sample, field) pairs of a contiguous (rows, length) view. Without Trit
 under torch.func transforms FieldGroupNorm keeps its plain-torch path. The tests run these kernels
 on CPU tensors in Triton's interpreter.
 """
+
 from __future__ import annotations
 
 import torch
@@ -86,8 +87,9 @@ if triton is not None:
         tl.store(out_ptr + offsets, (values * scale + shift).to(out_ptr.dtype.element_ty), mask=inside)
 
     @triton.jit
-    def _row_affine2_kernel(grad_ptr, x_ptr, grad_scale_ptr, x_scale_ptr, shift_ptr, out_ptr, numel, length,
-                            BLOCK: tl.constexpr):
+    def _row_affine2_kernel(
+        grad_ptr, x_ptr, grad_scale_ptr, x_scale_ptr, shift_ptr, out_ptr, numel, length, BLOCK: tl.constexpr
+    ):
         """out = grad * grad_scale[row] + x * x_scale[row] + shift[row] over the flat tensors."""
         offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         inside = offsets < numel
@@ -119,8 +121,9 @@ def row_sums(grad: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torc
     grad_sum = torch.empty(rows.shape[0], device=rows.device, dtype=torch.float32)
     grad_dot = torch.empty_like(grad_sum)
     if rows.shape[0]:
-        _row_sums_kernel[(rows.shape[0],)](grad, rows, grad_sum, grad_dot, rows.shape[1],
-                                           BLOCK=_row_block(rows.shape[1]))
+        _row_sums_kernel[(rows.shape[0],)](
+            grad, rows, grad_sum, grad_dot, rows.shape[1], BLOCK=_row_block(rows.shape[1])
+        )
     return grad_sum, grad_dot
 
 
@@ -132,16 +135,19 @@ def row_affine(rows: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor) -> 
     """rows * scale[:, None] + shift[:, None] in fp32; scale and shift are fp32 per row."""
     out = torch.empty(rows.shape, device=rows.device, dtype=torch.float32)
     if rows.numel():
-        _row_affine_kernel[_elementwise_grid(rows.numel())](rows, scale, shift, out, rows.numel(), rows.shape[1],
-                                                             BLOCK=_ELEMENTWISE_BLOCK)
+        _row_affine_kernel[_elementwise_grid(rows.numel())](
+            rows, scale, shift, out, rows.numel(), rows.shape[1], BLOCK=_ELEMENTWISE_BLOCK
+        )
     return out
 
 
-def row_affine2(grad: torch.Tensor, rows: torch.Tensor, grad_scale: torch.Tensor, rows_scale: torch.Tensor,
-                shift: torch.Tensor) -> torch.Tensor:
+def row_affine2(
+    grad: torch.Tensor, rows: torch.Tensor, grad_scale: torch.Tensor, rows_scale: torch.Tensor, shift: torch.Tensor
+) -> torch.Tensor:
     """grad * grad_scale[:, None] + rows * rows_scale[:, None] + shift[:, None], in the dtype of rows."""
     out = torch.empty_like(rows)
     if rows.numel():
-        _row_affine2_kernel[_elementwise_grid(rows.numel())](grad, rows, grad_scale, rows_scale, shift, out,
-                                                              rows.numel(), rows.shape[1], BLOCK=_ELEMENTWISE_BLOCK)
+        _row_affine2_kernel[_elementwise_grid(rows.numel())](
+            grad, rows, grad_scale, rows_scale, shift, out, rows.numel(), rows.shape[1], BLOCK=_ELEMENTWISE_BLOCK
+        )
     return out

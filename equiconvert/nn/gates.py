@@ -1,4 +1,5 @@
 """Channel-attention gates on fields: ECA's 1D convolution over per-field invariant statistics."""
+
 from __future__ import annotations
 
 import torch
@@ -18,7 +19,7 @@ class FieldEcaGate(nn.Module):
         super().__init__()
         self.num_fields, self.field_size, self.circular = num_fields, field_size, circular
         self.weight = nn.Parameter(torch.empty(1, 1, kernel_size))
-        nn.init.kaiming_uniform_(self.weight, a=5 ** 0.5)
+        nn.init.kaiming_uniform_(self.weight, a=5**0.5)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         stats = x.mean((2, 3)).reshape(x.shape[0], 1, self.num_fields, self.field_size).mean(-1)  # (B, 1, F)

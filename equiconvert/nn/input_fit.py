@@ -8,6 +8,7 @@ lines of an even size, a copy of the central line of an odd one) or, cropping, t
 two central lines merged into their mean (an odd size: the central line dropped).
 Both axes get the same map, so transposes commute too.
 """
+
 from __future__ import annotations
 
 import torch
@@ -49,17 +50,23 @@ class InputFit(nn.Module):
         self.register_buffer("line_b", b, persistent=False)
 
     def describe(self) -> str:
-        side = f"{self.border} pixel(s) of zero padding a side" if self.grow else f"{self.border} pixel(s) cropped a side"
-        line = ("one centre line added per axis (the mean of the two central lines; a copy of an odd size's)"
-                if self.grow else "the two central lines of each axis merged into their mean (an odd size: the "
-                                  "central line dropped)")
+        side = (
+            f"{self.border} pixel(s) of zero padding a side" if self.grow else f"{self.border} pixel(s) cropped a side"
+        )
+        line = (
+            "one centre line added per axis (the mean of the two central lines; a copy of an odd size's)"
+            if self.grow
+            else "the two central lines of each axis merged into their mean (an odd size: the central line dropped)"
+        )
         steps = [s for s, present in ((line, self.centre_line), (side, self.border > 0)) if present]
         return f"input {self.size} -> {self.target}: " + ", then ".join(steps if self.grow else steps[::-1])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if tuple(x.shape[-2:]) != (self.size, self.size):
-            raise ValueError(f"this model was converted for {self.size}x{self.size} inputs (fitted to {self.target}), "
-                             f"got {tuple(x.shape[-2:])}")
+            raise ValueError(
+                f"this model was converted for {self.size}x{self.size} inputs (fitted to {self.target}), "
+                f"got {tuple(x.shape[-2:])}"
+            )
         return apply_fit(self, x)
 
     def extra_repr(self) -> str:
@@ -78,5 +85,5 @@ def apply_fit(fit: nn.Module, x: torch.Tensor) -> torch.Tensor:
             x = _centre(x, fit.line_a, fit.line_b)
         return F.pad(x, (fit.border,) * 4) if fit.border else x
     if fit.border:
-        x = x[..., fit.border:-fit.border, fit.border:-fit.border]
+        x = x[..., fit.border : -fit.border, fit.border : -fit.border]
     return _centre(x, fit.line_a, fit.line_b) if fit.centre_line else x

@@ -5,6 +5,7 @@ the two coordinates of a component. These layers only ever use invariants of a
 component (its norm, its gate) to act on it, and treat trivial channels like
 ordinary channels. The layout comes from groups.FieldLayout.
 """
+
 from __future__ import annotations
 
 import torch
@@ -97,14 +98,17 @@ class GroupStandardization(nn.Module):
         if self.weight is not None:
             out = out * self.weight[:, None, None]
             shift = torch.zeros(self.num_fields, self.field_size, 1, dtype=out.dtype, device=out.device)
-            shift = shift.index_copy(1, torch.arange(self.trivial, device=out.device),
-                                     self.bias[:, None, None].expand(-1, self.trivial, 1))
+            shift = shift.index_copy(
+                1, torch.arange(self.trivial, device=out.device), self.bias[:, None, None].expand(-1, self.trivial, 1)
+            )
             out = out + shift
         return out.reshape(x.shape)
 
     def extra_repr(self) -> str:
-        return (f"fields={self.num_fields}x{self.field_size}, trivial={self.trivial}, num_groups={self.num_groups}, "
-                f"affine={self.weight is not None}, eps={self.eps}")
+        return (
+            f"fields={self.num_fields}x{self.field_size}, trivial={self.trivial}, num_groups={self.num_groups}, "
+            f"affine={self.weight is not None}, eps={self.eps}"
+        )
 
 
 class NormMaxPool2d(nn.Module):
@@ -116,8 +120,16 @@ class NormMaxPool2d(nn.Module):
     deterministic but not symmetric, which only matters for exactly equal norms.
     """
 
-    def __init__(self, num_fields: int, layout: FieldLayout, kernel_size: int, stride: int | None = None,
-                 padding: int = 0, dilation: int = 1, ceil_mode: bool = False) -> None:
+    def __init__(
+        self,
+        num_fields: int,
+        layout: FieldLayout,
+        kernel_size: int,
+        stride: int | None = None,
+        padding: int = 0,
+        dilation: int = 1,
+        ceil_mode: bool = False,
+    ) -> None:
         super().__init__()
         self.num_fields, self.field_size, self.trivial = num_fields, layout.size, layout.trivial
         self.kernel_size, self.stride = kernel_size, stride if stride is not None else kernel_size
@@ -150,8 +162,10 @@ class NormMaxPool2d(nn.Module):
         return out.flatten(1, 2)
 
     def extra_repr(self) -> str:
-        return (f"fields={self.num_fields}x{self.field_size}, kernel_size={self.kernel_size}, stride={self.stride}, "
-                f"padding={self.padding}, ceil_mode={self.ceil_mode}")
+        return (
+            f"fields={self.num_fields}x{self.field_size}, kernel_size={self.kernel_size}, stride={self.stride}, "
+            f"padding={self.padding}, ceil_mode={self.ceil_mode}"
+        )
 
 
 class InvariantMap(nn.Module):

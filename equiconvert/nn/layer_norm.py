@@ -1,4 +1,5 @@
 """Per-pixel layer norm over all channels with its affine map tied per field (ConvNeXt's LayerNorm2d)."""
+
 from __future__ import annotations
 
 import torch
@@ -15,8 +16,9 @@ class FieldLayerNorm(nn.Module):
     `channels_last` selects (B, H, W, C) inputs instead of (B, C, H, W).
     """
 
-    def __init__(self, num_fields: int, field_size: int, affine: bool = True, eps: float = 1e-5,
-                 channels_last: bool = False) -> None:
+    def __init__(
+        self, num_fields: int, field_size: int, affine: bool = True, eps: float = 1e-5, channels_last: bool = False
+    ) -> None:
         super().__init__()
         self.num_fields, self.field_size, self.eps, self.channels_last = num_fields, field_size, eps, channels_last
         self.weight = nn.Parameter(torch.ones(num_fields)) if affine else None
@@ -32,5 +34,7 @@ class FieldLayerNorm(nn.Module):
         return y.movedim(-1, 1)
 
     def extra_repr(self) -> str:
-        return (f"fields={self.num_fields}x{self.field_size}, affine={self.weight is not None}, eps={self.eps}, "
-                f"channels_last={self.channels_last}")
+        return (
+            f"fields={self.num_fields}x{self.field_size}, affine={self.weight is not None}, eps={self.eps}, "
+            f"channels_last={self.channels_last}"
+        )

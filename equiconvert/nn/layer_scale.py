@@ -1,4 +1,5 @@
 """Layer scale (a learned per-channel gain) with one gain per field."""
+
 from __future__ import annotations
 
 import torch

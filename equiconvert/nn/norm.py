@@ -1,4 +1,5 @@
 """Per-sample normalisation over whole fields: no batch statistics, equivariant."""
+
 from __future__ import annotations
 
 import math
@@ -25,8 +26,9 @@ def at_least_fp32(x: torch.Tensor) -> torch.Tensor:
     return x.to(torch.promote_types(x.dtype, torch.float32))
 
 
-def _group_scale_shift(field_mean: torch.Tensor, field_var: torch.Tensor, to_groups: torch.Tensor,
-                       to_fields: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _group_scale_shift(
+    field_mean: torch.Tensor, field_var: torch.Tensor, to_groups: torch.Tensor, to_fields: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(scale, shift), each (B, F): the per-field affine map that standardizes over groups of whole fields.
 
     Group statistics come from per-field ones (law of total variance: fields of a group have equal sizes),
@@ -40,15 +42,22 @@ def _group_scale_shift(field_mean: torch.Tensor, field_var: torch.Tensor, to_gro
     return scale, shift
 
 
-def _field_group_scale_shift(fields: torch.Tensor, to_groups: torch.Tensor, to_fields: torch.Tensor,
-                             eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _field_group_scale_shift(
+    fields: torch.Tensor, to_groups: torch.Tensor, to_fields: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     field_var, field_mean = torch.var_mean(fields, dim=-1, unbiased=False)  # (B, F)
     return _group_scale_shift(field_mean, field_var, to_groups, to_fields, eps)
 
 
-def _input_grad_terms(grad_sum: torch.Tensor, grad_dot_fields: torch.Tensor, size: int, scale: torch.Tensor,
-                      shift: torch.Tensor, to_groups: torch.Tensor,
-                      to_fields: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _input_grad_terms(
+    grad_sum: torch.Tensor,
+    grad_dot_fields: torch.Tensor,
+    size: int,
+    scale: torch.Tensor,
+    shift: torch.Tensor,
+    to_groups: torch.Tensor,
+    to_fields: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(slope, constant), each (B, F), with dx = scale * dy + slope * scale * x + constant.
 
     For y = x * scale + shift the group-norm gradient is scale * (dy - mean_g(dy) - y * mean_g(dy * y));
@@ -62,17 +71,25 @@ def _input_grad_terms(grad_sum: torch.Tensor, grad_dot_fields: torch.Tensor, siz
     return slope, constant
 
 
-def _standardization_input_grad(grad: torch.Tensor, fields: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor,
-                                to_groups: torch.Tensor, to_fields: torch.Tensor) -> torch.Tensor:
+def _standardization_input_grad(
+    grad: torch.Tensor,
+    fields: torch.Tensor,
+    scale: torch.Tensor,
+    shift: torch.Tensor,
+    to_groups: torch.Tensor,
+    to_fields: torch.Tensor,
+) -> torch.Tensor:
     """dx of the group standardization in plain torch ops (differentiable: second derivatives use it)."""
-    slope, constant = _input_grad_terms(grad.sum(dim=-1), (grad * fields).sum(dim=-1), fields.shape[-1], scale,
-                                        shift, to_groups, to_fields)
+    slope, constant = _input_grad_terms(
+        grad.sum(dim=-1), (grad * fields).sum(dim=-1), fields.shape[-1], scale, shift, to_groups, to_fields
+    )
     fields_grad = torch.addcmul(constant.unsqueeze(-1), grad, scale.unsqueeze(-1))
     return torch.addcmul(fields_grad, fields, (slope * scale).unsqueeze(-1))
 
 
-def normalize_field_groups(fields: torch.Tensor, to_groups: torch.Tensor, to_fields: torch.Tensor,
-                           eps: float) -> torch.Tensor:
+def normalize_field_groups(
+    fields: torch.Tensor, to_groups: torch.Tensor, to_fields: torch.Tensor, eps: float
+) -> torch.Tensor:
     """Standardize (batch, fields, rest) per sample over groups of whole fields, in plain torch ops.
 
     `to_groups` (fields, groups) averages per-field values over each group, `to_fields`
@@ -102,8 +119,9 @@ class _FieldGroupStandardization(torch.autograd.Function):
     generate_vmap_rule = True  # torch.func (book-keeping's per-layer VJP, vmap per-sample gradients)
 
     @staticmethod
-    def forward(fields: torch.Tensor, to_groups: torch.Tensor, to_fields: torch.Tensor,
-                eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def forward(
+        fields: torch.Tensor, to_groups: torch.Tensor, to_fields: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         scale, shift = _field_group_scale_shift(fields, to_groups, to_fields, eps)
         return torch.addcmul(shift.unsqueeze(-1), fields, scale.unsqueeze(-1)), scale, shift
 
@@ -132,12 +150,14 @@ class _FusedFieldGroupStandardization(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(fields: torch.Tensor, to_groups: torch.Tensor, to_fields: torch.Tensor,
-                eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def forward(
+        fields: torch.Tensor, to_groups: torch.Tensor, to_fields: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         rows = fields.reshape(-1, fields.shape[-1])
         field_mean, field_var = fused_norm.row_moments(rows)
-        scale, shift = _group_scale_shift(field_mean.view(fields.shape[:2]), field_var.view(fields.shape[:2]),
-                                          to_groups, to_fields, eps)
+        scale, shift = _group_scale_shift(
+            field_mean.view(fields.shape[:2]), field_var.view(fields.shape[:2]), to_groups, to_fields, eps
+        )
         return fused_norm.row_affine(rows, scale, shift).view(fields.shape), scale, shift
 
     setup_context = staticmethod(_FieldGroupStandardization.setup_context)
@@ -148,14 +168,20 @@ class _FusedFieldGroupStandardization(torch.autograd.Function):
         if torch.is_grad_enabled():  # a graph of this backward: plain torch ops, statistics from the input
             fields32 = at_least_fp32(fields)
             scale, shift = _field_group_scale_shift(fields32, to_groups, to_fields, ctx.eps)
-            return _standardization_input_grad(grad, fields32, scale, shift, to_groups, to_fields).to(fields.dtype), \
-                None, None, None
+            return (
+                _standardization_input_grad(grad, fields32, scale, shift, to_groups, to_fields).to(fields.dtype),
+                None,
+                None,
+                None,
+            )
         rows, grad_rows = fields.reshape(-1, fields.shape[-1]), grad.contiguous().view(-1, fields.shape[-1])
         grad_sum, grad_dot = fused_norm.row_sums(grad_rows, rows)
-        slope, constant = _input_grad_terms(grad_sum.view(scale.shape), grad_dot.view(scale.shape), fields.shape[-1],
-                                            scale, shift, to_groups, to_fields)
-        fields_grad = fused_norm.row_affine2(grad_rows, rows, scale.reshape(-1), (slope * scale).reshape(-1),
-                                             constant.reshape(-1))
+        slope, constant = _input_grad_terms(
+            grad_sum.view(scale.shape), grad_dot.view(scale.shape), fields.shape[-1], scale, shift, to_groups, to_fields
+        )
+        fields_grad = fused_norm.row_affine2(
+            grad_rows, rows, scale.reshape(-1), (slope * scale).reshape(-1), constant.reshape(-1)
+        )
         return fields_grad.view(fields.shape), None, None, None
 
 

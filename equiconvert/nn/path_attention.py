@@ -1,4 +1,5 @@
 """Attention over parallel paths on fields: selective kernels (SKNet) and split attention (ResNeSt)."""
+
 from __future__ import annotations
 
 import torch

@@ -1,4 +1,5 @@
 """Pooling over the group dimension of each field: the step that makes features invariant."""
+
 from __future__ import annotations
 
 import torch

@@ -1,4 +1,5 @@
 """Restriction to a subgroup: a fixed change of basis on the fields (a channel permutation, or Hadamard pairs)."""
+
 from __future__ import annotations
 
 import torch
@@ -67,7 +68,7 @@ class ReflectionRestriction(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         a = x.index_select(1, self.fixed)
         b = torch.cat([x, torch.zeros_like(x.narrow(1, 0, 1))], 1).index_select(1, self.negated)
-        return torch.stack([a + b, a - b], 2).flatten(1, 2) * 0.5 ** 0.5
+        return torch.stack([a + b, a - b], 2).flatten(1, 2) * 0.5**0.5
 
     def extra_repr(self) -> str:
         return f"fields={self.num_fields}x{self.field_size} -> {self.out_fields}x2 (D1 regular)"

@@ -1,4 +1,5 @@
 """Space-to-depth (TResNet's stem) whose output channels form regular fields."""
+
 from __future__ import annotations
 
 import torch

@@ -4,6 +4,7 @@ The public names load on first use, so importing a submodule (e.g. opacus_intero
 does not pull in the trainer and its dependencies. `check_dp_safe(model, example_input)`
 refuses models that DP-SGD cannot train privately (by layer names and by behaviour).
 """
+
 from importlib import import_module
 from typing import Any
 

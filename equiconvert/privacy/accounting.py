@@ -6,6 +6,7 @@ steps) entries. This module only adds argument checks, verification of the
 calibrated noise, a wider range of RDP orders, and a ledger that stops training
 *before* the budget is spent.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -125,8 +126,9 @@ def _epsilon_of_history(kind: str, history: History, delta: float) -> float:
 def compute_epsilon(kind: str, noise_multiplier: float, sample_rate: float, steps: int, delta: float) -> float:
     """Epsilon after `steps` identical DP-SGD steps, as the Opacus accountant `kind` reports it."""
     _check_kind(kind)
-    history = ((_check_positive("noise_multiplier", noise_multiplier), _check_sample_rate(sample_rate),
-                _check_steps(steps)),)
+    history = (
+        (_check_positive("noise_multiplier", noise_multiplier), _check_sample_rate(sample_rate), _check_steps(steps)),
+    )
     if history[0][2] == 0:
         return 0.0
     return _epsilon_of_history(kind, history, _check_delta(delta))
@@ -174,10 +176,17 @@ def calibrate_noise_multiplier(
     # sigma's epsilon, computed again by the caller's ledger, should warn about that.
     with _largest_order_warning_silenced():
         try:
-            sigma = float(get_noise_multiplier(
-                target_epsilon=target_epsilon, target_delta=delta, sample_rate=sample_rate, steps=steps,
-                accountant=kind, epsilon_tolerance=tolerance, **orders,
-            ))
+            sigma = float(
+                get_noise_multiplier(
+                    target_epsilon=target_epsilon,
+                    target_delta=delta,
+                    sample_rate=sample_rate,
+                    steps=steps,
+                    accountant=kind,
+                    epsilon_tolerance=tolerance,
+                    **orders,
+                )
+            )
         except ValueError as error:  # Opacus: "The privacy budget is too low." (it stops doubling past 1e6)
             if eps(_MAX_SIGMA) > target_epsilon:
                 raise unreachable() from error
@@ -235,8 +244,9 @@ class PrivacyLedger:
     history, since PRV's get_epsilon takes about a second.
     """
 
-    def __init__(self, kind: str, delta: float, target_epsilon: float | None, sample_rate: float,
-                 noise_multiplier: float) -> None:
+    def __init__(
+        self, kind: str, delta: float, target_epsilon: float | None, sample_rate: float, noise_multiplier: float
+    ) -> None:
         self.kind = kind
         self._accountant = make_accountant(kind)
         self.delta = _check_delta(delta)
@@ -355,9 +365,11 @@ def refuse_delta(delta: float, num_examples: int, flag: str = "delta") -> float:
     """Refuse delta >= 1/N: a mechanism that publishes one example in full meets such a guarantee."""
     delta = _check_delta(delta)
     if delta >= 1.0 / num_examples:
-        raise PrivacyBudgetError(f"{flag} {delta:g} >= 1/N = 1/{num_examples}: a guarantee that allows releasing one "
-                                 f"example in full; give a delta well below 1/N (default for N = {num_examples}: "
-                                 f"{default_delta(num_examples):g})")
+        raise PrivacyBudgetError(
+            f"{flag} {delta:g} >= 1/N = 1/{num_examples}: a guarantee that allows releasing one "
+            f"example in full; give a delta well below 1/N (default for N = {num_examples}: "
+            f"{default_delta(num_examples):g})"
+        )
     return delta
 
 
@@ -365,6 +377,9 @@ def check_delta_for(delta: float, num_examples: int) -> float:
     """refuse_delta, and a warning above 1/(10 N)."""
     delta = refuse_delta(delta, num_examples)
     if delta > 1.0 / (10 * num_examples):
-        warnings.warn(f"delta {delta:g} > 1/(10 N) = {1.0 / (10 * num_examples):.3g}: a weak guarantee for "
-                      f"{num_examples} examples (default for this N: {default_delta(num_examples):g})", stacklevel=3)
+        warnings.warn(
+            f"delta {delta:g} > 1/(10 N) = {1.0 / (10 * num_examples):.3g}: a weak guarantee for "
+            f"{num_examples} examples (default for this N: {default_delta(num_examples):g})",
+            stacklevel=3,
+        )
     return delta

@@ -16,6 +16,7 @@ noise along one direction grows only with its square root, and the paper's white
 higher bounds than black-box ones. "loss" (minus the trained model's loss) needs only the model's
 outputs.
 """
+
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
@@ -34,9 +35,17 @@ DEFAULT_BETA = 0.05
 SCORE_CHUNK = 256  # canaries scored at once
 # DPConfig fields of the `equiconvert audit` command where DPConfig's (CIFAR-10-scale) defaults do not fit a
 # small audit: no augmentation or EMA (one clean signal per canary), batches a small data set can hold
-AUDIT_DEFAULTS: dict[str, Any] = {"target_epsilon": 1.0, "batch_size": 64, "steps": 100, "aug_mult": 1,
-                                  "augment_padding": 0, "augment_flip": False, "ema_decay": None, "lr": 1.0,
-                                  "max_grad_norm": 1.0}
+AUDIT_DEFAULTS: dict[str, Any] = {
+    "target_epsilon": 1.0,
+    "batch_size": 64,
+    "steps": 100,
+    "aug_mult": 1,
+    "augment_padding": 0,
+    "augment_flip": False,
+    "ema_decay": None,
+    "lr": 1.0,
+    "max_grad_norm": 1.0,
+}
 Parameters = dict[str, torch.Tensor]
 # (trained model, its parameters before training, normalized canary images, labels) -> score per canary, higher
 # meaning "more likely included"
@@ -88,14 +97,19 @@ def _chunked(score: ScoreFn) -> ScoreFn:
     """`score` over SCORE_CHUNK canaries at a time (per-canary gradients of all m at once may not fit memory)."""
 
     def chunked(model: nn.Module, initial: Parameters, images: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return torch.cat([score(model, initial, images[start:start + SCORE_CHUNK], labels[start:start + SCORE_CHUNK])
-                          for start in range(0, len(images), SCORE_CHUNK)])
+        return torch.cat(
+            [
+                score(model, initial, images[start : start + SCORE_CHUNK], labels[start : start + SCORE_CHUNK])
+                for start in range(0, len(images), SCORE_CHUNK)
+            ]
+        )
 
     return chunked
 
 
-def gradient_alignment_score(model: nn.Module, initial: Parameters, images: torch.Tensor,
-                             labels: torch.Tensor) -> torch.Tensor:
+def gradient_alignment_score(
+    model: nn.Module, initial: Parameters, images: torch.Tensor, labels: torch.Tensor
+) -> torch.Tensor:
     """White-box: how far training moved the weights along each canary's own descent direction.
 
     <theta_T - theta_0, -g_i> / |g_i|, with g_i the canary's gradient at the initial weights: an
@@ -108,8 +122,9 @@ def gradient_alignment_score(model: nn.Module, initial: Parameters, images: torc
     return dots / norms.clamp_min(1e-12)
 
 
-def negative_loss_score(model: nn.Module, initial: Parameters, images: torch.Tensor,
-                        labels: torch.Tensor) -> torch.Tensor:
+def negative_loss_score(
+    model: nn.Module, initial: Parameters, images: torch.Tensor, labels: torch.Tensor
+) -> torch.Tensor:
     """Black-box: minus the trained model's loss on each canary (included canaries were fitted)."""
     with torch.no_grad():
         return -F.cross_entropy(model(images), labels, reduction="none")
@@ -123,8 +138,14 @@ def _linear(shape: tuple[int, int, int], num_classes: int) -> nn.Module:
 
 
 def _cnn(shape: tuple[int, int, int], num_classes: int) -> nn.Module:
-    return nn.Sequential(nn.Conv2d(shape[0], 16, 3, padding=1), nn.GroupNorm(4, 16), nn.ReLU(),
-                         nn.AdaptiveAvgPool2d(4), nn.Flatten(), nn.Linear(16 * 16, num_classes))
+    return nn.Sequential(
+        nn.Conv2d(shape[0], 16, 3, padding=1),
+        nn.GroupNorm(4, 16),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool2d(4),
+        nn.Flatten(),
+        nn.Linear(16 * 16, num_classes),
+    )
 
 
 # the small models `equiconvert audit` trains: (image shape C, H, W; classes) -> untrained model
@@ -133,15 +154,17 @@ SMALL_MODELS: dict[str, Callable[[tuple[int, int, int], int], nn.Module]] = {"li
 
 def _check_guesses(guesses_included: int, guesses_excluded: int, num_canaries: int) -> None:
     if guesses_included < 0 or guesses_excluded < 0 or guesses_included + guesses_excluded > num_canaries:
-        raise ValueError(f"k+ ({guesses_included}) and k- ({guesses_excluded}) must be >= 0 and together at most "
-                         f"the number of canaries ({num_canaries})")
+        raise ValueError(
+            f"k+ ({guesses_included}) and k- ({guesses_excluded}) must be >= 0 and together at most "
+            f"the number of canaries ({num_canaries})"
+        )
 
 
 def count_correct(scores: torch.Tensor, included: torch.Tensor, guesses_included: int, guesses_excluded: int) -> int:
     """Right guesses when the k+ highest scores are called included and the k- lowest excluded."""
     _check_guesses(guesses_included, guesses_excluded, len(scores))
     order = torch.argsort(scores, descending=True)
-    top, bottom = order[:guesses_included], order[len(order) - guesses_excluded:]
+    top, bottom = order[:guesses_included], order[len(order) - guesses_excluded :]
     return int(included[top].sum()) + int((~included[bottom]).sum())
 
 
@@ -171,8 +194,10 @@ def run_audit(
     images, labels = _tensors(train_set)
     canary_images, canary_labels = _tensors(canaries)
     if canary_images.shape[1:] != images.shape[1:] or canary_images.dtype != images.dtype:
-        raise ValueError(f"canaries must match the training images' shape and dtype: {tuple(canary_images.shape[1:])} "
-                         f"{canary_images.dtype} vs {tuple(images.shape[1:])} {images.dtype}")
+        raise ValueError(
+            f"canaries must match the training images' shape and dtype: {tuple(canary_images.shape[1:])} "
+            f"{canary_images.dtype} vs {tuple(images.shape[1:])} {images.dtype}"
+        )
     coins = np.random.default_rng(inclusion_seed).integers(0, 2, size=len(canary_images)).astype(bool)
     included = torch.from_numpy(coins)
     _check_guesses(guesses_included, guesses_excluded, len(included))
@@ -190,7 +215,15 @@ def run_audit(
     return AuditResult(
         epsilon_lower_bound=epsilon_lower_bound(correct, guesses, len(included), delta, beta),
         largest_possible_bound=epsilon_lower_bound(guesses, guesses, len(included), delta, beta),
-        accountant_epsilon=trainer.epsilon, delta=delta, confidence=1.0 - beta, num_canaries=len(included),
-        num_included=int(included.sum()), guesses_included=guesses_included, guesses_excluded=guesses_excluded,
-        correct_guesses=correct, score=score, noise_multiplier=float(trainer.noise_multiplier), steps=trainer.step,
+        accountant_epsilon=trainer.epsilon,
+        delta=delta,
+        confidence=1.0 - beta,
+        num_canaries=len(included),
+        num_included=int(included.sum()),
+        guesses_included=guesses_included,
+        guesses_excluded=guesses_excluded,
+        correct_guesses=correct,
+        score=score,
+        noise_multiplier=float(trainer.noise_multiplier),
+        steps=trainer.step,
     )

@@ -13,6 +13,7 @@ Observing W = v where the right-hand side is at most beta rejects "(eps, delta)-
 eps_lower is the audit's lower bound, and a mechanism that really is (eps, delta)-DP shows
 eps_lower > eps with probability at most beta.
 """
+
 from __future__ import annotations
 
 import numpy as np

@@ -7,6 +7,7 @@ are reflect-pad + random crop + random horizontal flip. Everything is one
 gather per batch: K views of a whole batch cost one indexing kernel, not a
 Python loop over samples.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -97,7 +98,9 @@ def augment_views(
         raise ValueError(f"num_views must be >= 1, got {num_views}")
     height, width = images.shape[-2:]
     if padding < 0 or padding >= min(height, width):
-        raise ValueError(f"reflection padding must be in [0, min(H, W) - 1] = [0, {min(height, width) - 1}], got {padding}")
+        raise ValueError(
+            f"reflection padding must be in [0, min(H, W) - 1] = [0, {min(height, width) - 1}], got {padding}"
+        )
     if generator is not None and generator.device.type != images.device.type:
         raise ValueError(f"generator is on {generator.device}, images on {images.device}; they must match")
     original = images.unsqueeze(1)
@@ -127,8 +130,9 @@ def shifted_views(images: torch.Tensor, shifts: Sequence[tuple[int, int]]) -> to
         raise ValueError("shifts must name at least one (dy, dx) shift")
     padding = max(max(abs(dy), abs(dx)) for dy, dx in shifts)
     if padding >= min(images.shape[-2:]):
-        raise ValueError(f"shifts of {padding} pixels need images larger than {padding}x{padding}, "
-                         f"got {tuple(images.shape[-2:])}")
+        raise ValueError(
+            f"shifts of {padding} pixels need images larger than {padding}x{padding}, got {tuple(images.shape[-2:])}"
+        )
     offsets = torch.tensor(shifts, device=images.device) + padding  # (S, 2) crop corners in the padded image
     batch = images.shape[0]
     offset_y = offsets[:, 0].expand(batch, -1)

@@ -23,6 +23,7 @@ and noise stay in fp32: the sensitivity bound holds for whatever each example's 
 It needs every parametrised layer to run once per forward and to own its parameters;
 `check_bookkeeping_supported` says why a model does not qualify.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -48,9 +49,16 @@ class BookkeepingUnsupportedError(ValueError):
 
 def _filter_gradients(module: nn.Module, inputs: torch.Tensor, grad_out: torch.Tensor, views: int) -> torch.Tensor:
     """Per-example gradient of the layer's dense filter, (B, C_out, C_in, kh, kw), summed over each example's views."""
-    return per_example_filter_gradients(inputs, grad_out, views, kernel=module.kernel_size, stride=module.stride,
-                                        padding=module.padding, dilation=module.dilation,
-                                        padding_mode=module.padding_mode)
+    return per_example_filter_gradients(
+        inputs,
+        grad_out,
+        views,
+        kernel=module.kernel_size,
+        stride=module.stride,
+        padding=module.padding,
+        dilation=module.dilation,
+        padding_mode=module.padding_mode,
+    )
 
 
 def _channel_sums(grad_out: torch.Tensor, batch: int, views: int, dtype: torch.dtype) -> torch.Tensor:
@@ -83,7 +91,9 @@ def _steerable_conv_rule(
     return grads
 
 
-def _linear_rule(module: nn.Linear, inputs: torch.Tensor, grad_out: torch.Tensor, views: int) -> dict[str, torch.Tensor]:
+def _linear_rule(
+    module: nn.Linear, inputs: torch.Tensor, grad_out: torch.Tensor, views: int
+) -> dict[str, torch.Tensor]:
     batch = inputs.shape[0] // views
     inputs = inputs.reshape(batch, -1, inputs.shape[-1])  # views and any middle dimensions together
     grad_out = grad_out.reshape(batch, -1, grad_out.shape[-1])
@@ -93,7 +103,9 @@ def _linear_rule(module: nn.Linear, inputs: torch.Tensor, grad_out: torch.Tensor
     return grads
 
 
-def _layer_vjp_rule(module: nn.Module, inputs: torch.Tensor, grad_out: torch.Tensor, views: int) -> dict[str, torch.Tensor]:
+def _layer_vjp_rule(
+    module: nn.Module, inputs: torch.Tensor, grad_out: torch.Tensor, views: int
+) -> dict[str, torch.Tensor]:
     """Any layer that owns its parameters: the VJP of the layer alone, per example, on its K inputs."""
     params = {name: p.detach() for name, p in module.named_parameters(recurse=False)}
     batch = inputs.shape[0] // views
@@ -102,11 +114,14 @@ def _layer_vjp_rule(module: nn.Module, inputs: torch.Tensor, grad_out: torch.Ten
         _, pullback = vjp(lambda p: functional_call(module, p, (example_inputs,)), params)
         return pullback(example_grad)[0]
 
-    return vmap(example)(inputs.reshape(batch, views, *inputs.shape[1:]),
-                         grad_out.reshape(batch, views, *grad_out.shape[1:]))
+    return vmap(example)(
+        inputs.reshape(batch, views, *inputs.shape[1:]), grad_out.reshape(batch, views, *grad_out.shape[1:])
+    )
 
 
-def _embedding_rule(module: nn.Embedding, indices: torch.Tensor, grad_out: torch.Tensor, views: int) -> dict[str, torch.Tensor]:
+def _embedding_rule(
+    module: nn.Embedding, indices: torch.Tensor, grad_out: torch.Tensor, views: int
+) -> dict[str, torch.Tensor]:
     """Per-example gradient of an embedding table: each example's output gradients added into the rows it looked up."""
     batch = indices.shape[0] // views
     rows = indices.reshape(batch, -1)
@@ -128,7 +143,9 @@ RULES: dict[type[nn.Module], PerSampleRule] = {
 
 def _rule_for(module: nn.Module) -> PerSampleRule:
     rule = RULES.get(type(module), _layer_vjp_rule)
-    if rule is not _layer_vjp_rule and (getattr(module, "groups", 1) != 1 or isinstance(getattr(module, "padding", 0), str)):
+    if rule is not _layer_vjp_rule and (
+        getattr(module, "groups", 1) != 1 or isinstance(getattr(module, "padding", 0), str)
+    ):
         return _layer_vjp_rule  # grouped convs, padding="same": exact through the generic VJP
     return rule
 
@@ -149,8 +166,10 @@ def check_bookkeeping_supported(model: nn.Module) -> None:
         if _rule_for(module) is _layer_vjp_rule and any(
             p.requires_grad for child in module.children() for p in child.parameters()
         ):
-            raise BookkeepingUnsupportedError(f"layer {name!r} ({type(module).__name__}) owns parameters and has "
-                                              "parametrised sub-layers; use the vmap method")
+            raise BookkeepingUnsupportedError(
+                f"layer {name!r} ({type(module).__name__}) owns parameters and has "
+                "parametrised sub-layers; use the vmap method"
+            )
 
 
 class _Recorder:
@@ -164,7 +183,9 @@ class _Recorder:
     def _hook(self, name: str):
         def hook(module: nn.Module, args: tuple, output: torch.Tensor) -> None:
             if name in self.inputs:
-                raise BookkeepingUnsupportedError(f"layer {name!r} runs more than once per forward; use the vmap method")
+                raise BookkeepingUnsupportedError(
+                    f"layer {name!r} runs more than once per forward; use the vmap method"
+                )
             if len(args) != 1 or not isinstance(output, torch.Tensor):
                 raise BookkeepingUnsupportedError(f"layer {name!r} must take and return one tensor")
             self.inputs[name] = args[0].detach()
@@ -195,8 +216,9 @@ def _parameters_frozen(model: nn.Module) -> Iterator[None]:
             p.requires_grad_(True)
 
 
-def _rule_operands(module: nn.Module, rule: PerSampleRule, inputs: torch.Tensor,
-                   grad_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _rule_operands(
+    module: nn.Module, rule: PerSampleRule, inputs: torch.Tensor, grad_out: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The layer's input and output gradient in the dtypes its rule computes with.
 
     Products (conv, linear rules) take the input in the dtype the layer computed its output in
@@ -212,8 +234,9 @@ def _rule_operands(module: nn.Module, rule: PerSampleRule, inputs: torch.Tensor,
     return inputs.to(grad_out.dtype), grad_out
 
 
-def layer_per_example_gradients(module: nn.Module, inputs: torch.Tensor, grad_out: torch.Tensor,
-                                views: int) -> dict[str, torch.Tensor]:
+def layer_per_example_gradients(
+    module: nn.Module, inputs: torch.Tensor, grad_out: torch.Tensor, views: int
+) -> dict[str, torch.Tensor]:
     """One layer's per-example parameter gradients from its kept input and output gradient, summed over views."""
     rule = _rule_for(module)
     return rule(module, *_rule_operands(module, rule, inputs, grad_out), views)
@@ -287,7 +310,8 @@ def verify_bookkeeping(model: nn.Module, view_shape: tuple[int, ...], loss_fn: L
         if not torch.allclose(first[name][0], changed[name][0], rtol=1e-9, atol=1e-12):
             raise BookkeepingUnsupportedError(
                 f"an example's gradient of {name!r} changes with the other examples of its batch: a layer mixes "
-                "examples (batch statistics?); book-keeping runs the batch through one forward, vmap does not")
+                "examples (batch statistics?); book-keeping runs the batch through one forward, vmap does not"
+            )
     probe.eval()
     params = {n: p.detach() for n, p in probe.named_parameters() if p.requires_grad}
     exact, _ = per_sample_gradients(probe, params, dict(probe.named_buffers()), views, labels, loss_fn)
@@ -297,4 +321,5 @@ def verify_bookkeeping(model: nn.Module, view_shape: tuple[int, ...], loss_fn: L
         if error > 1e-8:
             raise BookkeepingUnsupportedError(
                 f"book-keeping's gradient of {name!r} differs from torch.func's by {error:.1e} (relative): a "
-                "parameter used outside the layer that owns it?")
+                "parameter used outside the layer that owns it?"
+            )

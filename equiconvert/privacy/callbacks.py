@@ -3,6 +3,7 @@
 Records given to `on_step_end` may hold device tensors (the loop does not wait for the device at every
 step); a MetricsLogger receives plain numbers, when the trainer writes its log.
 """
+
 from __future__ import annotations
 
 import importlib.util

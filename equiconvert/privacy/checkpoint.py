@@ -6,6 +6,7 @@ is written with permissions 0o600. A crash while writing never destroys the last
 good one; the temporary file a killed save leaves behind is removed on the next
 start (`remove_stale_temporaries`).
 """
+
 from __future__ import annotations
 
 import os
@@ -74,15 +75,17 @@ def load(path: str | Path) -> dict[str, Any]:
     if not path.is_file():
         raise CheckpointError(f"no checkpoint at {path}")
     if path.stat().st_size == 0:
-        raise CheckpointError(f"checkpoint {path} is empty (a save was interrupted?): delete it and start again, "
-                              "or give another --out")
+        raise CheckpointError(
+            f"checkpoint {path} is empty (a save was interrupted?): delete it and start again, or give another --out"
+        )
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except (pickle.UnpicklingError, zipfile.BadZipFile, RuntimeError, EOFError, OSError, ValueError) as exc:
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise CheckpointError(f"checkpoint {path} cannot be read safely ({first_line}): it is truncated, corrupt "
-                              "or not an equiconvert checkpoint; delete it and start again, or give another --out"
-                              ) from exc
+        raise CheckpointError(
+            f"checkpoint {path} cannot be read safely ({first_line}): it is truncated, corrupt "
+            "or not an equiconvert checkpoint; delete it and start again, or give another --out"
+        ) from exc
     if not isinstance(state, dict):
         raise CheckpointError(f"checkpoint {path} holds a {type(state).__name__}, not an equiconvert checkpoint")
     return state

@@ -16,6 +16,7 @@
 A run is launched by torchrun (or `equiconvert train --nproc-per-node N`, which calls torchrun's own entry
 point); `from_environment` joins the process group torchrun describes: NCCL on CUDA, gloo on CPU.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -83,11 +84,12 @@ class DistributedContext:
             return rows
         width = -(-total // self.world_size)
         padded = rows.new_zeros((width, *rows.shape[1:]))
-        padded[:rows.shape[0]] = rows
+        padded[: rows.shape[0]] = rows
         parts = [torch.empty_like(padded) for _ in range(self.world_size)]
         dist.all_gather(parts, padded)
-        lengths = [self.row_slice(total, rank).stop - self.row_slice(total, rank).start
-                   for rank in range(self.world_size)]
+        lengths = [
+            self.row_slice(total, rank).stop - self.row_slice(total, rank).start for rank in range(self.world_size)
+        ]
         return torch.cat([part[:length] for part, length in zip(parts, lengths)])
 
     def row_slice(self, total: int, rank: int | None = None) -> slice:
@@ -145,8 +147,10 @@ def from_environment(device: str | None) -> tuple[DistributedContext, str | None
     if device == "cuda":
         device = f"cuda:{local_rank}"
     elif device.startswith("cuda:"):
-        raise ValueError(f"--device {device}: in a job of {world_size} processes give --device cuda, and each rank "
-                         "takes cuda:LOCAL_RANK (choose the cards with CUDA_VISIBLE_DEVICES)")
+        raise ValueError(
+            f"--device {device}: in a job of {world_size} processes give --device cuda, and each rank "
+            "takes cuda:LOCAL_RANK (choose the cards with CUDA_VISIBLE_DEVICES)"
+        )
     kind = torch.device(device).type
     if kind not in BACKENDS:
         raise ValueError(f"--device {device}: distributed training runs on {sorted(BACKENDS)} devices")

@@ -11,6 +11,7 @@ collated batch with 0 rows, so the training step still runs (and is accounted).
 `max_physical_batch_size` examples and tells the DP optimizer to accumulate until
 the last one, so one optimizer step (one noise draw) is taken per logical batch.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
@@ -71,8 +72,10 @@ class DPDataLoader(DataLoader):
     def __init__(self, data_loader: DataLoader, generators: SecretGenerators) -> None:
         dataset = data_loader.dataset
         if isinstance(dataset, IterableDataset):
-            raise TypeError("make_private needs a map-style dataset (len() and indexing) for Poisson sampling; "
-                            f"the data loader's dataset is an IterableDataset ({type(dataset).__name__})")
+            raise TypeError(
+                "make_private needs a map-style dataset (len() and indexing) for Poisson sampling; "
+                f"the data loader's dataset is an IterableDataset ({type(dataset).__name__})"
+            )
         steps = len(data_loader)
         self.sample_rate = 1.0 / steps
         self.expected_batch_size = len(dataset) * self.sample_rate

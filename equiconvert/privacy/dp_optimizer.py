@@ -8,6 +8,7 @@ trainable parameter's sum once, divides by the expected batch size (loss_reducti
 "mean"), writes the result to `.grad` and steps the wrapped optimizer. Parameters that
 do not require gradients keep `.grad` None, so the wrapped optimizer leaves them alone.
 """
+
 from __future__ import annotations
 
 from collections import defaultdict
@@ -27,9 +28,20 @@ from .secret_rng import SecretGenerators
 class DPOptimizer(Optimizer):
     """Wraps `optimizer` (kept as `original_optimizer`); param_groups, state and defaults are its own."""
 
-    def __init__(self, optimizer: Optimizer, *, module: PrivateModule, noise_multiplier: float, max_grad_norm: float,
-                 expected_batch_size: float, noise: SecretGenerators, accountant: str, sample_rate: float,
-                 budget: PrivacyLedger | None = None, planned_steps: int | None = None) -> None:
+    def __init__(
+        self,
+        optimizer: Optimizer,
+        *,
+        module: PrivateModule,
+        noise_multiplier: float,
+        max_grad_norm: float,
+        expected_batch_size: float,
+        noise: SecretGenerators,
+        accountant: str,
+        sample_rate: float,
+        budget: PrivacyLedger | None = None,
+        planned_steps: int | None = None,
+    ) -> None:
         self.original_optimizer = optimizer
         self.module = module
         self.noise_multiplier = float(noise_multiplier)
@@ -81,8 +93,10 @@ class DPOptimizer(Optimizer):
         self.original_optimizer.load_state_dict(state_dict)
 
     def __repr__(self) -> str:
-        return f"DPOptimizer({self.original_optimizer!r}, noise_multiplier={self.noise_multiplier}, " \
-               f"max_grad_norm={self.max_grad_norm})"
+        return (
+            f"DPOptimizer({self.original_optimizer!r}, noise_multiplier={self.noise_multiplier}, "
+            f"max_grad_norm={self.max_grad_norm})"
+        )
 
     # --- DP-SGD --------------------------------------------------------------------------------
     def signal_skip_step(self, do_skip: bool = True) -> None:
@@ -115,9 +129,11 @@ class DPOptimizer(Optimizer):
         if self.budget is None or (self.planned_steps is not None and self.steps < self.planned_steps):
             return
         if not self.budget.can_step():
-            raise PrivacyBudgetError(f"one more step would exceed target_epsilon={self.budget.target_epsilon} (after "
-                                     f"{self.steps} steps, epsilon {self.budget.epsilon:.4f}); make_private was "
-                                     f"calibrated for {self.planned_steps} steps")
+            raise PrivacyBudgetError(
+                f"one more step would exceed target_epsilon={self.budget.target_epsilon} (after "
+                f"{self.steps} steps, epsilon {self.budget.epsilon:.4f}); make_private was "
+                f"calibrated for {self.planned_steps} steps"
+            )
 
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
         loss = None

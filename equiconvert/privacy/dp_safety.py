@@ -8,6 +8,7 @@ Two ways a model breaks DP-SGD's per-example analysis whatever its layers' names
 Both probes run on a float64 CPU copy of the model with random inputs shaped like
 the example; the caller's model and RNG state are left as they were.
 """
+
 from __future__ import annotations
 
 import copy
@@ -51,6 +52,7 @@ def _forward(model: nn.Module, inputs: torch.Tensor) -> list[Record]:
             tensor = _batched(output, inputs.shape[0])
             if tensor is not None:
                 outputs.append((name, _batched(args[0], inputs.shape[0]) if args else None, tensor))
+
         return record
 
     handles = [m.register_forward_hook(hook(name or "<root>")) for name, m in model.named_modules()]
@@ -87,15 +89,19 @@ def check_buffers_unchanged(model: nn.Module, example_input: torch.Tensor) -> No
     _forward(probe, first)  # buffers filled lazily from parameters settle here
     before = {name: b.detach().clone() for name, b in probe.named_buffers()}
     _forward(probe, second)
-    changed = [name for name, b in probe.named_buffers()
-               if name in before and not (b.shape == before[name].shape and torch.equal(b, before[name]))]
+    changed = [
+        name
+        for name, b in probe.named_buffers()
+        if name in before and not (b.shape == before[name].shape and torch.equal(b, before[name]))
+    ]
     if changed:
         owner, _, buffer = changed[0].rpartition(".")
         raise PrivacyValidationError(
             f"module {owner or '<root>'!r} changes its buffer {buffer!r} in a forward pass (of {len(changed)} changed: "
             f"{changed[:5]}): statistics of private data would be updated without noise and released with the "
             "weights. Compute them from parameters or inputs of the same example only, or register them as "
-            "non-persistent constants that forward does not write.")
+            "non-persistent constants that forward does not write."
+        )
 
 
 def check_examples_independent(model: nn.Module, example_input: torch.Tensor) -> None:
@@ -114,7 +120,8 @@ def check_examples_independent(model: nn.Module, example_input: torch.Tensor) ->
             raise PrivacyValidationError(
                 f"module {name!r} mixes examples: its output for one example changes when another example of the "
                 "batch changes (batch statistics, e.g. x - x.mean(0) or F.batch_norm(training=True)), so per-example "
-                "gradients are not per-example. Normalise each example on its own (GroupNorm, LayerNorm).")
+                "gradients are not per-example. Normalise each example on its own (GroupNorm, LayerNorm)."
+            )
 
 
 def check_dp_safe(model: nn.Module, example_input: torch.Tensor) -> None:

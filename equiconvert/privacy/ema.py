@@ -5,6 +5,7 @@ accuracy at no privacy cost. De et al. warm the decay up so that early, far
 from converged iterates are forgotten quickly:
 decay_t = min(decay, (1 + t) / (10 + t)).
 """
+
 from __future__ import annotations
 
 import math
@@ -66,9 +67,11 @@ class ExponentialMovingAverage:
         if steps < 1 or self.decay_at(steps - 1) >= self.decay:
             return None
         needed = math.ceil((10.0 * self.decay - 1.0) / (1.0 - self.decay))
-        return (f"EMA decay {self.decay:g} is never reached in {steps} steps: De et al.'s warm-up caps step t's decay "
-                f"at (1 + t) / (10 + t), {warmup_cap(steps - 1):.4f} at the last step, and {self.decay:g} needs "
-                f"{needed} steps; every decay above {warmup_cap(steps - 1):.4f} gives this run the same EMA")
+        return (
+            f"EMA decay {self.decay:g} is never reached in {steps} steps: De et al.'s warm-up caps step t's decay "
+            f"at (1 + t) / (10 + t), {warmup_cap(steps - 1):.4f} at the last step, and {self.decay:g} needs "
+            f"{needed} steps; every decay above {warmup_cap(steps - 1):.4f} gives this run the same EMA"
+        )
 
     @torch.no_grad()
     def update(self, model: Target, step: int) -> None:

@@ -9,6 +9,7 @@ changes only its import. The loop stays the user's: forward, `loss.backward()`,
 instead of Opacus' hooks; clipping, noise and the step from dp_optimizer.py; Poisson
 batches from dp_loader.py; epsilon from Opacus' accountants (accounting.py).
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -49,12 +50,18 @@ def _planned_steps(epochs: float | None, steps: int | None, steps_per_epoch: int
 def _check_optimizer_params(module: nn.Module, optimizer: Optimizer) -> None:
     """Every trainable parameter the optimizer updates must be the module's, or its update would not be private."""
     owned = {id(p) for p in module.parameters()}
-    foreign = [tuple(p.shape) for group in optimizer.param_groups for p in group["params"]
-               if p.requires_grad and id(p) not in owned]
+    foreign = [
+        tuple(p.shape)
+        for group in optimizer.param_groups
+        for p in group["params"]
+        if p.requires_grad and id(p) not in owned
+    ]
     if foreign:
-        raise ValueError(f"the optimizer updates {len(foreign)} parameter(s) that are not the module's (shapes "
-                         f"{foreign[:5]}); their gradients would not be clipped or noised: build the optimizer "
-                         "from module.parameters()")
+        raise ValueError(
+            f"the optimizer updates {len(foreign)} parameter(s) that are not the module's (shapes "
+            f"{foreign[:5]}); their gradients would not be clipped or noised: build the optimizer "
+            "from module.parameters()"
+        )
 
 
 def make_private(
@@ -103,15 +110,23 @@ def make_private(
     if target_epsilon is not None:
         if target_delta is None or planned is None:
             raise ValueError("target_epsilon needs target_delta and epochs or steps (to calibrate the noise)")
-        noise_multiplier = calibrate_noise_multiplier(target_epsilon, target_delta, loader.sample_rate, planned,
-                                                      accountant)
+        noise_multiplier = calibrate_noise_multiplier(
+            target_epsilon, target_delta, loader.sample_rate, planned, accountant
+        )
         budget = PrivacyLedger(accountant, target_delta, target_epsilon, loader.sample_rate, noise_multiplier)
     private = PrivateModule(module, aug_mult=aug_mult, loss_reduction=loss_reduction, verify=verify)
     device = next(module.parameters()).device
     dp_optimizer = DPOptimizer(
-        optimizer, module=private, noise_multiplier=noise_multiplier, max_grad_norm=max_grad_norm,
-        expected_batch_size=loader.expected_batch_size, noise=SecretGenerators(device, "noise", debug_seed),
-        accountant=accountant, sample_rate=loader.sample_rate, budget=budget, planned_steps=planned,
+        optimizer,
+        module=private,
+        noise_multiplier=noise_multiplier,
+        max_grad_norm=max_grad_norm,
+        expected_batch_size=loader.expected_batch_size,
+        noise=SecretGenerators(device, "noise", debug_seed),
+        accountant=accountant,
+        sample_rate=loader.sample_rate,
+        budget=budget,
+        planned_steps=planned,
     )
     return private, dp_optimizer, loader
 
@@ -129,28 +144,60 @@ class PrivacyEngine:
         self.secure_mode = secure_mode
         self._optimizers: list[DPOptimizer] = []
 
-    def make_private(self, *, module: nn.Module, optimizer: Optimizer, data_loader: DataLoader,
-                     noise_multiplier: float, max_grad_norm: float, **options: Any
-                     ) -> tuple[PrivateModule, DPOptimizer, DPDataLoader]:
+    def make_private(
+        self,
+        *,
+        module: nn.Module,
+        optimizer: Optimizer,
+        data_loader: DataLoader,
+        noise_multiplier: float,
+        max_grad_norm: float,
+        **options: Any,
+    ) -> tuple[PrivateModule, DPOptimizer, DPDataLoader]:
         """make_private at a given noise multiplier (options: make_private's keywords)."""
-        made = make_private(module=module, optimizer=optimizer, data_loader=data_loader,
-                            noise_multiplier=noise_multiplier, max_grad_norm=max_grad_norm,
-                            accountant=self.accountant, **options)
+        made = make_private(
+            module=module,
+            optimizer=optimizer,
+            data_loader=data_loader,
+            noise_multiplier=noise_multiplier,
+            max_grad_norm=max_grad_norm,
+            accountant=self.accountant,
+            **options,
+        )
         self._optimizers.append(made[1])
         return made
 
-    def make_private_with_epsilon(self, *, module: nn.Module, optimizer: Optimizer, data_loader: DataLoader,
-                                  target_epsilon: float, target_delta: float, epochs: float, max_grad_norm: float,
-                                  **options: Any) -> tuple[PrivateModule, DPOptimizer, DPDataLoader]:
+    def make_private_with_epsilon(
+        self,
+        *,
+        module: nn.Module,
+        optimizer: Optimizer,
+        data_loader: DataLoader,
+        target_epsilon: float,
+        target_delta: float,
+        epochs: float,
+        max_grad_norm: float,
+        **options: Any,
+    ) -> tuple[PrivateModule, DPOptimizer, DPDataLoader]:
         """make_private with the noise calibrated to (target_epsilon, target_delta) after `epochs`."""
-        made = make_private(module=module, optimizer=optimizer, data_loader=data_loader, target_epsilon=target_epsilon,
-                            target_delta=target_delta, epochs=epochs, max_grad_norm=max_grad_norm,
-                            accountant=self.accountant, **options)
+        made = make_private(
+            module=module,
+            optimizer=optimizer,
+            data_loader=data_loader,
+            target_epsilon=target_epsilon,
+            target_delta=target_delta,
+            epochs=epochs,
+            max_grad_norm=max_grad_norm,
+            accountant=self.accountant,
+            **options,
+        )
         self._optimizers.append(made[1])
         return made
 
     def get_epsilon(self, delta: float) -> float:
         """Epsilon spent so far at `delta` (one model made private per engine)."""
         if len(self._optimizers) > 1:
-            raise ValueError("this engine made several models private; ask each optimizer: optimizer.get_epsilon(delta)")
+            raise ValueError(
+                "this engine made several models private; ask each optimizer: optimizer.get_epsilon(delta)"
+            )
         return self._optimizers[0].get_epsilon(delta) if self._optimizers else 0.0

@@ -24,6 +24,7 @@ the fastest, and "grouped" elsewhere (oneDNN's grouped weight gradient on a 2-co
 docs/guides/performance.md), a fixed choice so that CPU results never
 depend on a timing (a resumed run repeats its kernels bit for bit).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -110,15 +111,21 @@ def _products(inputs: torch.Tensor, grad_out: torch.Tensor, views: int, geometry
     g = geometry
     if g.dense_stride1:
         return _shifted_products(inputs, grad_out, views, g.kernel, g.padding)
-    columns = F.unfold(inputs.to(grad_out.dtype), g.kernel, dilation=g.dilation, padding=g.padding, stride=g.stride)  # (N, C_in k k, L)
+    columns = F.unfold(
+        inputs.to(grad_out.dtype), g.kernel, dilation=g.dilation, padding=g.padding, stride=g.stride
+    )  # (N, C_in k k, L)
     batch, positions = inputs.shape[0] // views, columns.shape[2]
     columns = columns.reshape(batch, views, g.groups, columns.shape[1] // g.groups, positions)
-    grad_out = grad_out.reshape(batch, views, g.groups, grad_out.shape[1] // g.groups, positions)  # (B, K, G, C_out/G, L)
+    grad_out = grad_out.reshape(
+        batch, views, g.groups, grad_out.shape[1] // g.groups, positions
+    )  # (B, K, G, C_out/G, L)
     dense = torch.einsum("bkgol,bkgdl->bgod", grad_out, columns)
     return dense.reshape(batch, grad_out.shape[2] * grad_out.shape[3], inputs.shape[1] // g.groups, *g.kernel)
 
 
-def _grouped_convolution(inputs: torch.Tensor, grad_out: torch.Tensor, views: int, geometry: ConvGeometry) -> torch.Tensor:
+def _grouped_convolution(
+    inputs: torch.Tensor, grad_out: torch.Tensor, views: int, geometry: ConvGeometry
+) -> torch.Tensor:
     """The weight gradient of one convolution with B * groups groups (example-major) and the K views as its batch."""
     g = geometry
     inputs = inputs.to(grad_out.dtype)
@@ -130,8 +137,16 @@ def _grouped_convolution(inputs: torch.Tensor, grad_out: torch.Tensor, views: in
     filters = torch.ops.aten.convolution_backward(
         grad_by_view.reshape(views, batch * channels_out, *grad_out.shape[2:]),
         by_view.reshape(views, batch * channels_in, height, width),
-        weight, None, list(g.stride), list(g.padding), list(g.dilation), False, [0, 0], batch * g.groups,
-        [False, True, False])[1]
+        weight,
+        None,
+        list(g.stride),
+        list(g.padding),
+        list(g.dilation),
+        False,
+        [0, 0],
+        batch * g.groups,
+        [False, True, False],
+    )[1]
     return filters.view(batch, channels_out, channels_in // g.groups, *g.kernel)
 
 
@@ -144,7 +159,9 @@ def _unfolded(inputs: torch.Tensor, grad_out: torch.Tensor, views: int, geometry
 
 
 KERNELS: dict[str, FilterGradientKernel] = {
-    "products": _products, "grouped": _grouped_convolution, "unfolded": _unfolded,
+    "products": _products,
+    "grouped": _grouped_convolution,
+    "unfolded": _unfolded,
 }
 FILTER_GRADIENT_METHODS = ("auto", "fastest", *KERNELS)
 
@@ -167,9 +184,12 @@ def filter_gradient_method(method: str) -> Iterator[None]:
 
 def fastest_choices() -> dict[str, str]:
     """What "fastest" chose so far, by layer (for benchmark reports)."""
+
     def describe(device: str, dtype: str, inputs: tuple, outputs: tuple, views: int, g: ConvGeometry) -> str:
-        return (f"{device} {dtype.removeprefix('torch.')} {inputs} -> {outputs} x{views} views, kernel {g.kernel} "
-                f"stride {g.stride} padding {g.padding} dilation {g.dilation} groups {g.groups}")
+        return (
+            f"{device} {dtype.removeprefix('torch.')} {inputs} -> {outputs} x{views} views, kernel {g.kernel} "
+            f"stride {g.stride} padding {g.padding} dilation {g.dilation} groups {g.groups}"
+        )
 
     return {describe(*key): name for key, name in _fastest.items()}
 
@@ -190,8 +210,9 @@ def _kernel_for(inputs: torch.Tensor, grad_out: torch.Tensor, views: int, geomet
     return _fastest[key]
 
 
-def _seconds(kernel: FilterGradientKernel, inputs: torch.Tensor, grad_out: torch.Tensor, views: int,
-             geometry: ConvGeometry) -> float:
+def _seconds(
+    kernel: FilterGradientKernel, inputs: torch.Tensor, grad_out: torch.Tensor, views: int, geometry: ConvGeometry
+) -> float:
     """Best of TIMING_REPEATS runs after a warm-up (which also lets cuDNN pick its algorithm).
 
     A kernel that fails on this shape (no cuDNN algorithm, or not enough memory for its
@@ -249,8 +270,9 @@ class _Grid:
     length: int  # views * padded_h * row (a multiple of ALIGNMENT): the positions a product runs over
 
 
-def _laid_out_inputs(inputs: torch.Tensor, views: int, dtype: torch.dtype, kernel: tuple[int, int],
-                     padding: tuple[int, int]) -> tuple[torch.Tensor, _Grid]:
+def _laid_out_inputs(
+    inputs: torch.Tensor, views: int, dtype: torch.dtype, kernel: tuple[int, int], padding: tuple[int, int]
+) -> tuple[torch.Tensor, _Grid]:
     """(B, C_in, room) zeros holding the padded input in the grid, cast to `dtype` as it is placed.
 
     A zero tail of (kh - 1) rows and kw - 1 elements keeps every tap's shifted read inside the buffer.
@@ -267,8 +289,9 @@ def _laid_out_inputs(inputs: torch.Tensor, views: int, dtype: torch.dtype, kerne
     return flat, grid
 
 
-def _placed_gradient(grad_out: torch.Tensor, views: int, grid: _Grid, dx: int,
-                     placed: torch.Tensor | None = None) -> torch.Tensor:
+def _placed_gradient(
+    grad_out: torch.Tensor, views: int, grid: _Grid, dx: int, placed: torch.Tensor | None = None
+) -> torch.Tensor:
     """(B, C_out, grid.length): the output gradient in the grid, at columns dx.. of each row, zeros elsewhere.
 
     `placed`, the result of the same call at dx - 1, is moved one column on in place (its stale column zeroed):
@@ -282,7 +305,9 @@ def _placed_gradient(grad_out: torch.Tensor, views: int, grid: _Grid, dx: int,
     else:
         grid_view = placed.view(batch, channels_out, views, grid.padded_h, grid.row)
         grid_view[:, :, :, :out_h, dx - 1].zero_()
-    grid_view[:, :, :, :out_h, dx : dx + out_w] = grad_out.reshape(batch, views, channels_out, out_h, out_w).transpose(1, 2)
+    grid_view[:, :, :, :out_h, dx : dx + out_w] = grad_out.reshape(batch, views, channels_out, out_h, out_w).transpose(
+        1, 2
+    )
     return grid_view.view(batch, channels_out, grid.length)
 
 
@@ -297,8 +322,9 @@ def _shifted_inputs(flat_inputs: torch.Tensor, dx: int, reach: int, shifted: tor
     return shifted
 
 
-def _column_shifts(flat_inputs: torch.Tensor, grad_out: torch.Tensor, views: int, grid: _Grid,
-                   kernel: tuple[int, int]) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+def _column_shifts(
+    flat_inputs: torch.Tensor, grad_out: torch.Tensor, views: int, grid: _Grid, kernel: tuple[int, int]
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """For dx = 0 .. kw-1, (gradient, input) in the grid whose product at row offset dy * row is tap (dy, dx).
 
     The operand with fewer channels is the one copied per shift: the input, read dx elements on and
@@ -347,8 +373,11 @@ def _shifted_products(
         for dx, (placed, shifted) in enumerate(_column_shifts(flat_inputs, grad_out, views, grid, kernel)):
             size, strides = (batch, grid.length, channels_in), (shifted.stride(0), 1, shifted.stride(1))
             for dy in range(kh):
-                torch.bmm(placed, shifted.as_strided(size, strides, dy * grid.row),
-                          out=by_tap[:, :, dy * kw + dx, :channels_in])
+                torch.bmm(
+                    placed,
+                    shifted.as_strided(size, strides, dy * grid.row),
+                    out=by_tap[:, :, dy * kw + dx, :channels_in],
+                )
     return by_tap[..., :channels_in].unflatten(2, (kh, kw)).permute(0, 1, 4, 2, 3)
 
 
@@ -373,8 +402,9 @@ def _unfolded_products(
     placed = _placed_gradient(grad_out, views, grid, 0)
     stacked_rows = kh * kw * channels_in
     # every tap's shifted read of the input as one strided view: (B, kh, kw, C_in, positions of the grid)
-    shifted = flat_inputs.as_strided((batch, kh, kw, channels_in, grid.length),
-                                     (flat_inputs.stride(0), grid.row, 1, flat_inputs.stride(1), 1))
+    shifted = flat_inputs.as_strided(
+        (batch, kh, kw, channels_in, grid.length), (flat_inputs.stride(0), grid.row, 1, flat_inputs.stride(1), 1)
+    )
     per_example = _aligned(stacked_rows) * grid.length * flat_inputs.element_size()
     slice_size = max(1, min(batch, UNFOLD_SLICE_BYTES // per_example))
     stacked = flat_inputs.new_empty(slice_size, _aligned(stacked_rows), grid.length)
@@ -404,8 +434,11 @@ def matmuls_in_convolution_precision(enabled: bool) -> Iterator[None]:
         yield
         return
     try:
-        switch = (torch.backends.cudnn.allow_tf32 and not torch.backends.cuda.matmul.allow_tf32
-                  and torch.get_float32_matmul_precision() == "highest")
+        switch = (
+            torch.backends.cudnn.allow_tf32
+            and not torch.backends.cuda.matmul.allow_tf32
+            and torch.get_float32_matmul_precision() == "highest"
+        )
     except RuntimeError:  # settings made through the per-backend API: leave them as they are
         switch = False
     if not switch:

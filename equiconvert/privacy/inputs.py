@@ -3,6 +3,7 @@
 A NaN pixel makes every weight NaN after one step, and a bad label fails deep inside
 the loss (or, on CUDA, as a device assert); both are caught here instead.
 """
+
 from __future__ import annotations
 
 import torch
@@ -22,8 +23,10 @@ def check_images(images: torch.Tensor, what: str) -> None:
         finite = torch.isfinite(images.reshape(images.shape[0], -1)).all(dim=1)
         if not bool(finite.all()):
             index = int((~finite).nonzero()[0])
-            raise InvalidDataError(f"{what} images[{index}] holds a non-finite value (NaN or inf) "
-                                   f"({int((~finite).sum())} such examples): clean or drop them first")
+            raise InvalidDataError(
+                f"{what} images[{index}] holds a non-finite value (NaN or inf) "
+                f"({int((~finite).sum())} such examples): clean or drop them first"
+            )
 
 
 def check_labels(labels: torch.Tensor, num_images: int, num_classes: int, what: str) -> None:
@@ -39,5 +42,7 @@ def check_labels(labels: torch.Tensor, num_images: int, num_classes: int, what: 
     low, high = int(labels.min()), int(labels.max())
     if low < 0 or high >= num_classes:
         index = int(((labels < 0) | (labels >= num_classes)).nonzero()[0])
-        raise InvalidDataError(f"{what} labels[{index}] = {int(labels[index])} is outside [0, {num_classes}), the "
-                               f"model's {num_classes} outputs (labels span [{low}, {high}])")
+        raise InvalidDataError(
+            f"{what} labels[{index}] = {int(labels[index])} is outside [0, {num_classes}), the "
+            f"model's {num_classes} outputs (labels span [{low}, {high}])"
+        )

@@ -3,6 +3,7 @@
 DP-SGD training tends to hurt calibration, so accuracy alone hides part of
 what equivariance buys; the Brier score and ECE make that visible.
 """
+
 from __future__ import annotations
 
 import math
@@ -95,7 +96,7 @@ def predict(
     try:
         outputs = []
         for start in range(0, images.shape[0], batch_size):
-            batch = images[start:start + batch_size].to(device, non_blocking=True)
+            batch = images[start : start + batch_size].to(device, non_blocking=True)
             if batch.dtype == torch.uint8:
                 batch = batch.to(torch.float32) / 255.0
             if normalize is not None:

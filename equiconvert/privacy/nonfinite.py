@@ -4,6 +4,7 @@ A NaN in one example's gradient would otherwise turn the clipped sum, and with i
 weight, into NaN. Zero is what clipping could have produced, so replacing it changes no
 sensitivity; the trainer counts such examples and reports the total.
 """
+
 from __future__ import annotations
 
 import torch
@@ -19,7 +20,8 @@ def zero_nonfinite_examples(gradients: Gradients) -> tuple[Gradients, torch.Tens
     if not gradients:
         return gradients, 0
     finite = torch.stack([torch.isfinite(g.reshape(g.shape[0], -1)).all(dim=1) for g in gradients.values()]).all(dim=0)
-    cleaned = {name: torch.where(finite.view(-1, *([1] * (g.dim() - 1))), g, torch.zeros((), dtype=g.dtype,
-                                                                                          device=g.device))
-               for name, g in gradients.items()}
+    cleaned = {
+        name: torch.where(finite.view(-1, *([1] * (g.dim() - 1))), g, torch.zeros((), dtype=g.dtype, device=g.device))
+        for name, g in gradients.items()
+    }
     return cleaned, (~finite).sum()

@@ -45,6 +45,7 @@ The norm samplers (used only with ``grad_sample_mode="ghost"``) compute the
 same per-sample gradients chunk by chunk and keep only their norms. There is
 no cheaper "ghost" identity for the basis-contracted convolution gradient.
 """
+
 from __future__ import annotations
 
 try:
@@ -100,12 +101,25 @@ def _weight_grads(module: SteerableConv2d, x: torch.Tensor, backprops: torch.Ten
     """(n, out_fields, in_fields/groups, num_basis): per-sample gradients of `weight`, in chunks of samples."""
     k, n = module.kernel_size, x.shape[0]
     positions = backprops.shape[-2] * backprops.shape[-1]
-    per_sample = module.in_channels * k * k * positions + module.out_channels * (module.in_channels // module.groups) * k * k
+    per_sample = (
+        module.in_channels * k * k * positions + module.out_channels * (module.in_channels // module.groups) * k * k
+    )
     chunk = max(1, _CHUNK_ELEMENTS // max(per_sample, 1))
     pieces = [
-        steerable_weight_gradients(module, per_example_filter_gradients(
-            x[start:start + chunk], backprops[start:start + chunk], 1, kernel=k, stride=module.stride,
-            padding=module.padding, dilation=module.dilation, padding_mode=module.padding_mode, groups=module.groups))
+        steerable_weight_gradients(
+            module,
+            per_example_filter_gradients(
+                x[start : start + chunk],
+                backprops[start : start + chunk],
+                1,
+                kernel=k,
+                stride=module.stride,
+                padding=module.padding,
+                dilation=module.dilation,
+                padding_mode=module.padding_mode,
+                groups=module.groups,
+            ),
+        )
         for start in range(0, n, chunk)
     ]
     return torch.cat(pieces) if pieces else backprops.new_zeros((0, *module.weight.shape))
@@ -157,7 +171,9 @@ def compute_group_standardization_grad_sample(
 ) -> GradSamples:
     """Opacus grad sampler: per-sample gradients of the per-field scale (all channels) and shift (trivial ones)."""
     x = activations[0].to(backprops.dtype)
-    per_channel = backprops.unflatten(1, (layer.num_fields, layer.field_size)).unsqueeze(-1).flatten(3)  # (n, F, size, rest)
+    per_channel = (
+        backprops.unflatten(1, (layer.num_fields, layer.field_size)).unsqueeze(-1).flatten(3)
+    )  # (n, F, size, rest)
     ret: GradSamples = {}
     if layer.weight is not None and layer.weight.requires_grad:
         ret[layer.weight] = (layer.standardize(x) * per_channel).sum((2, 3))
@@ -166,13 +182,15 @@ def compute_group_standardization_grad_sample(
     return ret
 
 
-def _norms_of(grad_sampler: Callable[..., GradSamples], layer: nn.Module, activations, backprops) -> Dict[nn.Parameter, torch.Tensor]:
+def _norms_of(
+    grad_sampler: Callable[..., GradSamples], layer: nn.Module, activations, backprops
+) -> Dict[nn.Parameter, torch.Tensor]:
     """Per-sample gradient norms, computed a few samples at a time so no (n, *param) tensor is kept."""
     n = backprops.shape[0]
     chunk = _NORM_CHUNK
     norms: Dict[nn.Parameter, list] = {}
     for start in range(0, max(n, 1), chunk):  # an empty batch still yields (0,) norms
-        part = grad_sampler(layer, [a[start:start + chunk] for a in activations], backprops[start:start + chunk])
+        part = grad_sampler(layer, [a[start : start + chunk] for a in activations], backprops[start : start + chunk])
         for param, gs in part.items():
             norms.setdefault(param, []).append(gs.flatten(1).norm(2, dim=-1))
     return {param: torch.cat(values) for param, values in norms.items()}
@@ -205,8 +223,15 @@ if register_norm_sampler is not None:
     register_norm_sampler(GroupStandardization)(compute_group_standardization_norm_sample)
 
 
-def make_private(privacy_engine: Any, *, module: nn.Module, optimizer: torch.optim.Optimizer, data_loader: Any,
-                 example_input: torch.Tensor | None = None, **kwargs: Any) -> Any:
+def make_private(
+    privacy_engine: Any,
+    *,
+    module: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    data_loader: Any,
+    example_input: torch.Tensor | None = None,
+    **kwargs: Any,
+) -> Any:
     """``privacy_engine.make_private(...)`` after ``check_dp_safe(module, example_input)``.
 
     example_input defaults to the first example of ``data_loader.dataset`` (read directly: no batch is drawn,

@@ -6,6 +6,7 @@ the per-sample gradient is the average over views before clipping (De et al.,
 Hölzl et al.). Parameters of steerable convs are basis coefficients, so the
 clipping norm is the norm in coefficient space, as DP-SGD requires.
 """
+
 from __future__ import annotations
 
 from typing import Callable

@@ -13,6 +13,7 @@ With aug_mult K > 1 the input is (B, K, ...): the K views of each example run as
 B*K rows and the loss takes one target per view (`y.repeat_interleave(K)`); each
 example's gradient is the mean over its views of the gradient of its per-view loss.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -67,8 +68,10 @@ class PrivateModule(nn.Module):
         if not (self.training and torch.is_grad_enabled()):
             return self._module(x, *args, **kwargs)
         if self._record is not None and self._record.grads:
-            raise RuntimeError("a second training forward before optimizer.step(): call optimizer.step() after each "
-                               "loss.backward() (for gradient accumulation use BatchMemoryManager)")
+            raise RuntimeError(
+                "a second training forward before optimizer.step(): call optimizer.step() after each "
+                "loss.backward() (for gradient accumulation use BatchMemoryManager)"
+            )
         if self._verify:
             self._verify_once(x)
         record = _Record(parametrised_layers(self._module), examples=x.shape[0] // self.aug_mult)
@@ -84,24 +87,30 @@ class PrivateModule(nn.Module):
             return x
         if not isinstance(x, torch.Tensor) or x.dim() < 3 or x.shape[1] != self.aug_mult:
             shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
-            raise ValueError(f"with aug_mult={self.aug_mult} the input must be (B, {self.aug_mult}, ...) views of each "
-                             f"example, got {shape}")
+            raise ValueError(
+                f"with aug_mult={self.aug_mult} the input must be (B, {self.aug_mult}, ...) views of each "
+                f"example, got {shape}"
+            )
         return x.flatten(0, 1)
 
     def _verify_once(self, x: torch.Tensor) -> None:
         """bookkeeping.verify_bookkeeping on the first input shape: refuse models that mix examples."""
         self._verify = False
         if not x.is_floating_point():
-            warnings.warn("make_private: the model takes non-float inputs, so the check that it keeps examples apart "
-                          "(bookkeeping.verify_bookkeeping, random images) was not run", stacklevel=3)
+            warnings.warn(
+                "make_private: the model takes non-float inputs, so the check that it keeps examples apart "
+                "(bookkeeping.verify_bookkeeping, random images) was not run",
+                stacklevel=3,
+            )
             return
         try:
             verify_bookkeeping(self._module, (min(self.aug_mult, 2), *x.shape[1:]))
         except BookkeepingUnsupportedError:
             raise
         except Exception as error:  # noqa: BLE001  (a model whose output is not class scores: say so, do not refuse)
-            warnings.warn(f"make_private: the check that the model keeps examples apart could not run ({error})",
-                          stacklevel=3)
+            warnings.warn(
+                f"make_private: the check that the model keeps examples apart could not run ({error})", stacklevel=3
+            )
 
     @contextlib.contextmanager
     def _recording(self, record: _Record) -> Iterator[None]:
@@ -119,12 +128,16 @@ class PrivateModule(nn.Module):
             raise RuntimeError("no recorded training forward: run the model in train mode and loss.backward() first")
         missing = [name for name in record.layers if name not in record.grads]
         if missing:
-            raise RuntimeError(f"layers {missing} got no gradient: call loss.backward() before optimizer.step(); a "
-                               "layer the loss does not use must be frozen (requires_grad_(False))")
+            raise RuntimeError(
+                f"layers {missing} got no gradient: call loss.backward() before optimizer.step(); a "
+                "layer the loss does not use must be frozen (requires_grad_(False))"
+            )
         changed = [name for name, kept in record.inputs.items() if kept._version != record.versions[name]]
         if changed:
-            raise RuntimeError(f"the inputs of layers {changed} were modified in place after those layers ran; their "
-                               "per-example gradients would be wrong: make that operation out of place")
+            raise RuntimeError(
+                f"the inputs of layers {changed} were modified in place after those layers ran; their "
+                "per-example gradients would be wrong: make that operation out of place"
+            )
         scale = float(record.examples) if self.loss_reduction == "mean" else 1.0 / self.aug_mult
         grads: dict[nn.Parameter, torch.Tensor] = {}
         for name, layer in record.layers.items():
@@ -135,8 +148,10 @@ class PrivateModule(nn.Module):
                     grads[param] = value * scale
         unreached = [n for n, p in self._module.named_parameters() if p.requires_grad and p not in grads]
         if unreached:
-            raise RuntimeError(f"parameters {unreached} did not take part in the forward pass; freeze them "
-                               "(requires_grad_(False)) or use them")
+            raise RuntimeError(
+                f"parameters {unreached} did not take part in the forward pass; freeze them "
+                "(requires_grad_(False)) or use them"
+            )
         return grads
 
     @property
@@ -153,10 +168,14 @@ def _keeper(record: _Record, name: str):
 
     def hook(module: nn.Module, args: tuple, output: Any) -> torch.Tensor | None:
         if name in record.inputs:
-            raise BookkeepingUnsupportedError(f"layer {name!r} runs more than once per forward; make_private needs "
-                                              "every layer with trainable parameters to run once")
+            raise BookkeepingUnsupportedError(
+                f"layer {name!r} runs more than once per forward; make_private needs "
+                "every layer with trainable parameters to run once"
+            )
         if len(args) != 1 or not isinstance(args[0], torch.Tensor) or not isinstance(output, torch.Tensor):
-            raise BookkeepingUnsupportedError(f"layer {name!r} ({type(module).__name__}) must take and return one tensor")
+            raise BookkeepingUnsupportedError(
+                f"layer {name!r} ({type(module).__name__}) must take and return one tensor"
+            )
         record.inputs[name] = args[0].detach()  # shares the version counter of args[0]
         record.versions[name] = args[0]._version
         replaced = None

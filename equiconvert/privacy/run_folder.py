@@ -4,6 +4,7 @@ A folder that holds an earlier run would get its log appended to and its evaluat
 mixed into the new result.json, so it is refused unless the run resumes it (which needs
 its checkpoint) or is asked to overwrite it.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -29,8 +30,9 @@ def prepare_out(out: Path, *, resume: bool, overwrite: bool) -> None:
         raise OutputFolderError("--resume and --overwrite exclude each other: resume the run in --out, or replace it")
     if resume:
         if not (out / CHECKPOINT).is_file():
-            raise OutputFolderError(f"--resume: there is no checkpoint at {out / CHECKPOINT}; drop --resume to start a "
-                                    "new run")
+            raise OutputFolderError(
+                f"--resume: there is no checkpoint at {out / CHECKPOINT}; drop --resume to start a new run"
+            )
         return
     if not out.exists():
         return
@@ -43,5 +45,7 @@ def prepare_out(out: Path, *, resume: bool, overwrite: bool) -> None:
         return
     earlier = [name for name in RUN_RECORDS if (out / name).exists()]
     if earlier:
-        raise OutputFolderError(f"--out {out} is not empty: it holds an earlier run ({', '.join(earlier)}); give "
-                                "--resume to continue it, --overwrite to replace it, or a new --out")
+        raise OutputFolderError(
+            f"--out {out} is not empty: it holds an earlier run ({', '.join(earlier)}); give "
+            "--resume to continue it, --overwrite to replace it, or a new --out"
+        )

@@ -6,6 +6,7 @@ Shuffling into fixed-size batches is a different mechanism whose guarantee the
 accountant does not certify, so logical batches here have random size (possibly
 zero) and are only later cut into fixed-size physical chunks to fit in memory.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -27,8 +28,9 @@ class PoissonSampler:
     batch independently with probability q exactly once.
     """
 
-    def __init__(self, num_examples: int, expected_batch_size: int, source: RandomSource,
-                 shard: tuple[int, int] = (0, 1)) -> None:
+    def __init__(
+        self, num_examples: int, expected_batch_size: int, source: RandomSource, shard: tuple[int, int] = (0, 1)
+    ) -> None:
         if num_examples <= 0:
             raise ValueError(f"num_examples must be positive, got {num_examples}")
         if expected_batch_size <= 0 or expected_batch_size > num_examples:
@@ -72,8 +74,10 @@ class PoissonSampler:
                 f"this sampler is {self.expected_batch_size}/{self.num_examples}"
             )
         if tuple(state.get("shard", (0, 1))) != self.shard:
-            raise ValueError(f"sampler state is for shard (rank, world_size) {tuple(state['shard'])}, "
-                             f"this sampler samples shard {self.shard}")
+            raise ValueError(
+                f"sampler state is for shard (rank, world_size) {tuple(state['shard'])}, "
+                f"this sampler samples shard {self.shard}"
+            )
         self.num_batches_drawn = int(state["num_batches_drawn"])
         self._source.load_state_dict(state["generator_states"])
 

@@ -7,6 +7,7 @@ XOR of two uniform integers, Gaussian noise as (z1 + z2) / sqrt(2). The seeds ar
 never stored, printed or checkpointed. `debug_seed` derives both seeds from one
 integer instead, for reproducible tests; such a run is not private and says so.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -17,8 +18,10 @@ import warnings
 import torch
 
 _BITS = 53  # uniform integers in [0, 2**53): exact in float64, so q * 2**53 rounds once
-DEBUG_SEED_WARNING = ("debug_seed is set: Poisson sampling and noise are reproducible from it, so this run is NOT "
-                      "differentially private; use it for tests only")
+DEBUG_SEED_WARNING = (
+    "debug_seed is set: Poisson sampling and noise are reproducible from it, so this run is NOT "
+    "differentially private; use it for tests only"
+)
 
 
 def _seeds(debug_seed: int | None, stream: str) -> tuple[int, int]:
@@ -34,7 +37,9 @@ class SecretGenerators:
     def __init__(self, device: torch.device | str, stream: str, debug_seed: int | None = None) -> None:
         self.device = torch.device(device)
         self.private = debug_seed is None
-        self._generators = [torch.Generator(device=self.device).manual_seed(seed) for seed in _seeds(debug_seed, stream)]
+        self._generators = [
+            torch.Generator(device=self.device).manual_seed(seed) for seed in _seeds(debug_seed, stream)
+        ]
 
     def normal(self, shape: torch.Size | tuple[int, ...], dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Standard normal draws: (z1 + z2) / sqrt(2) with z1, z2 from the two generators."""
@@ -43,8 +48,10 @@ class SecretGenerators:
 
     def bernoulli_mask(self, size: int, probability: float) -> torch.Tensor:
         """A bool mask of `size` independent Bernoulli(probability) draws (P = ceil(p * 2**53) / 2**53)."""
-        r1, r2 = (torch.randint(0, 2**_BITS, (size,), generator=g, device=self.device, dtype=torch.int64)
-                  for g in self._generators)
+        r1, r2 = (
+            torch.randint(0, 2**_BITS, (size,), generator=g, device=self.device, dtype=torch.int64)
+            for g in self._generators
+        )
         return torch.bitwise_xor(r1, r2) < math.ceil(probability * 2**_BITS)
 
 

@@ -19,6 +19,7 @@ generators' states, in checkpoints, which are as secret as the training data.
 reproducible mode for tests and debugging that is NOT private (the noise can
 then be rebuilt and removed).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -50,8 +51,9 @@ class RandomSource:
 
     def gaussian(self, shape: torch.Size | tuple[int, ...], std: float) -> torch.Tensor:
         """N(0, std^2) samples: the normalised sum of one sample from each generator."""
-        first, second = (torch.normal(0.0, std, tuple(shape), generator=g, device=self.device)
-                         for g in self._generators)
+        first, second = (
+            torch.normal(0.0, std, tuple(shape), generator=g, device=self.device) for g in self._generators
+        )
         return (first + second) / math.sqrt(_STREAMS)
 
     def uniform(self, n: int) -> torch.Tensor:

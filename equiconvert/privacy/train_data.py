@@ -5,6 +5,7 @@ DataLoader's own sampler (its order is not the private sampling). A set that fit
 is read once into tensors and kept on the device; a larger one is streamed: each step gathers its
 sampled examples through the Dataset.
 """
+
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
@@ -68,9 +69,11 @@ class StreamedData(TrainData):
 def _example(item: Any, what: str) -> tuple[torch.Tensor, int]:
     """(image tensor, integer label) of one Dataset item, or a TypeError saying what the item must be."""
     if not (isinstance(item, (tuple, list)) and len(item) == 2 and isinstance(item[0], torch.Tensor)):
-        raise TypeError(f"{what}: a Dataset item must be (image tensor (C, H, W), integer label), got "
-                        f"{type(item).__name__}; give the Dataset a transform that returns tensors "
-                        "(e.g. torchvision.transforms.ToTensor())")
+        raise TypeError(
+            f"{what}: a Dataset item must be (image tensor (C, H, W), integer label), got "
+            f"{type(item).__name__}; give the Dataset a transform that returns tensors "
+            "(e.g. torchvision.transforms.ToTensor())"
+        )
     return item[0], int(item[1])
 
 
@@ -95,8 +98,10 @@ def as_train_data(data: Any, what: str, in_memory_bytes: int) -> TrainData:
     if isinstance(tensors, tuple) and len(tensors) == 2:  # torch.utils.data.TensorDataset
         return TensorData(*tensors)
     if not (isinstance(data, Dataset) and hasattr(data, "__getitem__") and hasattr(data, "__len__")):
-        raise TypeError(f"{what} must be (images, labels) tensors, a TensorDataset, a map-style Dataset of "
-                        f"(image, label) or a DataLoader over one, got {type(data).__name__}")
+        raise TypeError(
+            f"{what} must be (images, labels) tensors, a TensorDataset, a map-style Dataset of "
+            f"(image, label) or a DataLoader over one, got {type(data).__name__}"
+        )
     if len(data) == 0:
         raise ValueError(f"{what} is empty")
     first, _ = _example(data[0], what)

@@ -7,6 +7,7 @@ once, divide by the expected batch size, and step the optimizer. The EMA and
 the accountant advance once per logical step, and training stops before the
 budget would be exceeded.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -31,8 +32,12 @@ from .distributed import SINGLE_PROCESS, DistributedContext
 from .dp_safety import check_dp_safe
 from .ema import ExponentialMovingAverage
 from .metrics import classification_metrics, predict
-from .bookkeeping import (BookkeepingUnsupportedError, check_bookkeeping_supported, per_sample_gradients_bookkeeping,
-                          verify_bookkeeping)
+from .bookkeeping import (
+    BookkeepingUnsupportedError,
+    check_bookkeeping_supported,
+    per_sample_gradients_bookkeeping,
+    verify_bookkeeping,
+)
 from .filter_gradients import FILTER_GRADIENT_METHODS, filter_gradient_method
 from .inputs import check_images, check_labels
 from .nonfinite import zero_nonfinite_examples
@@ -81,7 +86,7 @@ class DPConfig:
     normalize_std: float | tuple[float, ...] = 0.5
     # a Dataset (or DataLoader) whose images take at most this many bytes is read once into tensors on the
     # device; a larger one is streamed (each step reads its sampled examples through the Dataset)
-    data_in_memory_bytes: int = 2 ** 30
+    data_in_memory_bytes: int = 2**30
     seed: int = 0  # initial weights (set by the caller), augmentation and data order; never the noise or sampling
     # NOT private: seed the noise and the Poisson sampling from `seed` (tests, debugging); the default draws them from
     # the operating system's CSPRNG (secure_rng), and anyone with the seed could subtract the noise
@@ -140,7 +145,9 @@ class DPTrainer:
         _check_hooks(loss_fn, augment, callbacks, metrics_logger)
         unknown = set(options) - set(DPConfig.__dataclass_fields__)
         if unknown:
-            raise ValueError(f"unknown DPTrainer options {sorted(unknown)}; known: {sorted(DPConfig.__dataclass_fields__)}")
+            raise ValueError(
+                f"unknown DPTrainer options {sorted(unknown)}; known: {sorted(DPConfig.__dataclass_fields__)}"
+            )
         custom_schedule = None if isinstance(lr_schedule, str) else lr_schedule
         self.config = DPConfig(lr_schedule=CUSTOM_SCHEDULE if custom_schedule else lr_schedule, **options)
         check_config(self.config)
@@ -153,8 +160,10 @@ class DPTrainer:
         self.metrics_logger = metrics_logger
         validate_dp_safe(model)
         if self.config.insecure_seeded_noise:
-            warnings.warn("insecure_seeded_noise: the DP-SGD noise and batch sampling are seeded from the public seed; "
-                          "this run is NOT differentially private (the noise can be rebuilt and subtracted)")
+            warnings.warn(
+                "insecure_seeded_noise: the DP-SGD noise and batch sampling are seeded from the public seed; "
+                "this run is NOT differentially private (the noise can be rebuilt and subtracted)"
+            )
         self.per_sample_method = self._resolve_per_sample_method(model)
         self._bookkeeping_verified = False  # verify_bookkeeping runs once, at the first per-sample computation
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -212,8 +221,10 @@ class DPTrainer:
 
     def _precision_needs_bookkeeping(self, error: Exception) -> BookkeepingUnsupportedError:
         """Where "auto" would fall back to vmap: vmap runs in fp32 only, so a bf16 run stops instead."""
-        return BookkeepingUnsupportedError(f"precision {self.config.precision!r} needs book-keeping, which this model "
-                                           f"cannot use ({error}); train it with precision 'fp32'")
+        return BookkeepingUnsupportedError(
+            f"precision {self.config.precision!r} needs book-keeping, which this model "
+            f"cannot use ({error}); train it with precision 'fp32'"
+        )
 
     def _make_optimizer(self) -> torch.optim.Optimizer:
         params = [p for p in self.model.parameters() if p.requires_grad]  # frozen ones: no gradient, no noise
@@ -234,8 +245,9 @@ class DPTrainer:
         if c.noise_multiplier is not None:
             self.noise_multiplier = c.noise_multiplier
         else:
-            self.noise_multiplier = calibrate_noise_multiplier(c.target_epsilon, self.delta, sample_rate, c.steps,
-                                                               c.accountant)
+            self.noise_multiplier = calibrate_noise_multiplier(
+                c.target_epsilon, self.delta, sample_rate, c.steps, c.accountant
+            )
         self.ledger = PrivacyLedger(c.accountant, self.delta, c.target_epsilon, sample_rate, self.noise_multiplier)
 
     def _normalize(self, images: torch.Tensor) -> torch.Tensor:
@@ -244,8 +256,10 @@ class DPTrainer:
             images = images.float().div_(255.0)
         mean, std = self._normalization
         if isinstance(mean, torch.Tensor) and images.dim() >= 3 and images.shape[-3] != mean.shape[0]:
-            raise ValueError(f"normalize_mean/normalize_std give {mean.shape[0]} channels; the images have "
-                             f"{images.shape[-3]}: give one value per image channel, or one value")
+            raise ValueError(
+                f"normalize_mean/normalize_std give {mean.shape[0]} channels; the images have "
+                f"{images.shape[-3]}: give one value per image channel, or one value"
+            )
         return (images - mean) / std
 
     def _crop_flip(self, images: torch.Tensor, num_views: int, generator: torch.Generator) -> torch.Tensor:
@@ -253,8 +267,9 @@ class DPTrainer:
         return augment_views(images, num_views, generator, self.config.augment_padding, self.config.augment_flip)
 
     # --- one logical step --------------------------------------------------
-    def _noisy_gradient(self, data: TrainData | torch.Tensor, labels: torch.Tensor | None = None
-                        ) -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _noisy_gradient(
+        self, data: TrainData | torch.Tensor, labels: torch.Tensor | None = None
+    ) -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor, torch.Tensor]:
         """The noisy mean gradient of the trainable parameters in one logical step, its batch size, mean training
         loss and count of non-finite per-example gradients (device tensors: nothing here waits for the device).
         `data`: TrainData, or images with their `labels`."""
@@ -285,7 +300,8 @@ class DPTrainer:
             summed = {name: value + self._noise_source.gaussian(value.shape, std) for name, value in summed.items()}
         nonfinite = torch.as_tensor(nonfinite, device=self.device, dtype=torch.float32)
         *reduced, loss_sum, count, nonfinite = self.dist.all_reduce_sum(  # [distributed]
-            [*summed.values(), loss_sum, count, nonfinite])
+            [*summed.values(), loss_sum, count, nonfinite]
+        )
         noisy = {name: value / c.batch_size for name, value in zip(summed, reduced)}
         return noisy, count, loss_sum / count.clamp_min(1.0), nonfinite.round().long()
 
@@ -294,8 +310,9 @@ class DPTrainer:
             if self.per_sample_method == "bookkeeping" and not self._bookkeeping_verified:
                 self._verify_bookkeeping(tuple(views.shape[1:]))
             if self.per_sample_method == "bookkeeping":
-                return per_sample_gradients_bookkeeping(self.model, views, labels, self._loss,
-                                                        autocast_dtype=PRECISIONS[self.config.precision])
+                return per_sample_gradients_bookkeeping(
+                    self.model, views, labels, self._loss, autocast_dtype=PRECISIONS[self.config.precision]
+                )
         return per_sample_gradients(self.model, params, buffers, views, labels, self._loss)
 
     def _loss(self, logits: torch.Tensor, labels: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
@@ -303,8 +320,9 @@ class DPTrainer:
         (reduction "none"), vmap for one example's loss averaged over its views."""
         losses = self.loss_fn(logits, labels)
         if losses.shape != labels.shape:
-            raise ValueError(f"loss_fn must return one loss per example, shape {tuple(labels.shape)}; got "
-                             f"{tuple(losses.shape)}")
+            raise ValueError(
+                f"loss_fn must return one loss per example, shape {tuple(labels.shape)}; got {tuple(losses.shape)}"
+            )
         return losses if reduction == "none" else losses.mean()
 
     def _verify_bookkeeping(self, view_shape: tuple[int, ...]) -> None:
@@ -381,7 +399,8 @@ class DPTrainer:
             raise PrivacyBudgetError(
                 f"one step at noise multiplier {self.noise_multiplier:g} and sample rate "
                 f"{self.sampler.sample_rate:.3g} spends epsilon {self.ledger.epsilon_after(1):.3g} > the target {self.config.target_epsilon:g}: "
-                "raise the target epsilon, lower the batch size, or raise the noise multiplier")
+                "raise the target epsilon, lower the batch size, or raise the noise multiplier"
+            )
         bar = _progress_bar(self.config.steps, self.step, self.progress)
         start = time.perf_counter()
         while self.step < self.config.steps:
@@ -403,7 +422,9 @@ class DPTrainer:
                 self.save_checkpoint()
             if time_limit_s is not None and self.step < self.config.steps and self._time_is_up(start, time_limit_s):
                 self.stopped_reason = "time_limit"
-                self._log({"event": "stopped", "reason": "time_limit", "step": self.step, "epsilon": self.ledger.epsilon})
+                self._log(
+                    {"event": "stopped", "reason": "time_limit", "step": self.step, "epsilon": self.ledger.epsilon}
+                )
                 if self.out_dir is not None:
                     self.save_checkpoint()
                 break
@@ -467,8 +488,11 @@ class DPTrainer:
             return self._evaluate_model(data)
 
     def _evaluate_model(self, data: TensorData | Any) -> dict[str, float]:
-        source = data if isinstance(data, TrainData) else as_train_data(data, "the evaluation data",
-                                                                         self.config.data_in_memory_bytes)
+        source = (
+            data
+            if isinstance(data, TrainData)
+            else as_train_data(data, "the evaluation data", self.config.data_in_memory_bytes)
+        )
         count = len(source)
         rows = range(count)[self.dist.row_slice(count)]  # [distributed] this rank's slice
         batch = self.config.eval_batch_size
@@ -476,7 +500,7 @@ class DPTrainer:
         def metrics(shifts: tuple[tuple[int, int], ...] | None) -> dict[str, float]:
             outputs, labels = [], []
             for start in range(0, len(rows), batch):
-                images, chunk_labels = source.gather(torch.tensor(rows[start:start + batch], dtype=torch.long))
+                images, chunk_labels = source.gather(torch.tensor(rows[start : start + batch], dtype=torch.long))
                 outputs.append(predict(self.model, images, batch, self.device, self._normalize, shifts))
                 labels.append(chunk_labels.to(self.device))
             outputs = self.dist.all_gather_rows(torch.cat(outputs), count)
@@ -502,7 +526,7 @@ class DPTrainer:
 
     def _flush(self) -> None:
         """Turn the device tensors of the unwritten records into numbers (one wait) and write them to the log."""
-        pending = self.history[self._written:]
+        pending = self.history[self._written :]
         _materialize(pending)
         self._written = len(self.history)
         if self.metrics_logger is not None and self.dist.is_main:
@@ -558,19 +582,27 @@ class DPTrainer:
         if not any(found):
             raise CheckpointError(f"nothing to resume: no checkpoint at {path}; start without resuming")
         if not all(found):
-            raise FileNotFoundError(f"{path} exists on ranks {[r for r, f in enumerate(found) if f]} only: a job "
-                                    "resumes from one checkpoint, so --out must be on a file system every node sees")
+            raise FileNotFoundError(
+                f"{path} exists on ranks {[r for r, f in enumerate(found) if f]} only: a job "
+                "resumes from one checkpoint, so --out must be on a file system every node sees"
+            )
         state = load(path)
         saved_world_size = state.get("world_size", 1)
         if saved_world_size != self.dist.world_size:
-            raise ValueError(f"checkpoint {path} was written by a job of {saved_world_size} process(es); this job "
-                             f"has {self.dist.world_size}: resume it with {saved_world_size} (each rank continues "
-                             "its own shard's sampler), or give a new --out")
+            raise ValueError(
+                f"checkpoint {path} was written by a job of {saved_world_size} process(es); this job "
+                f"has {self.dist.world_size}: resume it with {saved_world_size} (each rank continues "
+                "its own shard's sampler), or give a new --out"
+            )
         saved, current = _resume_identity(state["config"]), _resume_identity(asdict(self.config))
         if saved != current:
-            differing = {key: (saved.get(key), current.get(key)) for key in current if saved.get(key) != current.get(key)}
-            raise ValueError(f"checkpoint {path} was written with a different configuration ((checkpoint, now): "
-                             f"{differing}); refusing to resume")
+            differing = {
+                key: (saved.get(key), current.get(key)) for key in current if saved.get(key) != current.get(key)
+            }
+            raise ValueError(
+                f"checkpoint {path} was written with a different configuration ((checkpoint, now): "
+                f"{differing}); refusing to resume"
+            )
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         if self.ema is not None:
@@ -601,8 +633,10 @@ def check_config(c: DPConfig) -> None:
     if c.precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {tuple(PRECISIONS)}, got {c.precision!r}")
     if c.precision != "fp32" and c.per_sample_method == "vmap":
-        raise ValueError(f"precision {c.precision!r} needs book-keeping per-sample gradients "
-                         "(per_sample_method 'bookkeeping' or 'auto'); vmap runs in fp32 only")
+        raise ValueError(
+            f"precision {c.precision!r} needs book-keeping per-sample gradients "
+            "(per_sample_method 'bookkeeping' or 'auto'); vmap runs in fp32 only"
+        )
     if c.lr_schedule not in LR_SCHEDULES:
         raise ValueError(f"lr_schedule must be one of {LR_SCHEDULES}, got {c.lr_schedule!r}")
     if c.target_epsilon is None and c.noise_multiplier is None:
@@ -623,7 +657,9 @@ def check_config(c: DPConfig) -> None:
         raise ValueError(f"lr must be > 0, got {c.lr}")
     _check_normalization(c.normalize_mean, c.normalize_std)
     if c.data_in_memory_bytes < 0:
-        raise ValueError(f"data_in_memory_bytes must be >= 0 (0: always stream a Dataset), got {c.data_in_memory_bytes}")
+        raise ValueError(
+            f"data_in_memory_bytes must be >= 0 (0: always stream a Dataset), got {c.data_in_memory_bytes}"
+        )
     if c.augment_padding < 0:
         raise ValueError(f"augment_padding (crop shift in pixels) must be >= 0, got {c.augment_padding}")
 
@@ -680,8 +716,9 @@ def _normalization(config: DPConfig, device: torch.device) -> tuple[float | torc
     channels = max(len(mean), len(std))
     if channels == 1:
         return mean[0], std[0]
-    return tuple(torch.tensor(values, device=device).expand(channels).reshape(channels, 1, 1).clone()
-                 for values in (mean, std))
+    return tuple(
+        torch.tensor(values, device=device).expand(channels).reshape(channels, 1, 1).clone() for values in (mean, std)
+    )
 
 
 def _check_normalization(mean: Any, std: Any) -> None:
@@ -691,7 +728,9 @@ def _check_normalization(mean: Any, std: Any) -> None:
         try:
             values[name] = _channel_values(value)
         except (TypeError, ValueError):
-            raise ValueError(f"{name} must be a number or a tuple of numbers (one per channel), got {value!r}") from None
+            raise ValueError(
+                f"{name} must be a number or a tuple of numbers (one per channel), got {value!r}"
+            ) from None
         if not values[name] or not all(math.isfinite(v) for v in values[name]):
             raise ValueError(f"{name} must be finite numbers, one or one per channel, got {value!r}")
     if not all(v > 0 for v in values["normalize_std"]):
@@ -708,8 +747,9 @@ def _check_hooks(loss_fn: Any, augment: Any, callbacks: Any, metrics_logger: Any
             raise TypeError(f"{name} must be callable, got {type(value).__name__}")
     for callback in callbacks:
         if not isinstance(callback, Callback):
-            raise TypeError(f"callbacks must be equiconvert.privacy.callbacks.Callback objects, got "
-                            f"{type(callback).__name__}")
+            raise TypeError(
+                f"callbacks must be equiconvert.privacy.callbacks.Callback objects, got {type(callback).__name__}"
+            )
     if metrics_logger is not None and not isinstance(metrics_logger, MetricsLogger):
         raise TypeError(f"metrics_logger must have log_metrics(metrics, step), got {type(metrics_logger).__name__}")
 

@@ -7,6 +7,7 @@ updated from private data without clipping or noise and then released with
 the weights. Such layers are rejected whatever the module's train/eval mode,
 since training switches them back to batch statistics.
 """
+
 from __future__ import annotations
 
 from torch import nn
@@ -14,16 +15,27 @@ from torch import nn
 from ..errors import EquiconvertError
 
 _TORCH_BATCH_NORMS: tuple[type[nn.Module], ...] = (
-    nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm,
-    nn.LazyBatchNorm1d, nn.LazyBatchNorm2d, nn.LazyBatchNorm3d,
+    nn.BatchNorm1d,
+    nn.BatchNorm2d,
+    nn.BatchNorm3d,
+    nn.SyncBatchNorm,
+    nn.LazyBatchNorm1d,
+    nn.LazyBatchNorm2d,
+    nn.LazyBatchNorm3d,
     nn.modules.batchnorm._BatchNorm,  # base of all of the above and of subclasses elsewhere
 )
 _TORCH_INSTANCE_NORMS: tuple[type[nn.Module], ...] = (
-    nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d,
-    nn.LazyInstanceNorm1d, nn.LazyInstanceNorm2d, nn.LazyInstanceNorm3d,
+    nn.InstanceNorm1d,
+    nn.InstanceNorm2d,
+    nn.InstanceNorm3d,
+    nn.LazyInstanceNorm1d,
+    nn.LazyInstanceNorm2d,
+    nn.LazyInstanceNorm3d,
 )
-_FIX = ("convert the model with equiconvert.make_equivariant (it turns BatchNorm into a per-sample "
-        "field GroupNorm), or replace the layer with nn.GroupNorm")
+_FIX = (
+    "convert the model with equiconvert.make_equivariant (it turns BatchNorm into a per-sample "
+    "field GroupNorm), or replace the layer with nn.GroupNorm"
+)
 
 
 class PrivacyValidationError(EquiconvertError):
@@ -32,10 +44,7 @@ class PrivacyValidationError(EquiconvertError):
 
 def _running_stat_buffers(module: nn.Module) -> list[str]:
     """Names of the module's own running-statistics buffers (torch: running_mean; escnn: <field>_running_var)."""
-    return [
-        name for name, _ in module.named_buffers(recurse=False)
-        if name.endswith(("running_mean", "running_var"))
-    ]
+    return [name for name, _ in module.named_buffers(recurse=False) if name.endswith(("running_mean", "running_var"))]
 
 
 def _problem(module: nn.Module) -> str | None:

@@ -7,6 +7,7 @@ evaluated on the whole test set. The demo trains the cpu_main_job recipe (`CPU_D
 probe fits its steps to the time budget before the noise is calibrated (runner.plan_steps), and it
 prints and writes a summary to OUT/demo.json.
 """
+
 from __future__ import annotations
 
 import copy
@@ -92,10 +93,16 @@ def settings_of(recipe: Recipe) -> dict[str, Any]:
     """The recipe as one flat record (what the summary reports)."""
     widths = recipe.model.kwargs.get("widths")
     trainer = {k: v for k, v in asdict(recipe.trainer).items() if not callable(v)}
-    return {"model": recipe.model.name, "model_kwargs": {k: list(v) if isinstance(v, tuple) else v
-                                                          for k, v in recipe.model.kwargs.items()},
-            "widths": list(widths) if widths else None, **asdict(recipe.conversion), **asdict(recipe.data),
-            **trainer, "epsilon": recipe.trainer.target_epsilon, **asdict(recipe.run)}
+    return {
+        "model": recipe.model.name,
+        "model_kwargs": {k: list(v) if isinstance(v, tuple) else v for k, v in recipe.model.kwargs.items()},
+        "widths": list(widths) if widths else None,
+        **asdict(recipe.conversion),
+        **asdict(recipe.data),
+        **trainer,
+        "epsilon": recipe.trainer.target_epsilon,
+        **asdict(recipe.run),
+    }
 
 
 def format_summary(summary: dict[str, Any]) -> str:
@@ -113,23 +120,33 @@ def format_summary(summary: dict[str, Any]) -> str:
         f"noise multiplier {summary['noise_multiplier']:.3f}",
     ]
     if probe is not None:
-        lines.append(f"timing probe: {probe['seconds_per_step']:.2f} s a step over {probe['probe_steps']} steps: "
-                     f"{probe['planned_steps']} of {probe['requested_steps']} steps fit the "
-                     f"{probe['time_budget_s']:.0f} s budget")
+        lines.append(
+            f"timing probe: {probe['seconds_per_step']:.2f} s a step over {probe['probe_steps']} steps: "
+            f"{probe['planned_steps']} of {probe['requested_steps']} steps fit the "
+            f"{probe['time_budget_s']:.0f} s budget"
+        )
     if summary["stopped_reason"] == "time_limit":
-        lines.append(f"STOPPED EARLY at step {summary['steps']} of {summary['requested_steps']}: the training time "
-                     f"limit ({s['time_limit_s']:.0f} s) was reached; the epsilon below is what those steps spent")
+        lines.append(
+            f"STOPPED EARLY at step {summary['steps']} of {summary['requested_steps']}: the training time "
+            f"limit ({s['time_limit_s']:.0f} s) was reached; the epsilon below is what those steps spent"
+        )
     elif summary["stopped_reason"] == "budget":
-        lines.append(f"stopped at step {summary['steps']} of {summary['requested_steps']}: one more step would "
-                     f"exceed the privacy budget")
+        lines.append(
+            f"stopped at step {summary['steps']} of {summary['requested_steps']}: one more step would "
+            f"exceed the privacy budget"
+        )
     lines += [
         f"privacy: epsilon {summary['epsilon']:.3f} (target {summary['target_epsilon']:g}), delta "
         f"{summary['delta']:g}, {summary['accountant'].upper()} accountant",
         f"test accuracy: {100 * summary['test_accuracy']:.2f}% on {summary['test_examples']:,} test images",
         f"wall time: {summary['wall_time_s']:.0f} s (training {summary['train_time_s']:.0f} s) on "
-        f"{summary['device']}" + (f", {summary['threads']} threads" if summary["threads"] else "")
-        + (", load average {:.2f} / {:.2f} / {:.2f} (1 / 5 / 15 min) at the end".format(*summary["load_average"])
-           if summary["load_average"] else ""),
+        f"{summary['device']}"
+        + (f", {summary['threads']} threads" if summary["threads"] else "")
+        + (
+            ", load average {:.2f} / {:.2f} / {:.2f} (1 / 5 / 15 min) at the end".format(*summary["load_average"])
+            if summary["load_average"]
+            else ""
+        ),
         f"written: {Path(summary['result_file']).parent / SUMMARY_FILE} (and result.json, log.jsonl there)",
     ]
     return "\n".join(lines)

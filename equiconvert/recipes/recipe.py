@@ -5,6 +5,7 @@ conversion's options), [dp], [schedule] and [data] (the fields of privacy.traine
 set), and [run] (output folder, device, time limit). DPConfig and the dataclasses below are the one source of
 every default: the command line fills only what it was given.
 """
+
 from __future__ import annotations
 
 import copy
@@ -82,8 +83,19 @@ class Recipe:
 
 
 # DPConfig's fields by the recipe section that holds them ([dp] takes every field no other section names)
-_SCHEDULE = ("steps", "lr", "lr_schedule", "momentum", "optimizer", "ema_decay", "eval_every", "eval_batch_size",
-             "checkpoint_every", "epsilon_every", "seed")
+_SCHEDULE = (
+    "steps",
+    "lr",
+    "lr_schedule",
+    "momentum",
+    "optimizer",
+    "ema_decay",
+    "eval_every",
+    "eval_batch_size",
+    "checkpoint_every",
+    "epsilon_every",
+    "seed",
+)
 _DATA = ("augment_padding", "augment_flip", "normalize_mean", "normalize_std", "test_shifts")
 ALIASES = {"dp.epsilon": "dp.target_epsilon"}  # the name every flag and paper uses
 
@@ -100,8 +112,12 @@ def trainer_fields() -> dict[str, str]:
 def _section_fields() -> dict[str, str]:
     """Dotted key -> attribute path on Recipe for every settable key but model.kwargs.*."""
     keys = {}
-    for section, cls in (("model", ModelOptions), ("conversion", ConversionOptions), ("data", DataOptions),
-                         ("run", RunOptions)):
+    for section, cls in (
+        ("model", ModelOptions),
+        ("conversion", ConversionOptions),
+        ("data", DataOptions),
+        ("run", RunOptions),
+    ):
         for f in dataclasses.fields(cls):
             keys[f"{section}.{f.name}"] = f"{section}.{f.name}"
     for key, name in trainer_fields().items():
@@ -148,8 +164,10 @@ def _flatten(table: dict[str, Any]) -> dict[str, Any]:
     flat: dict[str, Any] = {}
     for section, body in table.items():
         if not isinstance(body, dict):
-            raise RecipeError(f"{section!r} must be a section ([model], [conversion], [data], [dp], [schedule], "
-                              f"[run]), not a top-level value")
+            raise RecipeError(
+                f"{section!r} must be a section ([model], [conversion], [data], [dp], [schedule], "
+                f"[run]), not a top-level value"
+            )
         flat.update({f"{section}.{key}": value for key, value in body.items()})
     return flat
 
@@ -177,13 +195,16 @@ def recipe_text(name_or_path: str) -> tuple[str, str]:
     path = Path(name_or_path)
     if path.suffix == ".toml" or path.exists():
         if not path.is_file():
-            raise RecipeError(f"--recipe {name_or_path}: no such file (shipped recipes: "
-                              f"{', '.join(shipped_recipes())}; list them with `equiconvert recipes`)")
+            raise RecipeError(
+                f"--recipe {name_or_path}: no such file (shipped recipes: "
+                f"{', '.join(shipped_recipes())}; list them with `equiconvert recipes`)"
+            )
         return path.read_text(), str(path)
     shipped = resources.files(__package__).joinpath(RECIPE_DIR, f"{name_or_path}.toml")
     if not shipped.is_file():
-        raise RecipeError(f"--recipe {name_or_path}: neither a file nor a shipped recipe (shipped: "
-                          f"{', '.join(shipped_recipes())})")
+        raise RecipeError(
+            f"--recipe {name_or_path}: neither a file nor a shipped recipe (shipped: {', '.join(shipped_recipes())})"
+        )
     return shipped.read_text(), f"equiconvert/recipes/{RECIPE_DIR}/{name_or_path}.toml"
 
 

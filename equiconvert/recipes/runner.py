@@ -4,6 +4,7 @@ Builds the model, converts it (or keeps it, for the "none" baseline), pads the
 images to a size at which the converted network is exactly equivariant, trains
 with DPTrainer and writes OUT/result.json.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -94,20 +95,39 @@ def _paper_model(spec: RunSpec, activation: str, num_classes: int, channels: int
     from ..models import create_model
 
     if "widths" in spec.model_kwargs:
-        raise ValueError(f"{PAPER_MODEL} has the paper's layout (16, 32, 64); the keyword widths does not apply to "
-                         "it (conversion.width / --set conversion.width=... changes its conversion's width rule)")
+        raise ValueError(
+            f"{PAPER_MODEL} has the paper's layout (16, 32, 64); the keyword widths does not apply to "
+            "it (conversion.width / --set conversion.width=... changes its conversion's width rule)"
+        )
     norm_groups = _norm_groups(spec)
     try:
-        plain = create_model("plain_paper_resnet9", num_classes=num_classes, in_channels=channels, act=activation,
-                             norm_groups=norm_groups, **_blocks(spec), **spec.passed_kwargs())
+        plain = create_model(
+            "plain_paper_resnet9",
+            num_classes=num_classes,
+            in_channels=channels,
+            act=activation,
+            norm_groups=norm_groups,
+            **_blocks(spec),
+            **spec.passed_kwargs(),
+        )
     except ValueError as exc:
         raise ValueError(f"norm_groups {spec.preset('norm_groups')}: {exc}") from exc
     if spec.group.lower() == BASELINE_GROUP:
         return plain, _count(plain)
     width = {} if spec.width is None else {"width": spec.width}
-    model = create_model(PAPER_MODEL, group=spec.group, num_classes=num_classes, in_channels=channels,
-                         head=_head(spec), act=activation, **width, norm_groups=norm_groups, **_blocks(spec),
-                         **_conversion_options(spec), **spec.passed_kwargs())
+    model = create_model(
+        PAPER_MODEL,
+        group=spec.group,
+        num_classes=num_classes,
+        in_channels=channels,
+        head=_head(spec),
+        act=activation,
+        **width,
+        norm_groups=norm_groups,
+        **_blocks(spec),
+        **_conversion_options(spec),
+        **spec.passed_kwargs(),
+    )
     return model, _count(plain)
 
 
@@ -150,9 +170,11 @@ def _head(spec: RunSpec) -> str:
 
 
 # options that only a converted model has, and what each sets: refused for the unconverted baseline
-_CONVERSION_FLAGS = {"init_gain": ("conversion.init_gain", "the steerable filters' initial scale"),
-                     "head": ("conversion.head", "the converted model's head"),
-                     "width": ("conversion.width", "the conversion's width rule")}
+_CONVERSION_FLAGS = {
+    "init_gain": ("conversion.init_gain", "the steerable filters' initial scale"),
+    "head": ("conversion.head", "the converted model's head"),
+    "width": ("conversion.width", "the conversion's width rule"),
+}
 
 
 def _refuse_preset_options_for_other_models(spec: RunSpec) -> None:
@@ -160,8 +182,10 @@ def _refuse_preset_options_for_other_models(spec: RunSpec) -> None:
         return
     for key in PRESET_KEYS:
         if spec.preset(key) is not None:
-            raise ValueError(f"the model keyword {key} applies to {PAPER_MODEL} only (its conv -> activation -> norm "
-                             f"blocks), not {spec.model!r}: drop it, or train {PAPER_MODEL}")
+            raise ValueError(
+                f"the model keyword {key} applies to {PAPER_MODEL} only (its conv -> activation -> norm "
+                f"blocks), not {spec.model!r}: drop it, or train {PAPER_MODEL}"
+            )
 
 
 def _refuse_conversion_options_for_baseline(spec: RunSpec) -> None:
@@ -169,8 +193,9 @@ def _refuse_conversion_options_for_baseline(spec: RunSpec) -> None:
         return
     for name, (flag, what) in _CONVERSION_FLAGS.items():
         if getattr(spec, name) is not None:
-            raise ValueError(f"{flag} sets {what}; the unconverted baseline (--group none) has none: drop {flag}, "
-                             "or pick a group")
+            raise ValueError(
+                f"{flag} sets {what}; the unconverted baseline (--group none) has none: drop {flag}, or pick a group"
+            )
 
 
 def _conversion_options(spec: RunSpec) -> dict[str, Any]:
@@ -184,11 +209,15 @@ def _refuse_resuming_another_model(out: Path, model: nn.Module, resume: bool, wr
     if resume and record.exists():
         saved = record.read_text()
         if saved != description:
-            first = next((pair for pair in zip(saved.splitlines(), description.splitlines()) if pair[0] != pair[1]),
-                         ("...", "..."))
-            raise ValueError(f"{out} holds a run of another network (its {record.name} has {first[0].strip()!r} where "
-                             f"this one has {first[1].strip()!r}); refusing to resume: repeat the run's own options, "
-                             "or give a new --out")
+            first = next(
+                (pair for pair in zip(saved.splitlines(), description.splitlines()) if pair[0] != pair[1]),
+                ("...", "..."),
+            )
+            raise ValueError(
+                f"{out} holds a run of another network (its {record.name} has {first[0].strip()!r} where "
+                f"this one has {first[1].strip()!r}); refusing to resume: repeat the run's own options, "
+                "or give a new --out"
+            )
         return
     if writes:
         out.mkdir(parents=True, exist_ok=True)
@@ -223,8 +252,11 @@ _RESULT_METRIC_NAMES = {"accuracy": "test_accuracy", "loss": "test_loss", "brier
 def _final_metrics(final: dict[str, float]) -> dict[str, float]:
     """The final evaluation under result.json's names; shift-averaged ones (DPConfig.test_shifts) get a suffix."""
     plain = {name: final[key] for key, name in _RESULT_METRIC_NAMES.items()}
-    averaged = {f"{name}_shift_averaged": final[f"shift_averaged_{key}"]
-                for key, name in _RESULT_METRIC_NAMES.items() if f"shift_averaged_{key}" in final}
+    averaged = {
+        f"{name}_shift_averaged": final[f"shift_averaged_{key}"]
+        for key, name in _RESULT_METRIC_NAMES.items()
+        if f"shift_averaged_{key}" in final
+    }
     return {**plain, **averaged}
 
 
@@ -232,8 +264,14 @@ PROBE_STEPS = 3  # timed steps, after one untimed warm-up step
 PLAN_SHARE = 0.8  # of the time budget the planned steps may take: a margin for steps slower than the probe's
 
 
-def probe_seconds_per_step(model: nn.Module, image_shape: tuple[int, ...], num_classes: int, device: str | None,
-                           options: dict[str, Any], steps: int = PROBE_STEPS) -> float:
+def probe_seconds_per_step(
+    model: nn.Module,
+    image_shape: tuple[int, ...],
+    num_classes: int,
+    device: str | None,
+    options: dict[str, Any],
+    steps: int = PROBE_STEPS,
+) -> float:
     """Seconds per DP-SGD step of a copy of `model` with the run's batch options on this machine, timed on random
     images of the run's shape (one batch of batch_size examples a step; no data of the run is read)."""
     import copy
@@ -242,23 +280,44 @@ def probe_seconds_per_step(model: nn.Module, image_shape: tuple[int, ...], num_c
     generator = torch.Generator().manual_seed(0)
     images = torch.randint(0, 256, (batch, *image_shape), dtype=torch.uint8, generator=generator)
     labels = torch.randint(0, num_classes, (batch,), generator=generator)
-    timing = {**options, "steps": steps + 1, "target_epsilon": None, "noise_multiplier": 1.0, "eval_every": None,
-              "checkpoint_every": None, "epsilon_every": 1, "delta": None, "ema_decay": None}
+    timing = {
+        **options,
+        "steps": steps + 1,
+        "target_epsilon": None,
+        "noise_multiplier": 1.0,
+        "eval_every": None,
+        "checkpoint_every": None,
+        "epsilon_every": 1,
+        "delta": None,
+        "ema_decay": None,
+    }
     trainer = DPTrainer(copy.deepcopy(model), device=device, out_dir=None, progress=False, **timing)
     trainer.fit((images, labels))
     times = [r["time_s"] for r in trainer.history if "time_s" in r]
     return (times[-1] - times[0]) / steps
 
 
-def plan_steps(model: nn.Module, image_shape: tuple[int, ...], num_classes: int, device: str | None,
-               options: dict[str, Any], time_budget_s: float) -> dict[str, Any]:
+def plan_steps(
+    model: nn.Module,
+    image_shape: tuple[int, ...],
+    num_classes: int,
+    device: str | None,
+    options: dict[str, Any],
+    time_budget_s: float,
+) -> dict[str, Any]:
     """How many of the requested steps fit PLAN_SHARE of the time budget at the probe's pace (at least one); the
     noise is then calibrated for those steps, so the run spends its whole epsilon within the budget."""
     seconds = probe_seconds_per_step(model, image_shape, num_classes, device, options)
     requested = options.get("steps", DPConfig.steps)
     fitting = int(PLAN_SHARE * time_budget_s / seconds) if seconds > 0 else requested
-    return {"probe_steps": PROBE_STEPS, "seconds_per_step": seconds, "time_budget_s": time_budget_s,
-            "plan_share": PLAN_SHARE, "requested_steps": requested, "planned_steps": max(1, min(requested, fitting))}
+    return {
+        "probe_steps": PROBE_STEPS,
+        "seconds_per_step": seconds,
+        "time_budget_s": time_budget_s,
+        "plan_share": PLAN_SHARE,
+        "requested_steps": requested,
+        "planned_steps": max(1, min(requested, fitting)),
+    }
 
 
 def pad_images(images: torch.Tensor, size: int) -> torch.Tensor:
@@ -271,8 +330,10 @@ def _refuse_impossible_sizes(options: dict[str, Any], num_examples: int) -> None
     """Options that depend on the training set's size, checked before the model is built."""
     batch_size = options.get("batch_size", DPConfig.batch_size)
     if batch_size > num_examples:
-        raise ValueError(f"--batch-size {batch_size} exceeds the {num_examples} training examples: the Poisson "
-                         "sample rate batch_size / N must be <= 1")
+        raise ValueError(
+            f"--batch-size {batch_size} exceeds the {num_examples} training examples: the Poisson "
+            "sample rate batch_size / N must be <= 1"
+        )
     if options.get("delta") is not None:
         refuse_delta(options["delta"], num_examples, flag="--delta")
 
@@ -281,13 +342,27 @@ def spec_of(recipe: Recipe) -> RunSpec:
     """The RunSpec of a recipe; data.dataset and run.out must be set (by the recipe file or the flags)."""
     for key, value in (("data.dataset", recipe.data.dataset), ("run.out", recipe.run.out)):
         if value is None:
-            raise RecipeError(f"{key} is not set: give it in the recipe, by its flag (--dataset, --out) or by "
-                              f"--set {key}=...")
+            raise RecipeError(
+                f"{key} is not set: give it in the recipe, by its flag (--dataset, --out) or by --set {key}=..."
+            )
     m, c, r = recipe.model, recipe.conversion, recipe.run
-    return RunSpec(model=m.name, group=c.group, dataset=recipe.data.dataset, data_dir=recipe.data.data_dir,
-                   out=r.out, width=c.width, model_kwargs=dict(m.kwargs), device=r.device, resume=r.resume,
-                   overwrite=r.overwrite, progress=r.progress, time_limit_s=r.time_limit_s, init_gain=c.init_gain,
-                   head=c.head, plan_steps=r.plan_steps)
+    return RunSpec(
+        model=m.name,
+        group=c.group,
+        dataset=recipe.data.dataset,
+        data_dir=recipe.data.data_dir,
+        out=r.out,
+        width=c.width,
+        model_kwargs=dict(m.kwargs),
+        device=r.device,
+        resume=r.resume,
+        overwrite=r.overwrite,
+        progress=r.progress,
+        time_limit_s=r.time_limit_s,
+        init_gain=c.init_gain,
+        head=c.head,
+        plan_steps=r.plan_steps,
+    )
 
 
 def trainer_options(recipe: Recipe) -> dict[str, Any]:
@@ -321,8 +396,9 @@ def run_training(spec: RunSpec, **trainer_options: Any) -> dict[str, Any]:
             distributed.shutdown()
 
 
-def _run_training(spec: RunSpec, context: distributed.DistributedContext, device: str | None,
-                  trainer_options: dict[str, Any]) -> dict[str, Any]:
+def _run_training(
+    spec: RunSpec, context: distributed.DistributedContext, device: str | None, trainer_options: dict[str, Any]
+) -> dict[str, Any]:
     from ..models import create_model
     from ..data import load_dataset
 
@@ -335,24 +411,31 @@ def _run_training(spec: RunSpec, context: distributed.DistributedContext, device
         _refuse_impossible_sizes(trainer_options, len(train))
         test = load_dataset(spec.dataset, spec.data_dir, split="test")
     if len(test) == 0:
-        raise ValueError(f"the test split of {spec.dataset!r} is empty: the run could not be evaluated; give a data "
-                         "set (or --data-dir) with test examples")
+        raise ValueError(
+            f"the test split of {spec.dataset!r} is empty: the run could not be evaluated; give a data "
+            "set (or --data-dir) with test examples"
+        )
     channels, size = train.images.shape[1], train.images.shape[-1]
-    result: dict[str, Any] = {"model": spec.model, "group": spec.group, "dataset": spec.dataset, "width": spec.width,
-                              "activation": activation}
+    result: dict[str, Any] = {
+        "model": spec.model,
+        "group": spec.group,
+        "dataset": spec.dataset,
+        "width": spec.width,
+        "activation": activation,
+    }
     # the model's initial weights come from the run's seed too, so one seed gives one run
     torch.manual_seed(trainer_options.get("seed", DPConfig.seed))
     if _is_paper_model(spec):
         model, params_before = _paper_model(spec, activation, len(train.classes), channels)
     else:
-        model = create_model(spec.model, num_classes=len(train.classes), in_channels=channels,
-                             **spec.passed_kwargs())
+        model = create_model(spec.model, num_classes=len(train.classes), in_channels=channels, **spec.passed_kwargs())
         params_before = _count(model)
         if spec.group.lower() == BASELINE_GROUP:
             model = _replace_batch_norm(model)
         else:
-            model = make_equivariant(model, spec.group, width=spec.width, head=_head(spec),
-                                     config=_conversion_options(spec))
+            model = make_equivariant(
+                model, spec.group, width=spec.width, head=_head(spec), config=_conversion_options(spec)
+            )
     if spec.group.lower() == BASELINE_GROUP:
         input_size = size
     else:
@@ -368,39 +451,70 @@ def _run_training(spec: RunSpec, context: distributed.DistributedContext, device
     if spec.plan_steps and spec.time_limit_s is not None and not spec.resume:
         if context.world_size > 1:
             raise ValueError("run.plan_steps times one process; drop it for a multi-process run")
-        probe = plan_steps(model, tuple(images_train.shape[1:]), len(train.classes), device, trainer_options,
-                           spec.time_limit_s)
+        probe = plan_steps(
+            model, tuple(images_train.shape[1:]), len(train.classes), device, trainer_options, spec.time_limit_s
+        )
         trainer_options = {**trainer_options, "steps": probe["planned_steps"]}
         result["step_probe"] = probe
-    trainer = DPTrainer(model, device=device, out_dir=spec.out, progress=spec.progress, distributed=context,
-                        **trainer_options)
-    trainer.fit((images_train, train.labels), eval_set=(images_test, test.labels), resume=spec.resume,
-                time_limit_s=spec.time_limit_s)
+    trainer = DPTrainer(
+        model, device=device, out_dir=spec.out, progress=spec.progress, distributed=context, **trainer_options
+    )
+    trainer.fit(
+        (images_train, train.labels),
+        eval_set=(images_test, test.labels),
+        resume=spec.resume,
+        time_limit_s=spec.time_limit_s,
+    )
     final = trainer.history[-1]["final_eval"]
     c = trainer.config
     result.update(
         **_final_metrics(final),
-        private=trainer.private, log_nonprivate_stats=c.log_nonprivate_stats,
+        private=trainer.private,
+        log_nonprivate_stats=c.log_nonprivate_stats,
         nonfinite_gradients=trainer.nonfinite_gradients,
-        epsilon=trainer.epsilon, delta=trainer.delta, target_epsilon=c.target_epsilon, accountant=c.accountant,
-        noise_multiplier=trainer.noise_multiplier, steps=trainer.step, batch_size=c.batch_size, aug_mult=c.aug_mult,
-        max_grad_norm=c.max_grad_norm, lr=c.lr, ema_decay=c.ema_decay, ema_final_decay=_final_ema_decay(trainer),
-        params=_count(model), params_before=params_before,
-        input_size=input_size, train_examples=len(train), test_examples=len(test), device=_device_name(trainer.device),
-        lr_schedule=c.lr_schedule, per_sample_method=trainer.per_sample_method, precision=c.precision, seed=c.seed,
+        epsilon=trainer.epsilon,
+        delta=trainer.delta,
+        target_epsilon=c.target_epsilon,
+        accountant=c.accountant,
+        noise_multiplier=trainer.noise_multiplier,
+        steps=trainer.step,
+        batch_size=c.batch_size,
+        aug_mult=c.aug_mult,
+        max_grad_norm=c.max_grad_norm,
+        lr=c.lr,
+        ema_decay=c.ema_decay,
+        ema_final_decay=_final_ema_decay(trainer),
+        params=_count(model),
+        params_before=params_before,
+        input_size=input_size,
+        train_examples=len(train),
+        test_examples=len(test),
+        device=_device_name(trainer.device),
+        lr_schedule=c.lr_schedule,
+        per_sample_method=trainer.per_sample_method,
+        precision=c.precision,
+        seed=c.seed,
         filter_gradients=c.filter_gradients,
         filter_gradient_kernels=fastest_choices(),  # what "fastest" chose in this process (one run per `train`)
-        requested_steps=c.steps, stopped_reason=trainer.stopped_reason,
-        normalize_mean=c.normalize_mean, normalize_std=c.normalize_std, augment_padding=c.augment_padding,
-        augment_flip=c.augment_flip, norm_groups=_norm_groups(spec), **_blocks(spec),
+        requested_steps=c.steps,
+        stopped_reason=trainer.stopped_reason,
+        normalize_mean=c.normalize_mean,
+        normalize_std=c.normalize_std,
+        augment_padding=c.augment_padding,
+        augment_flip=c.augment_flip,
+        norm_groups=_norm_groups(spec),
+        **_blocks(spec),
         test_shifts=c.test_shifts,
         evals=_eval_history(Path(spec.out) / "log.jsonl"),
         train_time_s=max((r["time_s"] for r in trainer.history if "time_s" in r), default=0.0),  # this call's
         wall_time_s=time.perf_counter() - start,
-        world_size=context.world_size, versions=library_versions(),
+        world_size=context.world_size,
+        versions=library_versions(),
     )
     if context.is_main:
         Path(spec.out).mkdir(parents=True, exist_ok=True)
-        save_trained(trainer, Path(spec.out) / "model.pt", batch_norm_to_group_norm=spec.group.lower() == BASELINE_GROUP)
+        save_trained(
+            trainer, Path(spec.out) / "model.pt", batch_norm_to_group_norm=spec.group.lower() == BASELINE_GROUP
+        )
         (Path(spec.out) / "result.json").write_text(json.dumps(result, indent=2))
     return result

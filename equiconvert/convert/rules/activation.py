@@ -3,6 +3,7 @@
 In-place variants become out-of-place so that per-sample gradient machinery
 (torch.func, Opacus hooks) sees every intermediate tensor.
 """
+
 from __future__ import annotations
 
 import copy
@@ -24,18 +25,54 @@ FIELD_NONLINEARITIES = {
 }
 
 ACTIVATION_MODULES = (
-    nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.ELU, nn.SELU, nn.CELU, nn.GELU, nn.SiLU, nn.Mish,
-    nn.Hardswish, nn.Hardsigmoid, nn.Sigmoid, nn.Tanh, nn.Softplus, nn.Hardtanh,
+    nn.ReLU,
+    nn.ReLU6,
+    nn.LeakyReLU,
+    nn.ELU,
+    nn.SELU,
+    nn.CELU,
+    nn.GELU,
+    nn.SiLU,
+    nn.Mish,
+    nn.Hardswish,
+    nn.Hardsigmoid,
+    nn.Sigmoid,
+    nn.Tanh,
+    nn.Softplus,
+    nn.Hardtanh,
 )
 ACTIVATION_FUNCTIONS = (
-    F.relu, F.relu6, F.leaky_relu, F.elu, F.selu, F.celu, F.gelu, F.silu, F.mish, F.hardswish,
-    F.hardsigmoid, F.sigmoid, F.tanh, F.softplus, F.hardtanh, torch.relu, torch.sigmoid, torch.tanh,
-    torch.selu, torch.celu,
+    F.relu,
+    F.relu6,
+    F.leaky_relu,
+    F.elu,
+    F.selu,
+    F.celu,
+    F.gelu,
+    F.silu,
+    F.mish,
+    F.hardswish,
+    F.hardsigmoid,
+    F.sigmoid,
+    F.tanh,
+    F.softplus,
+    F.hardtanh,
+    torch.relu,
+    torch.sigmoid,
+    torch.tanh,
+    torch.selu,
+    torch.celu,
 )
 ACTIVATION_METHODS = ("relu", "sigmoid", "tanh")
 IN_PLACE_FUNCTIONS = {
-    F.relu_: F.relu, torch.relu_: torch.relu, F.leaky_relu_: F.leaky_relu, F.elu_: F.elu,
-    torch.selu_: torch.selu, torch.celu_: torch.celu, torch.sigmoid_: torch.sigmoid, torch.tanh_: torch.tanh,
+    F.relu_: F.relu,
+    torch.relu_: torch.relu,
+    F.leaky_relu_: F.leaky_relu,
+    F.elu_: F.elu,
+    torch.selu_: torch.selu,
+    torch.celu_: torch.celu,
+    torch.sigmoid_: torch.sigmoid,
+    torch.tanh_: torch.tanh,
 }
 IN_PLACE_METHODS = {"relu_": "relu", "sigmoid_": "sigmoid", "tanh_": "tanh"}
 
@@ -81,18 +118,36 @@ def convert_shared_gate(ctx: ConversionContext, node: fx.Node) -> FieldType:
 
 # functional activations on irrep fields become the module form inside a gated nonlinearity
 FUNCTION_MODULES = {
-    F.relu: nn.ReLU, torch.relu: nn.ReLU, "relu": nn.ReLU, F.relu_: nn.ReLU, torch.relu_: nn.ReLU, "relu_": nn.ReLU,
-    F.gelu: nn.GELU, F.silu: nn.SiLU, F.mish: nn.Mish, F.elu: nn.ELU, F.sigmoid: nn.Sigmoid, torch.sigmoid: nn.Sigmoid,
-    F.tanh: nn.Tanh, torch.tanh: nn.Tanh, "sigmoid": nn.Sigmoid, "tanh": nn.Tanh, F.relu6: nn.ReLU6,
-    F.hardswish: nn.Hardswish, F.leaky_relu: nn.LeakyReLU,
+    F.relu: nn.ReLU,
+    torch.relu: nn.ReLU,
+    "relu": nn.ReLU,
+    F.relu_: nn.ReLU,
+    torch.relu_: nn.ReLU,
+    "relu_": nn.ReLU,
+    F.gelu: nn.GELU,
+    F.silu: nn.SiLU,
+    F.mish: nn.Mish,
+    F.elu: nn.ELU,
+    F.sigmoid: nn.Sigmoid,
+    torch.sigmoid: nn.Sigmoid,
+    F.tanh: nn.Tanh,
+    torch.tanh: nn.Tanh,
+    "sigmoid": nn.Sigmoid,
+    "tanh": nn.Tanh,
+    F.relu6: nn.ReLU6,
+    F.hardswish: nn.Hardswish,
+    F.leaky_relu: nn.LeakyReLU,
 }
 
 
 def _gate_function(ctx: ConversionContext, node: fx.Node, t_in: FieldType) -> FieldType:
     module_type = FUNCTION_MODULES.get(node.target)
     if module_type is None or len(node.args) > 1 or set(node.kwargs) - {"inplace"}:
-        raise ctx.unsupported(node, f"a functional activation with arguments cannot gate {t_in.representation} fields",
-                              "Options: use the activation's nn.Module form (e.g. nn.ReLU()) before converting.")
+        raise ctx.unsupported(
+            node,
+            f"a functional activation with arguments cannot gate {t_in.representation} fields",
+            "Options: use the activation's nn.Module form (e.g. nn.ReLU()) before converting.",
+        )
     ctx.call_module_instead(node, FIELD_NONLINEARITIES[t_in.representation](t_in, module_type()), "gated")
     return t_in
 
@@ -100,8 +155,11 @@ def _gate_function(ctx: ConversionContext, node: fx.Node, t_in: FieldType) -> Fi
 @register_module_rule(nn.PReLU)
 def convert_prelu(ctx: ConversionContext, node: fx.Node) -> FieldType:
     if ctx.module(node).num_parameters != 1:
-        raise ctx.unsupported(node, "PReLU with one slope per channel would differ within a field",
-                              "Options: use nn.PReLU() with a single slope, or another activation.")
+        raise ctx.unsupported(
+            node,
+            "PReLU with one slope per channel would differ within a field",
+            "Options: use nn.PReLU() with a single slope, or another activation.",
+        )
     return require_pointwise(ctx, node)
 
 
@@ -126,5 +184,3 @@ def convert_in_place_activation(ctx: ConversionContext, node: fx.Node) -> FieldT
     node.target = IN_PLACE_FUNCTIONS.get(node.target) or IN_PLACE_METHODS.get(node.target)
     ctx.record(node, before, getattr(node.target, "__name__", str(node.target)))
     return t_in
-
-

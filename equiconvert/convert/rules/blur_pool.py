@@ -1,4 +1,5 @@
 """timm's BlurPool2d (anti-aliased downsampling, TResNet) -> SymmetricBlurPool2d on every channel."""
+
 from __future__ import annotations
 
 import torch.fx as fx

@@ -1,4 +1,5 @@
 """Channels-last views of feature maps: permute to (B, H, W, C) and back, Linear over channels as a steerable 1x1."""
+
 from __future__ import annotations
 
 import torch
@@ -28,7 +29,9 @@ def convert_permute(ctx: ConversionContext, node: fx.Node) -> FieldType:
         return t.permuted(True)
     if t.channels_last and dims == TO_FIRST:
         return t.permuted(False)
-    raise ctx.unsupported(node, f"permutes dims {dims}; only channels-last {TO_LAST} and back {TO_FIRST} keep fields whole")
+    raise ctx.unsupported(
+        node, f"permutes dims {dims}; only channels-last {TO_LAST} and back {TO_FIRST} keep fields whole"
+    )
 
 
 def convert_channels_last_linear(ctx: ConversionContext, node: fx.Node, t: FieldType) -> FieldType:
@@ -40,8 +43,13 @@ def convert_channels_last_linear(ctx: ConversionContext, node: fx.Node, t: Field
     out_repr = t.group.hidden_repr
     basis = steerable_basis(t.group, t.representation, out_repr, 1, 1, ctx.config.basis_cutoff)
     new = ChannelsLastSteerableLinear(
-        basis, t.num_fields, out_fields, bias=linear.bias is not None, init_gain=ctx.config.init_gain,
-        weight_standardization=ctx.config.weight_standardization, bias_channels=t.group.bias_channels(out_repr),
+        basis,
+        t.num_fields,
+        out_fields,
+        bias=linear.bias is not None,
+        init_gain=ctx.config.init_gain,
+        weight_standardization=ctx.config.weight_standardization,
+        bias_channels=t.group.bias_channels(out_repr),
     )
     ctx.replace_module(node, new)
     return FieldType(t.group, out_repr, out_fields, spatial=True, channels_last=True)

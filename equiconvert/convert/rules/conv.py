@@ -1,4 +1,5 @@
 """nn.Conv2d -> SteerableConv2d."""
+
 from __future__ import annotations
 
 import math

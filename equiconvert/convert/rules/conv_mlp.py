@@ -6,6 +6,7 @@ into `pool_to_min_size` (one graph node, a function rule) and traces fc1, act1, 
 and act2 as usual. Adaptive pooling places its windows symmetrically, so the test commutes
 with rotations and flips.
 """
+
 from __future__ import annotations
 
 import torch

@@ -5,6 +5,7 @@ weight_standardization); ScaledStdConv2d's learned per-channel gain is dropped: 
 gain inside a field would break equivariance. TF 'SAME' padding is symmetric, d(k-1)/2 a side,
 exactly at the input sizes where a strided window is symmetric, so the converted conv pads that.
 """
+
 from __future__ import annotations
 
 import torch.fx as fx

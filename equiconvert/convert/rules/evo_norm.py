@@ -3,6 +3,7 @@
 EvoNorm-B divides by a running (batch) variance, which mixes the examples of a batch while
 training: per-sample gradients and DP-SGD forbid it, as they forbid BatchNorm's statistics.
 """
+
 from __future__ import annotations
 
 import copy
@@ -18,8 +19,14 @@ from .norm_act import _activation, _channels
 
 _EVO = "timm.layers.evo_norm"
 # class name -> (statistic, whether it normalises only when its activation is on (the non-"a" forms))
-S_VARIANTS = {"EvoNorm2dS0": ("std", True), "EvoNorm2dS1": ("std", True), "EvoNorm2dS0a": ("std", False),
-              "EvoNorm2dS1a": ("std", False), "EvoNorm2dS2": ("rms", True), "EvoNorm2dS2a": ("rms", False)}
+S_VARIANTS = {
+    "EvoNorm2dS0": ("std", True),
+    "EvoNorm2dS1": ("std", True),
+    "EvoNorm2dS0a": ("std", False),
+    "EvoNorm2dS1a": ("std", False),
+    "EvoNorm2dS2": ("rms", True),
+    "EvoNorm2dS2a": ("rms", False),
+}
 B_VARIANTS = ("EvoNorm2dB0", "EvoNorm2dB1", "EvoNorm2dB2")
 
 
@@ -32,23 +39,33 @@ def convert_evo_norm_s(ctx: ConversionContext, node: fx.Node) -> FieldType:
     module, t = ctx.module(node), ctx.field_input(node)
     _channels(ctx, node, module.weight.numel(), t)
     if not t.spatial or t.channels_last or t.representation not in POINTWISE_REPRESENTATIONS:
-        raise ctx.unsupported(node, f"EvoNorm's group statistics need a channels-first map of pointwise fields, "
-                                    f"not {t.describe()}")
+        raise ctx.unsupported(
+            node, f"EvoNorm's group statistics need a channels-first map of pointwise fields, not {t.describe()}"
+        )
     statistic, only_with_activation = S_VARIANTS[type(module).__name__]
     swish = getattr(module, "v", None) is not None
     activation = None if swish else getattr(module, "act", None)
     normalize = swish or not only_with_activation or module.apply_act
-    new = FieldEvoNorm(t.num_fields, t.field_size, _largest_divisor(t.num_fields, module.groups), statistic,
-                       normalize, _activation(ctx, node, copy.deepcopy(activation), t) if activation is not None else None,
-                       swish, module.eps)
+    new = FieldEvoNorm(
+        t.num_fields,
+        t.field_size,
+        _largest_divisor(t.num_fields, module.groups),
+        statistic,
+        normalize,
+        _activation(ctx, node, copy.deepcopy(activation), t) if activation is not None else None,
+        swish,
+        module.eps,
+    )
     ctx.replace_module(node, new)
     return t
 
 
 @register_module_rule(*(f"{_EVO}:{name}" for name in B_VARIANTS))
 def refuse_evo_norm_b(ctx: ConversionContext, node: fx.Node) -> FieldType:
-    raise ctx.unsupported(node, f"{type(ctx.module(node)).__name__} divides by a batch variance (a running "
-                                "statistic while training), which mixes the examples of a batch; DP-SGD needs "
-                                "per-sample computation",
-                          "Options: use a sample-wise EvoNorm (EvoNorm2dS0/S1/S2, or their 'a' forms) or "
-                          "GroupNormAct before converting.")
+    raise ctx.unsupported(
+        node,
+        f"{type(ctx.module(node)).__name__} divides by a batch variance (a running "
+        "statistic while training), which mixes the examples of a batch; DP-SGD needs "
+        "per-sample computation",
+        "Options: use a sample-wise EvoNorm (EvoNorm2dS0/S1/S2, or their 'a' forms) or GroupNormAct before converting.",
+    )

@@ -5,6 +5,7 @@ value per field) + Linear. A head that flattens a spatial grid (ResNet9's
 AdaptiveMaxPool2d(2) + Flatten) is kept, group-pooled and reported as not
 invariant; `head="invariant"` pools globally instead.
 """
+
 from __future__ import annotations
 
 import torch
@@ -83,7 +84,9 @@ def insert_invariant_map(ctx: ConversionContext, node: fx.Node, x: fx.Node, t: F
 def convert_flatten_module(ctx: ConversionContext, node: fx.Node) -> FieldType:
     flatten: nn.Flatten = ctx.module(node)
     if flatten.start_dim != 1 or flatten.end_dim not in (-1, 3):
-        raise ctx.unsupported(node, f"flattens dims {flatten.start_dim}..{flatten.end_dim}; only (batch, features) heads are supported")
+        raise ctx.unsupported(
+            node, f"flattens dims {flatten.start_dim}..{flatten.end_dim}; only (batch, features) heads are supported"
+        )
     return to_vector(ctx, node, node.args[0])
 
 
@@ -157,8 +160,11 @@ def convert_linear(ctx: ConversionContext, node: fx.Node) -> FieldType:
 
         return convert_channels_last_linear(ctx, node, t)
     if t.spatial:
-        raise ctx.unsupported(node, "applies a Linear layer to a channels-first feature map (its width)",
-                              "Options: use a 1x1 Conv2d, or flatten/pool before the Linear layer.")
+        raise ctx.unsupported(
+            node,
+            "applies a Linear layer to a channels-first feature map (its width)",
+            "Options: use a 1x1 Conv2d, or flatten/pool before the Linear layer.",
+        )
     t = insert_invariant_map(ctx, node, node.args[0], t)
     if t.channels != linear.in_features:
         ctx.replace_module(node, nn.Linear(t.channels, linear.out_features, bias=linear.bias is not None))

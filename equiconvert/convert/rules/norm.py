@@ -1,4 +1,5 @@
 """BatchNorm2d / GroupNorm / InstanceNorm2d -> FieldGroupNorm (per sample, whole fields)."""
+
 from __future__ import annotations
 
 import torch.fx as fx

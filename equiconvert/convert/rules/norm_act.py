@@ -5,6 +5,7 @@ GroupNorm do) followed by its dropout and its activation, converted like standal
 A layer norm over the channels of each pixel becomes FieldLayerNorm; a learned per-channel
 gain (layer scale) becomes FieldLayerScale, one gain per field.
 """
+
 from __future__ import annotations
 
 import copy
@@ -18,29 +19,50 @@ from ..context import ConversionContext
 from ..fields import FieldType
 from ..registry import head_transparent, module_rule, register_module_rule
 from .activation import (
-    FIELD_NONLINEARITIES, POINTWISE_REPRESENTATIONS, _out_of_place, convert_activation_module,
+    FIELD_NONLINEARITIES,
+    POINTWISE_REPRESENTATIONS,
+    _out_of_place,
+    convert_activation_module,
 )
 from .norm import _field_norm
 
 
 def optional_classes(module: str, *names: str) -> list[str]:
-    """"module:Name" for classes of optional packages (timm, torchvision): registered once a model imports them."""
+    """ "module:Name" for classes of optional packages (timm, torchvision): registered once a model imports them."""
     return [f"{module}:{name}" for name in names]
 
 
-TIMM_ACTIVATIONS = optional_classes("timm.layers.activations", "Swish", "Mish", "Sigmoid", "Tanh", "HardSwish", "HardSigmoid",
-                            "HardMish", "GELU", "GELUTanh", "QuickGELU")
+TIMM_ACTIVATIONS = optional_classes(
+    "timm.layers.activations",
+    "Swish",
+    "Mish",
+    "Sigmoid",
+    "Tanh",
+    "HardSwish",
+    "HardSigmoid",
+    "HardMish",
+    "GELU",
+    "GELUTanh",
+    "QuickGELU",
+)
 PASSIVE_DROPS = (nn.Identity, nn.Dropout, nn.Dropout2d)
 BATCH_NORM_ACT = optional_classes("timm.layers.norm_act", "BatchNormAct2d", "SyncBatchNormAct", "FrozenBatchNormAct2d")
-FROZEN_BATCH_NORM = optional_classes("timm.layers", "FrozenBatchNorm2d") + optional_classes("torchvision.ops.misc", "FrozenBatchNorm2d")
+FROZEN_BATCH_NORM = optional_classes("timm.layers", "FrozenBatchNorm2d") + optional_classes(
+    "torchvision.ops.misc", "FrozenBatchNorm2d"
+)
 GROUP_NORM_ACT = optional_classes("timm.layers.norm_act", "GroupNormAct", "GroupNorm1Act")
 LAYER_NORM_ACT_2D = optional_classes("timm.layers.norm_act", "LayerNormAct2d", "LayerNormAct2dFp32")
 LAYER_NORM_2D = optional_classes("timm.layers.norm", "LayerNorm2d", "LayerNorm2dFp32") + optional_classes(
-    "torchvision.models.convnext", "LayerNorm2d")
-LAYER_NORM_LAST = [nn.LayerNorm] + optional_classes("timm.layers.norm", "LayerNorm", "LayerNormFp32") + optional_classes(
-    "timm.layers.norm_act", "LayerNormAct", "LayerNormActFp32")
+    "torchvision.models.convnext", "LayerNorm2d"
+)
+LAYER_NORM_LAST = (
+    [nn.LayerNorm]
+    + optional_classes("timm.layers.norm", "LayerNorm", "LayerNormFp32")
+    + optional_classes("timm.layers.norm_act", "LayerNormAct", "LayerNormActFp32")
+)
 LAYER_SCALE = optional_classes("timm.layers.layer_scale", "LayerScale", "LayerScale2d") + optional_classes(
-    "timm.models.convnext", "LayerScale2d")
+    "timm.models.convnext", "LayerScale2d"
+)
 
 register_module_rule(*TIMM_ACTIVATIONS)(convert_activation_module)  # elementwise, like torch's own
 
@@ -50,8 +72,11 @@ def _activation(ctx: ConversionContext, node: fx.Node, act: nn.Module, t: FieldT
     if isinstance(act, nn.Identity):
         return act
     if module_rule(type(act)) is not convert_activation_module:
-        raise ctx.unsupported(node, f"its activation {type(act).__name__} has no equivariant form",
-                              "Options: use an elementwise activation (ReLU, SiLU, GELU, ...) in the norm layer.")
+        raise ctx.unsupported(
+            node,
+            f"its activation {type(act).__name__} has no equivariant form",
+            "Options: use an elementwise activation (ReLU, SiLU, GELU, ...) in the norm layer.",
+        )
     if t.representation in FIELD_NONLINEARITIES:
         return FIELD_NONLINEARITIES[t.representation](t, _out_of_place(act))
     if t.representation not in POINTWISE_REPRESENTATIONS:
@@ -61,8 +86,11 @@ def _activation(ctx: ConversionContext, node: fx.Node, act: nn.Module, t: FieldT
 
 def _drop(ctx: ConversionContext, node: fx.Node, drop: nn.Module) -> nn.Module:
     if not isinstance(drop, PASSIVE_DROPS):
-        raise ctx.unsupported(node, f"its drop layer {type(drop).__name__} drops spatial blocks, which rotations move",
-                              "Options: build the model without drop_block_rate before converting.")
+        raise ctx.unsupported(
+            node,
+            f"its drop layer {type(drop).__name__} drops spatial blocks, which rotations move",
+            "Options: build the model without drop_block_rate before converting.",
+        )
     return copy.deepcopy(drop)
 
 
@@ -102,7 +130,9 @@ def convert_group_norm_act(ctx: ConversionContext, node: fx.Node) -> FieldType:
 def _layer_norm(ctx: ConversionContext, node: fx.Node, t: FieldType, channels_last: bool) -> FieldLayerNorm:
     module = ctx.module(node)
     if len(module.normalized_shape) != 1:
-        raise ctx.unsupported(node, f"normalises over {tuple(module.normalized_shape)}; only the channel dim is supported")
+        raise ctx.unsupported(
+            node, f"normalises over {tuple(module.normalized_shape)}; only the channel dim is supported"
+        )
     _channels(ctx, node, module.normalized_shape[0], t)
     if t.representation not in POINTWISE_REPRESENTATIONS:
         raise ctx.unsupported(node, f"a layer norm's mean is not equivariant on {t.representation} fields")
@@ -129,8 +159,11 @@ def convert_layer_norm_last(ctx: ConversionContext, node: fx.Node) -> FieldType:
     """nn.LayerNorm over the last dim: on channels-last maps or (batch, features) vectors."""
     t = ctx.field_input(node)
     if t.spatial and not t.channels_last:
-        raise ctx.unsupported(node, "normalises the last dim of a channels-first map (its width, not its channels)",
-                              "Options: permute to channels-last first, or use a LayerNorm2d.")
+        raise ctx.unsupported(
+            node,
+            "normalises the last dim of a channels-first map (its width, not its channels)",
+            "Options: permute to channels-last first, or use a LayerNorm2d.",
+        )
     if t.is_invariant and not t.spatial:  # invariant features: any layer norm keeps them invariant
         return t
     norm = _layer_norm(ctx, node, t, channels_last=True)

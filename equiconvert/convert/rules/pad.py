@@ -6,6 +6,7 @@ windows (HGNet's stem), keeps the size but centres nothing; under even_kernels="
 a one-pixel pad on every side feeding 3x3 windows (the convs grow by the conv rule, the pools
 here): the same output size, centred.
 """
+
 from __future__ import annotations
 
 import torch.fx as fx
@@ -47,17 +48,23 @@ def convert_pad(ctx: ConversionContext, node: fx.Node) -> FieldType:
     t = ctx.field_input(node)
     pad, mode, value = tuple(_arg(node, 1, "pad")), _arg(node, 2, "mode", "constant"), _arg(node, 3, "value", None)
     if not t.spatial or t.channels_last or len(pad) != 4 or mode not in MODES or value not in (None, 0, 0.0):
-        raise ctx.unsupported(node, f"pads {pad} in mode {mode!r} with value {value}; rules exist for zero, "
-                                    "reflect, replicate and circular padding of the two spatial dims of a "
-                                    "channels-first map")
+        raise ctx.unsupported(
+            node,
+            f"pads {pad} in mode {mode!r} with value {value}; rules exist for zero, "
+            "reflect, replicate and circular padding of the two spatial dims of a "
+            "channels-first map",
+        )
     if len(set(pad)) == 1:
         ctx.set_spatial(node, WindowOp(1, 1, pad[0]))
         return t
     windows = [_two_by_two_window(ctx, user) for user in node.users]
     if pad not in ONE_SIDED or mode != "constant" or None in windows or ctx.config.even_kernels != "grow":
-        raise ctx.unsupported(node, f"pads {pad}: unequal sides do not map onto themselves under rotations",
-                              "Options: pad every side equally; a one-pixel pad on two sides that feeds only 2x2 "
-                              "stride-1 convs or pools converts with config={'even_kernels': 'grow'}.")
+        raise ctx.unsupported(
+            node,
+            f"pads {pad}: unequal sides do not map onto themselves under rotations",
+            "Options: pad every side equally; a one-pixel pad on two sides that feeds only 2x2 "
+            "stride-1 convs or pools converts with config={'even_kernels': 'grow'}.",
+        )
     for user, window in zip(list(node.users), windows):
         if not isinstance(window, nn.Conv2d):  # convs grow by their own rule
             _grow_pool(ctx, user, window)

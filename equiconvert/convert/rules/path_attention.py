@@ -4,6 +4,7 @@ Both stack or reshape their paths into a 5D tensor that the field types cannot d
 traceable forms trace the paths' convolutions as usual and end in one `attend_paths` node
 holding the attention module; its rule replaces that node by FieldPathAttention on the paths.
 """
+
 from __future__ import annotations
 
 import copy
@@ -60,18 +61,25 @@ def convert_attend_paths(ctx: ConversionContext, node: fx.Node) -> FieldType:
     types = [ctx.field_input(node, i + 1) for i in range(len(paths))]
     t = types[0]
     if any(u != t for u in types) or not t.spatial or t.channels_last or t.representation not in ("regular", "trivial"):
-        raise ctx.unsupported(node, f"attends over paths of field types {[u.describe() for u in types]}; "
-                                    "it needs equal channels-first maps of regular fields")
+        raise ctx.unsupported(
+            node,
+            f"attends over paths of field types {[u.describe() for u in types]}; "
+            "it needs equal channels-first maps of regular fields",
+        )
     if hasattr(module, "attn"):
         count, fc1, norm, act = len(paths), module.attn.fc_reduce, module.attn.bn, module.attn.act
     else:
         count, fc1, norm, act = module.radix, module.fc1, module.bn1, module.act1
     if t.num_fields % count:
-        raise ctx.unsupported(node, f"splits {t.num_fields} fields into {count} equal paths",
-                              "Options: pass width= as a callable returning multiples of the radix.")
+        raise ctx.unsupported(
+            node,
+            f"splits {t.num_fields} fields into {count} equal paths",
+            "Options: pass width= as a callable returning multiples of the radix.",
+        )
     fields = t.num_fields // count if len(paths) == 1 else t.num_fields
-    new = FieldPathAttention(count, fields, t.field_size, fc1.out_channels, copy.deepcopy(act),
-                             norm=not isinstance(norm, nn.Identity))
+    new = FieldPathAttention(
+        count, fields, t.field_size, fc1.out_channels, copy.deepcopy(act), norm=not isinstance(norm, nn.Identity)
+    )
     ctx.call_module_instead(node, new, "path_attention")
     node.args = tuple(paths)
     ctx.gm.graph.erase_node(holder)

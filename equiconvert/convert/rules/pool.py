@@ -4,6 +4,7 @@ A 2x2 stride-2 pool with ceil_mode=True (timm's ResNet-D shortcut) is replaced b
 a 3x3 stride-2 pool with padding 1: same output size at every input size, and
 symmetric windows at the odd sizes that the stride-2 convs beside it need.
 """
+
 from __future__ import annotations
 
 import torch.fx as fx
@@ -42,7 +43,9 @@ def convert_window_pool(ctx: ConversionContext, node: fx.Node) -> FieldType:
         ceil = pool.ceil_mode
         if _is_ceil_downsample(pool, kernel, stride, padding):  # same rewrite as below: symmetric at odd sizes
             kernel, padding, ceil = 3, 1, False
-        ctx.replace_module(node, NormMaxPool2d(t_in.num_fields, t_in.group.layout, kernel, stride, padding, dilation, ceil))
+        ctx.replace_module(
+            node, NormMaxPool2d(t_in.num_fields, t_in.group.layout, kernel, stride, padding, dilation, ceil)
+        )
         ctx.set_spatial(node, WindowOp(kernel, stride, padding, dilation, ceil))
         return t_in
     if _is_ceil_downsample(pool, kernel, stride, padding):
@@ -98,10 +101,16 @@ def convert_functional_window_pool(ctx: ConversionContext, node: fx.Node) -> Fie
     ceil_mode = bool(_arg(node, 4 if node.target is F.avg_pool2d else 5, "ceil_mode", False))
     dilation = 1 if node.target is F.avg_pool2d else _single(ctx, node, "dilation", _arg(node, 4, "dilation", 1))
     if node.target is F.max_pool2d and t_in.representation in NORM_POOLED:
-        raise ctx.unsupported(node, f"functional max pooling of {t_in.representation} fields needs norm max pooling",
-                              "Options: use nn.MaxPool2d, which equiconvert replaces by NormMaxPool2d.")
+        raise ctx.unsupported(
+            node,
+            f"functional max pooling of {t_in.representation} fields needs norm max pooling",
+            "Options: use nn.MaxPool2d, which equiconvert replaces by NormMaxPool2d.",
+        )
     if kernel == 2 and stride == 2 and padding == 0 and ceil_mode:
-        raise ctx.unsupported(node, "a functional 2x2 ceil-mode pool cannot be made symmetric in place",
-                              "Options: use nn.AvgPool2d/nn.MaxPool2d modules, which equiconvert rewrites.")
+        raise ctx.unsupported(
+            node,
+            "a functional 2x2 ceil-mode pool cannot be made symmetric in place",
+            "Options: use nn.AvgPool2d/nn.MaxPool2d modules, which equiconvert rewrites.",
+        )
     ctx.set_spatial(node, WindowOp(kernel, stride, padding, dilation, ceil_mode))
     return t_in

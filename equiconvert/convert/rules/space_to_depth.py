@@ -5,6 +5,7 @@ grid elements, orders every orbit as the regular representation permutes its cha
 checks the result on a test input before using it. Groups whose elements fix some positions
 (reflections fix a block's diagonals) have no regular-field layout and are refused.
 """
+
 from __future__ import annotations
 
 import torch
@@ -65,9 +66,12 @@ def convert_space_to_depth(ctx: ConversionContext, node: fx.Node) -> FieldType:
         raise ctx.unsupported(node, f"space-to-depth has no field layout for {t.group.name}")
     order = regular_order(t.group, t.channels, module.bs)
     if order is None:
-        raise ctx.unsupported(node, f"{t.group.name} fixes some positions of a {module.bs}x{module.bs} block, so "
-                                    "space-to-depth's channels are no regular fields",
-                              "Options: convert for a rotation group (C2, C4), or replace the stem by a strided conv.")
+        raise ctx.unsupported(
+            node,
+            f"{t.group.name} fixes some positions of a {module.bs}x{module.bs} block, so "
+            "space-to-depth's channels are no regular fields",
+            "Options: convert for a rotation group (C2, C4), or replace the stem by a strided conv.",
+        )
     ctx.replace_module(node, FieldSpaceToDepth(module.bs, order))
     ctx.set_spatial(node, WindowOp(module.bs, module.bs, 0))
     return FieldType(t.group, "regular", len(order) // t.group.order)

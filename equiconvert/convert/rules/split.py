@@ -6,6 +6,7 @@ split (or the concatenation in the same module, CSPNet/Res2Net/MixNet style) div
 pieces gets the sum of its pieces' field counts, so the pieces, the layers that consume
 them and the residual sums beside them agree on their field counts.
 """
+
 from __future__ import annotations
 
 import math
@@ -178,7 +179,7 @@ def _field_boundary(ctx: ConversionContext, t: FieldType, channels: int, cut: in
         fields = [ctx.fields_for(p, t.group) for p in refined]
         bounds = [sum(refined[:i]) for i in range(len(refined) + 1)]
         if sum(fields) == t.num_fields and cut in bounds:
-            return sum(fields[:bounds.index(cut)])
+            return sum(fields[: bounds.index(cut)])
     return t.num_fields * cut // channels if t.num_fields * cut % channels == 0 else None
 
 
@@ -187,10 +188,12 @@ def _piece_fields(ctx: ConversionContext, node: fx.Node, t: FieldType, pieces: t
     bounds = [_field_boundary(ctx, t, channels, sum(pieces[:i])) for i in range(len(pieces) + 1)]
     if None not in bounds:
         return [b - a for a, b in zip(bounds, bounds[1:])]
-    raise ctx.unsupported(node, f"splits {channels} channels into {pieces}, which cuts through its {t.num_fields} "
-                                f"fields of size {t.field_size}",
-                          "Options: pass width= as a callable whose field counts split the same way, or split "
-                          "into equal halves/chunks.")
+    raise ctx.unsupported(
+        node,
+        f"splits {channels} channels into {pieces}, which cuts through its {t.num_fields} "
+        f"fields of size {t.field_size}",
+        "Options: pass width= as a callable whose field counts split the same way, or split into equal halves/chunks.",
+    )
 
 
 @register_function_rule(*SPLITS)
@@ -199,8 +202,11 @@ def convert_split(ctx: ConversionContext, node: fx.Node) -> FieldType:
     t = ctx.field_input(node)
     pieces = split_pieces(node)
     if pieces is None or not t.spatial or t.channels_last:
-        raise ctx.unsupported(node, "splits a feature tensor along a dim other than the channels, or by sizes "
-                                    "computed at run time", "Options: split dim 1 by constant sizes.")
+        raise ctx.unsupported(
+            node,
+            "splits a feature tensor along a dim other than the channels, or by sizes computed at run time",
+            "Options: split dim 1 by constant sizes.",
+        )
     fields = _piece_fields(ctx, node, t, pieces)
     if node.target in (torch.chunk, "chunk") and len(set(fields)) != 1:
         raise ctx.unsupported(node, f"chunks {t.num_fields} fields into {len(pieces)} unequal parts")
@@ -232,6 +238,3 @@ def convert_channel_getitem(ctx: ConversionContext, node: fx.Node) -> FieldType 
         raise ctx.unsupported(node, f"keeps channels {start}:{stop} of {channels}, which cuts through fields")
     node.args = (source, (index[0], slice(first * t.field_size, last * t.field_size), *index[2:]))
     return t.with_fields(last - first)
-
-
-

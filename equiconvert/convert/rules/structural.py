@@ -1,4 +1,5 @@
 """Ops that keep field types: identities, dropout, residual arithmetic, concatenation, sizes."""
+
 from __future__ import annotations
 
 import operator
@@ -13,9 +14,13 @@ from ..fields import FieldType
 from ..registry import head_transparent, register_function_rule, register_module_rule
 
 PASS_THROUGH_MODULES: list[type | str] = [
-    nn.Identity, nn.Dropout, nn.Dropout2d, nn.AlphaDropout,
+    nn.Identity,
+    nn.Dropout,
+    nn.Dropout2d,
+    nn.AlphaDropout,
     # per-sample stochastic depth keeps whole samples: equivariant in distribution (registered when imported)
-    "torchvision.ops:StochasticDepth", "timm.layers:DropPath",
+    "torchvision.ops:StochasticDepth",
+    "timm.layers:DropPath",
 ]
 
 
@@ -41,8 +46,11 @@ def convert_getitem(ctx: ConversionContext, node: fx.Node) -> FieldType | None:
     if piece is not None:
         return piece
     if ctx.type_of(node.args[0]) is not None:
-        raise ctx.unsupported(node, "indexes a feature tensor, which can split fields",
-                              "Options: select whole fields, or restructure the model before converting.")
+        raise ctx.unsupported(
+            node,
+            "indexes a feature tensor, which can split fields",
+            "Options: select whole fields, or restructure the model before converting.",
+        )
     return None
 
 
@@ -53,7 +61,11 @@ def _binary(ctx: ConversionContext, node: fx.Node) -> FieldType:
         return None
     first = tensors[0]
     for other in tensors[1:]:
-        if (other.group, other.representation, other.num_fields) != (first.group, first.representation, first.num_fields):
+        if (other.group, other.representation, other.num_fields) != (
+            first.group,
+            first.representation,
+            first.num_fields,
+        ):
             raise ctx.unsupported(node, f"combines field types {first.describe()} and {other.describe()}")
     return first if all(t.spatial for t in tensors) or len(tensors) == 1 else first.flattened()
 
@@ -95,8 +107,10 @@ def _layer_scale(ctx: ConversionContext, node: fx.Node) -> FieldType | None:
         return t
     shape = ctx.shape(tensors[0])
     if gamma.numel() != (shape[-1] if t.channels_last or not t.spatial else shape[1]):
-        raise ctx.unsupported(node, f"multiplies a feature map by a parameter of shape {tuple(gamma.shape)}, "
-                                    "which is not one gain per channel")
+        raise ctx.unsupported(
+            node,
+            f"multiplies a feature map by a parameter of shape {tuple(gamma.shape)}, which is not one gain per channel",
+        )
     node.args = (tensors[0],)  # the parameter's view chain is now unused
     ctx.call_module_instead(node, layer_scale_module(t, gamma), "layer_scale")
     _erase_dead(ctx, params[0])
@@ -134,4 +148,3 @@ def convert_cat(ctx: ConversionContext, node: fx.Node) -> FieldType:
     if len({t.group for t in types}) != 1:
         raise ctx.unsupported(node, "concatenates fields of different groups (a restriction on one branch only)")
     return types[0].with_fields(sum(t.num_fields for t in types))
-

@@ -5,6 +5,7 @@ at every input size: each sample position depends only on its distance to the bo
 and a 90-degree rotation or a flip maps those distances onto each other. One scale per
 axis and field-blind interpolation keep fields whole.
 """
+
 from __future__ import annotations
 
 import torch.fx as fx
@@ -28,8 +29,11 @@ def _upsample(ctx: ConversionContext, node: fx.Node, size, scale, mode: str) -> 
     if size is not None:
         shape_in, shape_out = ctx.shape(node.args[0]), ctx.shape(node)
         if shape_out[2] % shape_in[2] or shape_out[2] // shape_in[2] != shape_out[3] // shape_in[3]:
-            raise ctx.unsupported(node, f"upsamples to a fixed size {size}, which is no integer factor of its input",
-                                  "Options: use scale_factor= with an integer factor.")
+            raise ctx.unsupported(
+                node,
+                f"upsamples to a fixed size {size}, which is no integer factor of its input",
+                "Options: use scale_factor= with an integer factor.",
+            )
         scale = shape_out[2] // shape_in[2]
     factors = set(scale) if isinstance(scale, (tuple, list)) else {scale}
     if len(factors) != 1 or float(next(iter(factors))) != int(next(iter(factors))):

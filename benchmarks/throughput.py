@@ -57,7 +57,7 @@ PAPER_CODE_DP_SAMPLES_PER_S = 12_100  # hlzl/equivariant, D4 Equivariant-ResNet9
 
 
 def build_model(
-    name: str, widths: tuple[int, ...], kappa: float, device: torch.device, group: str = "D4"
+    name: str, widths: tuple[int, ...], kappa: float, device: torch.device, group: str = "D4", num_classes: int = 10
 ) -> torch.nn.Module:
     """ "resnet9": ResNet9 of `widths` converted to `group` at `kappa`; "paper": Hölzl et al.'s Equivariant-ResNet9.
 
@@ -65,16 +65,18 @@ def build_model(
     """
     if name == "paper":
         model = (
-            create_model("plain_paper_resnet9") if group == "none" else create_model("equivariant_resnet9", group=group)
+            create_model("plain_paper_resnet9", num_classes=num_classes)
+            if group == "none"
+            else create_model("equivariant_resnet9", group=group, num_classes=num_classes)
         )
     elif group == "none":
         from opacus.validators import ModuleValidator
 
         # BatchNorm -> GroupNorm, as `equiconvert train` does
-        model = ModuleValidator.fix(create_model("resnet9", widths=widths))
+        model = ModuleValidator.fix(create_model("resnet9", widths=widths, num_classes=num_classes))
     else:
         model = equiconvert.make_equivariant(
-            create_model("resnet9", widths=widths), group, width=kappa, head="invariant"
+            create_model("resnet9", widths=widths, num_classes=num_classes), group, width=kappa, head="invariant"
         )
     return model.to(device).train()
 
@@ -228,6 +230,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--widths", default="64,128,256", help="ResNet9 channel widths before conversion")
     parser.add_argument("--group", default="D4", help='symmetry group of the conversion, or "none" (unconverted)')
+    parser.add_argument(
+        "--num-classes",
+        type=int,
+        default=10,
+        help="classes of the head (1000: the paper's ImageNet32 model, 411,105 params)",
+    )
     parser.add_argument("--kappa", type=float, default=1.5, help="width constant of the conversion")
     parser.add_argument(
         "--methods",
@@ -262,11 +270,11 @@ def main(argv: list[str] | None = None) -> int:
     widths = tuple(int(w) for w in args.widths.split(","))
     images = torch.randn(args.batch, 3, 32, 32, device=device)
     views = augment_views(images, args.aug_mult, torch.Generator(device=device).manual_seed(0))
-    labels = torch.randint(0, 10, (args.batch,), device=device)
+    labels = torch.randint(0, args.num_classes, (args.batch,), device=device)
     results: dict[str, dict] = {}
     params = None
     for method in args.methods.split(","):
-        model = build_model(args.model, widths, args.kappa, device, args.group)
+        model = build_model(args.model, widths, args.kappa, device, args.group, args.num_classes)
         params = sum(p.numel() for p in model.parameters())
         step = {"nonprivate": make_nonprivate_step(autocast_dtype), "nested_vmap": step_nested_vmap}.get(method)
         if method.startswith("equiconvert") or method.startswith("bookkeeping"):

@@ -38,8 +38,24 @@ def basis_dir() -> Path:
 def build_basis(
     group: GroupSpec, in_repr: str, out_repr: str, kernel_size: int, dilation: int = 1, cutoff: float | None = None
 ) -> torch.Tensor:
-    """The canonical basis, built from scratch: harmonic span, canonical form, exact grid symmetry."""
-    span = harmonic_span(group, in_repr, out_repr, kernel_size, dilation, cutoff)
+    """The canonical basis, built from scratch: harmonic span, canonical form, exact grid symmetry.
+
+    Dilated kernels take escnn's span (the `escnn` extra): on a dilated grid the band limit exceeds what the samples
+    resolve, the harmonic span then differs from escnn's in near-null directions, and its canonical form would
+    depend on them (docs/bases.md). Their fingerprints still guard every checkpoint.
+    """
+    if dilation > 1:
+        from .bases.escnn_reference import escnn_basis
+
+        try:
+            span = escnn_basis(group, in_repr, out_repr, kernel_size, dilation, cutoff)
+        except ImportError as error:
+            raise ImportError(
+                f"a dilated ({dilation}) steerable kernel needs escnn's basis: pip install 'equiconvert[escnn]' "
+                f"({error})"
+            ) from error
+    else:
+        span = harmonic_span(group, in_repr, out_repr, kernel_size, dilation, cutoff)
     return symmetrize_on_grid(canonical_basis(span), group, in_repr, out_repr)
 
 

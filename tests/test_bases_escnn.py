@@ -27,15 +27,30 @@ def _fields(group) -> list[tuple[str, str]]:
     return [("trivial", hidden), (hidden, hidden), (hidden, "trivial")]
 
 
+ALIASED = 1e-6  # escnn's smallest / largest singular value below this: its basis has linearly dependent elements
+
+
 def _assert_same_span(group, in_repr, out_repr, k, d, cutoff):
     own = harmonic_span(group, in_repr, out_repr, k, d, cutoff)
     reference = escnn_basis(group, in_repr, out_repr, k, d, cutoff).double()
     flat = reference.reshape(reference.shape[0], -1)
     span = orthonormal_span(own)
-    residual = (flat - (flat @ span) @ span.T).norm()
-    assert residual <= 1e-6 * flat.norm(), (residual / flat.norm()).item()
-    # equal dimension: escnn's count is the parameter count per field pair (Table 1 depends on it)
-    assert span.shape[1] == reference.shape[0] == orthonormal_span(reference).shape[1]
+    values = torch.linalg.svdvals(flat)
+    if values[-1] >= ALIASED * values[0]:
+        residual = (flat - (flat @ span) @ span.T).norm()
+        assert residual <= 1e-6 * flat.norm(), (residual / flat.norm()).item()
+        # equal dimension: escnn's count is the parameter count per field pair (Table 1 depends on it)
+        assert span.shape[1] == reference.shape[0] == orthonormal_span(reference).shape[1]
+    else:
+        # Dilated kernels whose band limit exceeds what their sampling grid resolves: escnn keeps aliased samples that
+        # are linear combinations of its other elements (redundant coefficients). The canonical basis is inside
+        # escnn's span and holds all of it but directions whose samples are near-null (docs/bases.md).
+        reference_span = orthonormal_span(reference)
+        inside = (span - reference_span @ (reference_span.T @ span)).norm() / span.norm()
+        assert inside <= 1e-6, inside.item()
+        per_element = (flat - (flat @ span) @ span.T).norm(dim=1) / flat.norm(dim=1)
+        assert per_element.max() <= 1e-3, per_element.max().item()
+        assert span.shape[1] <= reference_span.shape[1] < reference.shape[0]
     kept, skipped = pivot_residuals(span, tuple(own.shape[1:]))[2:]
     assert kept > 2 * PIVOT_TOLERANCE and skipped < PIVOT_TOLERANCE / 2  # no pivot near the threshold
 
@@ -72,7 +87,7 @@ SWEEP = [
     for name in [f"C{n}" for n in range(1, 17)]
     + [f"D{n}" for n in range(1, 17)]
     + [f"{g}:{f}" for g in ("SO2", "O2") for f in (1, 2, 3)]
-    for k, d, cutoff in itertools.product((1, 3, 5, 7), (1, 2), (None, 3.0))
+    for k, d, cutoff in itertools.product((1, 3, 5, 7), (1,), (None, 3.0))
 ]
 
 
@@ -109,3 +124,27 @@ def test_built_basis_is_canonical_and_orthonormal():
     basis = build_basis(parse_group("D4"), "regular", "regular", 3, 1, 3.0).double()
     flat = basis.reshape(basis.shape[0], -1)
     assert torch.allclose(flat @ flat.T, torch.eye(flat.shape[0], dtype=torch.float64), atol=1e-6)
+
+
+@pytest.mark.parametrize("name,k", [("C4", 3), ("D4", 5), ("O2:1", 3)])
+def test_dilated_kernels_take_escnns_span_in_canonical_form(name, k):
+    group = _group(name)
+    hidden = group.hidden_repr
+    built = build_basis(group, hidden, hidden, k, 2, 3.0).double().flatten(1)
+    reference = orthonormal_span(escnn_basis(group, hidden, hidden, k, 2, 3.0))
+    assert built.shape[0] == reference.shape[1]  # escnn's span dimension, no redundant coefficients
+    # within 1e-3 only: escnn's dilated spans are grid-equivariant only up to their aliased, near-null directions,
+    # which the exact grid symmetrisation removes (docs/bases.md: dilated kernels are the open case)
+    assert (built - (built @ reference) @ reference.T).norm() <= 1e-3 * built.norm()
+    assert torch.allclose(built @ built.T, torch.eye(len(built), dtype=built.dtype), atol=1e-5)  # orthonormal
+
+
+def test_dilated_kernels_without_escnn_name_the_extra(monkeypatch):
+    import equiconvert.bases.escnn_reference as reference
+
+    def missing(*args, **kwargs):
+        raise ImportError("No module named 'escnn'")
+
+    monkeypatch.setattr(reference, "escnn_basis", missing)
+    with pytest.raises(ImportError, match=r"equiconvert\[escnn\]"):
+        build_basis(parse_group("C4"), "regular", "regular", 3, 2, None)

@@ -97,3 +97,12 @@ def test_train_imagefolder_demo():
     assert number_after("max equivariance error", out) < 1e-4
     assert 0 < number_after("epsilon", out) <= 8.0
     assert 0.0 <= number_after("test accuracy:", out) <= 1.0
+
+
+def test_finetune_from_checkpoint_trains_saves_and_reloads():
+    out = run_example("finetune_from_checkpoint.py")
+    assert "started from: stand-in" in out
+    assert 0 < number_after("at epsilon", out) <= 8.0
+    changed = re.search(r"parameter tensors changed: (\d+) of (\d+)", out)
+    assert changed and int(changed.group(1)) > 0  # the fine-tuning moved the loaded weights
+    assert "reloaded model gives identical outputs: True" in out

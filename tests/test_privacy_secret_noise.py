@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import math
+import secrets
 import shutil
 import stat
 
@@ -84,18 +86,90 @@ def test_default_noise_and_sampling_differ_between_runs_with_the_same_seed():
     first, second = (DPTrainer(_build(), **OPTIONS) for _ in range(2))
     assert first.private and second.private
     assert not torch.equal(first._noise_source.gaussian((64,), 1.0), second._noise_source.gaussian((64,), 1.0))
-    assert not torch.equal(first._sampling_source.uniform(64), second._sampling_source.uniform(64))
-    seeded = [RandomSource.seeded_from(3, SAMPLING).uniform(64) for _ in range(2)]
+    assert not torch.equal(
+        first._sampling_source.bernoulli_mask(256, 0.5), second._sampling_source.bernoulli_mask(256, 0.5)
+    )
+    seeded = [RandomSource.seeded_from(3, SAMPLING).bernoulli_mask(256, 0.5) for _ in range(2)]
     assert torch.equal(*seeded)
 
 
-def test_combined_samples_keep_their_distributions():
-    source = RandomSource.seeded_from(0, NOISE)
-    noise = source.gaussian((200_000,), 2.0)
-    assert abs(float(noise.mean())) < 0.02 and abs(float(noise.std()) - 2.0) < 0.02
-    uniform = source.uniform(200_000)
-    assert float(uniform.min()) >= 0.0 and float(uniform.max()) < 1.0
-    assert abs(float(uniform.mean()) - 0.5) < 0.005 and abs(float((uniform < 0.1).double().mean()) - 0.1) < 0.005
+# --------------------------------------------------------------------------- the combined draws
+DRAWS = 200_000
+Z = 5.0  # bounds at 5 standard errors: a correct sampler fails them with probability < 1e-6
+
+
+@pytest.mark.parametrize("q", [0.5, 0.1, 0.003, 2**-10])
+def test_bernoulli_inclusion_rate_is_q_within_a_binomial_bound(q):
+    mask = RandomSource.seeded_from(7, SAMPLING).bernoulli_mask(DRAWS, q)
+    assert mask.dtype == torch.bool and mask.shape == (DRAWS,)
+    bound = Z * math.sqrt(DRAWS * q * (1 - q))
+    assert abs(int(mask.sum()) - DRAWS * q) < bound
+
+
+def test_bernoulli_edge_rates_and_a_rate_outside_zero_one_is_refused():
+    source = RandomSource.seeded_from(0, SAMPLING)
+    assert bool(source.bernoulli_mask(1000, 1.0).all()) and not bool(source.bernoulli_mask(1000, 0.0).any())
+    with pytest.raises(ValueError, match="sampling probability"):
+        source.bernoulli_mask(10, 1.5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_noise_std_is_the_requested_std_within_a_chi_square_bound(dtype):
+    std = 2.5
+    noise = RandomSource.seeded_from(0, NOISE).gaussian((DRAWS,), std, dtype=dtype)
+    assert noise.dtype == dtype
+    # sum((x / std)^2) ~ chi-square(n): mean n, variance 2n
+    chi2 = float((noise.double() / std).pow(2).sum())
+    assert abs(chi2 - DRAWS) < Z * math.sqrt(2 * DRAWS)
+    assert abs(float(noise.double().mean())) < Z * std / math.sqrt(DRAWS)
+
+
+def test_two_secret_sources_differ_and_a_seeded_one_reproduces():
+    first, second = RandomSource.secret(), RandomSource.secret()
+    assert first.private and second.private
+    assert not torch.equal(first.gaussian((64,), 1.0), second.gaussian((64,), 1.0))
+    assert not torch.equal(first.bernoulli_mask(256, 0.5), second.bernoulli_mask(256, 0.5))
+    for purpose in (NOISE, SAMPLING):
+        a, b = RandomSource.seeded_from(11, purpose), RandomSource.seeded_from(11, purpose)
+        assert not a.private
+        assert torch.equal(a.gaussian((64,), 1.0), b.gaussian((64,), 1.0))
+        assert torch.equal(a.bernoulli_mask(256, 0.5), b.bernoulli_mask(256, 0.5))
+    noise, sampling = RandomSource.seeded_from(11, NOISE), RandomSource.seeded_from(11, SAMPLING)
+    assert not torch.equal(noise.gaussian((64,), 1.0), sampling.gaussian((64,), 1.0))  # purposes never share streams
+
+
+@pytest.mark.parametrize("known", [0, 1])
+def test_knowing_one_generators_seed_does_not_reproduce_the_draws(known):
+    """The attacker knows generator `known`'s seed; the other one's is secret: the draws stay unpredictable."""
+
+    def with_known_seed() -> RandomSource:
+        seeds = [secrets.randbits(64), secrets.randbits(64)]
+        seeds[known] = 1234
+        return RandomSource(seeds)
+
+    first, second = with_known_seed(), with_known_seed()
+    assert not torch.equal(first.gaussian((64,), 1.0), second.gaussian((64,), 1.0))
+    assert not torch.equal(first.bernoulli_mask(256, 0.5), second.bernoulli_mask(256, 0.5))
+    # nor does the known generator's own stream predict them
+    alone = torch.Generator().manual_seed(1234)
+    assert not torch.equal(with_known_seed().gaussian((64,), 1.0), torch.randn(64, generator=alone))
+    alone = torch.Generator().manual_seed(1234)
+    guess = torch.randint(0, 2**53, (256,), generator=alone, dtype=torch.int64) < 2**52
+    assert not torch.equal(with_known_seed().bernoulli_mask(256, 0.5), guess)
+
+
+def test_a_saved_generator_state_list_loads_and_continues_both_streams():
+    """A checkpoint holds each source as a list of two torch generator states (uint8); loading one continues the
+    generators where they were, so every state written by a DPTrainer checkpoint resumes."""
+    generators = [torch.Generator().manual_seed(s) for s in (5, 6)]
+    saved = [g.get_state() for g in generators]
+    source = RandomSource.secret()
+    source.load_state_dict(saved)
+    r1, r2 = (torch.randint(0, 2**53, (100,), generator=g, dtype=torch.int64) for g in generators)
+    assert torch.equal(source.bernoulli_mask(100, 0.3), torch.bitwise_xor(r1, r2) < math.floor(0.3 * 2**53))
+    assert source.state_dict()[0].dtype == torch.uint8
+    with pytest.raises(ValueError, match="list of 2 generator states"):
+        source.load_state_dict(saved[:1])
 
 
 def test_secret_run_resumes_bit_identically_from_its_checkpoint(tmp_path):

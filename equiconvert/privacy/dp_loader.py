@@ -2,7 +2,7 @@
 
 `DPDataLoader` keeps the user's dataset, collate function and worker settings and
 replaces the batching: each batch takes every example independently with
-probability q = 1 / len(original loader) (secret randomness, secret_rng.py), for
+probability q = 1 / len(original loader) (secret randomness, secure_rng.py), for
 len(original loader) batches per epoch, as Opacus' DPDataLoader does and as the
 accountants assume. A batch may be empty; it then has the shape of one example's
 collated batch with 0 rows, so the training step still runs (and is accounted).
@@ -21,26 +21,26 @@ import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler
 from torch.utils.data.dataloader import default_collate
 
-from .secret_rng import SecretGenerators
+from .secure_rng import RandomSource
 
 
 class PoissonBatchSampler(Sampler[list[int]]):
     """`steps` batches, each example in each independently with probability `sample_rate`."""
 
-    def __init__(self, num_examples: int, sample_rate: float, steps: int, generators: SecretGenerators) -> None:
+    def __init__(self, num_examples: int, sample_rate: float, steps: int, source: RandomSource) -> None:
         if num_examples <= 0:
             raise ValueError(f"Poisson sampling needs a non-empty dataset, got {num_examples} examples")
         if not 0.0 < sample_rate <= 1.0:
             raise ValueError(f"sample_rate must lie in (0, 1], got {sample_rate}")
         self.num_examples, self.sample_rate, self.steps = num_examples, sample_rate, steps
-        self._generators = generators
+        self._source = source
 
     def __len__(self) -> int:
         return self.steps
 
     def __iter__(self) -> Iterator[list[int]]:
         for _ in range(self.steps):
-            yield self._generators.bernoulli_mask(self.num_examples, self.sample_rate).nonzero().flatten().tolist()
+            yield self._source.bernoulli_mask(self.num_examples, self.sample_rate).nonzero().flatten().tolist()
 
 
 def _empty_rows(batch: Any) -> Any:
@@ -69,7 +69,7 @@ class _CollateWithEmpty:
 class DPDataLoader(DataLoader):
     """A DataLoader drawing Poisson batches from `data_loader`'s dataset (see the module docstring)."""
 
-    def __init__(self, data_loader: DataLoader, generators: SecretGenerators) -> None:
+    def __init__(self, data_loader: DataLoader, source: RandomSource) -> None:
         dataset = data_loader.dataset
         if isinstance(dataset, IterableDataset):
             raise TypeError(
@@ -82,7 +82,7 @@ class DPDataLoader(DataLoader):
         workers = {"prefetch_factor": data_loader.prefetch_factor} if data_loader.num_workers > 0 else {}
         super().__init__(
             dataset,
-            batch_sampler=PoissonBatchSampler(len(dataset), self.sample_rate, steps, generators),
+            batch_sampler=PoissonBatchSampler(len(dataset), self.sample_rate, steps, source),
             num_workers=data_loader.num_workers,
             collate_fn=_CollateWithEmpty(data_loader.collate_fn or default_collate, dataset),
             pin_memory=data_loader.pin_memory,

@@ -22,7 +22,7 @@ from torch.optim import Optimizer
 from .accounting import PrivacyBudgetError, PrivacyLedger, compute_epsilon
 from .per_sample import clip_factors
 from .private_module import PrivateModule
-from .secret_rng import SecretGenerators
+from .secure_rng import RandomSource
 
 
 class DPOptimizer(Optimizer):
@@ -36,7 +36,7 @@ class DPOptimizer(Optimizer):
         noise_multiplier: float,
         max_grad_norm: float,
         expected_batch_size: float,
-        noise: SecretGenerators,
+        noise: RandomSource,
         accountant: str,
         sample_rate: float,
         budget: PrivacyLedger | None = None,
@@ -52,7 +52,7 @@ class DPOptimizer(Optimizer):
         self.budget = budget  # with a target epsilon: the ledger that stops a step past it
         self.planned_steps = planned_steps
         self._noise = noise
-        self.private = noise.private  # False under a debug seed: reproducible noise is not private
+        self.private = noise.private  # False under debug_seed: reproducible noise is not private
         self._skip_next = False
         self._summed: dict[nn.Parameter, torch.Tensor] = {}
         self._examples = 0
@@ -151,8 +151,8 @@ class DPOptimizer(Optimizer):
             summed = self._summed.get(param)
             if summed is None:
                 summed = torch.zeros_like(param)
-            noise = self._noise.normal(param.shape, dtype=param.dtype).to(param.device)
-            param.grad = (summed + std * noise) / divisor
+            noise = self._noise.gaussian(param.shape, std, dtype=param.dtype).to(param.device)
+            param.grad = (summed + noise) / divisor
         self.original_optimizer.step()
         if self.budget is not None:
             self.budget.step()

@@ -22,7 +22,7 @@ from .accounting import ACCOUNTANTS, PrivacyLedger, calibrate_noise_multiplier
 from .dp_loader import DPDataLoader
 from .dp_optimizer import DPOptimizer
 from .private_module import PrivateModule
-from .secret_rng import SecretGenerators, warn_if_debug_seeded
+from .secure_rng import NOISE, SAMPLING, make_source, warn_not_private
 from .validate import validate_dp_safe
 
 DEFAULT_ACCOUNTANT = "prv"  # Opacus' PrivacyEngine default: a swapped import reports the same epsilon
@@ -87,7 +87,7 @@ def make_private(
     noise_multiplier, or target_epsilon with target_delta and epochs or steps (sigma is then
     calibrated and a step past the target is refused). aug_mult K: the module takes
     (B, K, ...) views and each example's gradient is the mean over its views, clipped.
-    debug_seed: reproducible sampling and noise for tests; the run is then NOT private.
+    debug_seed: reproducible sampling and noise for tests (secure_rng.py); the run is then NOT private.
     verify: probe the model once (first forward) for layers that mix examples.
     """
     if accountant not in ACCOUNTANTS:
@@ -103,9 +103,10 @@ def make_private(
     planned = _planned_steps(epochs, steps, len(data_loader))
     _check_dp_safe(module)
     _check_optimizer_params(module, optimizer)
-    warn_if_debug_seeded(debug_seed)
+    if debug_seed is not None:
+        warn_not_private("debug_seed")
 
-    loader = DPDataLoader(data_loader, SecretGenerators("cpu", "sampling", debug_seed))
+    loader = DPDataLoader(data_loader, make_source(SAMPLING, debug_seed))
     budget = None
     if target_epsilon is not None:
         if target_delta is None or planned is None:
@@ -122,7 +123,7 @@ def make_private(
         noise_multiplier=noise_multiplier,
         max_grad_norm=max_grad_norm,
         expected_batch_size=loader.expected_batch_size,
-        noise=SecretGenerators(device, "noise", debug_seed),
+        noise=make_source(NOISE, debug_seed, device),
         accountant=accountant,
         sample_rate=loader.sample_rate,
         budget=budget,
@@ -134,7 +135,7 @@ def make_private(
 class PrivacyEngine:
     """Opacus' PrivacyEngine interface over make_private: `from equiconvert.privacy import PrivacyEngine`.
 
-    Sampling and noise randomness is always secret (secret_rng.py), whatever `secure_mode` says.
+    Sampling and noise randomness is always secret (secure_rng.py), whatever `secure_mode` says.
     """
 
     def __init__(self, *, accountant: str = DEFAULT_ACCOUNTANT, secure_mode: bool = True) -> None:

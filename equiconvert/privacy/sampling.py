@@ -51,8 +51,7 @@ class PoissonSampler:
 
     def sample(self) -> torch.Tensor:
         """Indices (int64, ascending, no duplicates) of one logical batch; may be empty."""
-        # P(U < q) = q exactly for U ~ Uniform[0, 1).
-        mask = self._source.uniform(len(self._members)) < self.sample_rate
+        mask = self._source.bernoulli_mask(len(self._members), self.sample_rate)
         self.num_batches_drawn += 1
         return self._members[mask.cpu()]
 

@@ -4,20 +4,25 @@ The guarantee holds only if nobody can recompute the noise or the batches: anyon
 who can subtract the noise from a released update recovers the sum of clipped
 gradients. Each purpose therefore owns two torch generators seeded from the
 operating system's CSPRNG (`secrets`, 64 bits each, 128 secret bits together;
-a torch generator takes a 64-bit seed). The seeds are never stored; only the
-generators' states, in checkpoints, which are as secret as the training data.
+a torch generator takes a 64-bit seed), and every draw combines one draw of each,
+so the result stays secret while either seed is. The seeds are never stored; only
+the generators' states, in checkpoints, which are as secret as the training data.
 
-- Noise: (z1 + z2) / sqrt(2) with z1, z2 ~ N(0, std^2) from the two generators.
-  Besides combining both seeds, the sum of two samples is Opacus' secure_mode
-  defence against floating-point attacks on the Gaussian sampler (Mironov 2012;
-  Holohan and Braghin 2021): it fills the gaps in the set of representable
-  outputs that those attacks read off a single sample.
-- Sampling: u = frac(u1 + u2) with u1, u2 ~ U[0, 1) from the two generators is
-  uniform on [0, 1) if either is; example i joins the batch when u_i < q.
+- Noise: (z1 + z2) / sqrt(2) with z1, z2 ~ N(0, std^2) from the two generators,
+  drawn in at least float32. Besides combining both seeds, the sum of two samples
+  is Opacus' secure_mode defence against floating-point attacks on the Gaussian
+  sampler (Mironov 2012; Holohan and Braghin 2021): it fills the gaps in the set of
+  representable outputs that those attacks read off a single sample.
+- Sampling: r = r1 XOR r2 with r1, r2 uniform integers in [0, 2^53) from the two
+  generators; XOR with an independent uniform integer is a bijection, so r is
+  exactly uniform if either is, on every device (a sum of two floats rounds).
+  Example i joins the batch when r_i < floor(q * 2^53): probability within 2^-53
+  of q and never above it, so the accountant's q bounds the true rate.
 
-`seeded_from(seed, purpose)` derives both seeds from a public seed instead: a
-reproducible mode for tests and debugging that is NOT private (the noise can
-then be rebuilt and removed).
+The reproducible mode, `make_source(purpose, seed)` or `RandomSource.seeded_from`,
+derives both seeds from a public seed instead: for tests and debugging, NOT private
+(the noise can then be rebuilt and removed). Its entry points are make_private's
+`debug_seed` and `DPConfig.insecure_seeded_noise`; both warn with `warn_not_private`.
 """
 
 from __future__ import annotations
@@ -25,41 +30,67 @@ from __future__ import annotations
 import hashlib
 import math
 import secrets
+import warnings
+from collections.abc import Sequence
 
 import torch
 
 _STREAMS = 2  # generators per purpose: 2 x 64 seed bits
+_BITS = 53  # sampling integers in [0, 2**53): q * 2**53 is exact in float64
 NOISE, SAMPLING = "noise", "sampling"
+NOT_PRIVATE_WARNING = (
+    "{option}: the DP-SGD noise and Poisson sampling are seeded from a public seed, so this run is NOT "
+    "differentially private (anyone with the seed can rebuild the noise and subtract it); use it for tests "
+    "and debugging only"
+)
 
 
 class RandomSource:
-    """Two independently seeded torch generators on one device, combined for one purpose."""
+    """Two independently seeded torch generators on one device, combined for one purpose.
 
-    def __init__(self, seeds: tuple[int, ...], device: str | torch.device = "cpu") -> None:
+    `private` says whether the seeds are secret: True only for `secret()`.
+    """
+
+    def __init__(self, seeds: Sequence[int], device: str | torch.device = "cpu", *, private: bool = False) -> None:
+        if len(seeds) != _STREAMS:
+            raise ValueError(f"a random source takes {_STREAMS} seeds, got {len(seeds)}")
         self.device = torch.device(device)
+        self.private = private
         self._generators = [torch.Generator(device=self.device).manual_seed(s) for s in seeds]
 
     @classmethod
-    def secret(cls, device: str | torch.device = "cpu") -> "RandomSource":
+    def secret(cls, device: str | torch.device = "cpu") -> RandomSource:
         """Seeded from the OS CSPRNG; the seeds are dropped once the generators hold them."""
-        return cls(tuple(secrets.randbits(64) for _ in range(_STREAMS)), device)
+        return cls([secrets.randbits(64) for _ in range(_STREAMS)], device, private=True)
 
     @classmethod
-    def seeded_from(cls, seed: int, purpose: str, device: str | torch.device = "cpu") -> "RandomSource":
+    def seeded_from(cls, seed: int, purpose: str, device: str | torch.device = "cpu") -> RandomSource:
         """Seeded from a public seed (NOT private): the reproducible mode."""
-        return cls(tuple(_derived_seed(seed, purpose, k) for k in range(_STREAMS)), device)
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise TypeError(
+                f"the reproducible mode's seed (make_private's debug_seed, DPConfig.seed) must be an int, got {seed!r}"
+            )
+        return cls([_derived_seed(seed, purpose, k) for k in range(_STREAMS)], device)
 
-    def gaussian(self, shape: torch.Size | tuple[int, ...], std: float) -> torch.Tensor:
-        """N(0, std^2) samples: the normalised sum of one sample from each generator."""
+    def gaussian(
+        self, shape: torch.Size | tuple[int, ...], std: float, dtype: torch.dtype = torch.float32
+    ) -> torch.Tensor:
+        """N(0, std^2) samples of `dtype`: the normalised sum of one sample from each generator."""
+        draw_dtype = torch.promote_types(dtype, torch.float32)
         first, second = (
-            torch.normal(0.0, std, tuple(shape), generator=g, device=self.device) for g in self._generators
+            torch.randn(tuple(shape), generator=g, device=self.device, dtype=draw_dtype) for g in self._generators
         )
-        return (first + second) / math.sqrt(_STREAMS)
+        return ((first + second) * (std / math.sqrt(_STREAMS))).to(dtype)
 
-    def uniform(self, n: int) -> torch.Tensor:
-        """n samples of U[0, 1): the fractional part of the sum of one sample from each generator."""
-        total = sum(torch.rand(n, generator=g, device=self.device, dtype=torch.float64) for g in self._generators)
-        return torch.frac(total)
+    def bernoulli_mask(self, size: int, probability: float) -> torch.Tensor:
+        """A bool mask of `size` independent Bernoulli draws of P = floor(probability * 2^53) / 2^53."""
+        if not 0.0 <= probability <= 1.0:
+            raise ValueError(f"a sampling probability lies in [0, 1], got {probability}")
+        first, second = (
+            torch.randint(0, 2**_BITS, (size,), generator=g, device=self.device, dtype=torch.int64)
+            for g in self._generators
+        )
+        return torch.bitwise_xor(first, second) < math.floor(probability * 2**_BITS)
 
     def state_dict(self) -> list[torch.Tensor]:
         """The generators' states (uint8 tensors: loadable with torch.load(weights_only=True))."""
@@ -77,6 +108,11 @@ def make_source(purpose: str, insecure_seed: int | None, device: str | torch.dev
     if insecure_seed is None:
         return RandomSource.secret(device)
     return RandomSource.seeded_from(insecure_seed, purpose, device)
+
+
+def warn_not_private(option: str, stacklevel: int = 3) -> None:
+    """The warning every run in the reproducible mode gives once; `option` names the flag that chose it."""
+    warnings.warn(NOT_PRIVATE_WARNING.format(option=option), stacklevel=stacklevel)
 
 
 def _derived_seed(seed: int, purpose: str, stream: int) -> int:

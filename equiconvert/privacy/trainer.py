@@ -44,7 +44,7 @@ from .nonfinite import zero_nonfinite_examples
 from .per_sample import clip_and_sum, per_sample_gradients
 from .train_data import StreamedData, TensorData as TensorSource, TrainData, as_train_data
 from .sampling import PoissonSampler, physical_chunks
-from .secure_rng import NOISE, SAMPLING, make_source
+from .secure_rng import NOISE, SAMPLING, make_source, warn_not_private
 from .validate import validate_dp_safe
 
 TensorData = tuple[torch.Tensor, torch.Tensor]
@@ -160,10 +160,7 @@ class DPTrainer:
         self.metrics_logger = metrics_logger
         validate_dp_safe(model)
         if self.config.insecure_seeded_noise:
-            warnings.warn(
-                "insecure_seeded_noise: the DP-SGD noise and batch sampling are seeded from the public seed; "
-                "this run is NOT differentially private (the noise can be rebuilt and subtracted)"
-            )
+            warn_not_private("insecure_seeded_noise")
         self.per_sample_method = self._resolve_per_sample_method(model)
         self._bookkeeping_verified = False  # verify_bookkeeping runs once, at the first per-sample computation
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))

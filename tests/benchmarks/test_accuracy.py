@@ -10,9 +10,10 @@ import sys
 from pathlib import Path
 
 import pytest
-from benchmark_scripts import load_benchmark
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+from tests.support.benchmark_scripts import load_benchmark
+from tests.support.paths import REPO_ROOT
+
 SCRIPT = REPO_ROOT / "benchmarks" / "accuracy.py"
 # A few seconds per run on a loaded 2-core CPU; the synthetic data set ignores --data-dir.
 TINY_TRAIN = [

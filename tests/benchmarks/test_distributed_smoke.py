@@ -1,7 +1,8 @@
 """benchmarks/distributed_smoke.py measures steady-state samples/s from the steps whose record waited for the device."""
 
 import pytest
-from benchmark_scripts import load_benchmark
+
+from tests.support.benchmark_scripts import load_benchmark
 
 
 def _records(times: dict[int, float], batch: int = 100) -> list[dict]:

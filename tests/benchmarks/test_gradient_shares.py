@@ -11,9 +11,9 @@ import json
 import torch
 import torch.nn.functional as F
 
-from benchmark_scripts import load_benchmark
 from equiconvert.models import equivariant_resnet9
 from equiconvert.nn import SteerableConv2d
+from tests.support.benchmark_scripts import load_benchmark
 
 
 def _logits_after_backward(model):
@@ -25,7 +25,7 @@ def _logits_after_backward(model):
 
 
 def test_weight_standardized_filters_forward_alike_and_their_gradients_scale_as_one_over_their_scale():
-    """Filters c times smaller (what init_gain does, tests/test_equivariant_resnet9.py): same logits, gradients c x."""
+    """Filters c times smaller (what init_gain does, tests/models/test_equivariant_resnet9.py): same logits, gradients c x."""
     torch.manual_seed(0)
     he = equivariant_resnet9("D1", in_channels=1, layout=(8, 16, 16)).eval().double()
     small = copy.deepcopy(he)

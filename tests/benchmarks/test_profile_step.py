@@ -2,7 +2,7 @@
 
 import json
 
-from benchmark_scripts import load_benchmark
+from tests.support.benchmark_scripts import load_benchmark
 
 
 def test_profile_reports_the_dp_steps_phases(tmp_path):

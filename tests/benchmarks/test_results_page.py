@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+from tests.support.paths import REPO_ROOT
+
 SCRIPT = REPO_ROOT / "benchmarks" / "make_results_page.py"
 
 

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from benchmark_scripts import load_benchmark
 from equiconvert.cli import main as cli
+from tests.support.benchmark_scripts import load_benchmark
 
 
 def test_checkpoint_reevaluation_matches_the_runs_own_plain_and_shift_averaged_metrics(tmp_path, capsys):

@@ -2,7 +2,7 @@
 
 import json
 
-from benchmark_scripts import load_benchmark
+from tests.support.benchmark_scripts import load_benchmark
 
 
 def test_kernel_suffixes_run_side_by_side_and_fastest_is_reported(tmp_path, capsys):

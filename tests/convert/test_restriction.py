@@ -11,7 +11,7 @@ from equiconvert.errors import GroupSpecError, UnsupportedLayerError
 from equiconvert.groups import parse_group
 from equiconvert.models import resnet9
 from equiconvert.nn import FieldRestriction, ReflectionRestriction
-from per_sample_check import assert_per_sample_gradients_match_loop
+from tests.support.per_sample_check import assert_per_sample_gradients_match_loop
 
 
 @pytest.mark.parametrize(

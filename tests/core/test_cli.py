@@ -3,18 +3,16 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
 from equiconvert import cli
 from equiconvert.cli import main
+from tests.support.paths import REPO_ROOT, repo_env
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
 RESNET18_PARAMS_10_CLASSES = 11_181_642
 
 
@@ -66,8 +64,6 @@ def run_error(capsys, *argv: str) -> str:
 
 
 def test_module_entry_point_resnet18_json():
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
     proc = subprocess.run(
         [
             sys.executable,
@@ -83,7 +79,7 @@ def test_module_entry_point_resnet18_json():
         ],
         capture_output=True,
         text=True,
-        env=env,
+        env=repo_env(),
         cwd=REPO_ROOT,
         timeout=600,
     )
@@ -608,7 +604,7 @@ def test_train_activation_builds_the_paper_preset_and_its_baseline_with_it(tmp_p
         "--set",
         "conversion.head=invariant",
     )
-    # float32 check: tanh networks round to ~1e-4 (exactness in float64: tests/test_equivariant_resnet9.py); a
+    # float32 check: tanh networks round to ~1e-4 (exactness in float64: tests/models/test_equivariant_resnet9.py); a
     # broken symmetry shows as ~0.3
     assert converted["activation"] == "tanh" and converted["max_equivariance_error"] < 1e-3
     plain = tiny_train_result(

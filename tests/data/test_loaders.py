@@ -26,6 +26,7 @@ from equiconvert.data import (
 )
 from equiconvert.data._base import resolve_name
 from equiconvert.data.mnist import FASHION_MNIST_CLASSES
+from tests.support.paths import REPO_ROOT
 
 # torchvision 0.29 deprecates its image decoders (the loader falls back to PIL when they go away)
 pytestmark = pytest.mark.filterwarnings(
@@ -33,7 +34,7 @@ pytestmark = pytest.mark.filterwarnings(
 )
 
 SHARED = next(
-    (p for p in (Path(__file__).resolve().parents[2] / "shared" / "data", Path("/work/shared/data")) if p.is_dir()),
+    (p for p in (REPO_ROOT.parent / "shared" / "data", Path("/work/shared/data")) if p.is_dir()),
     Path("/nonexistent/shared/data"),
 )
 CIFAR_TAR = SHARED / "cifar10-jpeg.tar.xz"

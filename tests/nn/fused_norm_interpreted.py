@@ -3,7 +3,7 @@
 CI has no GPU: the interpreter executes the same kernel source, program by program, so these tests
 check the kernels' arithmetic (masks, block merging, row indexing, dtypes) and FieldGroupNorm's use
 of them against the plain-torch path in float64. Triton picks the interpreter when it is imported,
-so tests/test_fused_norm.py runs this file in a fresh process with TRITON_INTERPRET=1.
+so tests/nn/test_fused_norm.py runs this file in a fresh process with TRITON_INTERPRET=1.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import pytest
 import torch
 
 if os.environ.get("TRITON_INTERPRET") != "1":
-    raise RuntimeError("run through tests/test_fused_norm.py: these tests need TRITON_INTERPRET=1 from the start")
+    raise RuntimeError("run through tests/nn/test_fused_norm.py: these tests need TRITON_INTERPRET=1 from the start")
 
 from equiconvert.nn import FieldGroupNorm  # noqa: E402
 from equiconvert.nn import fused_norm  # noqa: E402

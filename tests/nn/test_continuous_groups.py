@@ -14,7 +14,7 @@ from equiconvert.groups import ContinuousGroupSpec, parse_group
 from equiconvert.models import equivariant_resnet9, resnet9
 from equiconvert.models.equivariant_resnet9 import TABLE1_PARAMS
 from equiconvert.nn import GatedNonlinearity, GroupStandardization, InvariantMap, NormMaxPool2d, SteerableConv2d
-from per_sample_check import assert_per_sample_gradients_match_loop
+from tests.support.per_sample_check import assert_per_sample_gradients_match_loop
 
 GROUPS = [("SO2", 1), ("SO2", 2), ("O2", 1), ("O2", 2)]
 

@@ -1,4 +1,4 @@
-"""Runs tests/fused_norm_interpreted.py (the Triton norm kernels in Triton's interpreter) in a fresh process.
+"""Runs tests/nn/fused_norm_interpreted.py (the Triton norm kernels in Triton's interpreter) in a fresh process.
 
 Triton chooses between compiling and interpreting when it is first imported, which this process did
 long ago, so the kernel tests need a process started with TRITON_INTERPRET=1.
@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.paths import REPO_ROOT
+
 pytest.importorskip(
     "triton", reason="Triton ships with PyTorch's CUDA wheels on Linux; without it the kernels never run"
 )
@@ -27,7 +29,7 @@ def test_norm_kernels_pass_under_the_triton_interpreter():
         env={**os.environ, "TRITON_INTERPRET": "1"},
         capture_output=True,
         text=True,
-        cwd=INTERPRETED_TESTS.parent.parent,
+        cwd=REPO_ROOT,
         timeout=600,
     )
     report = result.stdout[-6000:] + result.stderr[-2000:]

@@ -269,7 +269,7 @@ def test_uneven_group_norm_output_may_be_overwritten_in_place():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the compiled Triton norm kernels)")
 @pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
 def test_uneven_group_norm_on_cuda_equals_the_torch_path_in_float64(dtype, tolerance):
-    """The compiled kernels (tests/fused_norm_interpreted.py checks them interpreted) against float64."""
+    """The compiled kernels (tests/nn/fused_norm_interpreted.py checks them interpreted) against float64."""
     generator = torch.Generator(device="cuda").manual_seed(0)
     x = (3 + 2 * torch.randn(8, 13 * 8, 16, 16, device="cuda", generator=generator)).to(dtype)
     upstream = torch.randn(x.shape, device="cuda", generator=generator)

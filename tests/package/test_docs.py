@@ -6,9 +6,8 @@ import os
 import re
 import subprocess
 import sys
-from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+from tests.support.paths import REPO_ROOT
 
 
 def _nav_pages() -> list[str]:

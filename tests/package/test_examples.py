@@ -3,26 +3,23 @@
 from __future__ import annotations
 
 import math
-import os
 import re
 import subprocess
 import sys
-from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+from tests.support.paths import REPO_ROOT, repo_env
+
 NUMBER = r"([-+0-9.eE]+|nan|inf)"
 
 
 def run_example(name: str, *args: str) -> str:
     """Run examples/<name> in a fresh interpreter; returns its stdout (fails on a non-zero exit)."""
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
     proc = subprocess.run(
         [sys.executable, str(REPO_ROOT / "examples" / name), *args],
         capture_output=True,
         text=True,
         cwd=REPO_ROOT,
-        env=env,
+        env=repo_env(),
         timeout=300,
     )
     assert proc.returncode == 0, f"{name} exited {proc.returncode}\n{proc.stdout}\n{proc.stderr}"

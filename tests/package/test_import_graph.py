@@ -1,6 +1,6 @@
 """The package's modules import each other without cycles (read from the source with ast, nothing imported).
 
-Run as a script to print the import graph's cycles: `python tests/test_import_graph.py [--all]`.
+Run as a script to print the import graph's cycles: `python tests/package/test_import_graph.py [--all]`.
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import ast
 import sys
 from pathlib import Path
 
-PACKAGE = Path(__file__).resolve().parents[1] / "equiconvert"
+PACKAGE = Path(__file__).resolve().parents[2] / "equiconvert"
 
 
 def module_names(root: Path = PACKAGE) -> dict[str, Path]:

@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+from tests.support.paths import REPO_ROOT, repo_env
+
 # one interpreter (importing torch is most of the cost): which heavy packages are loaded after each stage
 PROBE = """
 import contextlib, io, json, sys
@@ -32,8 +31,9 @@ print(json.dumps(stages))
 
 @pytest.fixture(scope="module")
 def stages() -> dict[str, list[str]]:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-    done = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, env=env, cwd=REPO, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-c", PROBE], capture_output=True, text=True, env=repo_env(), cwd=REPO_ROOT, timeout=300
+    )
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout.splitlines()[-1])
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 try:
     import tomllib
@@ -13,8 +12,8 @@ except ImportError:  # Python 3.10: pytest itself depends on tomli there
     import tomli as tomllib
 
 import equiconvert
+from tests.support.paths import REPO_ROOT
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
 PYPROJECT = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())
 
 

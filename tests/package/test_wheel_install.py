@@ -5,11 +5,11 @@ import glob
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.support.paths import REPO_ROOT
+
 PYTHONS = sorted(glob.glob("/root/.pyenv/versions/3.13.*/bin/python"))
 
 SCRIPT = r"""
@@ -46,7 +46,7 @@ def _run(*command: str, **kwargs) -> str:
 @pytest.mark.slow
 @pytest.mark.skipif(not PYTHONS, reason="needs a pyenv Python 3.13 (/root/.pyenv/versions/3.13.*)")
 def test_wheel_installs_on_python313_numpy2_without_escnn(tmp_path):
-    _run(sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(tmp_path / "dist"), str(ROOT))
+    _run(sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(tmp_path / "dist"), str(REPO_ROOT))
     wheel = next((tmp_path / "dist").glob("equiconvert-*.whl"))
     venv = tmp_path / "venv"
     _run(PYTHONS[-1], "-m", "venv", str(venv))

@@ -11,15 +11,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from cli_errors import run_error
 from torch import nn
 
 from equiconvert.cli import main
 from equiconvert.privacy import checkpoint
 from equiconvert.privacy.checkpoint import CheckpointError, load, save_atomic
 from equiconvert.privacy.trainer import DPTrainer
+from tests.support.cli_errors import run_error
+from tests.support.paths import REPO_ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 OPTIONS = dict(
     noise_multiplier=1.0,
     target_epsilon=None,
@@ -87,10 +87,12 @@ def test_crafted_checkpoint_does_not_execute_code(tmp_path):
 
 
 def test_every_file_read_uses_weights_only():
-    sources = [*(ROOT / "equiconvert").rglob("*.py"), *(ROOT / "benchmarks").rglob("*.py")]
+    sources = [*(REPO_ROOT / "equiconvert").rglob("*.py"), *(REPO_ROOT / "benchmarks").rglob("*.py")]
     loads = [(path, line) for path in sources for line in path.read_text().splitlines() if "torch.load(" in line]
     assert loads, "no torch.load found: the scan is broken"
-    unsafe = [f"{path.relative_to(ROOT)}: {line.strip()}" for path, line in loads if "weights_only=True" not in line]
+    unsafe = [
+        f"{path.relative_to(REPO_ROOT)}: {line.strip()}" for path, line in loads if "weights_only=True" not in line
+    ]
     assert not unsafe, unsafe
 
 

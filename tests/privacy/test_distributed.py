@@ -24,13 +24,13 @@ from equiconvert.privacy.metrics import evaluate
 from equiconvert.privacy.sampling import PoissonSampler
 from equiconvert.privacy.secure_rng import SAMPLING, make_source
 from equiconvert.privacy.trainer import DPTrainer
+from tests.support.paths import REPO_ROOT
 
 WORLD = 2
 N, BATCH = 200, 50  # sampling scenario: q = 0.25
 SAMPLING_STEPS = 400
 SIGMA, CLIP = 1.5, 0.5  # noise scenario
 NOISE_STEPS = 100
-REPO = Path(__file__).resolve().parents[1]
 
 
 def _model() -> nn.Module:
@@ -296,7 +296,7 @@ def test_nproc_per_node_launches_workers_through_torchrun(tmp_path):
         "--device",
         "cpu",
     ]
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}
     finished = subprocess.run(command, check=False, capture_output=True, text=True, env=env, timeout=300)
     assert finished.returncode == 0, finished.stderr[-2000:]
     result = json.loads((out / "result.json").read_text())

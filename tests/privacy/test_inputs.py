@@ -8,7 +8,6 @@ import warnings
 import numpy as np
 import pytest
 import torch
-from cli_errors import run_error
 from torch import nn
 
 from equiconvert.data import DatasetFormatError, UnknownDatasetError, load_dataset
@@ -17,6 +16,7 @@ from equiconvert.data.rotated_mnist import NPZ_NAMES
 from equiconvert.privacy.accounting import PrivacyBudgetError, default_delta
 from equiconvert.privacy.inputs import InvalidDataError
 from equiconvert.privacy.trainer import DPTrainer
+from tests.support.cli_errors import run_error
 
 N, SIZE, CLASSES = 32, 4, 3
 OPTIONS = dict(

@@ -2,10 +2,12 @@
 
 import importlib.util
 import sys
-from pathlib import Path
 from types import ModuleType
 
-BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+from tests.support.paths import REPO_ROOT
+
+
+BENCHMARKS = REPO_ROOT / "benchmarks"
 
 
 def load_benchmark(name: str) -> ModuleType:

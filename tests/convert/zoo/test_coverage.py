@@ -7,7 +7,8 @@ valid), converts with a warning that no size is exact, or is refused with an Uns
 
 import pytest
 
-from benchmark_scripts import load_benchmark
+from tests.support.benchmark_scripts import load_benchmark
+
 
 zoo_coverage = load_benchmark("zoo_coverage")
 FAST = ("ghostnet_050", "rexnet_100", "convnext_tiny (small widths)", "dla46_c", "mixnet_s", "tf_efficientnet_b0")

@@ -20,6 +20,7 @@ from equiconvert.privacy.bookkeeping import (
 from equiconvert.privacy.per_sample import per_sample_gradients
 from equiconvert.privacy.trainer import DPTrainer
 from equiconvert.privacy.validate import PrivacyValidationError
+from tests.support.tiny import perturbed
 
 
 class DepthwiseNet(nn.Module):
@@ -52,18 +53,10 @@ MODELS = {
 }
 
 
-def _perturbed(model):
-    torch.manual_seed(1)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.05 * torch.randn_like(p))  # non-trivial norm affines and biases
-    return model.train()
-
-
 @pytest.mark.parametrize("name", list(MODELS))
 def test_bookkeeping_equals_vmap_per_sample_gradients(name):
     torch.manual_seed(0)
-    model = _perturbed(MODELS[name]())
+    model = perturbed(MODELS[name]())
     views, labels = torch.randn(5, 2, 3, 32, 32), torch.randint(0, 10, (5,))
     params = {n: p.detach() for n, p in model.named_parameters()}
     expected, expected_losses = per_sample_gradients(model, params, dict(model.named_buffers()), views, labels)
@@ -104,7 +97,7 @@ def test_conv_filter_gradients_equal_a_per_example_loop(shape, views):
 
 
 def test_sample_gradient_does_not_depend_on_the_others():
-    model = _perturbed(equivariant_resnet9("D4"))
+    model = perturbed(equivariant_resnet9("D4"))
     views, labels = torch.randn(4, 2, 3, 32, 32), torch.randint(0, 10, (4,))
     first, _ = per_sample_gradients_bookkeeping(model, views, labels)
     changed = views.clone()

@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch import nn
 
 from equiconvert.cli import main
 from equiconvert.privacy import checkpoint
@@ -19,6 +18,7 @@ from equiconvert.privacy.checkpoint import CheckpointError, load, save_atomic
 from equiconvert.privacy.trainer import DPTrainer
 from tests.support.cli_errors import run_error
 from tests.support.paths import REPO_ROOT
+from tests.support.tiny import linear_classifier, tiny_images
 
 OPTIONS = dict(
     noise_multiplier=1.0,
@@ -58,15 +58,6 @@ TRAIN = [
 ]
 
 
-def _linear() -> nn.Module:
-    return nn.Sequential(nn.Flatten(), nn.Linear(16, 3))
-
-
-def _data() -> tuple[torch.Tensor, torch.Tensor]:
-    generator = torch.Generator().manual_seed(1)
-    return torch.rand(32, 1, 4, 4, generator=generator), torch.randint(0, 3, (32,), generator=generator)
-
-
 class _Payload:
     """Unpickling this creates a file: what a crafted checkpoint could do with weights_only=False."""
 
@@ -80,9 +71,9 @@ class _Payload:
 def test_crafted_checkpoint_does_not_execute_code(tmp_path):
     marker = tmp_path / "pwned"
     torch.save({"step": _Payload(marker)}, tmp_path / "checkpoint.pt")
-    trainer = DPTrainer(_linear(), out_dir=tmp_path, **OPTIONS)
+    trainer = DPTrainer(linear_classifier(), out_dir=tmp_path, **OPTIONS)
     with pytest.raises(CheckpointError, match="cannot be read safely"):
-        trainer.fit(_data(), resume=True)
+        trainer.fit(tiny_images(), resume=True)
     assert not marker.exists()
 
 
@@ -109,7 +100,7 @@ def test_bad_checkpoint_is_one_clear_line(tmp_path, capsys, content):
 
 
 def test_truncated_real_checkpoint_is_refused(tmp_path):
-    DPTrainer(_linear(), out_dir=tmp_path, **OPTIONS).fit(_data())
+    DPTrainer(linear_classifier(), out_dir=tmp_path, **OPTIONS).fit(tiny_images())
     data = (tmp_path / "checkpoint.pt").read_bytes()
     (tmp_path / "checkpoint.pt").write_bytes(data[: len(data) // 2])
     with pytest.raises(CheckpointError, match="truncated, corrupt"):
@@ -134,7 +125,7 @@ def test_resume_without_a_checkpoint_is_an_error(tmp_path, capsys):
     error = run_error(capsys, *TRAIN, "--out", str(tmp_path / "fresh"), "--resume")
     assert "--resume: there is no checkpoint" in error
     with pytest.raises(CheckpointError, match="nothing to resume"):
-        DPTrainer(_linear(), out_dir=tmp_path / "api", **OPTIONS).fit(_data(), resume=True)
+        DPTrainer(linear_classifier(), out_dir=tmp_path / "api", **OPTIONS).fit(tiny_images(), resume=True)
 
 
 def test_stray_temporary_file_is_removed_on_the_next_start(tmp_path):
@@ -142,7 +133,7 @@ def test_stray_temporary_file_is_removed_on_the_next_start(tmp_path):
     stray.write_bytes(b"half a checkpoint")
     unrelated = tmp_path / "notes.tmp"
     unrelated.write_text("kept")
-    DPTrainer(_linear(), out_dir=tmp_path, **OPTIONS).fit(_data())
+    DPTrainer(linear_classifier(), out_dir=tmp_path, **OPTIONS).fit(tiny_images())
     assert not stray.exists() and unrelated.exists()
     assert [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")] == ["notes.tmp"]
 

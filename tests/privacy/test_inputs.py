@@ -17,8 +17,8 @@ from equiconvert.privacy.accounting import PrivacyBudgetError, default_delta
 from equiconvert.privacy.inputs import InvalidDataError
 from equiconvert.privacy.trainer import DPTrainer
 from tests.support.cli_errors import run_error
+from tests.support.tiny import CLASSES, N, SIZE, linear_classifier, tiny_images
 
-N, SIZE, CLASSES = 32, 4, 3
 OPTIONS = dict(
     noise_multiplier=1.0,
     target_epsilon=None,
@@ -33,29 +33,20 @@ OPTIONS = dict(
 )
 
 
-def _linear() -> nn.Module:
-    return nn.Sequential(nn.Flatten(), nn.Linear(SIZE * SIZE, CLASSES))
-
-
-def _data() -> tuple[torch.Tensor, torch.Tensor]:
-    generator = torch.Generator().manual_seed(1)
-    return torch.rand(N, 1, SIZE, SIZE, generator=generator), torch.randint(0, CLASSES, (N,), generator=generator)
-
-
 # --- non-finite inputs and gradients ----------------------------------------------------------------------------
 
 
 def test_non_finite_image_is_refused_naming_its_index():
-    images, labels = _data()
+    images, labels = tiny_images()
     images[5, 0, 1, 2] = float("nan")
-    trainer = DPTrainer(_linear(), **OPTIONS)
+    trainer = DPTrainer(linear_classifier(), **OPTIONS)
     with pytest.raises(InvalidDataError, match=r"images\[5\] holds a non-finite value"):
         trainer.fit((images, labels))
     assert trainer.step == 0 and all(torch.isfinite(p).all() for p in trainer.model.parameters())
     images[5] = 0.0
     images[7, 0, 0, 0] = float("inf")
     with pytest.raises(InvalidDataError, match=r"evaluation data images\[7\]"):
-        DPTrainer(_linear(), **OPTIONS).fit(_data(), eval_set=(images, labels))
+        DPTrainer(linear_classifier(), **OPTIONS).fit(tiny_images(), eval_set=(images, labels))
 
 
 def test_loader_refuses_non_finite_float_images_naming_file_and_index(tmp_path):
@@ -81,7 +72,7 @@ class SqrtOfMagnitude(nn.Module):
 
 @pytest.mark.parametrize("method", ["bookkeeping", "vmap"])
 def test_non_finite_per_example_gradient_counts_as_zero(method):
-    images, labels = _data()
+    images, labels = tiny_images()
     images[[3, 9]] = 0.5  # normalised to exactly 0: the linear layer's output is its (zero) bias
     model = nn.Sequential(nn.Flatten(), nn.Linear(SIZE * SIZE, CLASSES), SqrtOfMagnitude())
     with torch.no_grad():
@@ -98,13 +89,13 @@ def test_non_finite_per_example_gradient_counts_as_zero(method):
 
 def test_delta_is_checked_against_the_data_set_size():
     with pytest.raises(PrivacyBudgetError, match=r"delta 0.5 >= 1/N = 1/32"):
-        DPTrainer(_linear(), **{**OPTIONS, "delta": 0.5}).fit(_data())
+        DPTrainer(linear_classifier(), **{**OPTIONS, "delta": 0.5}).fit(tiny_images())
     with pytest.warns(UserWarning, match=r"delta 0.01 > 1/\(10 N\)"):
-        DPTrainer(_linear(), **{**OPTIONS, "delta": 0.01}).fit(_data())
+        DPTrainer(linear_classifier(), **{**OPTIONS, "delta": 0.01}).fit(tiny_images())
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        trainer = DPTrainer(_linear(), **OPTIONS)
-        trainer.fit(_data())
+        trainer = DPTrainer(linear_classifier(), **OPTIONS)
+        trainer.fit(tiny_images())
     assert trainer.delta == default_delta(N) == 1e-5
 
 
@@ -122,7 +113,7 @@ def test_default_delta_follows_the_data_set_size():
 
 
 def test_frozen_parameters_get_no_gradient_no_noise_and_both_methods_agree():
-    images, labels = _data()
+    images, labels = tiny_images()
     results = {}
     for method in ("bookkeeping", "vmap"):
         torch.manual_seed(0)
@@ -156,9 +147,9 @@ def test_frozen_parameters_get_no_gradient_no_noise_and_both_methods_agree():
     ids=["out-of-range", "negative", "float", "shorter"],
 )
 def test_bad_labels_are_refused_through_the_api(labels, message):
-    images, _ = _data()
+    images, _ = tiny_images()
     with pytest.raises(InvalidDataError, match=message):
-        DPTrainer(_linear(), **OPTIONS).fit((images, labels))
+        DPTrainer(linear_classifier(), **OPTIONS).fit((images, labels))
 
 
 # --- CLI: every input validated before data, clear one-line errors ------------------------------------------------
@@ -219,9 +210,9 @@ def test_empty_test_split_is_refused_before_training(tmp_path, monkeypatch):
 
 
 def test_first_step_over_budget_fails_with_a_message(tmp_path, capsys):
-    trainer = DPTrainer(_linear(), **{**OPTIONS, "target_epsilon": 0.1, "noise_multiplier": 0.5})
+    trainer = DPTrainer(linear_classifier(), **{**OPTIONS, "target_epsilon": 0.1, "noise_multiplier": 0.5})
     with pytest.raises(PrivacyBudgetError, match=r"one step .* spends epsilon .* > the target 0.1"):
-        trainer.fit(_data())
+        trainer.fit(tiny_images())
     error = run_error(
         capsys,
         "train",

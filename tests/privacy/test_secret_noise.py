@@ -8,15 +8,15 @@ import stat
 
 import pytest
 import torch
-from torch import nn
 
 from equiconvert.cli import main
 from equiconvert.privacy.checkpoint import load
 from equiconvert.privacy.per_sample import clip_and_sum, per_sample_gradients
 from equiconvert.privacy.secure_rng import NOISE, SAMPLING, RandomSource
 from equiconvert.privacy.trainer import DPTrainer
+from tests.support.tiny import N, linear_classifier, tiny_images
 
-N, SIZE, CLASSES, SEED = 32, 4, 3, 0
+SEED = 0
 OPTIONS = dict(
     noise_multiplier=1.0,
     target_epsilon=None,
@@ -34,21 +34,12 @@ OPTIONS = dict(
 )
 
 
-def _build() -> nn.Module:
-    return nn.Sequential(nn.Flatten(), nn.Linear(SIZE * SIZE, CLASSES))
-
-
-def _data() -> tuple[torch.Tensor, torch.Tensor]:
-    generator = torch.Generator().manual_seed(1)
-    return torch.rand(N, 1, SIZE, SIZE, generator=generator), torch.randint(0, CLASSES, (N,), generator=generator)
-
-
 def _attack(insecure: bool) -> float:
     """Train one step; rebuild the noise from the public seed and the initial weights, subtract it from the
     released update, and return the distance to the true sum of clipped gradients."""
-    images, labels = _data()
+    images, labels = tiny_images()
     torch.manual_seed(SEED)  # initial weights from the public seed, as `equiconvert train` does
-    trainer = DPTrainer(_build(), insecure_seeded_noise=insecure, **OPTIONS)
+    trainer = DPTrainer(linear_classifier(), insecure_seeded_noise=insecure, **OPTIONS)
     initial = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
     trainer._prepare_privacy(N)
     drawn: list[torch.Tensor] = []
@@ -59,7 +50,7 @@ def _attack(insecure: bool) -> float:
 
     # the attacker: result.json's seed and the code give the noise generator; the weights give the update
     torch.manual_seed(SEED)
-    rebuilt = dict(_build().named_parameters())
+    rebuilt = dict(linear_classifier().named_parameters())
     source = RandomSource.seeded_from(SEED, NOISE)
     std = trainer.noise_multiplier * OPTIONS["max_grad_norm"]
     recovered = {
@@ -81,7 +72,7 @@ def test_noise_removal_attack_succeeds_only_in_the_insecure_seeded_mode():
 
 
 def test_default_noise_and_sampling_differ_between_runs_with_the_same_seed():
-    first, second = (DPTrainer(_build(), **OPTIONS) for _ in range(2))
+    first, second = (DPTrainer(linear_classifier(), **OPTIONS) for _ in range(2))
     assert first.private and second.private
     assert not torch.equal(first._noise_source.gaussian((64,), 1.0), second._noise_source.gaussian((64,), 1.0))
     assert not torch.equal(first._sampling_source.uniform(64), second._sampling_source.uniform(64))
@@ -100,10 +91,10 @@ def test_combined_samples_keep_their_distributions():
 
 def test_secret_run_resumes_bit_identically_from_its_checkpoint(tmp_path):
     """Kill after step 2, resume from the copy of its checkpoint: the same weights as the run that went on."""
-    images, labels = _data()
+    images, labels = tiny_images()
     options = {**OPTIONS, "steps": 4, "checkpoint_every": 1}
     torch.manual_seed(SEED)
-    initial = _build()
+    initial = linear_classifier()
     going_on = DPTrainer(initial, out_dir=tmp_path / "a", **options)
     going_on._prepare_privacy(N)
     for _ in range(2):
@@ -113,7 +104,7 @@ def test_secret_run_resumes_bit_identically_from_its_checkpoint(tmp_path):
     for _ in range(2):
         going_on.train_step(images, labels)
     torch.manual_seed(SEED)
-    resumed = DPTrainer(_build(), out_dir=tmp_path / "b", **options)
+    resumed = DPTrainer(linear_classifier(), out_dir=tmp_path / "b", **options)
     resumed.fit((images, labels), resume=True)
     assert resumed.step == 4
     for (name, a), b in zip(going_on.model.state_dict().items(), resumed.model.state_dict().values()):
@@ -121,8 +112,8 @@ def test_secret_run_resumes_bit_identically_from_its_checkpoint(tmp_path):
 
 
 def test_checkpoint_is_owner_only_and_holds_generator_states_as_uint8_tensors(tmp_path):
-    trainer = DPTrainer(_build(), out_dir=tmp_path, checkpoint_every=1, **OPTIONS)
-    trainer.fit(_data())
+    trainer = DPTrainer(linear_classifier(), out_dir=tmp_path, checkpoint_every=1, **OPTIONS)
+    trainer.fit(tiny_images())
     path = tmp_path / "checkpoint.pt"
     assert stat.S_IMODE(path.stat().st_mode) == 0o600
     state = load(path)  # weights_only=True

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 import equiconvert
 from equiconvert.privacy.bookkeeping import per_sample_gradients_bookkeeping
 from equiconvert.privacy.trainer import DPTrainer
+from tests.support.tiny import perturbed
 
 # float64 for EfficientNet-B0: its depth puts fp32 summation-order noise near 1e-5; ConvNeXt's float64 depthwise
 # 7x7 per-example VJP hits a CPU slow_conv2d limitation under vmap, and fp32 is well inside the bound there
@@ -25,18 +26,10 @@ CASES = {
 }
 
 
-def _perturbed(model):
-    torch.manual_seed(1)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.05 * torch.randn_like(p))  # non-trivial norm affines, layer scales and biases
-    return model.train()
-
-
 @pytest.mark.parametrize("name", list(CASES))
 def test_bookkeeping_per_sample_gradients_equal_a_naive_loop(name):
     torch.manual_seed(0)
-    model = _perturbed(CASES[name]()).to(DTYPES[name])
+    model = perturbed(CASES[name]()).to(DTYPES[name])
     size = model.default_input_size()
     images, labels = torch.randn(3, 3, size, size, dtype=DTYPES[name]), torch.randint(0, 3, (3,))
     grads, _ = per_sample_gradients_bookkeeping(model, images.unsqueeze(1), labels)

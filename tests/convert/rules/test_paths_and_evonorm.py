@@ -153,7 +153,7 @@ def test_slices_beside_grouped_convs_convert_exactly():
 def test_path_attention_and_evo_norm_give_per_sample_gradients_and_pickle():
     import pickle
 
-    from per_sample_check import assert_per_sample_gradients_match_loop
+    from tests.support.per_sample_check import assert_per_sample_gradients_match_loop
 
     torch.manual_seed(0)
     model = _classifier(

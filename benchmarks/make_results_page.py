@@ -1,7 +1,7 @@
 """Render the results page (docs/results.md) from the JSON summaries in benchmarks/results/summaries/.
 
 The summaries hold only final numbers, each with the command, card and date that produced it; the page is
-generated so that the tables and the data cannot drift apart (tests/test_results_page.py checks it is current).
+generated so that the tables and the data cannot drift apart (tests/benchmarks/test_results_page.py checks it is current).
 
     python benchmarks/make_results_page.py            # rewrite docs/results.md
     python benchmarks/make_results_page.py --check    # exit 1 if docs/results.md is out of date

@@ -1,0 +1,74 @@
+"""The results page (docs/results.md) is generated from benchmarks/results/summaries/*.json and must match them."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import pytest
+
+from tests.support.paths import REPO_ROOT
+
+SCRIPT = REPO_ROOT / "benchmarks" / "make_results_page.py"
+
+
+def _load_script():
+    spec = importlib.util.spec_from_file_location("make_results_page", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_results_page_is_up_to_date(tmp_path):
+    page = _load_script()
+    out = tmp_path / "results.md"
+    assert page.main(["--out", str(out)]) == 0
+    assert out.read_text() == (REPO_ROOT / "docs" / "results.md").read_text(), (
+        "docs/results.md is out of date: run python benchmarks/make_results_page.py"
+    )
+    assert page.main(["--check"]) == 0
+
+
+def test_every_summary_names_command_card_and_date():
+    for path in sorted((REPO_ROOT / "benchmarks" / "results" / "summaries").glob("*.json")):
+        summary = json.loads(path.read_text())
+        for key in ("title", "kind", "card", "date", "rows"):
+            assert summary.get(key), f"{path.name} has no {key}"
+        commands = [summary.get("command")] + [row.get("command") for row in summary["rows"]]
+        assert any(commands), f"{path.name} names no command"
+
+
+def test_medians_and_rates_are_computed_from_the_data(tmp_path):
+    page = _load_script()
+    summary = {
+        "kind": "seeds",
+        "title": "T",
+        "description": "D",
+        "card": "C",
+        "date": "2026-01-01",
+        "command": "x",
+        "columns": ["model", "params", "s0", "s1", "s2", "median"],
+        "rows": [{"model": "m", "params": 1000, "accuracy": [90.0, 80.0, 85.0]}],
+    }
+    (tmp_path / "a.json").write_text(json.dumps(summary))
+    text = page.render_page(page.load_summaries(tmp_path))
+    assert "| m | 1,000 | 90.00% | 80.00% | 85.00% | **85.00%** |" in text
+    thr = {
+        "kind": "throughput",
+        "samples_per_step": 2048,
+        "paper_code_samples_per_s": 12100,
+        "rows": [{"precision": "bf16", "nonprivate_ms": 34.3, "dp_ms": 48.5, "peak_memory_gib": [6.0, 7.2]}],
+    }
+    row = page.RENDERERS["throughput"](thr)[2]
+    assert "1.41x" in row and "42.2k" in row and "3.49x" in row and "(1.20x)" in row
+
+
+def test_unknown_kind_and_empty_folder_are_refused(tmp_path):
+    page = _load_script()
+    with pytest.raises(FileNotFoundError, match="no JSON summaries"):
+        page.load_summaries(tmp_path)
+    with pytest.raises(ValueError, match="known kinds"):
+        page.render_section({"kind": "nope", "title": "T"})
+    stale = tmp_path / "stale.md"
+    stale.write_text("old\n")
+    assert page.main(["--check", "--out", str(stale)]) == 1

@@ -1,0 +1,1 @@
+"""Conversion of standard torchvision and timm CNNs."""

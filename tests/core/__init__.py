@@ -1,0 +1,1 @@
+"""Tests of the package's top-level modules: cli, groups, export, saved_model."""

@@ -1,0 +1,65 @@
+"""`import equiconvert` and `equiconvert --help` load neither torchvision, timm nor escnn (each costs seconds)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.support.paths import REPO_ROOT, repo_env
+
+# one interpreter (importing torch is most of the cost): which heavy packages are loaded after each stage
+PROBE = """
+import contextlib, io, json, sys
+def loaded():
+    return sorted({m.split('.')[0] for m in sys.modules} & {'torchvision', 'timm', 'escnn'})
+stages = {}
+import equiconvert, equiconvert.models
+stages['import equiconvert'] = loaded()
+from equiconvert.cli import main
+for argv in (['--help'], ['convert', '--help'], ['train', '--help'], ['demo', '--help']):
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.suppress(SystemExit):
+        main(argv)
+    stages[' '.join(argv)] = loaded()
+equiconvert.create_model('torchvision:resnet18')
+stages['create_model torchvision:resnet18'] = loaded()
+print(json.dumps(stages))
+"""
+
+
+@pytest.fixture(scope="module")
+def stages() -> dict[str, list[str]]:
+    done = subprocess.run(
+        [sys.executable, "-c", PROBE], capture_output=True, text=True, env=repo_env(), cwd=REPO_ROOT, timeout=300
+    )
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout.splitlines()[-1])
+
+
+def test_import_and_help_load_no_heavy_package(stages):
+    assert {stage: heavy for stage, heavy in stages.items() if not stage.startswith("create_model")} == {
+        "import equiconvert": [],
+        "--help": [],
+        "convert --help": [],
+        "train --help": [],
+        "demo --help": [],
+    }
+
+
+def test_the_probe_sees_a_heavy_import(stages):
+    assert stages["create_model torchvision:resnet18"] == ["torchvision"]
+
+
+def test_rules_for_optional_packages_apply_once_those_are_imported():
+    """Stochastic depth (torchvision) and DropPath (timm) are registered by name, so that rules import neither."""
+    from timm.layers import DropPath
+    from torchvision.ops import StochasticDepth
+
+    from equiconvert.convert.registry import module_rule
+    from equiconvert.convert.rules.structural import convert_pass_through
+
+    assert module_rule(StochasticDepth) is convert_pass_through
+    assert module_rule(DropPath) is convert_pass_through
+    assert module_rule(type("StochasticDepth", (StochasticDepth,), {})) is None  # exact types only, as for all rules

@@ -1,0 +1,281 @@
+"""Book-keeping per-sample gradients equal torch.func's, layer type by layer type, and fail loudly."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from opacus.validators import ModuleValidator
+from torch import nn
+
+import equiconvert
+from equiconvert.models import equivariant_resnet9, resnet9
+from equiconvert.models.equivariant_resnet9 import plain_paper_resnet9
+from equiconvert.privacy.bookkeeping import (
+    BookkeepingUnsupportedError,
+    check_bookkeeping_supported,
+    per_sample_gradients_bookkeeping,
+    verify_bookkeeping,
+)
+from equiconvert.privacy.per_sample import per_sample_gradients
+from equiconvert.privacy.trainer import DPTrainer
+from equiconvert.privacy.validate import PrivacyValidationError
+from tests.support.tiny import perturbed
+
+
+class DepthwiseNet(nn.Module):
+    """Grouped (depthwise) conv, reflect padding, conv bias: the layers that take the generic VJP or a pre-pad."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Conv2d(3, 16, 3, padding=1, padding_mode="reflect")
+        self.depthwise = nn.Conv2d(16, 16, 3, padding=1, groups=16)
+        self.norm = nn.GroupNorm(4, 16)
+        self.head = nn.Linear(16, 10)
+
+    def forward(self, x):
+        x = F.relu(self.norm(self.depthwise(F.relu(self.stem(x)))))
+        return self.head(x.mean((2, 3)))
+
+
+MODELS = {
+    "paper D4 (weight standardization, restriction, conv bias)": lambda: equivariant_resnet9("D4"),
+    "resnet9 D4 (field group norm with affine)": lambda: equiconvert.make_equivariant(
+        resnet9(widths=(8, 16, 32)), "D4", head="invariant"
+    ),
+    "plain baseline (Conv2d, GroupNorm)": lambda: ModuleValidator.fix(resnet9(widths=(8, 16, 32))),
+    "plain paper network (conv bias)": plain_paper_resnet9,
+    "O2 (group standardization)": lambda: equiconvert.make_equivariant(
+        resnet9(widths=(8, 16, 32)), "O2", head="invariant"
+    ),
+    "C4 depthwise, reflect padding": lambda: equiconvert.make_equivariant(DepthwiseNet(), "C4", head="invariant"),
+    "plain depthwise": DepthwiseNet,
+}
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_bookkeeping_equals_vmap_per_sample_gradients(name):
+    torch.manual_seed(0)
+    model = perturbed(MODELS[name]())
+    views, labels = torch.randn(5, 2, 3, 32, 32), torch.randint(0, 10, (5,))
+    params = {n: p.detach() for n, p in model.named_parameters()}
+    expected, expected_losses = per_sample_gradients(model, params, dict(model.named_buffers()), views, labels)
+    grads, losses = per_sample_gradients_bookkeeping(model, views, labels)
+    assert list(grads) == list(expected)
+    for key in expected:
+        error = (grads[key] - expected[key]).norm() / expected[key].norm().clamp_min(1e-12)
+        assert error < 1e-5, (key, float(error))
+    assert torch.allclose(losses, expected_losses, atol=1e-6)
+    assert all(p.requires_grad and p.grad is None for p in model.parameters())  # restored, nothing accumulated
+
+
+CONV_SHAPES = {  # kernel, stride, padding, dilation, padding_mode: the shifted-product path and the unfold path
+    "3x3 pad 1": dict(kernel_size=3, padding=1),
+    "3x3 no padding": dict(kernel_size=3, padding=0),
+    "1x1": dict(kernel_size=1),
+    "5x3 pad (3, 2), wider than needed": dict(kernel_size=(5, 3), padding=(3, 2)),
+    "3x3 circular": dict(kernel_size=3, padding=1, padding_mode="circular"),
+    "3x3 stride 2 (unfold)": dict(kernel_size=3, padding=1, stride=2),
+    "3x3 dilation 2 (unfold)": dict(kernel_size=3, padding=2, dilation=2),
+}
+
+
+@pytest.mark.parametrize("views", [1, 3])
+@pytest.mark.parametrize("shape", list(CONV_SHAPES))
+def test_conv_filter_gradients_equal_a_per_example_loop(shape, views):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 5, **CONV_SHAPES[shape]), nn.Flatten(), nn.LazyLinear(4))
+    batch = 3
+    images, labels = torch.randn(batch, views, 3, 11, 9), torch.randint(0, 4, (batch,))
+    model(images[:, 0])  # materialises the lazy head
+    grads, _ = per_sample_gradients_bookkeeping(model, images, labels)
+    for example in range(batch):
+        model.zero_grad()
+        F.cross_entropy(model(images[example]), labels[example].expand(views)).backward()
+        for name, param in model.named_parameters():
+            torch.testing.assert_close(grads[name][example], param.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_sample_gradient_does_not_depend_on_the_others():
+    model = perturbed(equivariant_resnet9("D4"))
+    views, labels = torch.randn(4, 2, 3, 32, 32), torch.randint(0, 10, (4,))
+    first, _ = per_sample_gradients_bookkeeping(model, views, labels)
+    changed = views.clone()
+    changed[1:] = torch.randn_like(changed[1:]) * 5
+    second, _ = per_sample_gradients_bookkeeping(model, changed, labels)
+    for key in first:
+        assert torch.allclose(first[key][0], second[key][0], rtol=1e-5, atol=1e-7), key
+
+
+class TwiceNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 3, 3, padding=1)
+        self.head = nn.Linear(3, 2)
+
+    def forward(self, x):
+        return self.head(self.conv(self.conv(x)).mean((2, 3)))
+
+
+def test_a_layer_run_twice_is_refused():
+    views, labels = torch.randn(3, 1, 3, 8, 8), torch.randint(0, 2, (3,))
+    with pytest.raises(BookkeepingUnsupportedError, match="'conv' runs more than once"):
+        per_sample_gradients_bookkeeping(TwiceNet(), views, labels)
+    images = torch.randint(0, 256, (32, 3, 8, 8), dtype=torch.uint8)
+    trainer = DPTrainer(
+        TwiceNet(),
+        target_epsilon=8.0,
+        batch_size=8,
+        steps=1,
+        aug_mult=1,
+        augment_padding=2,
+        progress=False,
+        per_sample_method="bookkeeping",
+        device="cpu",
+    )
+    with pytest.raises(BookkeepingUnsupportedError):
+        trainer.fit((images, torch.randint(0, 2, (32,))))
+    assert all(p.requires_grad for p in trainer.model.parameters())  # restored after the failure
+
+
+def test_shared_parameters_are_refused_by_the_static_check():
+    model = TwiceNet()
+    model.other = nn.Linear(3, 2)
+    model.other.weight = model.head.weight
+    with pytest.raises(BookkeepingUnsupportedError, match="shared by layers"):
+        check_bookkeeping_supported(model)
+    with pytest.raises(BookkeepingUnsupportedError, match="shared by layers"):  # refused before training
+        DPTrainer(model, target_epsilon=8.0, per_sample_method="bookkeeping", progress=False, device="cpu")
+
+
+class FunctionalBatchStatsNet(nn.Module):
+    """Mixes examples through batch statistics that no module type reveals (F.batch_norm in training mode)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x):
+        x = F.batch_norm(self.conv(x), None, None, training=True)
+        return self.head(F.relu(x).mean((2, 3)))
+
+
+class ReusedWeightNet(nn.Module):
+    """Uses a conv's weight a second time outside the conv module: book-keeping would miss that use."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 3, 3, padding=1)
+        self.head = nn.Linear(3, 2)
+
+    def forward(self, x):
+        h = torch.tanh(self.conv(x))
+        return self.head(F.conv2d(h, self.conv.weight, padding=1).mean((2, 3)))
+
+
+PROBE_OPTIONS = dict(
+    target_epsilon=8.0,
+    batch_size=8,
+    steps=2,
+    aug_mult=2,
+    augment_padding=2,
+    progress=False,
+    device="cpu",
+    physical_batch_size=4,
+    insecure_seeded_noise=True,
+)  # runs are compared bit for bit
+
+
+def _fit(model, method, data):
+    trainer = DPTrainer(copy.deepcopy(model), per_sample_method=method, **PROBE_OPTIONS)
+    trainer.fit(data)
+    return trainer
+
+
+@pytest.mark.parametrize(
+    "model, reason",
+    [
+        (TwiceNet(), "'conv' runs more than once"),
+        (ReusedWeightNet(), "differs from torch.func's"),
+    ],
+)
+def test_auto_falls_back_to_vmap_where_bookkeeping_fails_its_probe(model, reason):
+    torch.manual_seed(0)
+    data = (torch.randint(0, 256, (32, 3, 8, 8), dtype=torch.uint8), torch.randint(0, 2, (32,)))
+    with pytest.raises(BookkeepingUnsupportedError, match=reason):
+        verify_bookkeeping(model, (2, 3, 8, 8))
+    with pytest.warns(UserWarning, match="book-keeping cannot run this model.*using vmap"):
+        auto = _fit(model, "auto", data)
+    assert auto.per_sample_method == "vmap"
+    reference = _fit(model, "vmap", data)  # the probe used no RNG of the run: bit-identical to plain vmap
+    for (name, value), expected in zip(auto.model.state_dict().items(), reference.model.state_dict().values()):
+        assert torch.equal(value, expected), name
+    with pytest.raises(BookkeepingUnsupportedError, match=reason):
+        _fit(model, "bookkeeping", data)
+
+
+def test_functional_batch_statistics_are_refused_whatever_the_method():
+    """Batch mixing is not a per-sample-method matter: check_dp_safe refuses the model before training."""
+    data = (torch.randint(0, 256, (32, 3, 8, 8), dtype=torch.uint8), torch.randint(0, 2, (32,)))
+    with pytest.raises(BookkeepingUnsupportedError, match="changes with the other examples of its batch"):
+        verify_bookkeeping(FunctionalBatchStatsNet(), (2, 3, 8, 8))
+    for method in ("auto", "vmap", "bookkeeping"):
+        with pytest.raises(PrivacyValidationError, match="module '<root>' mixes examples"):
+            _fit(FunctionalBatchStatsNet(), method, data)
+
+
+def test_auto_takes_bookkeeping_where_its_probe_passes():
+    torch.manual_seed(0)
+    data = (torch.randint(0, 256, (32, 3, 16, 16), dtype=torch.uint8), torch.randint(0, 4, (32,)))
+    model = equiconvert.make_equivariant(resnet9(widths=(8, 8, 8), num_classes=4), "C4", head="invariant")
+    cpu_state = torch.get_rng_state()
+    verify_bookkeeping(model, (2, 3, 16, 16))
+    assert torch.equal(torch.get_rng_state(), cpu_state)  # the probe leaves the caller's RNG alone
+    trainer = _fit(model, "auto", data)
+    assert trainer.per_sample_method == "bookkeeping"
+    shared = TwiceNet()
+    shared.other = nn.Linear(3, 2)
+    shared.other.weight = shared.head.weight
+    assert DPTrainer(shared, **PROBE_OPTIONS).per_sample_method == "vmap"  # the static check, before any step
+
+
+def test_trainer_steps_agree_between_methods():
+    images = torch.randint(0, 256, (48, 3, 16, 16), dtype=torch.uint8)
+    data = (images, torch.randint(0, 4, (48,)))
+    model = equiconvert.make_equivariant(resnet9(widths=(8, 16, 32), num_classes=4), "D4", head="invariant")
+    finals = []
+    for method in ("vmap", "bookkeeping"):
+        trainer = DPTrainer(
+            copy.deepcopy(model),
+            target_epsilon=8.0,
+            batch_size=16,
+            steps=2,
+            aug_mult=2,
+            physical_batch_size=8,
+            per_sample_method=method,
+            progress=False,
+            device="cpu",
+            insecure_seeded_noise=True,
+        )  # the same noise and batches in both runs
+        trainer.fit(data)
+        assert trainer.config.per_sample_method == method
+        finals.append(trainer.model.state_dict())
+    for key in finals[0]:
+        assert torch.allclose(finals[0][key], finals[1][key], rtol=1e-4, atol=1e-6), key
+
+
+def test_a_run_resumes_with_the_other_per_sample_method(tmp_path):
+    images = torch.randint(0, 256, (32, 3, 16, 16), dtype=torch.uint8)
+    data = (images, torch.randint(0, 4, (32,)))
+    model = equiconvert.make_equivariant(resnet9(widths=(8, 8, 8), num_classes=4), "C4", head="invariant")
+    options = dict(
+        target_epsilon=8.0, batch_size=8, steps=2, aug_mult=1, progress=False, device="cpu", out_dir=tmp_path
+    )
+    first = DPTrainer(copy.deepcopy(model), per_sample_method="vmap", **options)
+    first.fit(data, time_limit_s=0.0)
+    resumed = DPTrainer(copy.deepcopy(model), per_sample_method="bookkeeping", **options)
+    resumed.fit(data, resume=True)
+    assert resumed.step == 2 and resumed.config.per_sample_method == "bookkeeping"
+    with pytest.raises(ValueError, match="different configuration"):
+        DPTrainer(copy.deepcopy(model), **{**options, "steps": 3}).fit(data, resume=True)

@@ -1,0 +1,152 @@
+"""Checkpoints and output folders: safe loading, clear errors, one run per --out, crash leftovers."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import re
+import stat
+from pathlib import Path
+
+import pytest
+import torch
+
+from equiconvert.cli import main
+from equiconvert.privacy import checkpoint
+from equiconvert.privacy.checkpoint import CheckpointError, load, save_atomic
+from equiconvert.privacy.trainer import DPTrainer
+from tests.support.cli_errors import run_error
+from tests.support.paths import REPO_ROOT
+from tests.support.tiny import linear_classifier, tiny_images
+
+OPTIONS = dict(
+    noise_multiplier=1.0,
+    target_epsilon=None,
+    batch_size=8,
+    steps=2,
+    aug_mult=1,
+    lr=1.0,
+    ema_decay=None,
+    augment_padding=0,
+    augment_flip=False,
+    progress=False,
+    checkpoint_every=1,
+)
+TRAIN = [
+    "train",
+    "--dataset",
+    "synthetic",
+    "--model",
+    "equiconvert:resnet9",
+    "--model-kwargs",
+    "widths=4,8,8",
+    "--group",
+    "none",
+    "--steps",
+    "1",
+    "--batch-size",
+    "8",
+    "--aug-mult",
+    "1",
+    "--physical-batch-size",
+    "8",
+    "--set",
+    "run.progress=false",
+    "--device",
+    "cpu",
+]
+
+
+class _Payload:
+    """Unpickling this creates a file: what a crafted checkpoint could do with weights_only=False."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return pathlib.Path.touch, (self.marker,)
+
+
+def test_crafted_checkpoint_does_not_execute_code(tmp_path):
+    marker = tmp_path / "pwned"
+    torch.save({"step": _Payload(marker)}, tmp_path / "checkpoint.pt")
+    trainer = DPTrainer(linear_classifier(), out_dir=tmp_path, **OPTIONS)
+    with pytest.raises(CheckpointError, match="cannot be read safely"):
+        trainer.fit(tiny_images(), resume=True)
+    assert not marker.exists()
+
+
+def test_every_file_read_uses_weights_only():
+    sources = [*(REPO_ROOT / "equiconvert").rglob("*.py"), *(REPO_ROOT / "benchmarks").rglob("*.py")]
+    loads = [(path, line) for path in sources for line in path.read_text().splitlines() if "torch.load(" in line]
+    assert loads, "no torch.load found: the scan is broken"
+    unsafe = [
+        f"{path.relative_to(REPO_ROOT)}: {line.strip()}" for path, line in loads if "weights_only=True" not in line
+    ]
+    assert not unsafe, unsafe
+
+
+@pytest.mark.parametrize(
+    "content", [b"", b"PK\x03\x04 truncated", b"not a checkpoint at all"], ids=["empty", "truncated", "corrupt"]
+)
+def test_bad_checkpoint_is_one_clear_line(tmp_path, capsys, content):
+    out = tmp_path / "run"
+    assert main([*TRAIN, "--out", str(out)]) == 0
+    (out / "checkpoint.pt").write_bytes(content)
+    capsys.readouterr()
+    error = run_error(capsys, *TRAIN, "--out", str(out), "--steps", "2", "--resume")
+    assert str(out / "checkpoint.pt") in error and re.search("empty|cannot be read safely", error)
+
+
+def test_truncated_real_checkpoint_is_refused(tmp_path):
+    DPTrainer(linear_classifier(), out_dir=tmp_path, **OPTIONS).fit(tiny_images())
+    data = (tmp_path / "checkpoint.pt").read_bytes()
+    (tmp_path / "checkpoint.pt").write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointError, match="truncated, corrupt"):
+        load(tmp_path / "checkpoint.pt")
+
+
+def test_non_empty_out_needs_resume_or_overwrite(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main([*TRAIN, "--out", str(out)]) == 0
+    first_log = (out / "log.jsonl").read_text()
+    capsys.readouterr()
+    error = run_error(capsys, *TRAIN, "--out", str(out))
+    assert "is not empty" in error and "--resume" in error and "--overwrite" in error
+    assert (out / "log.jsonl").read_text() == first_log  # untouched
+    assert main([*TRAIN, "--out", str(out), "--overwrite"]) == 0
+    log = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in log if "lr" in r] == [1]  # the new run's log only, not appended
+    assert len(json.loads((out / "result.json").read_text())["evals"]) == 0
+
+
+def test_resume_without_a_checkpoint_is_an_error(tmp_path, capsys):
+    error = run_error(capsys, *TRAIN, "--out", str(tmp_path / "fresh"), "--resume")
+    assert "--resume: there is no checkpoint" in error
+    with pytest.raises(CheckpointError, match="nothing to resume"):
+        DPTrainer(linear_classifier(), out_dir=tmp_path / "api", **OPTIONS).fit(tiny_images(), resume=True)
+
+
+def test_stray_temporary_file_is_removed_on_the_next_start(tmp_path):
+    stray = tmp_path / ".checkpoint.pt.k1ll3d.tmp"
+    stray.write_bytes(b"half a checkpoint")
+    unrelated = tmp_path / "notes.tmp"
+    unrelated.write_text("kept")
+    DPTrainer(linear_classifier(), out_dir=tmp_path, **OPTIONS).fit(tiny_images())
+    assert not stray.exists() and unrelated.exists()
+    assert [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")] == ["notes.tmp"]
+
+
+def test_save_fsyncs_the_folder_after_the_rename(tmp_path, monkeypatch):
+    synced: list[tuple[bool, bool]] = []  # (a folder?, the checkpoint in place yet?)
+    real_fsync = os.fsync
+
+    def fsync(fd: int) -> None:
+        synced.append((stat.S_ISDIR(os.fstat(fd).st_mode), (tmp_path / "c.pt").exists()))
+        real_fsync(fd)
+
+    monkeypatch.setattr(checkpoint.os, "fsync", fsync)
+    save_atomic({"x": torch.ones(2)}, tmp_path / "c.pt")
+    assert synced == [(False, False), (True, True)]
+    assert stat.S_IMODE((tmp_path / "c.pt").stat().st_mode) == 0o600

@@ -1,0 +1,244 @@
+"""Bad inputs refused up front with clear errors: non-finite data, labels, delta, budget, frozen parameters."""
+
+from __future__ import annotations
+
+import re
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from equiconvert.data import DatasetFormatError, UnknownDatasetError, load_dataset
+from equiconvert.data._base import make_image_data
+from equiconvert.data.rotated_mnist import NPZ_NAMES
+from equiconvert.privacy.accounting import PrivacyBudgetError, default_delta
+from equiconvert.privacy.inputs import InvalidDataError
+from equiconvert.privacy.trainer import DPTrainer
+from tests.support.cli_errors import run_error
+from tests.support.tiny import CLASSES, N, SIZE, linear_classifier, tiny_images
+
+OPTIONS = dict(
+    noise_multiplier=1.0,
+    target_epsilon=None,
+    batch_size=8,
+    steps=1,
+    aug_mult=1,
+    lr=1.0,
+    ema_decay=None,
+    augment_padding=0,
+    augment_flip=False,
+    progress=False,
+)
+
+
+# --- non-finite inputs and gradients ----------------------------------------------------------------------------
+
+
+def test_non_finite_image_is_refused_naming_its_index():
+    images, labels = tiny_images()
+    images[5, 0, 1, 2] = float("nan")
+    trainer = DPTrainer(linear_classifier(), **OPTIONS)
+    with pytest.raises(InvalidDataError, match=r"images\[5\] holds a non-finite value"):
+        trainer.fit((images, labels))
+    assert trainer.step == 0 and all(torch.isfinite(p).all() for p in trainer.model.parameters())
+    images[5] = 0.0
+    images[7, 0, 0, 0] = float("inf")
+    with pytest.raises(InvalidDataError, match=r"evaluation data images\[7\]"):
+        DPTrainer(linear_classifier(), **OPTIONS).fit(tiny_images(), eval_set=(images, labels))
+
+
+def test_loader_refuses_non_finite_float_images_naming_file_and_index(tmp_path):
+    images = np.full((4, 1, 2, 2), 0.5, dtype=np.float32)
+    images[2, 0, 0, 0] = np.nan
+    with pytest.raises(DatasetFormatError, match=r"digits \(/data/x.npz\): image 2 holds a non-finite value"):
+        make_image_data(images, np.arange(4), ["a", "b", "c", "d"], "digits", source="/data/x.npz")
+    with pytest.raises(DatasetFormatError, match="labels have dtype float"):
+        make_image_data(images[:2] * 0, np.array([0.0, 1.5]), ["a", "b"], "digits")
+    digits = np.full((10, 28, 28), 100.0)
+    digits[6, 3, 3] = np.inf
+    np.savez(path := tmp_path / NPZ_NAMES[0], images=digits, labels=np.arange(10))
+    with pytest.raises(DatasetFormatError, match=rf"{re.escape(str(path))} \(images\): image 6 holds a non-finite"):
+        load_dataset("rotated_mnist", tmp_path, "train")
+
+
+class SqrtOfMagnitude(nn.Module):
+    """sqrt|x|: at x = 0 the gradient is 0 * inf = NaN, for finite inputs."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.abs().sqrt()
+
+
+@pytest.mark.parametrize("method", ["bookkeeping", "vmap"])
+def test_non_finite_per_example_gradient_counts_as_zero(method):
+    images, labels = tiny_images()
+    images[[3, 9]] = 0.5  # normalised to exactly 0: the linear layer's output is its (zero) bias
+    model = nn.Sequential(nn.Flatten(), nn.Linear(SIZE * SIZE, CLASSES), SqrtOfMagnitude())
+    with torch.no_grad():
+        model[1].bias.zero_()
+    options = {**OPTIONS, "batch_size": N, "steps": 1, "per_sample_method": method, "log_nonprivate_stats": True}
+    trainer = DPTrainer(model, **options)
+    history = trainer.fit((images, labels))
+    assert trainer.nonfinite_gradients == 2 and history[0]["nonfinite_gradients"] == 2
+    assert all(torch.isfinite(p).all() for p in trainer.model.parameters())
+
+
+# --- delta against 1/N --------------------------------------------------------------------------------------------
+
+
+def test_delta_is_checked_against_the_data_set_size():
+    with pytest.raises(PrivacyBudgetError, match=r"delta 0.5 >= 1/N = 1/32"):
+        DPTrainer(linear_classifier(), **{**OPTIONS, "delta": 0.5}).fit(tiny_images())
+    with pytest.warns(UserWarning, match=r"delta 0.01 > 1/\(10 N\)"):
+        DPTrainer(linear_classifier(), **{**OPTIONS, "delta": 0.01}).fit(tiny_images())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        trainer = DPTrainer(linear_classifier(), **OPTIONS)
+        trainer.fit(tiny_images())
+    assert trainer.delta == default_delta(N) == 1e-5
+
+
+def test_default_delta_follows_the_data_set_size():
+    assert default_delta(10_000) == 1e-5
+    assert default_delta(50_000) == default_delta(60_000) == 1e-6
+    assert default_delta(1_281_167) == 1e-8
+    for n in (1, 999, 10_000):
+        assert default_delta(n) == 1e-5
+    for n in (10_001, 100_000, 1_281_167, 10**9):  # the largest power of ten <= 1/(10 N)
+        assert 1 / (100 * n) < default_delta(n) <= 1 / (10 * n)
+
+
+# --- frozen parameters ----------------------------------------------------------------------------------------------
+
+
+def test_frozen_parameters_get_no_gradient_no_noise_and_both_methods_agree():
+    images, labels = tiny_images()
+    results = {}
+    for method in ("bookkeeping", "vmap"):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Flatten(), nn.Linear(SIZE * SIZE, 8), nn.Tanh(), nn.Linear(8, CLASSES))
+        model[1].requires_grad_(False)
+        frozen = model[1].weight.detach().clone()
+        trainer = DPTrainer(
+            model, per_sample_method=method, insecure_seeded_noise=True, **{**OPTIONS, "steps": 2, "batch_size": 16}
+        )
+        params = {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
+        grads, _ = trainer._per_sample_gradients(params, {}, trainer._normalize(images[:4]).unsqueeze(1), labels[:4])
+        assert set(grads) == {"3.weight", "3.bias"}  # clipping norms see the trainable parameters only
+        trainer.fit((images, labels))
+        assert torch.equal(model[1].weight, frozen) and model[1].weight.grad is None
+        results[method] = {n: p.detach().clone() for n, p in model.named_parameters()}
+    for name, value in results["vmap"].items():
+        torch.testing.assert_close(results["bookkeeping"][name], value, rtol=1e-5, atol=1e-6)
+
+
+# --- labels -----------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "labels, message",
+    [
+        (torch.full((N,), 3), r"labels\[0\] = 3 is outside \[0, 3\)"),
+        (torch.arange(N) % 3 - (torch.arange(N) == 4).long() * 5, r"labels\[4\] = -4 is outside"),
+        (torch.zeros(N), "dtype torch.float32; give integer class indices"),
+        (torch.zeros(N - 1, dtype=torch.long), "has 32 images but 31 labels"),
+    ],
+    ids=["out-of-range", "negative", "float", "shorter"],
+)
+def test_bad_labels_are_refused_through_the_api(labels, message):
+    images, _ = tiny_images()
+    with pytest.raises(InvalidDataError, match=message):
+        DPTrainer(linear_classifier(), **OPTIONS).fit((images, labels))
+
+
+# --- CLI: every input validated before data, clear one-line errors ------------------------------------------------
+
+
+def test_cli_errors_name_the_flag_before_any_data_is_loaded(tmp_path, capsys):
+    missing = str(tmp_path / "no-data-here")  # loading cifar10 from here would fail: the flag check comes first
+    for flag, value in (
+        ("--epsilon", "-1"),
+        ("--delta", "2"),
+        ("--lr", "0"),
+        ("--physical-batch-size", "0"),
+        ("--set", "schedule.ema_decay=1.5"),
+        ("--steps", "0"),
+    ):
+        error = run_error(
+            capsys, "train", "--dataset", "cifar10", "--data-dir", missing, "--out", str(tmp_path / "o"), flag, value
+        )
+        assert error.startswith(f"error: {flag} ") and "target_epsilon" not in error, error
+    assert not (tmp_path / "o").exists()
+
+
+def test_unknown_dataset_is_one_clear_line(tmp_path, capsys):
+    error = run_error(capsys, "train", "--dataset", "imagenet9000", "--out", str(tmp_path / "o"))
+    assert "unknown data set 'imagenet9000' (--dataset); known:" in error
+    with pytest.raises(UnknownDatasetError):
+        load_dataset("imagenet9000")
+
+
+def test_empty_test_split_is_refused_before_training(tmp_path, monkeypatch):
+    from equiconvert.recipes import runner as run
+
+    def fail(*args, **kwargs):
+        raise AssertionError("DPTrainer was built although the test split is empty")
+
+    monkeypatch.setattr(run, "DPTrainer", fail)
+    spec = run.RunSpec(
+        model="equiconvert:resnet9",
+        group="none",
+        dataset="synthetic",
+        data_dir=None,
+        out=str(tmp_path / "o"),
+        model_kwargs={"widths": (4, 8, 8)},
+        progress=False,
+    )
+    import equiconvert.data as data
+
+    real = data.load_dataset
+    monkeypatch.setattr(
+        data,
+        "load_dataset",
+        lambda name, data_dir=None, split="train": real(
+            name, data_dir, split, num_examples=0 if split == "test" else 64
+        ),
+    )
+    with pytest.raises(ValueError, match="test split of 'synthetic' is empty"):
+        run.run_training(spec, batch_size=8, steps=1)
+
+
+def test_first_step_over_budget_fails_with_a_message(tmp_path, capsys):
+    trainer = DPTrainer(linear_classifier(), **{**OPTIONS, "target_epsilon": 0.1, "noise_multiplier": 0.5})
+    with pytest.raises(PrivacyBudgetError, match=r"one step .* spends epsilon .* > the target 0.1"):
+        trainer.fit(tiny_images())
+    error = run_error(
+        capsys,
+        "train",
+        "--dataset",
+        "synthetic",
+        "--model",
+        "equiconvert:resnet9",
+        "--model-kwargs",
+        "widths=4,8,8",
+        "--group",
+        "none",
+        "--steps",
+        "2",
+        "--batch-size",
+        "8",
+        "--aug-mult",
+        "1",
+        "--epsilon",
+        "0.1",
+        "--set",
+        "dp.noise_multiplier=0.5",
+        "--out",
+        str(tmp_path / "o"),
+        "--set",
+        "run.progress=false",
+        "--device",
+        "cpu",
+    )
+    assert "spends epsilon" in error and not (tmp_path / "o" / "result.json").exists()

@@ -3,8 +3,11 @@
 The summaries hold only final numbers, each with the command, card and date that produced it; the page is
 generated so that the tables and the data cannot drift apart (tests/test_results_page.py checks it is current).
 
-    python benchmarks/make_results_page.py            # rewrite docs/results.md
+    python benchmarks/make_results_page.py            # rewrite docs/results.md (and its figures)
     python benchmarks/make_results_page.py --check    # exit 1 if docs/results.md is out of date
+
+A summary with a "figure" ({"path": "img/NAME.png", "title": ...}, a path relative to the page) gets its plot
+drawn from the summary alone (benchmarks/paper_table.py) and embedded below its table.
 """
 
 from __future__ import annotations
@@ -16,6 +19,9 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling module paper_table, also when loaded by path
+import paper_table  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SUMMARIES = REPO_ROOT / "benchmarks" / "results" / "summaries"
@@ -145,11 +151,12 @@ def _paper_table(s: Summary) -> list[str]:
         ours = f"**{_pct(_median(runs))}** ({len(runs)})" if runs else "not run"
         std = f"{statistics.stdev(runs):.2f}" if len(runs) > 1 else "-"
         hours = "-" if r.get("gpu_hours") is None else f"{r['gpu_hours']:.2f}"
+        params = r.get("params")
         rows.append(
             [
                 r["model"],
                 r["epsilon"],
-                f"{r['params']:,}",
+                "-" if params is None else f"{params:,}",
                 ours,
                 std,
                 hours,
@@ -230,6 +237,8 @@ def render_section(s: Summary) -> list[str]:
     if "control" in s:
         lines += [f"Control: {s['control']}.", ""]
     lines += [f"Card: {s['card']}. Date: {s['date']}.", "", *RENDERERS[kind](s), ""]
+    if "figure" in s:
+        lines += [f"![{s['figure']['title']}]({s['figure']['path']})", ""]
     lines += [f"- {note}" for note in s.get("notes", [])]
     if s.get("notes"):
         lines.append("")
@@ -258,15 +267,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=PAGE, help="page to write (default: docs/results.md)")
     parser.add_argument("--check", action="store_true", help="do not write; exit 1 if --out is out of date")
     args = parser.parse_args(argv)
-    page = render_page(load_summaries(args.summaries))
+    summaries = load_summaries(args.summaries)
+    page = render_page(summaries)
     if args.check:
         current = args.out.read_text() if args.out.exists() else ""
-        if current != page:
+        missing = [s["figure"]["path"] for s in summaries if "figure" in s]
+        missing = [p for p in missing if not (args.out.parent / p).is_file()]
+        if current != page or missing:
             print(f"{args.out} is out of date: run python benchmarks/make_results_page.py", file=sys.stderr)
             return 1
         return 0
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(page)
+    for s in summaries:
+        if "figure" in s:
+            figure = args.out.parent / s["figure"]["path"]
+            figure.parent.mkdir(parents=True, exist_ok=True)
+            paper_table.plot(s, figure)
     return 0
 
 

@@ -933,7 +933,8 @@ def table_report(out: Path) -> dict:
     commands = _commands(out)
     summary = paper_table.summarize(definition, runs, commands[-1]["command"] if commands else None)
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    (out / "table.md").write_text("\n".join(make_results_page.render_section(summary)))
+    figure = {"figure": {**summary["figure"], "path": "accuracy_vs_epsilon.png"}} if "figure" in summary else {}
+    (out / "table.md").write_text("\n".join(make_results_page.render_section({**summary, **figure})))
     paper_table.plot(summary, out / "accuracy_vs_epsilon.png")
     counted = sum(len(r["accuracy"]) for r in summary["rows"])
     print(

@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
+from types import ModuleType
 
 import pytest
-from benchmark_scripts import load_benchmark
 
 from equiconvert.recipes.table import TableError, load_table, shipped_tables
 
@@ -19,8 +20,18 @@ PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 SUMMARY_KEYS = {"kind", "title", "description", "command", "card", "date", "rows", "notes", "figure"}
 ROW_KEYS = {"model", "epsilon", "params", "accuracy", "gpu_hours", "setting", "paper"}
 
-accuracy = load_benchmark("accuracy")
-page = load_benchmark("make_results_page")
+
+def _script(name: str) -> ModuleType:
+    """benchmarks/<name>.py as a module, registered in sys.modules (dataclasses look their module up there)."""
+    spec = importlib.util.spec_from_file_location(f"{name}_table_test", REPO_ROOT / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+accuracy = _script("accuracy")
+page = _script("make_results_page")
 
 # two steps of a tiny ResNet9 on the synthetic data set: seconds on one CPU thread
 TINY_RECIPE = """
@@ -122,7 +133,10 @@ def test_the_shipped_paper_table_has_the_papers_rows():
             r"cells\[0\] \(a\): --set dp.nope=1: unknown recipe key 'dp.nope'",
         ),
         ('name = "a"\nmodel = "m"\nrecipe = "missing.toml"\nseeds = [0]', r"cells\[0\] \(a\): --recipe .*missing.toml"),
-        ('name = "a"\nmodel = "m"\nrecipe = "tiny.toml"\nseeds = [0]\npaper = "81"', r"cells\[0\] \(a\): paper must be a number"),
+        (
+            'name = "a"\nmodel = "m"\nrecipe = "tiny.toml"\nseeds = [0]\npaper = "81"',
+            r"cells\[0\] \(a\): paper must be a number",
+        ),
     ],
 )
 def test_a_bad_table_is_refused_naming_the_file_and_key(tmp_path, cell, message):

@@ -58,10 +58,10 @@ import paper_table  # noqa: E402
 REPO = Path(__file__).resolve().parent.parent
 BASELINE = "none"
 BASELINE_LABEL = "none (unconverted)"
-COMMANDS_FILE = "commands.jsonl"  # one line per `run` invocation on this folder
+COMMANDS_FILE = "commands.jsonl"  # one line per `run` or `table` invocation on this folder
 RUN_FILE = "benchmark_run.json"  # per run: what the benchmark asked `equiconvert train` to do
 PARTS_FILE = "benchmark_parts.jsonl"  # per run: one line per `train` call that wrote a result (wall time, processes)
-TABLE_FILE = "table.json"  # a table's folder: the table definition its runs were made from
+TABLE_FILE = "table.json"  # a table's folder: its definition (labels, paper numbers) as last invoked
 LOG_FILE = "stdout.log"
 LOG_TAIL_LINES = 15
 # Arguments the benchmark sets for every run; passing them after `--` would contradict the grid.
@@ -262,7 +262,7 @@ class _Printer:
             print(f"[{self.count}/{self.total}] {text}", flush=True)
 
 
-def _mtime(path: Path) -> float | None:
+def _mtime(path: Path) -> int | None:
     try:
         return path.stat().st_mtime_ns
     except OSError:

@@ -481,7 +481,7 @@ def table_command(
     cmd += ["--out", str(run_dir), "--set", "run.progress=false", *extra]
     cmd += ["--device", device] if device is not None else []
     cmd += ["--nproc-per-node", str(nproc)] if nproc > 1 else []
-    cmd += ["--time-limit", f"{time_limit:.0f}"] if time_limit is not None else []
+    cmd += ["--time-limit", f"{time_limit:g}"] if time_limit is not None else []
     return cmd + (["--resume"] if resume else ["--overwrite"])
 
 

@@ -156,7 +156,9 @@ def _paper_table(s: Summary) -> list[str]:
             [
                 r["model"],
                 r["epsilon"],
-                "-" if params is None else f"{params:,}",
+                "-"
+                if params is None
+                else " / ".join(f"{p:,}" for p in (params if isinstance(params, list) else [params])),
                 ours,
                 std,
                 hours,
@@ -164,7 +166,19 @@ def _paper_table(s: Summary) -> list[str]:
                 _pct(r.get("paper")),
             ]
         )
-    return _table(columns, rows)
+    commands = [
+        f"- {r['model']}, epsilon {r['epsilon']}: `{r['command']}`"
+        + (f", S = {', '.join(map(str, r['seeds']))}" if len(r.get("seeds", [])) > 1 else "")
+        for r in s["rows"]
+        if r.get("command")
+    ]
+    if commands:
+        commands = [
+            "",
+            "Each row's command (add `--data-dir DIR --out OUT`, and `--nproc-per-node N` for N GPUs):",
+            "",
+        ] + commands
+    return _table(columns, rows) + commands
 
 
 @renderer("methods")

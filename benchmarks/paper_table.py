@@ -50,6 +50,12 @@ def definition(table: Any) -> dict[str, Any]:
     }
 
 
+def cell_command(cell: dict[str, Any]) -> str:
+    """The `equiconvert train` command of a cell's runs (data folder, output and devices left to the reader)."""
+    args = ["--recipe", cell["recipe"], *(a for o in cell["set"] for a in ("--set", o))]
+    return f"equiconvert train {shlex.join(args)} --seed {cell['seeds'][0] if len(cell['seeds']) == 1 else 'S'}"
+
+
 def is_finished(result: dict[str, Any] | None) -> bool:
     """A run that trained all its requested steps (not stopped by a time limit or the privacy budget)."""
     if result is None or result.get("stopped_reason") is not None:
@@ -124,6 +130,8 @@ def summarize(definition: dict[str, Any], runs: dict[str, dict[str, Any]], comma
                 "gpu_hours": round(seconds / 3600, 3) if counted else None,
                 "setting": _setting(recorded),
                 "paper": cell["paper"],
+                "command": cell_command(cell),
+                "seeds": cell["seeds"],
             }
         )
     today = _dt.datetime.now(_dt.timezone.utc).date().isoformat()

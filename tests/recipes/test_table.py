@@ -18,7 +18,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = REPO_ROOT / "benchmarks" / "accuracy.py"
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 SUMMARY_KEYS = {"kind", "title", "description", "command", "card", "date", "rows", "notes", "figure"}
-ROW_KEYS = {"model", "epsilon", "params", "accuracy", "gpu_hours", "setting", "paper"}
+ROW_KEYS = {"model", "epsilon", "params", "accuracy", "gpu_hours", "setting", "paper", "command", "seeds"}
 
 
 def _script(name: str) -> ModuleType:
@@ -156,8 +156,8 @@ def test_table_level_mistakes_are_refused(tmp_path):
         load_table("no_such_table")
     with pytest.raises(ValueError, match="--cells: d5 not in .*its cells: d4, plain"):
         load_table(str(_tiny_table(tmp_path))).select(["d5"])
-    proc = _table(tmp_path / "table.toml", tmp_path / "out", "--cells", "d5")  # the command says it too
-    assert proc.returncode != 0 and "error: --cells: d5 not in" in proc.stderr
+    with pytest.raises(SystemExit, match="error: --cells: d5 not in"):  # the command says it too
+        accuracy.main(["table", str(tmp_path / "table.toml"), "--out", str(tmp_path / "out"), "--cells", "d5"])
 
 
 def test_tiny_table_end_to_end_then_skipped(tmp_path):
@@ -193,6 +193,10 @@ def test_tiny_table_end_to_end_then_skipped(tmp_path):
     assert "![tiny: ours and the paper's](img/tiny.png)" in (tmp_path / "docs" / "results.md").read_text()
     assert (tmp_path / "docs" / "img" / "tiny.png").read_bytes()[:8] == PNG_SIGNATURE
 
+    (out / "summary.json").unlink()  # the report alone rebuilds it from the folder
+    assert accuracy.main(["report", "--out", str(out)]) == 0
+    assert json.loads((out / "summary.json").read_text())["rows"] == summary["rows"]
+
     stamps = {p: p.stat().st_mtime_ns for p in out.glob("*/result.json")}
     second = _table(tmp_path / "table.toml", out)
     assert second.returncode == 0, second.stdout + second.stderr
@@ -201,11 +205,34 @@ def test_tiny_table_end_to_end_then_skipped(tmp_path):
     assert {p: p.stat().st_mtime_ns for p in out.glob("*/result.json")} == stamps
 
 
-def test_a_budget_too_small_starts_nothing_and_names_the_unfinished_cells(tmp_path):
+def test_a_run_stopped_with_a_checkpoint_is_resumed_to_its_last_step(tmp_path):
+    table, out = _tiny_table(tmp_path), tmp_path / "out"
+    (tmp_path / "tiny.toml").write_text(TINY_RECIPE.replace("steps = 2", "steps = 3"))
+    cell = load_table(str(table)).cells[0]
+    run = accuracy.TableRun(cell, 0)
+    # the first part: the command the table gives this run, stopped by a time limit after its first step
+    first = accuracy.table_command(run, out / run.name, None, PASS_THROUGH, "cpu", 1, 0.01, resume=False)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT)}
+    subprocess.run(first, check=True, capture_output=True, cwd=REPO_ROOT, env=env, timeout=600)
+    stopped = json.loads((out / run.name / "result.json").read_text())
+    assert (stopped["steps"], stopped["stopped_reason"]) == (1, "time_limit")
+
+    proc = _table(table, out, "--cells", "d4")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "1 runs of 1 cells: 0 done (skipped), 1 to resume, 0 to start" in proc.stdout
+    result = json.loads((out / run.name / "result.json").read_text())
+    assert (result["steps"], result["requested_steps"], result["stopped_reason"]) == (3, 3, None)
+    assert "--resume" in (out / run.name / "stdout.log").read_text()
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["rows"][0]["accuracy"] == [round(100 * result["test_accuracy"], 2)]
+    assert summary["rows"][1]["accuracy"] == []  # the cell not asked for
+
+
+def test_a_budget_too_small_starts_nothing_and_names_the_unfinished_cells(tmp_path, capsys):
     out = tmp_path / "out"
-    proc = _table(_tiny_table(tmp_path), out, "--time-limit", "100", "--startup-margin", "60")
-    assert proc.returncode == accuracy.UNFINISHED_EXIT, proc.stdout + proc.stderr
-    assert "unfinished cells: d4 (seed 0); plain (seed 0); 2 not started" in proc.stderr
+    argv = ["table", str(_tiny_table(tmp_path)), "--out", str(out), "--time-limit", "100", "--startup-margin", "60"]
+    assert accuracy.main([*argv, "--device", "cpu", "--", *PASS_THROUGH]) == accuracy.UNFINISHED_EXIT
+    assert "unfinished cells: d4 (seed 0); plain (seed 0); 2 not started" in capsys.readouterr().err
     assert not list(out.glob("*/stdout.log"))  # no train was started
     summary = json.loads((out / "summary.json").read_text())
     assert [r["accuracy"] for r in summary["rows"]] == [[], []]
@@ -245,8 +272,16 @@ def test_summary_counts_finished_runs_and_sums_gpu_hours_over_parts():
         "notes": ["static"],
         "figure": None,
         "cells": [
-            {"name": "a", "model": "M", "epsilon": 8.0, "seeds": [0, 1, 2], "paper": 81.62},
-            {"name": "b", "model": "N", "epsilon": 3.0, "seeds": [0], "paper": None},
+            {"name": "a", "model": "M", "recipe": "r", "set": [], "epsilon": 8.0, "seeds": [0, 1, 2], "paper": 81.62},
+            {
+                "name": "b",
+                "model": "N",
+                "recipe": "r",
+                "set": ["dp.epsilon=3"],
+                "epsilon": 3.0,
+                "seeds": [0],
+                "paper": None,
+            },
         ],
     }
     h200 = {"device": "cuda:0 (NVIDIA H200)", "world_size": 2, "params": 255675, "requested_steps": 2200}
@@ -280,10 +315,14 @@ def test_summary_counts_finished_runs_and_sums_gpu_hours_over_parts():
         "gpu_hours": 1.09,  # (2 x (450 + 585) + 2 x 927) / 3600
         "setting": "paper's + --set dp.precision=bf16",
         "paper": 81.62,
+        "command": "equiconvert train --recipe r --seed S",
+        "seeds": [0, 1, 2],
     }
     assert (b["accuracy"], b["gpu_hours"], b["params"], b["setting"]) == ([], None, None, "paper's")
+    assert b["command"] == "equiconvert train --recipe r --set dp.epsilon=3 --seed 0"
     assert (summary["card"], summary["date"], summary["order"]) == ("2 x NVIDIA H200", "2026-11-27", 3)
     assert summary["notes"][0] == "static"
     assert "a_seed2: stopped at step 1000 of 2200 (time_limit); not counted until resumed." in summary["notes"]
     text = "\n".join(page.render_section(summary))
     assert "| M | 8 | 255,675 | **79.70%** (2) | 0.72 | 1.09 | paper's + --set dp.precision=bf16 | 81.62% |" in text
+    assert "- M, epsilon 8: `equiconvert train --recipe r --seed S`, S = 0, 1, 2" in text

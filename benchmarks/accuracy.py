@@ -21,14 +21,9 @@ parameters and wall time; for runs trained with `--test-shifts SET`, a second ta
 accuracy) and OUT/accuracy_vs_epsilon.png. Runs that stopped before the requested
 number of steps (privacy budget, time limit) are marked in the table, never mixed in silently.
 
-`table NAME|FILE` trains the cells of a recipe table (equiconvert/recipes/tables/*.toml: recipe, --set
-overrides, seeds, the paper's number), every cell's first seed before any cell's second, each run one
-`equiconvert train --recipe ... --nproc-per-node N`, one after another (or side by side over --gpus). It
-resumes like `run`, and also continues runs that a time limit stopped. --time-limit is a budget for the whole
-invocation: each run gets what is left less --startup-margin, none starts with less than MIN_TRAIN_S of
-training left, and the exit status 3 names the unfinished cells (run the same command again to go on). Its
-report (benchmarks/paper_table.py) writes OUT/summary.json in the results page's paper_table schema,
-OUT/table.md and OUT/accuracy_vs_epsilon.png.
+`table NAME|FILE` trains the cells of a recipe table (equiconvert/recipes/tables/*.toml) on N GPUs and
+reports them in the results page's format: benchmarks/recipe_table.py. Both run `train` through
+benchmarks/train_runs.py.
 """
 
 from __future__ import annotations
@@ -37,46 +32,35 @@ import argparse
 import datetime as _dt
 import json
 import math
-import os
 import queue
 import re
-import shlex
 import statistics
-import subprocess
 import sys
-import threading
-import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling modules, also when loaded by path
 import paper_table  # noqa: E402
+import recipe_table  # noqa: E402
+from train_runs import (  # noqa: E402
+    RUN_FILE,
+    Printer,
+    check_extra_args,
+    execute,
+    invocations,
+    log_invocation,
+    plan,
+    print_failures,
+    read_json,
+    shown_command,
+    split_list,
+    utc_now,
+)
 
-REPO = Path(__file__).resolve().parent.parent
 BASELINE = "none"
 BASELINE_LABEL = "none (unconverted)"
-COMMANDS_FILE = "commands.jsonl"  # one line per `run` or `table` invocation on this folder
-RUN_FILE = "benchmark_run.json"  # per run: what the benchmark asked `equiconvert train` to do
-PARTS_FILE = "benchmark_parts.jsonl"  # per run: one line per `train` call that wrote a result (wall time, processes)
-TABLE_FILE = "table.json"  # a table's folder: its definition (labels, paper numbers) as last invoked
-LOG_FILE = "stdout.log"
-LOG_TAIL_LINES = 15
-# Arguments the benchmark sets for every run; passing them after `--` would contradict the grid.
-MANAGED_ARGS = (
-    "--model",
-    "--group",
-    "--dataset",
-    "--data-dir",
-    "--epsilon",
-    "--seed",
-    "--out",
-    "--device",
-    "--resume",
-    "--overwrite",
-)
 # result.json fields that, when set, say why a run stopped before its requested steps.
 STOP_FIELDS = ("stopped_reason", "stop_reason")
 REQUESTED_STEP_FIELDS = ("requested_steps", "steps_requested", "target_steps")
@@ -115,22 +99,6 @@ class Run:
         return ()
 
 
-@dataclass(frozen=True)
-class TableRun:
-    """One seed of one cell of a recipe table."""
-
-    cell: Any  # equiconvert.recipes.table.Cell
-    seed: int
-
-    @property
-    def name(self) -> str:
-        return paper_table.run_name(self.cell.name, self.seed)
-
-    @property
-    def fixed_args(self) -> tuple[str, ...]:
-        return (*self.cell.train_args(), "--seed", str(self.seed))
-
-
 def build_grid(dataset: str, model: str, groups: list[str], epsilons: list[float], seeds: list[int]) -> list[Run]:
     runs = [Run(dataset, model, g, e, s) for g in groups for e in epsilons for s in seeds]
     names = [r.name for r in runs]
@@ -138,16 +106,6 @@ def build_grid(dataset: str, model: str, groups: list[str], epsilons: list[float
     if clashes:
         raise SystemExit(f"error: the grid gives the same run name twice: {', '.join(clashes)}")
     return runs
-
-
-def check_extra_args(extra: list[str], managed: tuple[str, ...] = MANAGED_ARGS) -> None:
-    for arg in extra:
-        option = arg.split("=", 1)[0]
-        if option in managed:
-            raise SystemExit(
-                f"error: {option} is set by the benchmark for every run; give it before `--` "
-                f"(or leave it out), not in the pass-through train arguments"
-            )
 
 
 def train_command(
@@ -183,140 +141,8 @@ def train_command(
     return cmd + (["--resume"] if resume else ["--overwrite"])  # a start replaces what a killed start left
 
 
-def plan(
-    runs: list[Run], out: Path, extra: list[str], continue_stopped: bool = False
-) -> tuple[list[Run], list[Run], list[Run]]:
-    """Split the grid into (done, to resume, to start). Refuses results made with other train arguments.
-
-    With `continue_stopped`, a finished run that train stopped at its --time-limit (and left a
-    checkpoint of) is resumed instead of counted as done.
-    """
-    done, resume, start, conflicts = [], [], [], []
-    for run in runs:
-        run_dir = out / run.name
-        if (run_dir / "result.json").exists():
-            recorded = _read_json(run_dir / RUN_FILE)
-            if recorded is not None and recorded.get("extra_args") != [*run.fixed_args, *extra]:
-                conflicts.append(f"{run.name} (made with {shlex.join(recorded.get('extra_args', []))!r})")
-            timed_out = (_read_json(run_dir / "result.json") or {}).get("stopped_reason") == "time_limit"
-            if continue_stopped and timed_out and (run_dir / "checkpoint.pt").exists():
-                resume.append(run)
-            else:
-                done.append(run)
-        elif (run_dir / "checkpoint.pt").exists():
-            resume.append(run)
-        else:
-            start.append(run)
-    if conflicts:
-        raise SystemExit(
-            "error: these finished runs used other train arguments than "
-            f"{shlex.join(extra)!r} (after their own); use another --out:\n  " + "\n  ".join(conflicts)
-        )
-    return done, resume, start
-
-
-def _read_json(path: Path):
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-
-
-def _now() -> str:
-    return _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat()
-
-
-def _tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
-    try:
-        text = path.read_text(errors="replace")
-    except OSError:
-        return "(no log)"
-    return "\n".join(text.rstrip("\n").splitlines()[-lines:])
-
-
-def _shown_command(argv: list[str]) -> str:
-    """The command line as typed, with paths below the working directory made relative."""
-    cwd = Path.cwd()
-
-    def rel(text: str) -> str:
-        try:
-            return str(Path(text).relative_to(cwd)) if os.path.isabs(text) else text
-        except ValueError:
-            return text
-
-    return shlex.join([rel(sys.executable), rel(__file__), *argv])
-
-
-def _git_commit() -> str | None:
-    out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True)
-    return out.stdout.strip() if out.returncode == 0 else None
-
-
-class _Printer:
-    def __init__(self, total: int) -> None:
-        self.total, self.count, self.lock = total, 0, threading.Lock()
-
-    def __call__(self, text: str, finished: bool = False) -> None:
-        with self.lock:
-            self.count += finished
-            print(f"[{self.count}/{self.total}] {text}", flush=True)
-
-
-def _mtime(path: Path) -> int | None:
-    try:
-        return path.stat().st_mtime_ns
-    except OSError:
-        return None
-
-
-def _execute(
-    name: str,
-    run_dir: Path,
-    cmd: list[str],
-    record: dict,
-    resume: bool,
-    say: _Printer,
-    where: str,
-    env: dict[str, str] | None = None,
-) -> dict | None:
-    """One `train` call in a subprocess (record: what RUN_FILE says of the run); None on success, else a failure."""
-    run_dir.mkdir(parents=True, exist_ok=True)
-    if not resume:
-        if (run_dir / "log.jsonl").exists():  # a failed attempt's log: keep it, but out of the way
-            (run_dir / "log.jsonl").replace(run_dir / "log.failed-attempt.jsonl")
-        (run_dir / PARTS_FILE).unlink(missing_ok=True)
-    record = {**record, "command": shlex.join(cmd), "started": _now(), "resumed": resume}
-    (run_dir / RUN_FILE).write_text(json.dumps(record, indent=2))
-    say(f"{'resume' if resume else 'start'} {name} on {where}")
-    before = _mtime(run_dir / "result.json")
-    with open(run_dir / LOG_FILE, "a") as log:
-        log.write(f"=== {_now()} {shlex.join(cmd)}\n")
-        log.flush()
-        path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
-        full_env = {**os.environ, **(env or {}), "PYTHONPATH": path}
-        code = subprocess.run(
-            cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=full_env
-        ).returncode
-    result = _read_json(run_dir / "result.json")
-    if result is not None and _mtime(run_dir / "result.json") != before:  # this call's part of the run
-        part = {k: result.get(k) for k in ("wall_time_s", "world_size", "steps", "stopped_reason")}
-        with open(run_dir / PARTS_FILE, "a") as parts:
-            parts.write(json.dumps({**part, "finished": _now()}) + "\n")
-    if code == 0 and result is not None:
-        stopped = f", stopped: {result['stopped_reason']}" if result.get("stopped_reason") else ""
-        say(
-            f"done  {name}: test accuracy {100 * result.get('test_accuracy', math.nan):.2f}%, "
-            f"{result.get('wall_time_s', math.nan):.0f} s{stopped}",
-            finished=True,
-        )
-        return None
-    why = f"exit status {code}" if code != 0 else "exit status 0 but no result.json"
-    say(f"FAILED {name} ({why}); log: {run_dir / LOG_FILE}", finished=True)
-    return {"run": name, "why": why, "log": str(run_dir / LOG_FILE), "tail": _tail(run_dir / LOG_FILE)}
-
-
 def _grid_job(
-    run: Run, out: Path, device: str, data_dir: str | None, extra: list[str], resume: bool, say: _Printer
+    run: Run, out: Path, device: str, data_dir: str | None, extra: list[str], resume: bool, say: Printer
 ) -> dict | None:
     cmd = train_command(run, out / run.name, device, data_dir, extra, resume)
     record = {
@@ -329,17 +155,17 @@ def _grid_job(
         "device": device,
         "extra_args": extra,
     }
-    return _execute(run.name, out / run.name, cmd, record, resume, say, device)
+    return execute(run.name, out / run.name, cmd, record, resume, say, device)
 
 
 def run_grid(args: argparse.Namespace, extra: list[str], argv: list[str]) -> int:
     check_extra_args(extra)
     groups, epsilons, seeds = (
-        _split(args.groups),
-        [float(e) for e in _split(args.epsilons)],
-        [int(s) for s in _split(args.seeds)],
+        split_list(args.groups),
+        [float(e) for e in split_list(args.epsilons)],
+        [int(s) for s in split_list(args.seeds)],
     )
-    devices = _split(args.devices)
+    devices = split_list(args.devices)
     if not groups or not epsilons or not seeds or not devices or args.jobs_per_device < 1:
         raise SystemExit(
             "error: --groups, --epsilons, --seeds and --devices need at least one value, --jobs-per-device at least 1"
@@ -348,7 +174,9 @@ def run_grid(args: argparse.Namespace, extra: list[str], argv: list[str]) -> int
     runs = build_grid(args.dataset, args.model, groups, epsilons, seeds)
     done, to_resume, to_start = plan(runs, out, extra, args.continue_stopped)
     out.mkdir(parents=True, exist_ok=True)
-    _log_invocation(out, argv, devices=devices, groups=groups, epsilons=epsilons, seeds=seeds, extra_args=extra)
+    log_invocation(
+        out, __file__, argv, devices=devices, groups=groups, epsilons=epsilons, seeds=seeds, extra_args=extra
+    )
     print(
         f"{len(runs)} runs: {len(done)} done (skipped), {len(to_resume)} to resume, {len(to_start)} to start; "
         f"{len(devices) * args.jobs_per_device} at a time on {', '.join(devices)}",
@@ -359,7 +187,7 @@ def run_grid(args: argparse.Namespace, extra: list[str], argv: list[str]) -> int
     for _ in range(args.jobs_per_device):
         for device in devices:
             slots.put(device)
-    say = _Printer(len(to_resume) + len(to_start))
+    say = Printer(len(to_resume) + len(to_start))
 
     def job(run: Run, resume: bool) -> dict | None:
         device = slots.get()
@@ -375,219 +203,10 @@ def run_grid(args: argparse.Namespace, extra: list[str], argv: list[str]) -> int
         failures = [f for f in pool.map(lambda item: job(*item), work) if f is not None]
 
     report(out, argv=argv)
-    return 1 if _print_failures(failures, len(work)) else 0
-
-
-def _print_failures(failures: list[dict], total: int) -> bool:
-    """Name each failed run with the end of its log; True if any failed."""
-    if failures:
-        print(f"\n{len(failures)} of {total} runs FAILED:", file=sys.stderr)
-        for f in failures:
-            print(f"--- {f['run']}: {f['why']} (log: {f['log']})", file=sys.stderr)
-            if f["tail"]:
-                print("    " + f["tail"].replace("\n", "\n    "), file=sys.stderr)
-    return bool(failures)
-
-
-def _split(text: str) -> list[str]:
-    return [item.strip() for item in text.split(",") if item.strip()]
-
-
-def _log_invocation(out: Path, argv: list[str], **fields: Any) -> None:
-    invocation = {
-        "date": _now(),
-        "command": _shown_command(argv),
-        "argv": argv,
-        "cwd": str(Path.cwd()),
-        "git_commit": _git_commit(),
-        **fields,
-    }
-    with open(out / COMMANDS_FILE, "a") as handle:
-        handle.write(json.dumps(invocation) + "\n")
+    return 1 if print_failures(failures, len(work)) else 0
 
 
 # --- recipe tables -------------------------------------------------------------------------------
-
-# a table's cells set these through their recipes, or the benchmark sets them per run
-TABLE_MANAGED_ARGS = (*MANAGED_ARGS, "--recipe", "--time-limit", "--nproc-per-node")
-TABLE_MANAGED_KEYS = (
-    "model.name",
-    "conversion.group",
-    "data.dataset",
-    "data.data_dir",
-    "dp.epsilon",
-    "dp.target_epsilon",
-    "schedule.seed",
-    "run.out",
-    "run.device",
-    "run.time_limit_s",
-    "run.resume",
-    "run.overwrite",
-)
-STARTUP_MARGIN_S = 120.0  # per run, of a --time-limit budget: start-up, final evaluation and saving
-MIN_TRAIN_S = 60.0  # a run starts only with at least this much training time left in the budget
-UNFINISHED_EXIT = 3
-
-
-@dataclass
-class Slot:
-    """Where one run of a table trains: a label for messages, and the environment that picks its cards."""
-
-    label: str
-    env: dict[str, str]
-
-
-def table_slots(gpus: list[str], nproc: int, device: str | None) -> list[Slot]:
-    """One slot (every visible card) without --gpus; else one slot per --nproc-per-node cards of --gpus."""
-    if not gpus:
-        return [Slot(device or "train's default device", {})]
-    if len(gpus) % nproc:
-        raise SystemExit(f"error: --gpus lists {len(gpus)} cards, not a multiple of --nproc-per-node {nproc}")
-    if device not in (None, "cuda"):
-        raise SystemExit(f"error: --device {device} with --gpus: each run sees its own cards; give --device cuda")
-    groups = [",".join(gpus[i : i + nproc]) for i in range(0, len(gpus), nproc)]
-    return [Slot(f"cards {g}", {"CUDA_VISIBLE_DEVICES": g}) for g in groups]
-
-
-def check_table_extra_args(extra: list[str], cells: list[Any]) -> None:
-    """Refuse pass-through arguments that would change what the table's cells define."""
-    check_extra_args(extra, TABLE_MANAGED_ARGS)
-    cell_keys = {o.split("=", 1)[0].strip() for c in cells for o in c.overrides}
-    for i, arg in enumerate(extra):
-        value = extra[i + 1] if arg == "--set" and i + 1 < len(extra) else arg.removeprefix("--set=")
-        if arg != "--set" and not arg.startswith("--set="):
-            continue
-        key = value.split("=", 1)[0].strip()
-        if key in TABLE_MANAGED_KEYS or key in cell_keys:
-            raise SystemExit(
-                f"error: --set {value}: {key} is set by the table's cells or by the benchmark for every run; "
-                "a table row with another value is a cell of its own (add it to the table file)"
-            )
-
-
-def table_command(
-    run: TableRun,
-    run_dir: Path,
-    data_dir: str | None,
-    extra: list[str],
-    device: str | None,
-    nproc: int,
-    time_limit: float | None,
-    resume: bool,
-) -> list[str]:
-    cmd = [sys.executable, "-m", "equiconvert", "train", *run.fixed_args]
-    if data_dir is not None:
-        cmd += ["--data-dir", data_dir]
-    cmd += ["--out", str(run_dir), "--set", "run.progress=false", *extra]
-    cmd += ["--device", device] if device is not None else []
-    cmd += ["--nproc-per-node", str(nproc)] if nproc > 1 else []
-    cmd += ["--time-limit", f"{time_limit:g}"] if time_limit is not None else []
-    return cmd + (["--resume"] if resume else ["--overwrite"])
-
-
-def _load_table(name: str) -> Any:
-    if str(REPO) not in sys.path:
-        sys.path.insert(0, str(REPO))
-    from equiconvert.recipes.table import TableError, load_table
-
-    try:
-        return load_table(name)
-    except TableError as exc:
-        raise SystemExit(f"error: {exc}") from None
-
-
-def table_runs(cells: list[Any]) -> list[TableRun]:
-    """Every cell's first seed in table order, then every cell's second, ...: the table fills in row by row."""
-    rounds = max(len(c.seeds) for c in cells)
-    return [TableRun(c, c.seeds[i]) for i in range(rounds) for c in cells if i < len(c.seeds)]
-
-
-def run_table(args: argparse.Namespace, extra: list[str], argv: list[str]) -> int:
-    table = _load_table(args.table)
-    try:
-        cells = list(table.select(_split(args.cells)) if args.cells else table.cells)
-    except ValueError as exc:
-        raise SystemExit(f"error: {exc}") from None
-    check_table_extra_args(extra, cells)
-    if args.nproc_per_node < 1:
-        raise SystemExit(f"error: --nproc-per-node {args.nproc_per_node}: give at least 1")
-    slots_list = table_slots(_split(args.gpus or ""), args.nproc_per_node, args.device)
-    deadline = None if args.time_limit is None else time.monotonic() + args.time_limit
-    out = Path(args.out)
-    runs = table_runs(cells)
-    done, to_resume, _ = plan(runs, out, extra, continue_stopped=True)
-    resuming = {r.name for r in to_resume}
-    work = [r for r in runs if r not in done]
-    out.mkdir(parents=True, exist_ok=True)
-    (out / TABLE_FILE).write_text(json.dumps(paper_table.definition(table), indent=2))
-    _log_invocation(out, argv, table=table.source, cells=[c.name for c in cells], extra_args=extra)
-    print(
-        f"table {table.source}: {len(runs)} runs of {len(cells)} cells: {len(done)} done (skipped), "
-        f"{len(resuming)} to resume, {len(work) - len(resuming)} to start; "
-        f"{len(slots_list)} at a time ({', '.join(s.label for s in slots_list)})",
-        flush=True,
-    )
-    slots: queue.Queue[Slot] = queue.Queue()
-    for slot in slots_list:
-        slots.put(slot)
-    say = _Printer(len(work))
-
-    def job(run: TableRun) -> dict | None:
-        slot = slots.get()
-        try:
-            limit = None if deadline is None else deadline - time.monotonic() - args.startup_margin
-            if limit is not None and limit < MIN_TRAIN_S:
-                return {"run": run.name, "skipped": True}
-            resume = run.name in resuming
-            cmd = table_command(
-                run, out / run.name, args.data_dir, extra, args.device, args.nproc_per_node, limit, resume
-            )
-            record = {
-                "run": run.name,
-                "cell": run.cell.name,
-                "recipe": run.cell.recipe,
-                "overrides": list(run.cell.overrides),
-                "seed": run.seed,
-                "epsilon": run.cell.epsilon,
-                "extra_args": [*run.fixed_args, *extra],
-                "pass_through": extra,
-                "nproc_per_node": args.nproc_per_node,
-                "device": args.device,
-                "slot": slot.label,
-                "time_limit_s": limit,
-            }
-            return _execute(run.name, out / run.name, cmd, record, resume, say, slot.label, slot.env)
-        except Exception as exc:  # the benchmark's own error (disk, permissions): still one failed run
-            return {"run": run.name, "why": f"{type(exc).__name__}: {exc}", "log": "", "tail": ""}
-        finally:
-            slots.put(slot)
-
-    with ThreadPoolExecutor(max_workers=len(slots_list)) as pool:
-        outcomes = [o for o in pool.map(job, work) if o is not None]
-    failures = [o for o in outcomes if not o.get("skipped")]
-    report(out, argv=argv)
-    failed = _print_failures(failures, len(work))
-    _, resume_left, start_left = plan(runs, out, extra, continue_stopped=True)
-    left = {r.name for r in [*resume_left, *start_left]}
-    if not left:
-        return 1 if failed else 0
-    unfinished = []
-    for cell in cells:
-        seeds = [str(s) for s in cell.seeds if paper_table.run_name(cell.name, s) in left]
-        if seeds:
-            unfinished.append(f"{cell.name} (seed {', '.join(seeds)})")
-    skipped = sum(bool(o.get("skipped")) for o in outcomes)
-    why = (
-        f"; {skipped} not started: less than {MIN_TRAIN_S:.0f} s of training left in --time-limit "
-        f"{args.time_limit:g} after the {args.startup_margin:g} s start-up margin"
-        if skipped
-        else ""
-    )
-    print(
-        f"unfinished cells: {'; '.join(unfinished)}{why}. Run the same command again to continue them.",
-        file=sys.stderr,
-    )
-    return 1 if failed else UNFINISHED_EXIT
 
 
 # --- the report ----------------------------------------------------------------------------------
@@ -628,11 +247,11 @@ def load_runs(out: Path) -> list[dict]:
     """Every OUT/*/result.json, with its run name, seed and early-stop information added."""
     runs = []
     for path in sorted(out.glob("*/result.json")):
-        result = _read_json(path)
+        result = read_json(path)
         if not isinstance(result, dict) or "test_accuracy" not in result:
             print(f"warning: skipping {path}: not a result record", file=sys.stderr)
             continue
-        recorded = _read_json(path.parent / RUN_FILE)
+        recorded = read_json(path.parent / RUN_FILE)
         requested = _requested_steps(result, recorded)
         reason = _stop_reason(path.parent, result)
         steps = result.get("steps")
@@ -896,64 +515,15 @@ def plot(summary: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
-def _commands(out: Path) -> list[dict]:
-    """The invocations recorded in OUT, one entry per distinct command (a resumed grid repeats it)."""
-    commands: list[dict] = []
-    if (out / COMMANDS_FILE).exists():
-        for line in (out / COMMANDS_FILE).read_text().splitlines():
-            record = json.loads(line) if line.strip() else None
-            if record and all(record["command"] != c["command"] for c in commands):
-                commands.append(record)
-    return commands
-
-
-def _parts(run_dir: Path) -> list[dict]:
-    try:
-        lines = (run_dir / PARTS_FILE).read_text().splitlines()
-    except OSError:
-        return []
-    return [json.loads(line) for line in lines if line.strip()]
-
-
-def table_report(out: Path) -> dict:
-    """A table folder's summary in the results page's paper_table schema, its Markdown and its figure."""
-    import make_results_page
-
-    definition = json.loads((out / TABLE_FILE).read_text())
-    runs = {}
-    for cell in definition["cells"]:
-        for seed in cell["seeds"]:
-            run_dir = out / paper_table.run_name(cell["name"], seed)
-            result = _read_json(run_dir / "result.json")
-            runs[run_dir.name] = {
-                "result": result if isinstance(result, dict) and "test_accuracy" in result else None,
-                "recorded": _read_json(run_dir / RUN_FILE),
-                "parts": _parts(run_dir),
-            }
-    commands = _commands(out)
-    summary = paper_table.summarize(definition, runs, commands[-1]["command"] if commands else None)
-    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    figure = {"figure": {**summary["figure"], "path": "accuracy_vs_epsilon.png"}} if "figure" in summary else {}
-    (out / "table.md").write_text("\n".join(make_results_page.render_section({**summary, **figure})))
-    paper_table.plot(summary, out / "accuracy_vs_epsilon.png")
-    counted = sum(len(r["accuracy"]) for r in summary["rows"])
-    print(
-        f"report: {counted} finished runs in {len(summary['rows'])} rows -> {out / 'summary.json'}, "
-        f"{out / 'table.md'}, {out / 'accuracy_vs_epsilon.png'}",
-        flush=True,
-    )
-    return summary
-
-
 def report(out: Path, argv: list[str] | None = None) -> dict:
-    if (out / TABLE_FILE).exists():
-        return table_report(out)
+    if (out / recipe_table.TABLE_FILE).exists():
+        return recipe_table.table_report(out)
     runs = load_runs(out)
-    commands = _commands(out)
+    commands = invocations(out)
     summary = summarize(runs)
     document = {
-        "generated": _now(),
-        "report_command": _shown_command(argv) if argv is not None else None,
+        "generated": utc_now(),
+        "report_command": shown_command(__file__, argv) if argv is not None else None,
         "commands": commands,
         "runs": len(runs),
         "cells": summary,
@@ -998,43 +568,8 @@ def _parser() -> argparse.ArgumentParser:
     )
     rep = sub.add_parser("report", help="summarize OUT/*/result.json into summary.json, table.md and a plot")
     rep.add_argument("--out", required=True)
-    _add_table_parser(sub)
+    recipe_table.add_parser(sub)
     return parser
-
-
-def _add_table_parser(sub: Any) -> None:
-    tab = sub.add_parser(
-        "table",
-        help="train a recipe table's cells (skipping finished runs, resuming stopped ones), then report it "
-        "in the results page's paper_table format",
-    )
-    tab.add_argument("table", help="a shipped table's name (equiconvert/recipes/tables/NAME.toml) or a TOML file")
-    tab.add_argument("--out", required=True, help="folder of the table: one sub-folder per run, plus the report")
-    tab.add_argument("--data-dir", default=None, help="passed to train as --data-dir (omitted if not given)")
-    tab.add_argument("--cells", default=None, help="comma-separated cell names to train (default: every cell)")
-    tab.add_argument("--nproc-per-node", type=int, default=1, help="processes (GPUs) per run (default 1)")
-    tab.add_argument("--device", default=None, help="train --device (default: train's own, cuda if available)")
-    tab.add_argument(
-        "--gpus",
-        default=None,
-        help="comma-separated card indices: runs side by side, each on --nproc-per-node of them "
-        "(CUDA_VISIBLE_DEVICES); default: one run at a time on the first --nproc-per-node visible cards",
-    )
-    tab.add_argument(
-        "--time-limit",
-        type=float,
-        default=None,
-        metavar="SECONDS",
-        help="budget of this invocation: each run trains until it is spent (less --startup-margin) and stops "
-        "with a checkpoint; the same command continues it",
-    )
-    tab.add_argument(
-        "--startup-margin",
-        type=float,
-        default=STARTUP_MARGIN_S,
-        metavar="SECONDS",
-        help=f"of the budget, kept per run for start-up, final evaluation and saving (default {STARTUP_MARGIN_S:g})",
-    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -1047,7 +582,7 @@ def main(argv: list[str] | None = None) -> int:
         report(Path(args.out), argv=argv)
         return 0
     if args.command == "table":
-        return run_table(args, extra, argv)
+        return recipe_table.run_table(args, extra, argv, __file__)
     return run_grid(args, extra, argv)
 
 

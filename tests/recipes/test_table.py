@@ -31,6 +31,7 @@ def _script(name: str) -> ModuleType:
 
 
 accuracy = _script("accuracy")
+tables = accuracy.recipe_table  # imported by accuracy.py, as it runs the `table` command
 page = _script("make_results_page")
 
 # two steps of a tiny ResNet9 on the synthetic data set: seconds on one CPU thread
@@ -108,9 +109,9 @@ def test_the_shipped_paper_table_has_the_papers_rows():
     ]
     assert table.figure == "img/cifar10_paper_table.png" and "JPEG" in table.figure_title
     # every cell's first seed before the epsilon-8 cell's second and third
-    order = [r.name for r in accuracy.table_runs(list(table.cells))]
+    order = [r.name for r in tables.table_runs(list(table.cells))]
     assert order[0] == "d4_eps8_seed0" and order[-2:] == ["d4_eps8_seed1", "d4_eps8_seed2"] and len(order) == 9
-    assert accuracy.TableRun(table.cells[3], 0).fixed_args == (
+    assert tables.TableRun(table.cells[3], 0).fixed_args == (
         "--recipe",
         d4,
         "--set",
@@ -209,9 +210,9 @@ def test_a_run_stopped_with_a_checkpoint_is_resumed_to_its_last_step(tmp_path):
     table, out = _tiny_table(tmp_path), tmp_path / "out"
     (tmp_path / "tiny.toml").write_text(TINY_RECIPE.replace("steps = 2", "steps = 3"))
     cell = load_table(str(table)).cells[0]
-    run = accuracy.TableRun(cell, 0)
+    run = tables.TableRun(cell, 0)
     # the first part: the command the table gives this run, stopped by a time limit after its first step
-    first = accuracy.table_command(run, out / run.name, None, PASS_THROUGH, "cpu", 1, 0.01, resume=False)
+    first = tables.table_command(run, out / run.name, None, PASS_THROUGH, "cpu", 1, 0.01, resume=False)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT)}
     subprocess.run(first, check=True, capture_output=True, cwd=REPO_ROOT, env=env, timeout=600)
     stopped = json.loads((out / run.name / "result.json").read_text())
@@ -231,7 +232,7 @@ def test_a_run_stopped_with_a_checkpoint_is_resumed_to_its_last_step(tmp_path):
 def test_a_budget_too_small_starts_nothing_and_names_the_unfinished_cells(tmp_path, capsys):
     out = tmp_path / "out"
     argv = ["table", str(_tiny_table(tmp_path)), "--out", str(out), "--time-limit", "100", "--startup-margin", "60"]
-    assert accuracy.main([*argv, "--device", "cpu", "--", *PASS_THROUGH]) == accuracy.UNFINISHED_EXIT
+    assert accuracy.main([*argv, "--device", "cpu", "--", *PASS_THROUGH]) == tables.UNFINISHED_EXIT
     assert "unfinished cells: d4 (seed 0); plain (seed 0); 2 not started" in capsys.readouterr().err
     assert not list(out.glob("*/stdout.log"))  # no train was started
     summary = json.loads((out / "summary.json").read_text())
@@ -243,13 +244,13 @@ def test_each_run_gets_what_is_left_of_the_budget(tmp_path, monkeypatch):
 
     def fake_execute(name, run_dir, cmd, record, resume, say, where, env=None):
         calls.append((name, cmd, record, env))
-        accuracy.time.sleep(0.05)
+        tables.time.sleep(0.05)
 
-    monkeypatch.setattr(accuracy, "_execute", fake_execute)
+    monkeypatch.setattr(tables, "execute", fake_execute)
     table = _tiny_table(tmp_path)
     argv = ["table", str(table), "--out", str(tmp_path / "out"), "--time-limit", "1000", "--startup-margin", "100"]
     code = accuracy.main([*argv, "--nproc-per-node", "2", "--gpus", "0,1,2,3", "--", *PASS_THROUGH])
-    assert code == accuracy.UNFINISHED_EXIT  # nothing really trained
+    assert code == tables.UNFINISHED_EXIT  # nothing really trained
     assert sorted(c[0] for c in calls) == ["d4_seed0", "plain_seed0"]
     for name, cmd, record, env in calls:
         limit = float(cmd[cmd.index("--time-limit") + 1])
@@ -257,7 +258,7 @@ def test_each_run_gets_what_is_left_of_the_budget(tmp_path, monkeypatch):
         assert cmd[cmd.index("--nproc-per-node") + 1] == "2" and cmd[-1] == "--overwrite"
         assert env["CUDA_VISIBLE_DEVICES"] in ("0,1", "2,3") and record["pass_through"] == PASS_THROUGH
     with pytest.raises(SystemExit, match="not a multiple of --nproc-per-node 2"):
-        accuracy.table_slots(["0", "1", "2"], 2, None)
+        tables.table_slots(["0", "1", "2"], 2, None)
     with pytest.raises(SystemExit, match="dp.epsilon is set by the table's cells"):
         accuracy.main([*argv, "--", "--set", "dp.epsilon=2"])
     with pytest.raises(SystemExit, match="--time-limit is set by the benchmark"):

@@ -258,7 +258,7 @@ def table_report(out: Path) -> dict:
             }
     commands = invocations(out)
     summary = paper_table.summarize(definition, runs, commands[-1]["command"] if commands else None)
-    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    (out / "summary.json").write_text(json.dumps(summary, indent=2, ensure_ascii=False) + "\n")
     figure = {"figure": {**summary["figure"], "path": "accuracy_vs_epsilon.png"}} if "figure" in summary else {}
     (out / "table.md").write_text("\n".join(make_results_page.render_section({**summary, **figure})))
     paper_table.plot(summary, out / "accuracy_vs_epsilon.png")

@@ -133,6 +133,13 @@ def _throughput(s: Summary) -> list[str]:
     return _table(columns, rows)
 
 
+def _params(params: int | list[int] | None) -> str:
+    """A parameter count; several where a row's runs differ (a list), "-" where no run has finished."""
+    if params is None:
+        return "-"
+    return " / ".join(f"{p:,}" for p in (params if isinstance(params, list) else [params]))
+
+
 @renderer("paper_table")
 def _paper_table(s: Summary) -> list[str]:
     columns = [
@@ -151,14 +158,11 @@ def _paper_table(s: Summary) -> list[str]:
         ours = f"**{_pct(_median(runs))}** ({len(runs)})" if runs else "not run"
         std = f"{statistics.stdev(runs):.2f}" if len(runs) > 1 else "-"
         hours = "-" if r.get("gpu_hours") is None else f"{r['gpu_hours']:.2f}"
-        params = r.get("params")
         rows.append(
             [
                 r["model"],
                 r["epsilon"],
-                "-"
-                if params is None
-                else " / ".join(f"{p:,}" for p in (params if isinstance(params, list) else [params])),
+                _params(r.get("params")),
                 ours,
                 std,
                 hours,

@@ -193,6 +193,10 @@ def test_tiny_table_end_to_end_then_skipped(tmp_path):
     assert page.main(["--summaries", str(summaries), "--out", str(tmp_path / "docs" / "results.md")]) == 0
     assert "![tiny: ours and the paper's](img/tiny.png)" in (tmp_path / "docs" / "results.md").read_text()
     assert (tmp_path / "docs" / "img" / "tiny.png").read_bytes()[:8] == PNG_SIGNATURE
+    check = ["--summaries", str(summaries), "--out", str(tmp_path / "docs" / "results.md"), "--check"]
+    assert page.main(check) == 0
+    (tmp_path / "docs" / "img" / "tiny.png").unlink()
+    assert page.main(check) == 1  # the page names a figure that is not there
 
     (out / "summary.json").unlink()  # the report alone rebuilds it from the folder
     assert accuracy.main(["report", "--out", str(out)]) == 0

@@ -4,6 +4,8 @@
         --groups none,D1,D4 --epsilons 1,3,8 --seeds 0,1,2 --out benchmarks/results/accuracy/NAME \\
         [--data-dir DIR] [--devices cuda:0,cuda:1 --jobs-per-device 2] -- --steps 1000 --batch-size 2048
     .venv/bin/python benchmarks/accuracy.py report --out benchmarks/results/accuracy/NAME
+    .venv/bin/python benchmarks/accuracy.py table cifar10_paper --data-dir DIR --out runs/cifar10_paper \\
+        --nproc-per-node 4 [--time-limit SECONDS] [--cells d4_eps8,...] -- --set dp.precision=bf16
 
 `run` trains nothing itself: every (group, epsilon, seed) of the grid is one subprocess
 `python -m equiconvert train ... --out OUT/<run-name>` with the arguments after `--` passed through
@@ -18,6 +20,10 @@ group, epsilon) and writes OUT/summary.json, OUT/table.md (median ± std over se
 parameters and wall time; for runs trained with `--test-shifts SET`, a second table of the shift-averaged
 accuracy) and OUT/accuracy_vs_epsilon.png. Runs that stopped before the requested
 number of steps (privacy budget, time limit) are marked in the table, never mixed in silently.
+
+`table NAME|FILE` trains the cells of a recipe table (equiconvert/recipes/tables/*.toml) on N GPUs and
+reports them in the results page's format: benchmarks/recipe_table.py. Both run `train` through
+benchmarks/train_runs.py.
 """
 
 from __future__ import annotations
@@ -26,39 +32,35 @@ import argparse
 import datetime as _dt
 import json
 import math
-import os
 import queue
 import re
-import shlex
 import statistics
-import subprocess
 import sys
-import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling modules, also when loaded by path
+import paper_table  # noqa: E402
+import recipe_table  # noqa: E402
+from train_runs import (  # noqa: E402
+    RUN_FILE,
+    Printer,
+    check_extra_args,
+    execute,
+    invocations,
+    log_invocation,
+    plan,
+    print_failures,
+    read_json,
+    shown_command,
+    split_list,
+    utc_now,
+)
+
 BASELINE = "none"
 BASELINE_LABEL = "none (unconverted)"
-COMMANDS_FILE = "commands.jsonl"  # one line per `run` invocation on this folder
-RUN_FILE = "benchmark_run.json"  # per run: what the benchmark asked `equiconvert train` to do
-LOG_FILE = "stdout.log"
-LOG_TAIL_LINES = 15
-# Arguments the benchmark sets for every run; passing them after `--` would contradict the grid.
-MANAGED_ARGS = (
-    "--model",
-    "--group",
-    "--dataset",
-    "--data-dir",
-    "--epsilon",
-    "--seed",
-    "--out",
-    "--device",
-    "--resume",
-    "--overwrite",
-)
 # result.json fields that, when set, say why a run stopped before its requested steps.
 STOP_FIELDS = ("stopped_reason", "stop_reason")
 REQUESTED_STEP_FIELDS = ("requested_steps", "steps_requested", "target_steps")
@@ -91,6 +93,11 @@ class Run:
     def name(self) -> str:
         return run_name(self.dataset, self.model, self.group, self.epsilon, self.seed)
 
+    @property
+    def fixed_args(self) -> tuple[str, ...]:
+        """Train arguments of this run beyond the pass-through ones that define it (a grid's are in its name)."""
+        return ()
+
 
 def build_grid(dataset: str, model: str, groups: list[str], epsilons: list[float], seeds: list[int]) -> list[Run]:
     runs = [Run(dataset, model, g, e, s) for g in groups for e in epsilons for s in seeds]
@@ -99,16 +106,6 @@ def build_grid(dataset: str, model: str, groups: list[str], epsilons: list[float
     if clashes:
         raise SystemExit(f"error: the grid gives the same run name twice: {', '.join(clashes)}")
     return runs
-
-
-def check_extra_args(extra: list[str]) -> None:
-    for arg in extra:
-        option = arg.split("=", 1)[0]
-        if option in MANAGED_ARGS:
-            raise SystemExit(
-                f"error: {option} is set by the benchmark for every run; give it before `--` "
-                f"(or leave it out), not in the pass-through train arguments"
-            )
 
 
 def train_command(
@@ -144,94 +141,10 @@ def train_command(
     return cmd + (["--resume"] if resume else ["--overwrite"])  # a start replaces what a killed start left
 
 
-def plan(
-    runs: list[Run], out: Path, extra: list[str], continue_stopped: bool = False
-) -> tuple[list[Run], list[Run], list[Run]]:
-    """Split the grid into (done, to resume, to start). Refuses results made with other train arguments.
-
-    With `continue_stopped`, a finished run that train stopped at its --time-limit (and left a
-    checkpoint of) is resumed instead of counted as done.
-    """
-    done, resume, start, conflicts = [], [], [], []
-    for run in runs:
-        run_dir = out / run.name
-        if (run_dir / "result.json").exists():
-            recorded = _read_json(run_dir / RUN_FILE)
-            if recorded is not None and recorded.get("extra_args") != extra:
-                conflicts.append(f"{run.name} (made with {shlex.join(recorded.get('extra_args', []))!r})")
-            timed_out = (_read_json(run_dir / "result.json") or {}).get("stopped_reason") == "time_limit"
-            if continue_stopped and timed_out and (run_dir / "checkpoint.pt").exists():
-                resume.append(run)
-            else:
-                done.append(run)
-        elif (run_dir / "checkpoint.pt").exists():
-            resume.append(run)
-        else:
-            start.append(run)
-    if conflicts:
-        raise SystemExit(
-            "error: these finished runs used other train arguments than "
-            f"{shlex.join(extra)!r}; use another --out:\n  " + "\n  ".join(conflicts)
-        )
-    return done, resume, start
-
-
-def _read_json(path: Path):
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-
-
-def _now() -> str:
-    return _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat()
-
-
-def _tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
-    try:
-        text = path.read_text(errors="replace")
-    except OSError:
-        return "(no log)"
-    return "\n".join(text.rstrip("\n").splitlines()[-lines:])
-
-
-def _shown_command(argv: list[str]) -> str:
-    """The command line as typed, with paths below the working directory made relative."""
-    cwd = Path.cwd()
-
-    def rel(text: str) -> str:
-        try:
-            return str(Path(text).relative_to(cwd)) if os.path.isabs(text) else text
-        except ValueError:
-            return text
-
-    return shlex.join([rel(sys.executable), rel(__file__), *argv])
-
-
-def _git_commit() -> str | None:
-    out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True)
-    return out.stdout.strip() if out.returncode == 0 else None
-
-
-class _Printer:
-    def __init__(self, total: int) -> None:
-        self.total, self.count, self.lock = total, 0, threading.Lock()
-
-    def __call__(self, text: str, finished: bool = False) -> None:
-        with self.lock:
-            self.count += finished
-            print(f"[{self.count}/{self.total}] {text}", flush=True)
-
-
-def _execute(
-    run: Run, out: Path, device: str, data_dir: str | None, extra: list[str], resume: bool, say: _Printer
+def _grid_job(
+    run: Run, out: Path, device: str, data_dir: str | None, extra: list[str], resume: bool, say: Printer
 ) -> dict | None:
-    """One run in a subprocess; returns None on success, else a failure record."""
-    run_dir = out / run.name
-    run_dir.mkdir(parents=True, exist_ok=True)
-    if not resume and (run_dir / "log.jsonl").exists():  # a failed attempt's log: keep it, but out of the way
-        (run_dir / "log.jsonl").replace(run_dir / "log.failed-attempt.jsonl")
-    cmd = train_command(run, run_dir, device, data_dir, extra, resume)
+    cmd = train_command(run, out / run.name, device, data_dir, extra, resume)
     record = {
         "run": run.name,
         "dataset": run.dataset,
@@ -241,38 +154,18 @@ def _execute(
         "seed": run.seed,
         "device": device,
         "extra_args": extra,
-        "command": shlex.join(cmd),
-        "started": _now(),
-        "resumed": resume,
     }
-    (run_dir / RUN_FILE).write_text(json.dumps(record, indent=2))
-    say(f"{'resume' if resume else 'start'} {run.name} on {device}")
-    with open(run_dir / LOG_FILE, "a") as log:
-        log.write(f"=== {_now()} {shlex.join(cmd)}\n")
-        log.flush()
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-        code = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env).returncode
-    result = _read_json(run_dir / "result.json")
-    if code == 0 and result is not None:
-        say(
-            f"done  {run.name}: test accuracy {100 * result.get('test_accuracy', math.nan):.2f}%, "
-            f"{result.get('wall_time_s', math.nan):.0f} s",
-            finished=True,
-        )
-        return None
-    why = f"exit status {code}" if code != 0 else "exit status 0 but no result.json"
-    say(f"FAILED {run.name} ({why}); log: {run_dir / LOG_FILE}", finished=True)
-    return {"run": run.name, "why": why, "log": str(run_dir / LOG_FILE), "tail": _tail(run_dir / LOG_FILE)}
+    return execute(run.name, out / run.name, cmd, record, resume, say, device)
 
 
 def run_grid(args: argparse.Namespace, extra: list[str], argv: list[str]) -> int:
     check_extra_args(extra)
     groups, epsilons, seeds = (
-        _split(args.groups),
-        [float(e) for e in _split(args.epsilons)],
-        [int(s) for s in _split(args.seeds)],
+        split_list(args.groups),
+        [float(e) for e in split_list(args.epsilons)],
+        [int(s) for s in split_list(args.seeds)],
     )
-    devices = _split(args.devices)
+    devices = split_list(args.devices)
     if not groups or not epsilons or not seeds or not devices or args.jobs_per_device < 1:
         raise SystemExit(
             "error: --groups, --epsilons, --seeds and --devices need at least one value, --jobs-per-device at least 1"
@@ -281,20 +174,9 @@ def run_grid(args: argparse.Namespace, extra: list[str], argv: list[str]) -> int
     runs = build_grid(args.dataset, args.model, groups, epsilons, seeds)
     done, to_resume, to_start = plan(runs, out, extra, args.continue_stopped)
     out.mkdir(parents=True, exist_ok=True)
-    invocation = {
-        "date": _now(),
-        "command": _shown_command(argv),
-        "argv": argv,
-        "cwd": str(Path.cwd()),
-        "git_commit": _git_commit(),
-        "devices": devices,
-        "groups": groups,
-        "epsilons": epsilons,
-        "seeds": seeds,
-        "extra_args": extra,
-    }
-    with open(out / COMMANDS_FILE, "a") as handle:
-        handle.write(json.dumps(invocation) + "\n")
+    log_invocation(
+        out, __file__, argv, devices=devices, groups=groups, epsilons=epsilons, seeds=seeds, extra_args=extra
+    )
     print(
         f"{len(runs)} runs: {len(done)} done (skipped), {len(to_resume)} to resume, {len(to_start)} to start; "
         f"{len(devices) * args.jobs_per_device} at a time on {', '.join(devices)}",
@@ -305,12 +187,12 @@ def run_grid(args: argparse.Namespace, extra: list[str], argv: list[str]) -> int
     for _ in range(args.jobs_per_device):
         for device in devices:
             slots.put(device)
-    say = _Printer(len(to_resume) + len(to_start))
+    say = Printer(len(to_resume) + len(to_start))
 
     def job(run: Run, resume: bool) -> dict | None:
         device = slots.get()
         try:
-            return _execute(run, out, device, args.data_dir, extra, resume, say)
+            return _grid_job(run, out, device, args.data_dir, extra, resume, say)
         except Exception as exc:  # the benchmark's own error (disk, permissions): still one failed run
             return {"run": run.name, "why": f"{type(exc).__name__}: {exc}", "log": "", "tail": ""}
         finally:
@@ -321,18 +203,10 @@ def run_grid(args: argparse.Namespace, extra: list[str], argv: list[str]) -> int
         failures = [f for f in pool.map(lambda item: job(*item), work) if f is not None]
 
     report(out, argv=argv)
-    if failures:
-        print(f"\n{len(failures)} of {len(work)} runs FAILED:", file=sys.stderr)
-        for f in failures:
-            print(f"--- {f['run']}: {f['why']} (log: {f['log']})", file=sys.stderr)
-            if f["tail"]:
-                print("    " + f["tail"].replace("\n", "\n    "), file=sys.stderr)
-        return 1
-    return 0
+    return 1 if print_failures(failures, len(work)) else 0
 
 
-def _split(text: str) -> list[str]:
-    return [item.strip() for item in text.split(",") if item.strip()]
+# --- recipe tables -------------------------------------------------------------------------------
 
 
 # --- the report ----------------------------------------------------------------------------------
@@ -373,11 +247,11 @@ def load_runs(out: Path) -> list[dict]:
     """Every OUT/*/result.json, with its run name, seed and early-stop information added."""
     runs = []
     for path in sorted(out.glob("*/result.json")):
-        result = _read_json(path)
+        result = read_json(path)
         if not isinstance(result, dict) or "test_accuracy" not in result:
             print(f"warning: skipping {path}: not a result record", file=sys.stderr)
             continue
-        recorded = _read_json(path.parent / RUN_FILE)
+        recorded = read_json(path.parent / RUN_FILE)
         requested = _requested_steps(result, recorded)
         reason = _stop_reason(path.parent, result)
         steps = result.get("steps")
@@ -630,12 +504,7 @@ def plot(summary: list[dict], path: Path) -> None:
             ]
             label = BASELINE_LABEL if group.lower() == BASELINE else group
             ax.errorbar(eps, med, yerr=err, marker="o", capsize=3, label=label)
-        all_eps = sorted({c["epsilon"] for c in cells})
-        if all_eps and min(all_eps) > 0:
-            ax.set_xscale("log")
-        ax.set_xticks(all_eps, [_fmt_eps(e) for e in all_eps])
-        ax.minorticks_off()
-        ax.set_xlabel("epsilon")
+        paper_table.epsilon_axis(ax, [c["epsilon"] for c in cells])
         ax.set_ylabel("test accuracy (%), median; bars: min-max over seeds")
         ax.set_title(f"{dataset}, {model}")
         ax.grid(alpha=0.3)
@@ -647,17 +516,14 @@ def plot(summary: list[dict], path: Path) -> None:
 
 
 def report(out: Path, argv: list[str] | None = None) -> dict:
+    if (out / recipe_table.TABLE_FILE).exists():
+        return recipe_table.table_report(out)
     runs = load_runs(out)
-    commands = []
-    if (out / COMMANDS_FILE).exists():
-        for line in (out / COMMANDS_FILE).read_text().splitlines():
-            record = json.loads(line) if line.strip() else None
-            if record and all(record["command"] != c["command"] for c in commands):
-                commands.append(record)  # one entry per distinct command (a resumed grid repeats it)
+    commands = invocations(out)
     summary = summarize(runs)
     document = {
-        "generated": _now(),
-        "report_command": _shown_command(argv) if argv is not None else None,
+        "generated": utc_now(),
+        "report_command": shown_command(__file__, argv) if argv is not None else None,
         "commands": commands,
         "runs": len(runs),
         "cells": summary,
@@ -702,6 +568,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     rep = sub.add_parser("report", help="summarize OUT/*/result.json into summary.json, table.md and a plot")
     rep.add_argument("--out", required=True)
+    recipe_table.add_parser(sub)
     return parser
 
 
@@ -714,6 +581,8 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit("error: report takes no train arguments")
         report(Path(args.out), argv=argv)
         return 0
+    if args.command == "table":
+        return recipe_table.run_table(args, extra, argv, __file__)
     return run_grid(args, extra, argv)
 
 

@@ -3,8 +3,11 @@
 The summaries hold only final numbers, each with the command, card and date that produced it; the page is
 generated so that the tables and the data cannot drift apart (tests/benchmarks/test_results_page.py checks it is current).
 
-    python benchmarks/make_results_page.py            # rewrite docs/results.md
+    python benchmarks/make_results_page.py            # rewrite docs/results.md (and its figures)
     python benchmarks/make_results_page.py --check    # exit 1 if docs/results.md is out of date
+
+A summary with a "figure" ({"path": "img/NAME.png", "title": ...}, a path relative to the page) gets its plot
+drawn from the summary alone (benchmarks/paper_table.py) and embedded below its table.
 """
 
 from __future__ import annotations
@@ -16,6 +19,9 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling module paper_table, also when loaded by path
+import paper_table  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SUMMARIES = REPO_ROOT / "benchmarks" / "results" / "summaries"
@@ -127,6 +133,13 @@ def _throughput(s: Summary) -> list[str]:
     return _table(columns, rows)
 
 
+def _params(params: int | list[int] | None) -> str:
+    """A parameter count; several where a row's runs differ (a list), "-" where no run has finished."""
+    if params is None:
+        return "-"
+    return " / ".join(f"{p:,}" for p in (params if isinstance(params, list) else [params]))
+
+
 @renderer("paper_table")
 def _paper_table(s: Summary) -> list[str]:
     columns = [
@@ -149,7 +162,7 @@ def _paper_table(s: Summary) -> list[str]:
             [
                 r["model"],
                 r["epsilon"],
-                f"{r['params']:,}",
+                _params(r.get("params")),
                 ours,
                 std,
                 hours,
@@ -157,7 +170,19 @@ def _paper_table(s: Summary) -> list[str]:
                 _pct(r.get("paper")),
             ]
         )
-    return _table(columns, rows)
+    commands = [
+        f"- {r['model']}, epsilon {r['epsilon']}: `{r['command']}`"
+        + (f", S = {', '.join(map(str, r['seeds']))}" if len(r.get("seeds", [])) > 1 else "")
+        for r in s["rows"]
+        if r.get("command")
+    ]
+    if commands:
+        commands = [
+            "",
+            "Each row's command (add `--data-dir DIR --out OUT`, and `--nproc-per-node N` for N GPUs):",
+            "",
+        ] + commands
+    return _table(columns, rows) + commands
 
 
 @renderer("methods")
@@ -230,6 +255,8 @@ def render_section(s: Summary) -> list[str]:
     if "control" in s:
         lines += [f"Control: {s['control']}.", ""]
     lines += [f"Card: {s['card']}. Date: {s['date']}.", "", *RENDERERS[kind](s), ""]
+    if "figure" in s:
+        lines += [f"![{s['figure']['title']}]({s['figure']['path']})", ""]
     lines += [f"- {note}" for note in s.get("notes", [])]
     if s.get("notes"):
         lines.append("")
@@ -258,15 +285,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=PAGE, help="page to write (default: docs/results.md)")
     parser.add_argument("--check", action="store_true", help="do not write; exit 1 if --out is out of date")
     args = parser.parse_args(argv)
-    page = render_page(load_summaries(args.summaries))
+    summaries = load_summaries(args.summaries)
+    page = render_page(summaries)
     if args.check:
         current = args.out.read_text() if args.out.exists() else ""
-        if current != page:
+        missing = [s["figure"]["path"] for s in summaries if "figure" in s]
+        missing = [p for p in missing if not (args.out.parent / p).is_file()]
+        if current != page or missing:
             print(f"{args.out} is out of date: run python benchmarks/make_results_page.py", file=sys.stderr)
             return 1
         return 0
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(page)
+    for s in summaries:
+        if "figure" in s:
+            figure = args.out.parent / s["figure"]["path"]
+            figure.parent.mkdir(parents=True, exist_ok=True)
+            paper_table.plot(s, figure)
     return 0
 
 

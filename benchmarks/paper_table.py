@@ -1,0 +1,209 @@
+"""A recipe table's results as a results-page summary (kind "paper_table") and its accuracy-vs-epsilon figure.
+
+benchmarks/accuracy.py `table` trains the cells and calls summarize() on its run folders; the summary it
+writes (OUT/summary.json) has the schema of benchmarks/results/summaries/cifar10_paper_table.json, so copying
+it there updates docs/results.md. plot() draws the figure from a summary alone, so
+benchmarks/make_results_page.py redraws the page's PNG from the committed JSON without any run folder.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import re
+import shlex
+import statistics
+from pathlib import Path
+from typing import Any
+
+KIND = "paper_table"
+PAPERS_SETTING = "paper's"
+
+
+def run_name(cell: str, seed: int) -> str:
+    """The folder of one seed of one cell."""
+    return f"{cell}_seed{seed}"
+
+
+def definition(table: Any) -> dict[str, Any]:
+    """What the report needs of an equiconvert.recipes.table.Table, as JSON (kept in the output folder)."""
+    return {
+        "name": table.name,
+        "source": table.source,
+        "title": table.title,
+        "description": table.description,
+        "order": table.order,
+        "figure": table.figure,
+        "figure_title": table.figure_title,
+        "notes": list(table.notes),
+        "cells": [
+            {
+                "name": c.name,
+                "model": c.model,
+                "recipe": c.recipe,
+                "set": list(c.overrides),
+                "seeds": list(c.seeds),
+                "epsilon": c.epsilon,
+                "paper": c.paper,
+            }
+            for c in table.cells
+        ],
+    }
+
+
+def cell_command(cell: dict[str, Any]) -> str:
+    """The `equiconvert train` command of a cell's runs (data folder, output and devices left to the reader)."""
+    args = ["--recipe", cell["recipe"], *(a for o in cell["set"] for a in ("--set", o))]
+    return f"equiconvert train {shlex.join(args)} --seed {cell['seeds'][0] if len(cell['seeds']) == 1 else 'S'}"
+
+
+def is_finished(result: dict[str, Any] | None) -> bool:
+    """A run that trained all its requested steps (not stopped by a time limit or the privacy budget)."""
+    if result is None or result.get("stopped_reason") is not None:
+        return False
+    steps, requested = result.get("steps"), result.get("requested_steps")
+    return not (isinstance(steps, int) and isinstance(requested, int) and steps < requested)
+
+
+def gpu_seconds(result: dict[str, Any], parts: list[dict[str, Any]]) -> float:
+    """Wall time x processes over every `train` call of a run (a resumed run has one part per call)."""
+    pieces = parts or [result]
+    return sum(float(p.get("wall_time_s") or 0.0) * int(p.get("world_size") or 1) for p in pieces)
+
+
+def _number(x: float | None) -> float | int | None:
+    return None if x is None else int(x) if float(x).is_integer() else x
+
+
+def _card(results: list[dict[str, Any]]) -> str:
+    """'2 x NVIDIA H200' from result.json's device ('cuda:0 (NVIDIA H200)') and world size."""
+    cards = set()
+    for r in results:
+        match = re.search(r"\((.*)\)", str(r.get("device", "")))
+        cards.add(f"{r.get('world_size') or 1} x {match.group(1) if match else r.get('device', 'unknown')}")
+    return "; ".join(sorted(cards)) or "no finished run yet"
+
+
+def _setting(recorded: list[dict[str, Any]]) -> str:
+    """The paper's settings, or the train arguments every run of the cell added to them."""
+    added = sorted({shlex.join(r.get("pass_through") or []) for r in recorded})
+    changes = [a for a in added if a]
+    return PAPERS_SETTING if not changes else f"{PAPERS_SETTING} + " + " / ".join(changes)
+
+
+def summarize(definition: dict[str, Any], runs: dict[str, dict[str, Any]], command: str | None) -> dict[str, Any]:
+    """The paper_table summary of a table's run folders.
+
+    runs: folder name -> {"result": result.json or None, "recorded": the benchmark's run record or None,
+    "parts": one record per `train` call}. Only finished runs count in a row; the others are named in the notes.
+    """
+    rows, notes, finished_results, dates = [], [], [], []
+    for cell in definition["cells"]:
+        counted, recorded, seconds = [], [], 0.0
+        for seed in cell["seeds"]:
+            name = run_name(cell["name"], seed)
+            run = runs.get(name, {})
+            result, parts = run.get("result"), run.get("parts") or []
+            if result is None:
+                continue
+            if not is_finished(result):
+                notes.append(
+                    f"{name}: stopped at step {result.get('steps')} of {result.get('requested_steps')} "
+                    f"({result.get('stopped_reason') or 'fewer steps than requested'}); not counted until resumed."
+                )
+                continue
+            counted.append(result)
+            recorded.append(run.get("recorded") or {})
+            seconds += gpu_seconds(result, parts)
+            dates += [p["finished"][:10] for p in parts if p.get("finished")]
+            notes.append(
+                f"{name}: {100 * result['test_accuracy']:.2f}%, epsilon {result.get('epsilon', float('nan')):.3f} "
+                f"spent, {result.get('steps')} steps, {gpu_seconds(result, parts) / 3600:.3f} GPU-hours."
+            )
+        finished_results += counted
+        params = sorted({r["params"] for r in counted if isinstance(r.get("params"), int)})
+        rows.append(
+            {
+                "model": cell["model"],
+                "epsilon": _number(cell["epsilon"]),
+                "params": params[0] if len(params) == 1 else (params or None),
+                "accuracy": [round(100 * r["test_accuracy"], 2) for r in counted],
+                "gpu_hours": round(seconds / 3600, 3) if counted else None,
+                "setting": _setting(recorded),
+                "paper": cell["paper"],
+                "command": cell_command(cell),
+                "seeds": cell["seeds"],
+            }
+        )
+    today = _dt.datetime.now(_dt.timezone.utc).date().isoformat()
+    summary: dict[str, Any] = {"kind": KIND}
+    if definition.get("order") is not None:
+        summary["order"] = definition["order"]
+    summary.update(
+        title=definition["title"],
+        description=definition["description"],
+        command=command or "not recorded",
+        card=_card(finished_results),
+        date=max(dates, default=today),
+        rows=rows,
+        notes=[*definition.get("notes", []), *notes],
+    )
+    if definition.get("figure"):
+        summary["figure"] = {"path": definition["figure"], "title": definition.get("figure_title") or summary["title"]}
+    return summary
+
+
+def epsilon_axis(ax: Any, epsilons: list[float]) -> None:
+    """An epsilon x-axis: log scale (when every epsilon is positive), ticked at the epsilons trained."""
+    eps = sorted(set(epsilons))
+    if eps and min(eps) > 0:
+        ax.set_xscale("log")
+    ax.set_xticks(eps, [f"{e:g}" for e in eps])
+    ax.minorticks_off()
+    ax.set_xlabel("epsilon")
+
+
+def plot(summary: dict[str, Any], path: Path) -> None:
+    """Test accuracy vs epsilon: our median per cell (bars: min-max over seeds), the paper's points beside it."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = summary["rows"]
+    fig, ax = plt.subplots(figsize=(7.0, 4.4))
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for i, model in enumerate(dict.fromkeys(r["model"] for r in rows)):
+        color = colors[i % len(colors)]
+        mine = sorted((r for r in rows if r["model"] == model), key=lambda r: r["epsilon"])
+        ours = [r for r in mine if r["accuracy"]]
+        if ours:
+            med = [statistics.median(r["accuracy"]) for r in ours]
+            err = [
+                [m - min(r["accuracy"]) for m, r in zip(med, ours)],
+                [max(r["accuracy"]) - m for m, r in zip(med, ours)],
+            ]
+            ax.errorbar(
+                [r["epsilon"] for r in ours], med, yerr=err, marker="o", capsize=3, color=color, label=f"ours: {model}"
+            )
+        paper = [r for r in mine if r.get("paper") is not None]
+        if paper:
+            ax.plot(
+                [r["epsilon"] for r in paper],
+                [r["paper"] for r in paper],
+                marker="x",
+                markersize=8,
+                linestyle=":",
+                color=color,
+                label=f"paper: {model}",
+            )
+    epsilon_axis(ax, [r["epsilon"] for r in rows])
+    ax.set_ylabel("test accuracy (%); bars: min-max over seeds")
+    ax.set_title(summary.get("figure", {}).get("title") or summary["title"], fontsize=9)
+    ax.grid(alpha=0.3)
+    handles, labels = ax.get_legend_handles_labels()
+    if handles:  # ours before the paper's
+        order = sorted(range(len(labels)), key=lambda i: not labels[i].startswith("ours"))
+        ax.legend([handles[i] for i in order], [labels[i] for i in order], fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100, metadata={"Software": None})
+    plt.close(fig)

@@ -72,7 +72,9 @@ def _escnn_dilated_basis(group, in_repr, out_repr, k, cutoff):
     """The basis equiconvert gave dilation-2 convs before: escnn's dilated span, canonical, symmetrised on the grid."""
     from equiconvert.bases.escnn_reference import escnn_basis
 
-    return symmetrize_on_grid(canonical_basis(escnn_basis(group, in_repr, out_repr, k, 2, cutoff)), group, in_repr, out_repr)
+    return symmetrize_on_grid(
+        canonical_basis(escnn_basis(group, in_repr, out_repr, k, 2, cutoff)), group, in_repr, out_repr
+    )
 
 
 def test_checkpoint_with_escnn_dilated_bases_is_refused_then_reexpressed():

@@ -10,19 +10,20 @@ import glob
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 VERSIONS = ("3.10", "3.13")
-SELECTED = os.environ.get("EQUICONVERT_INSTALL_PYTHONS", ",".join(VERSIONS)).split(",")
 
 
 def _interpreter(version: str) -> str:
     """The newest pyenv Python `version`.*; fails (never skips) when it is missing and was not deselected."""
-    if version not in SELECTED:
-        pytest.skip(f"EQUICONVERT_INSTALL_PYTHONS={','.join(SELECTED)} leaves out Python {version}")
+    selected = os.environ.get("EQUICONVERT_INSTALL_PYTHONS", ",".join(VERSIONS))
+    if version not in selected.split(","):
+        pytest.skip(f"EQUICONVERT_INSTALL_PYTHONS={selected} leaves out Python {version}")
     root = Path(os.environ.get("PYENV_ROOT") or Path.home() / ".pyenv")
     found = sorted(
         glob.glob(str(root / "versions" / f"{version}.*" / "bin" / "python")),
@@ -31,7 +32,7 @@ def _interpreter(version: str) -> str:
     if not found:
         pytest.fail(
             f"no Python {version} under {root}/versions: install it (`pyenv install {version}`) or name the "
-            f"versions to test in EQUICONVERT_INSTALL_PYTHONS (now {','.join(SELECTED)})"
+            f"versions to test in EQUICONVERT_INSTALL_PYTHONS (now {selected})"
         )
     return found[-1]
 
@@ -86,12 +87,29 @@ def wheel(tmp_path_factory) -> Path:
 def test_wheel_installs_with_numpy2_without_escnn(version, tmp_path, request):
     python = _interpreter(version)
     wheel = request.getfixturevalue("wheel")  # built once, after the interpreter is known to exist
+    start = time.perf_counter()
     venv = tmp_path / "venv"
     _run(python, "-m", "venv", str(venv))
     pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "-q", "--only-binary=:all:"]
     env = {**os.environ, "PATH": f"{venv / 'bin'}:/usr/bin:/bin"}  # no Fortran compiler needed or used
     _run(*pip, "numpy>=2", env=env)
     _run(*pip, str(wheel), "torch==2.14.1", "torchvision==0.29.1", env=env)
+    installed = time.perf_counter()
     out = _run(str(venv / "bin" / "python"), "-c", SCRIPT, env={**env, "EQUICONVERT_CACHE_DIR": str(tmp_path / "c")})
+    print(f"{out}venv and install {installed - start:.0f} s, run {time.perf_counter() - installed:.0f} s")
     assert version in _run(str(venv / "bin" / "python"), "--version")
     assert out.count("invariant") == 6 and "dp step ok" in out and "recipe " in out
+
+
+def test_a_missing_interpreter_fails_with_what_to_do(tmp_path, monkeypatch):
+    monkeypatch.setenv("PYENV_ROOT", str(tmp_path))
+    monkeypatch.delenv("EQUICONVERT_INSTALL_PYTHONS", raising=False)
+    with pytest.raises(
+        pytest.fail.Exception, match=r"no Python 3\.10 under .*pyenv install 3\.10.*EQUICONVERT_INSTALL"
+    ):
+        _interpreter("3.10")
+    (tmp_path / "versions" / "3.10.2" / "bin").mkdir(parents=True)
+    (tmp_path / "versions" / "3.10.2" / "bin" / "python").touch()
+    (tmp_path / "versions" / "3.10.11" / "bin").mkdir(parents=True)
+    (tmp_path / "versions" / "3.10.11" / "bin" / "python").touch()
+    assert _interpreter("3.10") == str(tmp_path / "versions" / "3.10.11" / "bin" / "python")  # newest, not "3.10.2"

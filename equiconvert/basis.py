@@ -1,11 +1,13 @@
 """Steerable kernel bases: built once by equiconvert.bases, cached on disk.
 
 A basis for (group, input representation, output representation, kernel size,
-dilation, cutoff) is a float32 tensor of shape (num_basis, out_size, in_size, k, k):
+cutoff) is a float32 tensor of shape (num_basis, out_size, in_size, k, k):
 every equivariant k x k filter between one input and one output field is a
 linear combination of its slices. It spans the same filters as escnn's R2Conv
 basis, in a canonical form that depends on nothing but these arguments (see
-docs/bases.md), so checkpoints mean the same on every machine.
+docs/bases.md), so checkpoints mean the same on every machine. A dilated
+convolution uses the same tensor: F.conv2d places it on the dilated grid, which
+90-degree rotations and flips permute as they permute the dense one.
 """
 
 from __future__ import annotations
@@ -24,11 +26,9 @@ BASIS_FORMAT = "v4"  # bump when the way bases are stored changes (BUILDER_VERSI
 _memory_cache: dict[str, torch.Tensor] = {}
 
 
-def basis_key(
-    group: GroupSpec, in_repr: str, out_repr: str, kernel_size: int, dilation: int, cutoff: float | None = None
-) -> str:
+def basis_key(group: GroupSpec, in_repr: str, out_repr: str, kernel_size: int, *, cutoff: float | None = None) -> str:
     suffix = "" if cutoff is None else f"_fco{cutoff:g}"
-    return f"{group.cache_key}_{in_repr}_{out_repr}_k{kernel_size}_d{dilation}{suffix}"
+    return f"{group.cache_key}_{in_repr}_{out_repr}_k{kernel_size}{suffix}"
 
 
 def basis_dir() -> Path:
@@ -36,26 +36,10 @@ def basis_dir() -> Path:
 
 
 def build_basis(
-    group: GroupSpec, in_repr: str, out_repr: str, kernel_size: int, dilation: int = 1, cutoff: float | None = None
+    group: GroupSpec, in_repr: str, out_repr: str, kernel_size: int, *, cutoff: float | None = None
 ) -> torch.Tensor:
-    """The canonical basis, built from scratch: harmonic span, canonical form, exact grid symmetry.
-
-    Dilated kernels take escnn's span (the `escnn` extra): on a dilated grid the band limit exceeds what the samples
-    resolve, the harmonic span then differs from escnn's in near-null directions, and its canonical form would
-    depend on them (docs/bases.md). Their fingerprints still guard every checkpoint.
-    """
-    if dilation > 1:
-        from .bases.escnn_reference import escnn_basis
-
-        try:
-            span = escnn_basis(group, in_repr, out_repr, kernel_size, dilation, cutoff)
-        except ImportError as error:
-            raise ImportError(
-                f"a dilated ({dilation}) steerable kernel needs escnn's basis: pip install 'equiconvert[escnn]' "
-                f"({error})"
-            ) from error
-    else:
-        span = harmonic_span(group, in_repr, out_repr, kernel_size, dilation, cutoff)
+    """The canonical basis, built from scratch: harmonic span, canonical form, exact grid symmetry."""
+    span = harmonic_span(group, in_repr, out_repr, kernel_size, cutoff=cutoff)
     return symmetrize_on_grid(canonical_basis(span), group, in_repr, out_repr)
 
 
@@ -127,14 +111,15 @@ def _atomic_save(tensor: torch.Tensor, path: Path) -> None:
 
 
 def steerable_basis(
-    group: GroupSpec, in_repr: str, out_repr: str, kernel_size: int, dilation: int = 1, cutoff: float | None = None
+    group: GroupSpec, in_repr: str, out_repr: str, kernel_size: int, *, cutoff: float | None = None
 ) -> torch.Tensor:
     """Return the canonical (num_basis, out_size, in_size, k, k) basis, from memory, disk or the builder.
 
     cutoff: None for escnn's default band limit, or c for frequencies up to c*r per
     ring (the paper's released code uses 3, which is what its parameter counts need).
+    Dilated convolutions use this basis too (the module docstring says why).
     """
-    key = basis_key(group, in_repr, out_repr, kernel_size, dilation, cutoff)
+    key = basis_key(group, in_repr, out_repr, kernel_size, cutoff=cutoff)
     if key in _memory_cache:
         return _memory_cache[key]
     path = basis_dir() / f"{key}.pt"
@@ -145,7 +130,7 @@ def steerable_basis(
         except Exception:  # a corrupt cache entry is rebuilt, never trusted
             basis = None
     if basis is None:
-        basis = build_basis(group, in_repr, out_repr, kernel_size, dilation, cutoff)
+        basis = build_basis(group, in_repr, out_repr, kernel_size, cutoff=cutoff)
         _atomic_save(basis, path)
     _memory_cache[key] = basis
     return basis

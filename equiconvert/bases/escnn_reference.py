@@ -13,7 +13,10 @@ from .._escnn_compat import import_escnn
 def escnn_basis(
     group, in_repr: str, out_repr: str, kernel_size: int, dilation: int = 1, cutoff: float | None = None
 ) -> torch.Tensor:
-    """(num_basis, out_size, in_size, k, k) float32 basis of escnn's R2Conv, as escnn orders and scales it."""
+    """(num_basis, out_size, in_size, k, k) float32 basis of escnn's R2Conv, as escnn orders and scales it.
+
+    dilation > 1 gives escnn's own dilated basis, which equiconvert does not use (docs/bases.md, "Dilated kernels").
+    """
     import_escnn()
     from escnn import nn as enn
 

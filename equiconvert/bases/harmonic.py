@@ -9,6 +9,8 @@ K -> mean_g rho_out(g) K(g^-1 x) rho_in(g)^T is a projector on the harmonic
 coefficients of one block; its image, sampled on the k x k grid, spans exactly
 the equivariant filters. SO(2)/O(2) average over C_M/D_M with M above the
 highest frequency of the integrand, which is exact for trigonometric polynomials.
+Positions are in units of the sampling step, so a dilated convolution uses the
+same filters on its dilated grid (docs/bases.md, "Dilated kernels").
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import torch
 
 from ..groups import ContinuousGroupSpec, GroupSpec
 
-BUILDER_VERSION = "harmonic-1"  # bump when the span or its canonical form changes
+BUILDER_VERSION = "harmonic-2"  # bump when the span or its canonical form changes
 _DTYPE = torch.float64
 
 
@@ -46,9 +48,9 @@ def _default_cutoff(kernel_size: int) -> Callable[[float], float]:
     return cutoff
 
 
-def ring_layout(kernel_size: int, dilation: int, cutoff: float | None) -> RingLayout:
+def ring_layout(kernel_size: int, cutoff: float | None) -> RingLayout:
     n_rings = math.ceil(kernel_size / 2)
-    radii = (torch.linspace(0, (kernel_size - 1) // 2, n_rings) * dilation).tolist()
+    radii = torch.linspace(0, (kernel_size - 1) // 2, n_rings).tolist()
     sigmas = [0.6] * (n_rings - 1) + [0.4]
     sigmas = [0.005 if r == 0.0 else s for r, s in zip(radii, sigmas)]
     band = _default_cutoff(kernel_size) if cutoff is None else (lambda r, c=float(cutoff): c * r)
@@ -57,9 +59,9 @@ def ring_layout(kernel_size: int, dilation: int, cutoff: float | None) -> RingLa
     return RingLayout(tuple(radii), tuple(sigmas), kept)
 
 
-def grid_points(kernel_size: int, dilation: int) -> tuple[torch.Tensor, torch.Tensor]:
+def grid_points(kernel_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(x, y) of each pixel, x along columns and y up, so torch.rot90(dims=(-2, -1)) turns by +90 degrees."""
-    offsets = (torch.arange(kernel_size, dtype=_DTYPE) - (kernel_size - 1) / 2) * dilation
+    offsets = torch.arange(kernel_size, dtype=_DTYPE) - (kernel_size - 1) / 2
     y, x = torch.meshgrid(-offsets, offsets, indexing="ij")
     return x, y
 
@@ -155,13 +157,15 @@ def equivariant_coefficients(group, in_repr: str, out_repr: str, f: int) -> torc
     return vh[values > 1e-8].T  # averages of unit probes: singular values are O(1/|G|) or rounding noise
 
 
-def harmonic_span(
-    group, in_repr: str, out_repr: str, kernel_size: int, dilation: int, cutoff: float | None
-) -> torch.Tensor:
-    """Filters (n, out, in, k, k), float64, spanning escnn's R2Conv basis (not yet canonical)."""
+def harmonic_span(group, in_repr: str, out_repr: str, kernel_size: int, *, cutoff: float | None) -> torch.Tensor:
+    """Filters (n, out, in, k, k), float64, spanning escnn's (undilated) R2Conv basis (not yet canonical).
+
+    In units of the sampling step: a dilated convolution samples the same filter on its dilated grid
+    (docs/bases.md, "Dilated kernels").
+    """
     out_size, in_size = group.repr_size(out_repr), group.repr_size(in_repr)
-    layout = ring_layout(kernel_size, dilation, cutoff)
-    x, y = grid_points(kernel_size, dilation)
+    layout = ring_layout(kernel_size, cutoff)
+    x, y = grid_points(kernel_size)
     radius, angle = torch.sqrt(x**2 + y**2), torch.atan2(y, x)
     origin = radius < 1e-9
     solutions: dict[int, torch.Tensor] = {}

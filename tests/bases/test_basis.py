@@ -69,7 +69,7 @@ def test_cold_build_needs_no_escnn_and_is_keyed_on_the_builder(cold_cache, monke
     monkeypatch.setitem(sys.modules, "escnn", None)  # any import of escnn now fails
     basis = steerable_basis(parse_group("D4"), "regular", "regular", 3)
     assert basis.shape == (48, 8, 8, 3, 3)
-    files = list(cold_cache.rglob("D4_regular_regular_k3_d1.pt"))
+    files = list(cold_cache.rglob("D4_regular_regular_k3.pt"))
     assert len(files) == 1
     assert files[0].parent.name == f"{BUILDER_VERSION}-{basis_module.BASIS_FORMAT}"
 
@@ -101,7 +101,7 @@ def test_escnn_joblib_cache_redirected_out_of_site_packages(cold_cache):
 def test_disk_cache_hit_and_corrupt_entry_rebuilt(cold_cache):
     group = parse_group("C4")
     first = steerable_basis(group, "trivial", "regular", 3)
-    path = next(cold_cache.rglob("C4_trivial_regular_k3_d1.pt"))
+    path = next(cold_cache.rglob("C4_trivial_regular_k3.pt"))
     basis_module.clear_memory_cache()
     mtime = os.path.getmtime(path)
     assert torch.equal(steerable_basis(group, "trivial", "regular", 3), first)
@@ -109,9 +109,3 @@ def test_disk_cache_hit_and_corrupt_entry_rebuilt(cold_cache):
     path.write_bytes(b"not a tensor")
     basis_module.clear_memory_cache()
     assert torch.equal(steerable_basis(group, "trivial", "regular", 3), first)
-
-
-def test_dilation_is_part_of_the_key(cold_cache):
-    group = parse_group("C4")
-    steerable_basis(group, "regular", "regular", 3, dilation=2)
-    assert list(cold_cache.rglob("C4_regular_regular_k3_d2.pt"))

@@ -15,7 +15,7 @@ from equiconvert.nn.conv import SteerableConv2d
 
 def _layer(basis=None, seed=0):
     torch.manual_seed(seed)
-    basis = steerable_basis(parse_group("D4"), "regular", "regular", 3, 1, 3.0) if basis is None else basis
+    basis = steerable_basis(parse_group("D4"), "regular", "regular", 3, cutoff=3.0) if basis is None else basis
     return torch.nn.Sequential(SteerableConv2d(basis, 2, 3, padding=1))
 
 
@@ -55,7 +55,7 @@ def test_fingerprint_ignores_precision_but_not_order_or_sign():
 
 
 def test_old_checkpoint_loads_with_warning_and_is_reexpressed_exactly():
-    old_basis = _rotated_within_span(steerable_basis(parse_group("D4"), "regular", "regular", 3, 1, 3.0), seed=3)
+    old_basis = _rotated_within_span(steerable_basis(parse_group("D4"), "regular", "regular", 3, cutoff=3.0), seed=3)
     old_model = _layer(old_basis, seed=2)
     old_state = {k: v for k, v in old_model.state_dict().items() if not k.endswith("_extra_state")}
     x = torch.randn(2, 16, 9, 9)
@@ -72,12 +72,10 @@ def test_old_checkpoint_loads_with_warning_and_is_reexpressed_exactly():
 
 
 def test_legacy_bases_found_in_an_old_cache_directory(tmp_path):
-    current = steerable_basis(parse_group("D4"), "regular", "regular", 3, 1, 3.0)
+    current = steerable_basis(parse_group("D4"), "regular", "regular", 3, cutoff=3.0)
     torch.save(_rotated_within_span(current), tmp_path / "D4_regular_regular_k3_d1_fco3.pt")
-    torch.save(
-        _rotated_within_span(steerable_basis(parse_group("D4"), "regular", "regular", 3, 2, 3.0)),
-        tmp_path / "D4_regular_regular_k3_d2_fco3.pt",
-    )
+    other_span = torch.randn(current.shape, generator=torch.Generator().manual_seed(4))
+    torch.save(other_span, tmp_path / "D4_regular_regular_k3_fco3_other.pt")  # same shape, another span
     model = _layer()
     found = legacy_bases(model, tmp_path)
     assert torch.equal(found["0"], torch.load(tmp_path / "D4_regular_regular_k3_d1_fco3.pt", weights_only=True))
@@ -97,7 +95,7 @@ def test_reexpress_is_least_squares_and_exact_on_equal_spans():
 
 def test_init_gives_the_intended_filter_scale_with_orthonormal_bases():
     """Each output channel's expanded filter has squared norm init_gain^2 on average (std gain/sqrt(fan-in))."""
-    basis = steerable_basis(parse_group("D4"), "regular", "regular", 3, 1, 3.0)
+    basis = steerable_basis(parse_group("D4"), "regular", "regular", 3, cutoff=3.0)
     torch.manual_seed(0)
     conv = SteerableConv2d(basis, 32, 32, init_gain=math.sqrt(2.0))
     rows = conv.expand_filter().pow(2).sum(dim=(1, 2, 3))

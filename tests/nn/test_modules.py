@@ -18,7 +18,7 @@ def _relative(a, b):
 
 
 def _conv(group, in_repr, in_fields, out_fields, kernel=3, **kwargs):
-    basis = steerable_basis(group, in_repr, "regular", kernel, kwargs.get("dilation", 1))
+    basis = steerable_basis(group, in_repr, "regular", kernel)
     return SteerableConv2d(basis, in_fields, out_fields, **kwargs)
 
 

@@ -41,7 +41,7 @@ def convert_channels_last_linear(ctx: ConversionContext, node: fx.Node, t: Field
         raise ctx.unsupported(node, "in_features does not match the traced input")
     out_fields = ctx.fields_for(linear.out_features, t.group)
     out_repr = t.group.hidden_repr
-    basis = steerable_basis(t.group, t.representation, out_repr, 1, 1, ctx.config.basis_cutoff)
+    basis = steerable_basis(t.group, t.representation, out_repr, 1, cutoff=ctx.config.basis_cutoff)
     new = ChannelsLastSteerableLinear(
         basis,
         t.num_fields,

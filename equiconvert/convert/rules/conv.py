@@ -94,7 +94,7 @@ def convert_conv(ctx: ConversionContext, node: fx.Node, weight_standardization: 
         out_repr, (out_fields, groups) = "trivial", (conv.out_channels, 1)
     else:
         out_repr, (out_fields, groups) = t_in.group.hidden_repr, _output_fields(ctx, node, conv, t_in)
-    basis = steerable_basis(t_in.group, t_in.representation, out_repr, kernel, dilation, ctx.config.basis_cutoff)
+    basis = steerable_basis(t_in.group, t_in.representation, out_repr, kernel, cutoff=ctx.config.basis_cutoff)
     new = SteerableConv2d(
         basis,
         t_in.num_fields,

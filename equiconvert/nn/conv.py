@@ -114,7 +114,7 @@ class SteerableConv2d(nn.Module):
                 f"{prefix.rstrip('.') or 'SteerableConv2d'}: the state_dict has no basis fingerprint (saved before "
                 "equiconvert fingerprinted its canonical bases); its coefficients are read as coefficients of "
                 "this layer's basis. If they were trained against another basis, convert them with "
-                "equiconvert.bases.checkpoints.reexpress_state_dict (docs/bases.md).",
+                "equiconvert.nn.reexpress.reexpress_state_dict (docs/bases.md).",
                 stacklevel=4,
             )
             state_dict[key] = self.get_extra_state()
@@ -127,7 +127,7 @@ class SteerableConv2d(nn.Module):
                     f"fingerprint {found}, this layer's basis is {self.basis_fingerprint}: its coefficients would "
                     "describe other filters (another network). Load it with the equiconvert version, group, "
                     "kernel size, dilation and basis cutoff it was saved with, or re-express its coefficients "
-                    "with equiconvert.bases.checkpoints.reexpress_state_dict given the old bases (docs/bases.md)."
+                    "with equiconvert.nn.reexpress.reexpress_state_dict given the old bases (docs/bases.md)."
                 )
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, errors)
 

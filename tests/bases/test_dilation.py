@@ -10,7 +10,7 @@ from torch import nn
 import equiconvert
 from equiconvert import basis as basis_module
 from equiconvert.bases.canonical import BasisMismatchError, canonical_basis, orthonormal_span
-from equiconvert.bases.checkpoints import reexpress_state_dict
+from equiconvert.nn.reexpress import reexpress_state_dict
 from equiconvert.basis import steerable_basis, symmetrize_on_grid
 from equiconvert.groups import parse_group
 from equiconvert.nn.conv import SteerableConv2d

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from equiconvert.bases.canonical import BasisMismatchError, basis_fingerprint, reexpress_coefficients
-from equiconvert.bases.checkpoints import legacy_bases, reexpress_state_dict
+from equiconvert.nn.reexpress import legacy_bases, reexpress_state_dict
 from equiconvert.basis import steerable_basis
 from equiconvert.groups import parse_group
 from equiconvert.nn.conv import SteerableConv2d

@@ -1,4 +1,4 @@
-"""Re-express checkpoints saved without basis fingerprints in this model's canonical bases."""
+"""Re-express a steerable model's checkpoint, saved with other bases or without fingerprints, in its canonical bases."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..nn.conv import SteerableConv2d
-from .canonical import orthonormal_span, reexpress_coefficients
+from .conv import SteerableConv2d
+from ..bases.canonical import orthonormal_span, reexpress_coefficients
 
 _FINGERPRINT_SUFFIX = "._extra_state"
 SPAN_TOLERANCE = 1e-4  # relative filter-space residual up to which two bases count as one span

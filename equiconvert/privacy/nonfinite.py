@@ -61,6 +61,8 @@ class NonfiniteCount:
             if not self._copied.query():
                 return
             self._warn_if_seen(int(self._host), stacklevel=5)
+            if self._warned:
+                return
         if self._host is None:
             self._host = torch.zeros((), dtype=torch.int64, pin_memory=True)
         self._host.copy_(self._total, non_blocking=True)

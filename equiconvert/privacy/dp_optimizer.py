@@ -2,11 +2,13 @@
 
 `step()` takes the per-example gradients of the last forward/backward from the
 PrivateModule, clips each example's whole gradient to `max_grad_norm` and adds the
-clipped sum to an accumulator. Unless BatchMemoryManager signalled that more physical
-batches of the same logical batch follow, it then adds N(0, (sigma C)^2) to each
-trainable parameter's sum once, divides by the expected batch size (loss_reduction
-"mean"), writes the result to `.grad` and steps the wrapped optimizer. Parameters that
-do not require gradients keep `.grad` None, so the wrapped optimizer leaves them alone.
+clipped sum to an accumulator; an example whose gradient has a NaN or inf entry
+counts as zero (nonfinite.py), so one bad input cannot make the step NaN. Unless
+BatchMemoryManager signalled that more physical batches of the same logical batch
+follow, it then adds N(0, (sigma C)^2) to each trainable parameter's sum once,
+divides by the expected batch size (loss_reduction "mean"), writes the result to
+`.grad` and steps the wrapped optimizer. Parameters that do not require gradients keep
+`.grad` None, so the wrapped optimizer leaves them alone.
 """
 
 from __future__ import annotations
@@ -20,9 +22,17 @@ from torch import nn
 from torch.optim import Optimizer
 
 from .accounting import PrivacyBudgetError, PrivacyLedger, compute_epsilon
+from .nonfinite import NonfiniteCount, zero_nonfinite_examples
 from .per_sample import clip_factors
 from .private_module import PrivateModule
 from .secure_rng import RandomSource
+
+
+NONFINITE_WARNING = (
+    "make_private: an example's gradient had a NaN or inf entry (a non-finite input, or a model that overflows on "
+    "it); it counted as zero in the clipped sum and the step went on. optimizer.nonfinite_gradients counts such "
+    "examples; check the data for NaN/inf values"
+)
 
 
 class DPOptimizer(Optimizer):
@@ -56,6 +66,7 @@ class DPOptimizer(Optimizer):
         self._skip_next = False
         self._summed: dict[nn.Parameter, torch.Tensor] = {}
         self._examples = 0
+        self._nonfinite = NonfiniteCount(optimizer.param_groups[0]["params"][0].device, NONFINITE_WARNING)
         self.steps = 0
 
     # --- the wrapped optimizer's state --------------------------------------------------------
@@ -98,6 +109,11 @@ class DPOptimizer(Optimizer):
             f"max_grad_norm={self.max_grad_norm})"
         )
 
+    @property
+    def nonfinite_gradients(self) -> int:
+        """Examples whose gradient had a NaN or inf entry and counted as zero so far (waits for the device)."""
+        return self._nonfinite.total()
+
     # --- DP-SGD --------------------------------------------------------------------------------
     def signal_skip_step(self, do_skip: bool = True) -> None:
         """The next step() only accumulates: more physical batches of this logical batch follow."""
@@ -115,7 +131,8 @@ class DPOptimizer(Optimizer):
         """Add the last physical batch's clipped per-example gradients to the running sum."""
         examples = self.module.recorded_examples
         if examples:
-            grads = self.module.per_sample_gradients()
+            grads, nonfinite = zero_nonfinite_examples(self.module.per_sample_gradients())
+            self._nonfinite.add(nonfinite)
             norms = torch.stack([g.reshape(g.shape[0], -1).pow(2).sum(1) for g in grads.values()]).sum(0).sqrt()
             factors = clip_factors(norms, self.max_grad_norm)
             for param, value in grads.items():

@@ -1,7 +1,9 @@
-"""make_private: Opacus' per-example gradients and epsilon, Poisson batches, physical batching, noise, refusals."""
+"""make_private: Opacus' per-example gradients and epsilon, Poisson batches, physical batching, noise, non-finite
+examples, refusals."""
 
 import copy
 import math
+import warnings
 
 import pytest
 import torch
@@ -16,6 +18,7 @@ import equiconvert.privacy.opacus_interop  # noqa: F401  (Opacus' samplers for t
 from equiconvert.privacy import BatchMemoryManager, PrivacyEngine, make_private
 from equiconvert.privacy.accounting import PrivacyBudgetError
 from equiconvert.privacy.bookkeeping import BookkeepingUnsupportedError
+from equiconvert.privacy.nonfinite import NonfiniteCount
 from equiconvert.privacy.validate import PrivacyValidationError
 
 
@@ -313,6 +316,63 @@ def test_clipping_bounds_each_example():
     optimizer._accumulate()
     total = torch.cat([s.flatten() for s in optimizer._summed.values()]).norm()
     assert float(total) <= 6 * 0.01 * (1 + 1e-5)
+
+
+def _steps_on(start, data, batches):
+    """A copy of `start` after one make_private step on each (x, y) of `batches` (debug seed 0: the same noise)."""
+    model = copy.deepcopy(start)
+    private, optimizer, _ = _private(model, data)
+    for x, y in batches:
+        optimizer.zero_grad()
+        F.cross_entropy(private(x), y).backward()
+        optimizer.step()
+    return model, optimizer
+
+
+def test_a_non_finite_example_counts_as_zero_and_is_counted():
+    x, y = torch.randn(6, 3, 9, 9), torch.randint(0, 10, (6,))
+    corrupt = x.clone()
+    corrupt[2, 1, 4, 4] = float("inf")  # a corrupt record in the user's loader
+    start, data = _perturbed(PlainCNN()), TensorDataset(x, y)
+
+    probe, _, _ = _private(copy.deepcopy(start), data)
+    F.cross_entropy(probe(corrupt), y).backward()
+    finite = torch.stack([g.flatten(1).isfinite().all(1) for g in probe.per_sample_gradients().values()]).all(0)
+    assert finite.tolist() == [True, True, False, True, True, True]  # example 2's gradient is NaN, the others not
+
+    with pytest.warns(RuntimeWarning, match=r"NaN or inf entry.*optimizer.nonfinite_gradients"):
+        with_corrupt, optimizer = _steps_on(start, data, [(corrupt, y)])
+    keep = [0, 1, 3, 4, 5]
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", category=RuntimeWarning)
+        without, clean = _steps_on(start, data, [(x[keep], y[keep])])
+    assert optimizer.nonfinite_gradients == 1 and clean.nonfinite_gradients == 0
+    for name, p in with_corrupt.named_parameters():
+        assert bool(p.isfinite().all()), name
+        torch.testing.assert_close(p, dict(without.named_parameters())[name], rtol=1e-5, atol=1e-6)
+    assert any(not torch.equal(a, b) for a, b in zip(start.parameters(), with_corrupt.parameters()))
+
+
+def test_non_finite_examples_accumulate_with_one_warning():
+    x, y = torch.randn(4, 3, 9, 9), torch.randint(0, 10, (4,))
+    x[0, 0, 0, 0] = float("nan")
+    with pytest.warns(RuntimeWarning, match="NaN or inf entry") as caught:
+        model, optimizer = _steps_on(_perturbed(PlainCNN()), TensorDataset(x, y), [(x, y), (x, y)])
+    assert sum(issubclass(w.category, RuntimeWarning) for w in caught) == 1
+    assert optimizer.nonfinite_gradients == 2 and optimizer.steps == 2
+    assert all(bool(p.isfinite().all()) for p in model.parameters())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the count's non-blocking copy to the host)")
+def test_the_count_on_cuda_warns_once_the_host_copy_has_arrived():
+    count = NonfiniteCount(torch.device("cuda"), "an example was zeroed")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        count.add(torch.ones((), dtype=torch.int64, device="cuda"))  # queues the copy: no wait, no warning yet
+    torch.cuda.synchronize()
+    with pytest.warns(RuntimeWarning, match="an example was zeroed"):
+        count.add(torch.zeros((), dtype=torch.int64, device="cuda"))
+    assert count.total() == 1
 
 
 def test_randomness_is_secret_unless_a_debug_seed_is_given():

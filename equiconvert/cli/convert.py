@@ -190,3 +190,4 @@ def add_parser(sub) -> None:
         action="store_true",
         help="as --pad-to-valid, to the previous valid size, by symmetric cropping",
     )
+    convert.set_defaults(func=_cmd_convert)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import sys
@@ -9,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from equiconvert.cli import main
+from equiconvert.cli import SUBCOMMANDS, _parser, main
 from equiconvert.cli.convert import JSON_VALID_SIZES, check_size
 from equiconvert.cli.demo import _print_demo
 from tests.support.paths import REPO_ROOT, repo_env
@@ -62,6 +63,14 @@ def run_error(capsys, *argv: str) -> str:
     assert len(lines) == 1 and lines[0].startswith("error: "), captured.err
     assert "Traceback" not in captured.err
     return lines[0]
+
+
+def test_every_registered_subcommand_has_a_handler_in_the_listed_order():
+    sub = next(a for a in _parser()._actions if isinstance(a, argparse._SubParsersAction))
+    assert list(sub.choices) == ["convert", "demo", "train", "recipes", "audit"]
+    assert len(SUBCOMMANDS) == 5  # one module each; `train` and `recipes` have their own
+    for name, parser in sub.choices.items():
+        assert callable(parser.get_default("func")), name
 
 
 def test_module_entry_point_resnet18_json():

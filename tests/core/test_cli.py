@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import sys
@@ -9,8 +10,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from equiconvert import cli
-from equiconvert.cli import main
+from equiconvert.cli import SUBCOMMANDS, _parser, main
+from equiconvert.cli.convert import JSON_VALID_SIZES, check_size
+from equiconvert.cli.demo import _print_demo
 from tests.support.paths import REPO_ROOT, repo_env
 
 RESNET18_PARAMS_10_CLASSES = 11_181_642
@@ -61,6 +63,14 @@ def run_error(capsys, *argv: str) -> str:
     assert len(lines) == 1 and lines[0].startswith("error: "), captured.err
     assert "Traceback" not in captured.err
     return lines[0]
+
+
+def test_every_registered_subcommand_has_a_handler_in_the_listed_order():
+    sub = next(a for a in _parser()._actions if isinstance(a, argparse._SubParsersAction))
+    assert list(sub.choices) == ["convert", "demo", "train", "recipes", "audit"]
+    assert len(SUBCOMMANDS) == 5  # one module each; `train` and `recipes` have their own
+    for name, parser in sub.choices.items():
+        assert callable(parser.get_default("func")), name
 
 
 def test_module_entry_point_resnet18_json():
@@ -124,7 +134,7 @@ def test_convert_resnet9_json_keys_and_check(capsys):
     assert data["input_size"] == 8 and data["input_size_valid"] is True
     assert data["invariant_output"] is True
     assert data["valid_input_sizes"][:4] == [8, 16, 24, 32]
-    assert len(data["valid_input_sizes"]) == cli.JSON_VALID_SIZES < data["num_valid_input_sizes"]
+    assert len(data["valid_input_sizes"]) == JSON_VALID_SIZES < data["num_valid_input_sizes"]
     assert data["valid_input_rule"].startswith("H = W")
     layer = data["layers"][0]
     assert set(layer) == {"node", "module_path", "before", "after"}
@@ -166,11 +176,11 @@ def test_check_size_falls_back_to_default_size():
 
         return SimpleNamespace(report=SimpleNamespace(input_size_valid=valid), default_input_size=default_input_size)
 
-    assert cli.check_size(fake(True, 33), 225) == 225
-    assert cli.check_size(fake(False, 33), 224) == 33
-    assert cli.check_size(fake(None, 32), None) == 32
-    assert cli.check_size(fake(False, None), 30) == 30  # nothing valid: measure the requested size
-    assert cli.check_size(fake(None, None), None) is None
+    assert check_size(fake(True, 33), 225) == 225
+    assert check_size(fake(False, 33), 224) == 33
+    assert check_size(fake(None, 32), None) == 32
+    assert check_size(fake(False, None), 30) == 30  # nothing valid: measure the requested size
+    assert check_size(fake(None, None), None) is None
 
 
 def test_width_params_matches_parameter_count(capsys):
@@ -256,7 +266,7 @@ def test_demo_conversion_only_json_lists_both_models(capsys):
         assert m["invariant_output"] is True
     assert summary["total_time_s"] > 0
 
-    cli._print_demo(summary)  # the readable form of the same summary
+    _print_demo(summary)  # the readable form of the same summary
     out = capsys.readouterr().out
     assert "== torchvision:resnet18 -> D4" in out and "== equiconvert:resnet9 -> D4" in out
     assert "max equivariance error at" in out and "total wall time" in out

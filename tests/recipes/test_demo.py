@@ -6,6 +6,7 @@ import json
 
 from equiconvert import cli
 from equiconvert.cli import main
+from equiconvert.cli.demo import demo_settings
 from equiconvert.recipes.demo import CPU_DEFAULTS, SUMMARY_FILE, format_summary
 
 TINY = [
@@ -104,8 +105,8 @@ def test_the_probe_fits_the_steps_to_a_tiny_budget_and_spends_the_whole_epsilon(
 
 def test_demo_defaults_live_in_one_place():
     parse = cli._parser().parse_args
-    assert cli.demo_settings(parse(["demo"])) == CPU_DEFAULTS
-    big = cli.demo_settings(
+    assert demo_settings(parse(["demo"])) == CPU_DEFAULTS
+    big = demo_settings(
         parse(
             [
                 "demo",
@@ -133,7 +134,7 @@ def test_demo_defaults_live_in_one_place():
         4,
     )
     assert big.run.time_limit_s is None and t.target_epsilon == T.target_epsilon
-    assert cli.demo_settings(parse(["demo", "--set", "conversion.init_gain=1.4142"])).conversion.init_gain == 1.4142
+    assert demo_settings(parse(["demo", "--set", "conversion.init_gain=1.4142"])).conversion.init_gain == 1.4142
     assert CPU_DEFAULTS.run.time_limit_s == 600 and CPU_DEFAULTS.run.plan_steps
 
 

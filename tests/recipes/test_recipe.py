@@ -125,9 +125,10 @@ def test_train_has_at_most_25_flags_each_with_help_and_its_default():
 
 def test_flags_override_the_recipe_and_set_comes_last():
     from equiconvert import cli
+    from equiconvert.cli.train import train_recipe
 
     parse = cli._parser().parse_args
-    r = cli.train_recipe(
+    r = train_recipe(
         parse(
             [
                 "train",
@@ -146,7 +147,7 @@ def test_flags_override_the_recipe_and_set_comes_last():
     )
     assert (r.trainer.target_epsilon, r.trainer.steps, r.trainer.batch_size) == (2.0, 20, 8192)
     assert r.model.kwargs == {"norm_groups": 4} and r.conversion.group == "D4"
-    assert cli.train_recipe(parse(["train"])) == Recipe()  # no flag given: the dataclasses' defaults
+    assert train_recipe(parse(["train"])) == Recipe()  # no flag given: the dataclasses' defaults
 
 
 def test_recipes_command_lists_and_prints(capsys):

@@ -1,0 +1,112 @@
+"""`equiconvert audit`: an empirical lower bound on epsilon from one DP-SGD run with canaries."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+
+from .common import CLIError
+
+
+def _cmd_audit(args: argparse.Namespace) -> int:
+    """One-run privacy audit (equiconvert.privacy.audit): print and write OUT/audit.json."""
+    from ..data import load_dataset
+    from ..privacy.audit import AUDIT_DEFAULTS, SMALL_MODELS, make_canaries, run_audit
+
+    out = Path(args.out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise CLIError(f"--out {out} exists and is not an empty folder; give a new or empty one")
+    if args.guesses < 1 or 2 * args.guesses > args.canaries:
+        raise CLIError(f"--guesses {args.guesses}: give k >= 1 with 2k at most --canaries ({args.canaries})")
+    if not 0.0 < args.confidence < 1.0:
+        raise CLIError(f"--confidence {args.confidence}: give a number in (0, 1), e.g. 0.95")
+    if args.num_examples is not None and args.num_examples < 1:
+        raise CLIError(f"--num-examples {args.num_examples}: give at least 1 (or leave it out for all)")
+    data = load_dataset(args.dataset, args.data_dir)
+    images, labels = data.as_tuple()
+    if args.num_examples is not None:
+        images, labels = images[: args.num_examples], labels[: args.num_examples]
+    torch.manual_seed(args.seed)  # the model's initial weights
+    model = SMALL_MODELS[args.model](data.image_shape, data.num_classes)
+    canaries = make_canaries(data.image_shape, data.num_classes, args.canaries, seed=args.seed + 1)
+    given = {
+        "target_epsilon": args.epsilon,
+        "delta": args.delta,
+        "noise_multiplier": args.noise_multiplier,
+        "steps": args.steps,
+        "batch_size": args.batch_size,
+        "max_grad_norm": args.max_grad_norm,
+        "lr": args.lr,
+        "seed": args.seed,
+    }
+    options = {**AUDIT_DEFAULTS, **{k: v for k, v in given.items() if v is not None}}
+    if args.noise_multiplier is not None and args.epsilon is None:  # a fixed sigma: no budget to stop at
+        options["target_epsilon"] = None
+    result = run_audit(
+        model,
+        (images, labels),
+        canaries,
+        guesses_included=args.guesses,
+        guesses_excluded=args.guesses,
+        score=args.score,
+        beta=1.0 - args.confidence,
+        inclusion_seed=args.seed,
+        device=args.device,
+        **options,
+    )
+    record = json.dumps(result.to_dict(), indent=2)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "audit.json").write_text(record + "\n")
+    print(record)
+    return 0
+
+
+def add_parser(sub) -> None:
+    from ..privacy.audit import AUDIT_DEFAULTS, DEFAULT_BETA, SCORES, SMALL_MODELS
+
+    audit = sub.add_parser(
+        "audit",
+        help="empirical lower bound on epsilon from one DP-SGD run with canaries",
+        description="Train a small model once with DP-SGD on DATASET plus a random half of --canaries random-pixel, "
+        "random-label canaries, guess which canaries were trained on, and turn the correct guesses into "
+        "a lower bound on epsilon (Steinke, Nasr, Jagielski 2023), printed beside the accountant's "
+        "epsilon and written to OUT/audit.json.",
+    )
+    audit.add_argument("--out", required=True, help="output folder for audit.json (must be new or empty)")
+    audit.add_argument("--dataset", default="synthetic", help="any name `equiconvert train` takes (default synthetic)")
+    audit.add_argument("--data-dir", default=None)
+    audit.add_argument("--num-examples", type=int, default=None, help="use the first N training examples (default all)")
+    audit.add_argument("--model", choices=tuple(SMALL_MODELS), default="linear")
+    audit.add_argument("--canaries", type=int, default=1000, help="canaries m, each trained on with probability 1/2")
+    audit.add_argument(
+        "--guesses",
+        type=int,
+        default=100,
+        help="k: the k highest scores are guessed included and the k lowest excluded",
+    )
+    audit.add_argument(
+        "--score",
+        choices=tuple(SCORES),
+        default="gradient",
+        help="gradient: white-box alignment of the weight change with each canary's gradient; "
+        "loss: black-box, minus the trained model's loss",
+    )
+    audit.add_argument("--confidence", type=float, default=1.0 - DEFAULT_BETA)
+    audit.add_argument("--epsilon", type=float, default=None, help=f"default {AUDIT_DEFAULTS['target_epsilon']}")
+    audit.add_argument("--delta", type=float, default=None, help="default DPConfig's")
+    audit.add_argument("--noise-multiplier", type=float, default=None, help="default: calibrated from --epsilon")
+    audit.add_argument("--steps", type=int, default=None, help=f"default {AUDIT_DEFAULTS['steps']}")
+    audit.add_argument("--batch-size", type=int, default=None, help=f"default {AUDIT_DEFAULTS['batch_size']}")
+    audit.add_argument("--max-grad-norm", type=float, default=None, help=f"default {AUDIT_DEFAULTS['max_grad_norm']}")
+    audit.add_argument("--lr", type=float, default=None, help=f"default {AUDIT_DEFAULTS['lr']}")
+    audit.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="the model's initial weights, the canaries, the coins that include them and the trainer's seed",
+    )
+    audit.add_argument("--device", default=None, help="cpu, cuda, cuda:1 (default: cuda if available)")
+    audit.set_defaults(func=_cmd_audit)

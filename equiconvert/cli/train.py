@@ -45,7 +45,7 @@ def add_parser(sub) -> None:
         "train",
         help="train a (converted) model with DP-SGD and write OUT/result.json",
         description="Train as a recipe says (equiconvert/recipes/files/*.toml, or your own TOML file), changed by "
-        "the flags given and then by --set KEY=VALUE. Defaults: privacy.trainer.DPConfig and the recipe "
+        "the flags given and then by --set KEY=VALUE. Defaults: privacy.dp_config.DPConfig and the recipe "
         "dataclasses (equiconvert.recipes.recipe).",
     )
     g = train.add_argument_group("model")

@@ -9,7 +9,7 @@ from importlib import import_module
 from typing import Any
 
 _EXPORTS = {
-    "DPConfig": "trainer",
+    "DPConfig": "dp_config",
     "DPTrainer": "trainer",
     "check_dp_safe": "dp_safety",
     "make_private": "engine",

@@ -29,7 +29,7 @@ from torch import nn
 from torch.func import functional_call, grad, vmap
 
 from .audit_bound import epsilon_lower_bound
-from .trainer import DPTrainer, TensorData, _tensors
+from .trainer import DPTrainer, TensorData
 
 DEFAULT_BETA = 0.05
 SCORE_CHUNK = 256  # canaries scored at once
@@ -227,3 +227,12 @@ def run_audit(
         noise_multiplier=float(trainer.noise_multiplier),
         steps=trainer.step,
     )
+
+
+def _tensors(data: TensorData | Any) -> TensorData:
+    """(images, labels) of tensors or a TensorDataset (the audit's canary sets)."""
+    if isinstance(data, (tuple, list)) and len(data) == 2:
+        return data[0], data[1]
+    if hasattr(data, "tensors") and len(data.tensors) == 2:  # torch.utils.data.TensorDataset
+        return data.tensors
+    raise TypeError("training data must be (images, labels) tensors or a TensorDataset of them")

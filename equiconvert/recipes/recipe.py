@@ -1,8 +1,8 @@
 """Typed experiment recipes: what one `equiconvert train` run does, loadable from TOML and overridable by dotted keys.
 
 A recipe has five sections: [model] (registry name and keyword arguments), [conversion] (group and the
-conversion's options), [dp], [schedule] and [data] (the fields of privacy.trainer.DPConfig, grouped by what they
-set), and [run] (output folder, device, time limit). DPConfig and the dataclasses below are the one source of
+conversion's options), [dp], [schedule] and [data] (the fields of privacy.dp_config.DPConfig, grouped by what
+they set), and [run] (output folder, device, time limit). DPConfig and the dataclasses below are the one source of
 every default: the command line fills only what it was given.
 """
 
@@ -17,7 +17,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from ..privacy.trainer import DPConfig
+from ..privacy.dp_config import DPConfig
 
 if sys.version_info >= (3, 11):
     import tomllib

@@ -23,9 +23,10 @@ from ..convert import make_equivariant
 from ..nn.conv import SteerableConv2d
 from ..privacy import distributed
 from ..privacy.accounting import refuse_delta
+from ..privacy.dp_config import DPConfig, check_config
 from ..privacy.filter_gradients import fastest_choices
 from ..privacy.run_folder import prepare_out
-from ..privacy.trainer import DPConfig, DPTrainer, check_config
+from ..privacy.trainer import DPTrainer
 from .recipe import Recipe, RecipeError
 from ..saved_model import library_versions, save_trained
 

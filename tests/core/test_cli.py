@@ -25,10 +25,10 @@ def run_json(capsys, *argv: str) -> dict:
     return json.loads(out)
 
 
-def tiny_train_result(tmp_path, *flags: str) -> dict:
-    """The result.json of tiny_train_args() into tmp_path / "run", with `flags` after its own (later flags win)."""
+def tiny_train_result(tmp_path, *extra: str, **overrides: str | float | None) -> dict:
+    """The result.json of tiny_train_args(tmp_path / "run", *extra, **overrides)."""
     out = tmp_path / "run"
-    assert main(tiny_train_args(out, *flags)) == 0
+    assert main(tiny_train_args(out, *extra, **overrides)) == 0
     return json.loads((out / "result.json").read_text())
 
 
@@ -313,16 +313,12 @@ def test_train_threads_sets_the_processes_cpu_threads(tmp_path, capsys):
 def test_train_init_gain_reaches_the_model_and_the_result(tmp_path, capsys):
     result = tiny_train_result(
         tmp_path,
-        "--model",
-        "equiconvert:resnet9",
-        "--model-kwargs",
-        "widths=8,16,32",
-        "--group",
-        "C4",
-        "--epsilon",
-        "8",
         "--set",
         "conversion.init_gain=0.5",
+        model="equiconvert:resnet9",
+        model_kwargs="widths=8,16,32",
+        group="C4",
+        epsilon=8,
     )
     assert result["init_gain"] == 0.5
     capsys.readouterr()
@@ -383,16 +379,14 @@ def test_train_head_and_normalize_reach_the_model_the_trainer_and_the_result(tmp
     """--head invariant makes the paper preset's logits flip-invariant (its own head is not); --normalize is used."""
     result = tiny_train_result(
         tmp_path,
-        "--model",
-        "equiconvert:equivariant_resnet9",
-        "--group",
-        "D1",
         "--set",
         "conversion.head=invariant",
         "--set",
         "data.normalize_mean=0.25",
         "--set",
         "data.normalize_std=0.4",
+        model="equiconvert:equivariant_resnet9",
+        group="D1",
     )
     assert result["invariant_head"] is True and result["max_equivariance_error"] < 1e-4
     assert (result["normalize_mean"], result["normalize_std"]) == (0.25, 0.4)
@@ -407,7 +401,7 @@ def test_train_head_and_normalize_reach_the_model_the_trainer_and_the_result(tmp
 
 def test_train_width_rescales_the_paper_preset_and_is_refused_for_its_baseline(tmp_path, capsys):
     result = tiny_train_result(
-        tmp_path, "--model", "equiconvert:equivariant_resnet9", "--group", "D4", "--set", "conversion.width=1.0"
+        tmp_path, "--set", "conversion.width=1.0", model="equiconvert:equivariant_resnet9", group="D4"
     )
     # kappa 1 instead of the preset's 1.5: fewer fields per layer, so fewer than Table 1's 255,675 parameters
     assert result["width"] == 1.0 and 0 < result["params"] < 255_675
@@ -424,18 +418,14 @@ def test_train_filter_gradients_fastest_records_each_layers_kernel(tmp_path, cap
     monkeypatch.setattr(filter_gradients, "_fastest", {})
     result = tiny_train_result(
         tmp_path,
-        "--model",
-        "equiconvert:resnet9",
-        "--model-kwargs",
-        "widths=4,8,8",
-        "--group",
-        "C4",
-        "--aug-mult",
-        "2",
         "--set",
         "dp.per_sample_method=bookkeeping",
         "--set",
         "dp.filter_gradients=fastest",
+        model="equiconvert:resnet9",
+        model_kwargs="widths=4,8,8",
+        group="C4",
+        aug_mult=2,
     )
     kernels = result["filter_gradient_kernels"]
     assert (
@@ -449,36 +439,21 @@ def test_train_filter_gradients_fastest_records_each_layers_kernel(tmp_path, cap
 def test_train_activation_builds_the_paper_preset_and_its_baseline_with_it(tmp_path, capsys):
     converted = tiny_train_result(
         tmp_path / "d1",
-        "--model",
-        "equiconvert:equivariant_resnet9",
-        "--group",
-        "D1",
-        "--model-kwargs",
-        "activation=tanh",
         "--set",
         "conversion.head=invariant",
+        model="equiconvert:equivariant_resnet9",
+        group="D1",
+        model_kwargs="activation=tanh",
     )
     # float32 check: tanh networks round to ~1e-4 (exactness in float64: tests/models/test_equivariant_resnet9.py); a
     # broken symmetry shows as ~0.3
     assert converted["activation"] == "tanh" and converted["max_equivariance_error"] < 1e-3
     plain = tiny_train_result(
-        tmp_path / "none",
-        "--model",
-        "equiconvert:equivariant_resnet9",
-        "--group",
-        "none",
-        "--model-kwargs",
-        "activation=tanh",
+        tmp_path / "none", model="equiconvert:equivariant_resnet9", group="none", model_kwargs="activation=tanh"
     )
     assert plain["activation"] == "tanh" and plain["params"] == 155_434  # an activation has no parameters
     assert (
-        tiny_train_result(
-            tmp_path / "default",
-            "--model",
-            "equiconvert:equivariant_resnet9",
-            "--group",
-            "none",
-        )["activation"]
+        tiny_train_result(tmp_path / "default", model="equiconvert:equivariant_resnet9", group="none")["activation"]
         == "mish"
     )
     capsys.readouterr()
@@ -493,14 +468,11 @@ def test_resuming_into_another_activation_is_refused(tmp_path, capsys):
     """Activations have no parameters: the checkpoint would load into the other network without complaint."""
     first = tiny_train_result(
         tmp_path,
-        "--model",
-        "equiconvert:equivariant_resnet9",
-        "--group",
-        "none",
-        "--model-kwargs",
-        "activation=tanh",
         "--set",
         "schedule.checkpoint_every=1",
+        model="equiconvert:equivariant_resnet9",
+        group="none",
+        model_kwargs="activation=tanh",
     )
     assert first["activation"] == "tanh" and "Tanh()" in (tmp_path / "run" / "model.txt").read_text()
     capsys.readouterr()
@@ -511,15 +483,12 @@ def test_resuming_into_another_activation_is_refused(tmp_path, capsys):
     assert "another network" in error and "Tanh()" in error and "Mish()" in error
     resumed = tiny_train_result(
         tmp_path,
-        "--model",
-        "equiconvert:equivariant_resnet9",
-        "--group",
-        "none",
-        "--model-kwargs",
-        "activation=tanh",
         "--set",
         "schedule.checkpoint_every=1",
         "--resume",
+        model="equiconvert:equivariant_resnet9",
+        group="none",
+        model_kwargs="activation=tanh",
     )
     assert resumed["steps"] == 1
 
@@ -527,29 +496,19 @@ def test_resuming_into_another_activation_is_refused(tmp_path, capsys):
 def test_train_norm_groups_and_crop_padding_reach_the_model_and_the_augmentation(tmp_path, capsys):
     converted = tiny_train_result(
         tmp_path / "d1",
-        "--model",
-        "equiconvert:equivariant_resnet9",
-        "--group",
-        "D1",
-        "--model-kwargs",
-        "norm_groups=2",
         "--set",
         "data.augment_padding=2",
-        "--aug-mult",
-        "2",
+        model="equiconvert:equivariant_resnet9",
+        group="D1",
+        model_kwargs="norm_groups=2",
+        aug_mult=2,
     )
     assert converted["norm_groups"] == 2 and converted["augment_padding"] == 2
     assert converted["ema_final_decay"] == pytest.approx(0.1)  # one step: the warm-up's (1 + 0) / (10 + 0)
     assert "num_groups=2," in (tmp_path / "d1" / "run" / "model.txt").read_text()
     assert "num_groups=8," not in (tmp_path / "d1" / "run" / "model.txt").read_text()
     plain = tiny_train_result(
-        tmp_path / "none",
-        "--model",
-        "equiconvert:equivariant_resnet9",
-        "--group",
-        "none",
-        "--model-kwargs",
-        "norm_groups=16",
+        tmp_path / "none", model="equiconvert:equivariant_resnet9", group="none", model_kwargs="norm_groups=16"
     )
     assert plain["norm_groups"] == 16 and "GroupNorm(16, 16" in (tmp_path / "none" / "run" / "model.txt").read_text()
     capsys.readouterr()
@@ -570,47 +529,29 @@ def test_train_norm_groups_and_crop_padding_reach_the_model_and_the_augmentation
 def test_train_no_res2_reaches_the_preset_and_its_baseline_and_is_recorded(tmp_path, capsys):
     converted = tiny_train_result(
         tmp_path / "d1",
-        "--model",
-        "equiconvert:equivariant_resnet9",
-        "--group",
-        "D1",
-        "--model-kwargs",
-        "res2=false",
         "--set",
         "conversion.head=invariant",
+        model="equiconvert:equivariant_resnet9",
+        group="D1",
+        model_kwargs="res2=false",
     )  # the paper's 2x2 grid head is not invariant
     full = tiny_train_result(
-        tmp_path / "full",
-        "--model",
-        "equiconvert:equivariant_resnet9",
-        "--group",
-        "D1",
-        "--set",
-        "conversion.head=invariant",
+        tmp_path / "full", "--set", "conversion.head=invariant", model="equiconvert:equivariant_resnet9", group="D1"
     )
     assert converted["res2"] is False and full["res2"] is True and converted["params"] < full["params"] * 0.6
     assert converted["max_equivariance_error"] < 1e-4
     plain = tiny_train_result(
-        tmp_path / "none",
-        "--model",
-        "equiconvert:equivariant_resnet9",
-        "--group",
-        "none",
-        "--model-kwargs",
-        "res2=false",
+        tmp_path / "none", model="equiconvert:equivariant_resnet9", group="none", model_kwargs="res2=false"
     )
     assert plain["res2"] is False and "(res2): Identity()" in (tmp_path / "none" / "run" / "model.txt").read_text()
     assert converted["pool_after_res2"] is False
     late = tiny_train_result(
         tmp_path / "late",
-        "--model",
-        "equiconvert:equivariant_resnet9",
-        "--group",
-        "D1",
-        "--model-kwargs",
-        "pool_after_res2=true",
         "--set",
         "conversion.head=invariant",
+        model="equiconvert:equivariant_resnet9",
+        group="D1",
+        model_kwargs="pool_after_res2=true",
     )
     assert late["pool_after_res2"] is True and late["res2"] is True and late["params"] == full["params"]
     assert late["max_equivariance_error"] < 1e-4
@@ -629,16 +570,9 @@ def test_train_no_res2_reaches_the_preset_and_its_baseline_and_is_recorded(tmp_p
 
 
 def test_train_test_shifts_adds_shift_averaged_metrics_beside_the_plain_ones(tmp_path, capsys):
-    plain = tiny_train_result(tmp_path / "plain", "--group", "none", "--seed", "3", "--insecure-seeded-noise")
+    plain = tiny_train_result(tmp_path / "plain", "--insecure-seeded-noise", group="none", seed=3)
     averaged = tiny_train_result(
-        tmp_path / "averaged",
-        "--group",
-        "none",
-        "--seed",
-        "3",
-        "--insecure-seeded-noise",
-        "--set",
-        "data.test_shifts=cross1",
+        tmp_path / "averaged", "--insecure-seeded-noise", "--set", "data.test_shifts=cross1", group="none", seed=3
     )
     assert plain["test_shifts"] is None and "test_accuracy_shift_averaged" not in plain
     assert averaged["test_shifts"] == "cross1"

@@ -8,48 +8,21 @@ import pytest
 
 from equiconvert.cli import main as cli
 from tests.support.benchmark_scripts import load_benchmark
+from tests.support.train_args import tiny_train_args
 
 
 def test_checkpoint_reevaluation_matches_the_runs_own_plain_and_shift_averaged_metrics(tmp_path, capsys):
     run = tmp_path / "run"
-    assert (
-        cli(
-            [
-                "train",
-                "--dataset",
-                "synthetic",
-                "--model",
-                "equiconvert:equivariant_resnet9",
-                "--group",
-                "D1",
-                "--steps",
-                "2",
-                "--batch-size",
-                "8",
-                "--aug-mult",
-                "1",
-                "--physical-batch-size",
-                "8",
-                "--set",
-                "schedule.ema_decay=0.15",
-                "--set",
-                "schedule.checkpoint_every=1",
-                "--set",
-                "data.test_shifts=grid1",
-                "--set",
-                "data.normalize_mean=0.4",
-                "--set",
-                "data.normalize_std=0.3",
-                "--out",
-                str(run),
-                "--set",
-                "run.progress=false",
-                "--device",
-                "cpu",
-            ]
-        )
-        == 0
+    args = tiny_train_args(
+        run,
+        *("--set", "schedule.ema_decay=0.15", "--set", "schedule.checkpoint_every=1"),
+        *("--set", "data.test_shifts=grid1"),
+        *("--set", "data.normalize_mean=0.4", "--set", "data.normalize_std=0.3"),
+        model="equiconvert:equivariant_resnet9",
+        group="D1",
+        steps=2,
     )
+    assert cli(args) == 0
     result = json.loads((run / "result.json").read_text())
     capsys.readouterr()
     out = tmp_path / "shifts.json"

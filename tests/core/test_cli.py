@@ -14,6 +14,7 @@ from equiconvert.cli import SUBCOMMANDS, _parser, main
 from equiconvert.cli.convert import JSON_VALID_SIZES, check_size
 from equiconvert.cli.demo import _print_demo
 from tests.support.paths import REPO_ROOT, repo_env
+from tests.support.train_args import tiny_train_args
 
 RESNET18_PARAMS_10_CLASSES = 11_181_642
 
@@ -24,34 +25,10 @@ def run_json(capsys, *argv: str) -> dict:
     return json.loads(out)
 
 
-def tiny_train_result(tmp_path, *flags: str) -> dict:
-    """One step of `train` on the synthetic data set, batch 8, on the CPU; its result.json (later flags win)."""
+def tiny_train_result(tmp_path, *extra: str, **overrides: str | float | None) -> dict:
+    """The result.json of tiny_train_args(tmp_path / "run", *extra, **overrides)."""
     out = tmp_path / "run"
-    assert (
-        main(
-            [
-                "train",
-                "--dataset",
-                "synthetic",
-                "--steps",
-                "1",
-                "--batch-size",
-                "8",
-                "--aug-mult",
-                "1",
-                "--physical-batch-size",
-                "8",
-                "--out",
-                str(out),
-                "--set",
-                "run.progress=false",
-                "--device",
-                "cpu",
-                *flags,
-            ]
-        )
-        == 0
-    )
+    assert main(tiny_train_args(out, *extra, **overrides)) == 0
     return json.loads((out / "result.json").read_text())
 
 
@@ -275,33 +252,17 @@ def test_demo_conversion_only_json_lists_both_models(capsys):
 def test_train_on_synthetic_data_writes_result(tmp_path, capsys):
     out = tmp_path / "run"
     code = main(
-        [
-            "train",
-            "--dataset",
-            "synthetic",
-            "--model",
-            "equiconvert:resnet9",
-            "--model-kwargs",
-            "widths=8,16,32",
-            "--group",
-            "C4",
-            "--steps",
-            "2",
-            "--batch-size",
-            "16",
-            "--aug-mult",
-            "2",
-            "--epsilon",
-            "8",
-            "--physical-batch-size",
-            "16",
-            "--out",
-            str(out),
-            "--set",
-            "run.progress=false",
-            "--device",
-            "cpu",
-        ]
+        tiny_train_args(
+            out,
+            model="equiconvert:resnet9",
+            model_kwargs="widths=8,16,32",
+            group="C4",
+            steps=2,
+            batch_size=16,
+            aug_mult=2,
+            epsilon=8,
+            physical_batch_size=16,
+        )
     )
     assert code == 0
     result = json.loads((out / "result.json").read_text())
@@ -333,69 +294,35 @@ def test_train_threads_sets_the_processes_cpu_threads(tmp_path, capsys):
     try:
         torch.set_num_threads(2)
         code = main(
-            [
-                "train",
-                "--dataset",
-                "synthetic",
-                "--model",
-                "equiconvert:resnet9",
-                "--model-kwargs",
-                "widths=8,16,32",
-                "--group",
-                "none",
-                "--steps",
-                "1",
-                "--batch-size",
-                "8",
-                "--epsilon",
-                "8",
-                "--threads",
-                "1",
-                "--out",
-                str(tmp_path / "run"),
-                "--set",
-                "run.progress=false",
-                "--device",
-                "cpu",
-            ]
+            tiny_train_args(
+                tmp_path / "run",
+                model="equiconvert:resnet9",
+                model_kwargs="widths=8,16,32",
+                group="none",
+                epsilon=8,
+                threads=1,
+            )
         )
         assert code == 0 and torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(before)
     capsys.readouterr()
-    assert "--threads 0: give at least 1" in run_error(
-        capsys, "train", "--dataset", "synthetic", "--threads", "0", "--out", str(tmp_path / "bad")
-    )
+    assert "--threads 0: give at least 1" in run_error(capsys, *tiny_train_args(tmp_path / "bad", threads=0))
 
 
 def test_train_init_gain_reaches_the_model_and_the_result(tmp_path, capsys):
     result = tiny_train_result(
         tmp_path,
-        "--model",
-        "equiconvert:resnet9",
-        "--model-kwargs",
-        "widths=8,16,32",
-        "--group",
-        "C4",
-        "--epsilon",
-        "8",
         "--set",
         "conversion.init_gain=0.5",
+        model="equiconvert:resnet9",
+        model_kwargs="widths=8,16,32",
+        group="C4",
+        epsilon=8,
     )
     assert result["init_gain"] == 0.5
     capsys.readouterr()
-    error = run_error(
-        capsys,
-        "train",
-        "--dataset",
-        "synthetic",
-        "--group",
-        "none",
-        "--set",
-        "conversion.init_gain=1",
-        "--out",
-        str(tmp_path / "bad"),
-    )
+    error = run_error(capsys, *tiny_train_args(tmp_path / "bad", "--set", "conversion.init_gain=1", group="none"))
     assert "conversion.init_gain" in error and "--group none" in error
 
 
@@ -407,43 +334,18 @@ def test_train_seed_fixes_the_initial_weights_too(tmp_path, capsys):
     def final_loss(seed: str, name: str) -> float:
         torch.manual_seed(int(name[-1]) + 100)  # whatever the global RNG held before must not matter
         out = tmp_path / name
-        assert (
-            main(
-                [
-                    "train",
-                    "--dataset",
-                    "synthetic",
-                    "--model",
-                    "equiconvert:resnet9",
-                    "--model-kwargs",
-                    "widths=4,8,8",
-                    "--group",
-                    "C4",
-                    "--steps",
-                    "1",
-                    "--batch-size",
-                    "8",
-                    "--aug-mult",
-                    "1",
-                    "--epsilon",
-                    "8",
-                    "--physical-batch-size",
-                    "8",
-                    "--set",
-                    "schedule.checkpoint_every=0",
-                    "--seed",
-                    seed,
-                    "--out",
-                    str(out),
-                    "--set",
-                    "run.progress=false",
-                    "--device",
-                    "cpu",
-                    "--insecure-seeded-noise",
-                ]
-            )
-            == 0
+        args = tiny_train_args(
+            out,
+            "--set",
+            "schedule.checkpoint_every=0",
+            "--insecure-seeded-noise",
+            model="equiconvert:resnet9",
+            model_kwargs="widths=4,8,8",
+            group="C4",
+            epsilon=8,
+            seed=seed,
         )
+        assert main(args) == 0
         return json.loads((out / "result.json").read_text())["test_loss"]
 
     first, again, other = final_loss("3", "a1"), final_loss("3", "a2"), final_loss("4", "b3")
@@ -452,25 +354,7 @@ def test_train_seed_fixes_the_initial_weights_too(tmp_path, capsys):
 
 
 def test_train_baseline_replaces_batch_norm_and_widths_only_for_resnet9(tmp_path, capsys):
-    code = main(
-        [
-            "train",
-            "--dataset",
-            "synthetic",
-            "--model",
-            "torchvision:resnet18",
-            "--model-kwargs",
-            "widths=8,16,32",
-            "--group",
-            "none",
-            "--steps",
-            "1",
-            "--batch-size",
-            "8",
-            "--out",
-            str(tmp_path),
-        ]
-    )
+    code = main(tiny_train_args(tmp_path, model="torchvision:resnet18", model_kwargs="widths=8,16,32", group="none"))
     error = capsys.readouterr().err
     assert code == 2 and "cannot build torchvision:resnet18" in error and "keyword argument 'widths'" in error
 
@@ -479,31 +363,9 @@ def test_train_baseline_replaces_batch_norm_and_widths_only_for_resnet9(tmp_path
 def test_train_paper_model_preset_and_its_unconverted_network(tmp_path, group, params):
     out = tmp_path / group
     code = main(
-        [
-            "train",
-            "--dataset",
-            "synthetic",
-            "--model",
-            "equiconvert:equivariant_resnet9",
-            "--group",
-            group,
-            "--steps",
-            "2",
-            "--batch-size",
-            "8",
-            "--aug-mult",
-            "1",
-            "--physical-batch-size",
-            "8",
-            "--set",
-            "schedule.eval_every=1",
-            "--out",
-            str(out),
-            "--set",
-            "run.progress=false",
-            "--device",
-            "cpu",
-        ]
+        tiny_train_args(
+            out, "--set", "schedule.eval_every=1", model="equiconvert:equivariant_resnet9", group=group, steps=2
+        )
     )
     assert code == 0
     result = json.loads((out / "result.json").read_text())
@@ -517,60 +379,36 @@ def test_train_head_and_normalize_reach_the_model_the_trainer_and_the_result(tmp
     """--head invariant makes the paper preset's logits flip-invariant (its own head is not); --normalize is used."""
     result = tiny_train_result(
         tmp_path,
-        "--model",
-        "equiconvert:equivariant_resnet9",
-        "--group",
-        "D1",
         "--set",
         "conversion.head=invariant",
         "--set",
         "data.normalize_mean=0.25",
         "--set",
         "data.normalize_std=0.4",
+        model="equiconvert:equivariant_resnet9",
+        group="D1",
     )
     assert result["invariant_head"] is True and result["max_equivariance_error"] < 1e-4
     assert (result["normalize_mean"], result["normalize_std"]) == (0.25, 0.4)
     capsys.readouterr()
+    bad = tmp_path / "bad"
     assert "conversion.head" in run_error(
-        capsys,
-        "train",
-        "--dataset",
-        "synthetic",
-        "--group",
-        "none",
-        "--set",
-        "conversion.head=invariant",
-        "--out",
-        str(tmp_path / "bad"),
+        capsys, *tiny_train_args(bad, "--set", "conversion.head=invariant", group="none")
     )
-    error = run_error(
-        capsys, "train", "--dataset", "synthetic", "--set", "data.normalize_std=0", "--out", str(tmp_path / "bad")
-    )
+    error = run_error(capsys, *tiny_train_args(bad, "--set", "data.normalize_std=0"))
     assert "--set data.normalize_std=0: must be > 0" in error
 
 
 def test_train_width_rescales_the_paper_preset_and_is_refused_for_its_baseline(tmp_path, capsys):
     result = tiny_train_result(
-        tmp_path, "--model", "equiconvert:equivariant_resnet9", "--group", "D4", "--set", "conversion.width=1.0"
+        tmp_path, "--set", "conversion.width=1.0", model="equiconvert:equivariant_resnet9", group="D4"
     )
     # kappa 1 instead of the preset's 1.5: fewer fields per layer, so fewer than Table 1's 255,675 parameters
     assert result["width"] == 1.0 and 0 < result["params"] < 255_675
     capsys.readouterr()
     for model in ("equiconvert:equivariant_resnet9", "equiconvert:resnet9"):  # never silently ignored
-        error = run_error(
-            capsys,
-            "train",
-            "--dataset",
-            "synthetic",
-            "--model",
-            model,
-            "--group",
-            "none",
-            "--set",
-            "conversion.width=1.0",
-            "--out",
-            str(tmp_path / "bad"),
-        )
+        args = tiny_train_args(tmp_path / "bad", "--set", "conversion.width=1.0", model=model, group="none")
+        error = run_error(capsys, *args)
         assert "conversion.width" in error and "--group none" in error
 
 
@@ -580,18 +418,14 @@ def test_train_filter_gradients_fastest_records_each_layers_kernel(tmp_path, cap
     monkeypatch.setattr(filter_gradients, "_fastest", {})
     result = tiny_train_result(
         tmp_path,
-        "--model",
-        "equiconvert:resnet9",
-        "--model-kwargs",
-        "widths=4,8,8",
-        "--group",
-        "C4",
-        "--aug-mult",
-        "2",
         "--set",
         "dp.per_sample_method=bookkeeping",
         "--set",
         "dp.filter_gradients=fastest",
+        model="equiconvert:resnet9",
+        model_kwargs="widths=4,8,8",
+        group="C4",
+        aug_mult=2,
     )
     kernels = result["filter_gradient_kernels"]
     assert (
@@ -605,52 +439,27 @@ def test_train_filter_gradients_fastest_records_each_layers_kernel(tmp_path, cap
 def test_train_activation_builds_the_paper_preset_and_its_baseline_with_it(tmp_path, capsys):
     converted = tiny_train_result(
         tmp_path / "d1",
-        "--model",
-        "equiconvert:equivariant_resnet9",
-        "--group",
-        "D1",
-        "--model-kwargs",
-        "activation=tanh",
         "--set",
         "conversion.head=invariant",
+        model="equiconvert:equivariant_resnet9",
+        group="D1",
+        model_kwargs="activation=tanh",
     )
     # float32 check: tanh networks round to ~1e-4 (exactness in float64: tests/models/test_equivariant_resnet9.py); a
     # broken symmetry shows as ~0.3
     assert converted["activation"] == "tanh" and converted["max_equivariance_error"] < 1e-3
     plain = tiny_train_result(
-        tmp_path / "none",
-        "--model",
-        "equiconvert:equivariant_resnet9",
-        "--group",
-        "none",
-        "--model-kwargs",
-        "activation=tanh",
+        tmp_path / "none", model="equiconvert:equivariant_resnet9", group="none", model_kwargs="activation=tanh"
     )
     assert plain["activation"] == "tanh" and plain["params"] == 155_434  # an activation has no parameters
     assert (
-        tiny_train_result(
-            tmp_path / "default",
-            "--model",
-            "equiconvert:equivariant_resnet9",
-            "--group",
-            "none",
-        )["activation"]
+        tiny_train_result(tmp_path / "default", model="equiconvert:equivariant_resnet9", group="none")["activation"]
         == "mish"
     )
     capsys.readouterr()
     error = run_error(
         capsys,
-        "train",
-        "--dataset",
-        "synthetic",
-        "--model",
-        "equiconvert:resnet9",
-        "--group",
-        "D4",
-        "--model-kwargs",
-        "activation=tanh",
-        "--out",
-        str(tmp_path / "bad"),
+        *tiny_train_args(tmp_path / "bad", model="equiconvert:resnet9", group="D4", model_kwargs="activation=tanh"),
     )  # never silently ignored
     assert "model keyword activation applies to equiconvert:equivariant_resnet9 only" in error
 
@@ -659,54 +468,27 @@ def test_resuming_into_another_activation_is_refused(tmp_path, capsys):
     """Activations have no parameters: the checkpoint would load into the other network without complaint."""
     first = tiny_train_result(
         tmp_path,
-        "--model",
-        "equiconvert:equivariant_resnet9",
-        "--group",
-        "none",
-        "--model-kwargs",
-        "activation=tanh",
         "--set",
         "schedule.checkpoint_every=1",
+        model="equiconvert:equivariant_resnet9",
+        group="none",
+        model_kwargs="activation=tanh",
     )
     assert first["activation"] == "tanh" and "Tanh()" in (tmp_path / "run" / "model.txt").read_text()
     capsys.readouterr()
     error = run_error(
         capsys,
-        "train",
-        "--dataset",
-        "synthetic",
-        "--model",
-        "equiconvert:equivariant_resnet9",
-        "--group",
-        "none",
-        "--steps",
-        "2",
-        "--batch-size",
-        "8",
-        "--aug-mult",
-        "1",
-        "--physical-batch-size",
-        "8",
-        "--out",
-        str(tmp_path / "run"),
-        "--set",
-        "run.progress=false",
-        "--device",
-        "cpu",
-        "--resume",
+        *tiny_train_args(tmp_path / "run", "--resume", model="equiconvert:equivariant_resnet9", group="none", steps=2),
     )
     assert "another network" in error and "Tanh()" in error and "Mish()" in error
     resumed = tiny_train_result(
         tmp_path,
-        "--model",
-        "equiconvert:equivariant_resnet9",
-        "--group",
-        "none",
-        "--model-kwargs",
-        "activation=tanh",
         "--set",
         "schedule.checkpoint_every=1",
         "--resume",
+        model="equiconvert:equivariant_resnet9",
+        group="none",
+        model_kwargs="activation=tanh",
     )
     assert resumed["steps"] == 1
 
@@ -714,161 +496,83 @@ def test_resuming_into_another_activation_is_refused(tmp_path, capsys):
 def test_train_norm_groups_and_crop_padding_reach_the_model_and_the_augmentation(tmp_path, capsys):
     converted = tiny_train_result(
         tmp_path / "d1",
-        "--model",
-        "equiconvert:equivariant_resnet9",
-        "--group",
-        "D1",
-        "--model-kwargs",
-        "norm_groups=2",
         "--set",
         "data.augment_padding=2",
-        "--aug-mult",
-        "2",
+        model="equiconvert:equivariant_resnet9",
+        group="D1",
+        model_kwargs="norm_groups=2",
+        aug_mult=2,
     )
     assert converted["norm_groups"] == 2 and converted["augment_padding"] == 2
     assert converted["ema_final_decay"] == pytest.approx(0.1)  # one step: the warm-up's (1 + 0) / (10 + 0)
     assert "num_groups=2," in (tmp_path / "d1" / "run" / "model.txt").read_text()
     assert "num_groups=8," not in (tmp_path / "d1" / "run" / "model.txt").read_text()
     plain = tiny_train_result(
-        tmp_path / "none",
-        "--model",
-        "equiconvert:equivariant_resnet9",
-        "--group",
-        "none",
-        "--model-kwargs",
-        "norm_groups=16",
+        tmp_path / "none", model="equiconvert:equivariant_resnet9", group="none", model_kwargs="norm_groups=16"
     )
     assert plain["norm_groups"] == 16 and "GroupNorm(16, 16" in (tmp_path / "none" / "run" / "model.txt").read_text()
     capsys.readouterr()
-    error = run_error(
-        capsys,
-        "train",
-        "--dataset",
-        "synthetic",
-        "--model",
-        "equiconvert:equivariant_resnet9",
-        "--group",
-        "none",
-        "--model-kwargs",
-        "norm_groups=3",
-        "--batch-size",
-        "8",
-        "--out",
-        str(tmp_path / "bad"),
+    args = tiny_train_args(
+        tmp_path / "bad", model="equiconvert:equivariant_resnet9", group="none", model_kwargs="norm_groups=3"
     )
+    error = run_error(capsys, *args)
     assert "norm_groups 3" in error and "must divide every width" in error
     error = run_error(
         capsys,
-        "train",
-        "--dataset",
-        "synthetic",
-        "--model",
-        "equiconvert:resnet9",
-        "--group",
-        "D4",
-        "--model-kwargs",
-        "norm_groups=4",
-        "--out",
-        str(tmp_path / "bad"),
+        *tiny_train_args(tmp_path / "bad", model="equiconvert:resnet9", group="D4", model_kwargs="norm_groups=4"),
     )  # never silently ignored
     assert "model keyword norm_groups applies to equiconvert:equivariant_resnet9 only" in error
-    error = run_error(
-        capsys, "train", "--dataset", "synthetic", "--set", "data.augment_padding=-1", "--out", str(tmp_path / "bad")
-    )
+    error = run_error(capsys, *tiny_train_args(tmp_path / "bad", "--set", "data.augment_padding=-1"))
     assert "--set data.augment_padding=-1: must be >= 0" in error
 
 
 def test_train_no_res2_reaches_the_preset_and_its_baseline_and_is_recorded(tmp_path, capsys):
     converted = tiny_train_result(
         tmp_path / "d1",
-        "--model",
-        "equiconvert:equivariant_resnet9",
-        "--group",
-        "D1",
-        "--model-kwargs",
-        "res2=false",
         "--set",
         "conversion.head=invariant",
+        model="equiconvert:equivariant_resnet9",
+        group="D1",
+        model_kwargs="res2=false",
     )  # the paper's 2x2 grid head is not invariant
     full = tiny_train_result(
-        tmp_path / "full",
-        "--model",
-        "equiconvert:equivariant_resnet9",
-        "--group",
-        "D1",
-        "--set",
-        "conversion.head=invariant",
+        tmp_path / "full", "--set", "conversion.head=invariant", model="equiconvert:equivariant_resnet9", group="D1"
     )
     assert converted["res2"] is False and full["res2"] is True and converted["params"] < full["params"] * 0.6
     assert converted["max_equivariance_error"] < 1e-4
     plain = tiny_train_result(
-        tmp_path / "none",
-        "--model",
-        "equiconvert:equivariant_resnet9",
-        "--group",
-        "none",
-        "--model-kwargs",
-        "res2=false",
+        tmp_path / "none", model="equiconvert:equivariant_resnet9", group="none", model_kwargs="res2=false"
     )
     assert plain["res2"] is False and "(res2): Identity()" in (tmp_path / "none" / "run" / "model.txt").read_text()
     assert converted["pool_after_res2"] is False
     late = tiny_train_result(
         tmp_path / "late",
-        "--model",
-        "equiconvert:equivariant_resnet9",
-        "--group",
-        "D1",
-        "--model-kwargs",
-        "pool_after_res2=true",
         "--set",
         "conversion.head=invariant",
+        model="equiconvert:equivariant_resnet9",
+        group="D1",
+        model_kwargs="pool_after_res2=true",
     )
     assert late["pool_after_res2"] is True and late["res2"] is True and late["params"] == full["params"]
     assert late["max_equivariance_error"] < 1e-4
     capsys.readouterr()
     error = run_error(
-        capsys,
-        "train",
-        "--dataset",
-        "synthetic",
-        "--model",
-        "equiconvert:resnet9",
-        "--group",
-        "D4",
-        "--model-kwargs",
-        "res2=false",
-        "--out",
-        str(tmp_path / "bad"),
+        capsys, *tiny_train_args(tmp_path / "bad", model="equiconvert:resnet9", group="D4", model_kwargs="res2=false")
     )  # never silently ignored
     assert "model keyword res2 applies to equiconvert:equivariant_resnet9 only" in error
     error = run_error(
         capsys,
-        "train",
-        "--dataset",
-        "synthetic",
-        "--model",
-        "equiconvert:resnet9",
-        "--group",
-        "D4",
-        "--model-kwargs",
-        "pool_after_res2=true",
-        "--out",
-        str(tmp_path / "bad"),
+        *tiny_train_args(
+            tmp_path / "bad", model="equiconvert:resnet9", group="D4", model_kwargs="pool_after_res2=true"
+        ),
     )
     assert "model keyword pool_after_res2 applies to equiconvert:equivariant_resnet9 only" in error
 
 
 def test_train_test_shifts_adds_shift_averaged_metrics_beside_the_plain_ones(tmp_path, capsys):
-    plain = tiny_train_result(tmp_path / "plain", "--group", "none", "--seed", "3", "--insecure-seeded-noise")
+    plain = tiny_train_result(tmp_path / "plain", "--insecure-seeded-noise", group="none", seed=3)
     averaged = tiny_train_result(
-        tmp_path / "averaged",
-        "--group",
-        "none",
-        "--seed",
-        "3",
-        "--insecure-seeded-noise",
-        "--set",
-        "data.test_shifts=cross1",
+        tmp_path / "averaged", "--insecure-seeded-noise", "--set", "data.test_shifts=cross1", group="none", seed=3
     )
     assert plain["test_shifts"] is None and "test_accuracy_shift_averaged" not in plain
     assert averaged["test_shifts"] == "cross1"
@@ -876,9 +580,6 @@ def test_train_test_shifts_adds_shift_averaged_metrics_beside_the_plain_ones(tmp
     bounds = {"test_accuracy": 1, "brier": 2, "ece": 1, "test_loss": float("inf")}
     assert all(0 <= averaged[f"{key}_shift_averaged"] <= bound for key, bound in bounds.items())
     assert averaged["test_loss_shift_averaged"] != averaged["test_loss"]
-    assert (
-        main(["train", "--dataset", "synthetic", "--set", "data.test_shifts=cross9", "--out", str(tmp_path / "bad")])
-        == 2
-    )
+    assert main(tiny_train_args(tmp_path / "bad", "--set", "data.test_shifts=cross9")) == 2
     assert "unknown test-time shift set 'cross9'" in capsys.readouterr().err
     assert not (tmp_path / "bad").exists()  # refused before the run folder is made

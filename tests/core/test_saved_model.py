@@ -97,40 +97,11 @@ def test_train_writes_a_loadable_model_and_the_versions(tmp_path, capsys, group)
     from equiconvert.cli import main
     from equiconvert.data import load_dataset
     from equiconvert.privacy.metrics import classification_metrics, predict
+    from tests.support.train_args import tiny_train_args
 
     out = tmp_path / "run"
-    assert (
-        main(
-            [
-                "train",
-                "--dataset",
-                "synthetic",
-                "--model",
-                "equiconvert:resnet9",
-                "--model-kwargs",
-                "widths=4,8,8",
-                "--group",
-                group,
-                "--steps",
-                "1",
-                "--batch-size",
-                "8",
-                "--aug-mult",
-                "1",
-                "--epsilon",
-                "8",
-                "--physical-batch-size",
-                "8",
-                "--out",
-                str(out),
-                "--set",
-                "run.progress=false",
-                "--device",
-                "cpu",
-            ]
-        )
-        == 0
-    )
+    args = tiny_train_args(out, model="equiconvert:resnet9", model_kwargs="widths=4,8,8", group=group, epsilon=8)
+    assert main(args) == 0
     result = json.loads((out / "result.json").read_text())
     assert result["versions"] == library_versions()
     model = equiconvert.load(out / "model.pt")

@@ -11,6 +11,7 @@ import equiconvert
 from equiconvert.cli import main
 from equiconvert.models import ModelNameError, create_model, list_models, register_model
 from equiconvert.models._registry import _MODELS, is_equivariant_model, resolve_model_name
+from tests.support.train_args import tiny_train_args
 
 PAPER_PLAIN_PARAMS = 155_434  # the paper preset's unconverted network, 10 classes, 3 channels
 
@@ -103,35 +104,7 @@ def test_convert_and_train_accept_the_same_names(name, tmp_path, capsys):
         assert record["params_before"] == PAPER_PLAIN_PARAMS
     widths = [] if name in ("equivariant_resnet9", "torchvision:resnet18") else ["--model-kwargs", "widths=4,8,8"]
     out = tmp_path / "run"
-    assert (
-        main(
-            [
-                "train",
-                "--dataset",
-                "synthetic",
-                "--model",
-                name,
-                "--group",
-                "none",
-                *widths,
-                "--steps",
-                "1",
-                "--batch-size",
-                "8",
-                "--aug-mult",
-                "1",
-                "--physical-batch-size",
-                "8",
-                "--out",
-                str(out),
-                "--set",
-                "run.progress=false",
-                "--device",
-                "cpu",
-            ]
-        )
-        == 0
-    )
+    assert main(tiny_train_args(out, *widths, model=name, group="none")) == 0
     result = json.loads((out / "result.json").read_text())
     if name == "equivariant_resnet9":  # --group none: the plain network the preset converts
         expected = PAPER_PLAIN_PARAMS

@@ -19,6 +19,7 @@ from equiconvert.privacy.trainer import DPTrainer
 from tests.support.cli_errors import run_error
 from tests.support.paths import REPO_ROOT
 from tests.support.tiny import linear_classifier, tiny_images
+from tests.support.train_args import tiny_train_args
 
 OPTIONS = dict(
     noise_multiplier=1.0,
@@ -33,29 +34,7 @@ OPTIONS = dict(
     progress=False,
     checkpoint_every=1,
 )
-TRAIN = [
-    "train",
-    "--dataset",
-    "synthetic",
-    "--model",
-    "equiconvert:resnet9",
-    "--model-kwargs",
-    "widths=4,8,8",
-    "--group",
-    "none",
-    "--steps",
-    "1",
-    "--batch-size",
-    "8",
-    "--aug-mult",
-    "1",
-    "--physical-batch-size",
-    "8",
-    "--set",
-    "run.progress=false",
-    "--device",
-    "cpu",
-]
+MODEL = dict(model="equiconvert:resnet9", model_kwargs="widths=4,8,8", group="none")  # for tiny_train_args()
 
 
 class _Payload:
@@ -92,10 +71,10 @@ def test_every_file_read_uses_weights_only():
 )
 def test_bad_checkpoint_is_one_clear_line(tmp_path, capsys, content):
     out = tmp_path / "run"
-    assert main([*TRAIN, "--out", str(out)]) == 0
+    assert main(tiny_train_args(out, **MODEL)) == 0
     (out / "checkpoint.pt").write_bytes(content)
     capsys.readouterr()
-    error = run_error(capsys, *TRAIN, "--out", str(out), "--steps", "2", "--resume")
+    error = run_error(capsys, *tiny_train_args(out, "--resume", steps=2, **MODEL))
     assert str(out / "checkpoint.pt") in error and re.search("empty|cannot be read safely", error)
 
 
@@ -109,20 +88,20 @@ def test_truncated_real_checkpoint_is_refused(tmp_path):
 
 def test_non_empty_out_needs_resume_or_overwrite(tmp_path, capsys):
     out = tmp_path / "run"
-    assert main([*TRAIN, "--out", str(out)]) == 0
+    assert main(tiny_train_args(out, **MODEL)) == 0
     first_log = (out / "log.jsonl").read_text()
     capsys.readouterr()
-    error = run_error(capsys, *TRAIN, "--out", str(out))
+    error = run_error(capsys, *tiny_train_args(out, **MODEL))
     assert "is not empty" in error and "--resume" in error and "--overwrite" in error
     assert (out / "log.jsonl").read_text() == first_log  # untouched
-    assert main([*TRAIN, "--out", str(out), "--overwrite"]) == 0
+    assert main(tiny_train_args(out, "--overwrite", **MODEL)) == 0
     log = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
     assert [r["step"] for r in log if "lr" in r] == [1]  # the new run's log only, not appended
     assert len(json.loads((out / "result.json").read_text())["evals"]) == 0
 
 
 def test_resume_without_a_checkpoint_is_an_error(tmp_path, capsys):
-    error = run_error(capsys, *TRAIN, "--out", str(tmp_path / "fresh"), "--resume")
+    error = run_error(capsys, *tiny_train_args(tmp_path / "fresh", "--resume", **MODEL))
     assert "--resume: there is no checkpoint" in error
     with pytest.raises(CheckpointError, match="nothing to resume"):
         DPTrainer(linear_classifier(), out_dir=tmp_path / "api", **OPTIONS).fit(tiny_images(), resume=True)

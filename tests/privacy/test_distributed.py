@@ -25,6 +25,7 @@ from equiconvert.privacy.sampling import PoissonSampler
 from equiconvert.privacy.secure_rng import SAMPLING, make_source
 from equiconvert.privacy.trainer import DPTrainer
 from tests.support.paths import REPO_ROOT
+from tests.support.train_args import tiny_train_args
 
 WORLD = 2
 N, BATCH = 200, 50  # sampling scenario: q = 0.25
@@ -266,36 +267,17 @@ def test_training_loop_waits_for_the_device_only_at_log_steps(monkeypatch):
 
 def test_nproc_per_node_launches_workers_through_torchrun(tmp_path):
     out = tmp_path / "run"
-    command = [
-        sys.executable,
-        "-m",
-        "equiconvert",
-        "train",
-        "--nproc-per-node",
-        "2",
-        "--dataset",
-        "synthetic",
-        "--model",
-        "equiconvert:resnet9",
-        "--model-kwargs",
-        "widths=4,8,8",
-        "--group",
-        "none",
-        "--steps",
-        "2",
-        "--batch-size",
-        "16",
-        "--aug-mult",
-        "1",
-        "--physical-batch-size",
-        "16",
-        "--out",
-        str(out),
-        "--set",
-        "run.progress=false",
-        "--device",
-        "cpu",
-    ]
+    train = tiny_train_args(
+        out,
+        nproc_per_node=2,
+        model="equiconvert:resnet9",
+        model_kwargs="widths=4,8,8",
+        group="none",
+        steps=2,
+        batch_size=16,
+        physical_batch_size=16,
+    )
+    command = [sys.executable, "-m", "equiconvert", *train]
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}
     finished = subprocess.run(command, check=False, capture_output=True, text=True, env=env, timeout=300)
     assert finished.returncode == 0, finished.stderr[-2000:]

@@ -18,6 +18,7 @@ from equiconvert.privacy.inputs import InvalidDataError
 from equiconvert.privacy.trainer import DPTrainer
 from tests.support.cli_errors import run_error
 from tests.support.tiny import CLASSES, N, SIZE, linear_classifier, tiny_images
+from tests.support.train_args import tiny_train_args
 
 OPTIONS = dict(
     noise_multiplier=1.0,
@@ -213,32 +214,15 @@ def test_first_step_over_budget_fails_with_a_message(tmp_path, capsys):
     trainer = DPTrainer(linear_classifier(), **{**OPTIONS, "target_epsilon": 0.1, "noise_multiplier": 0.5})
     with pytest.raises(PrivacyBudgetError, match=r"one step .* spends epsilon .* > the target 0.1"):
         trainer.fit(tiny_images())
-    error = run_error(
-        capsys,
-        "train",
-        "--dataset",
-        "synthetic",
-        "--model",
-        "equiconvert:resnet9",
-        "--model-kwargs",
-        "widths=4,8,8",
-        "--group",
-        "none",
-        "--steps",
-        "2",
-        "--batch-size",
-        "8",
-        "--aug-mult",
-        "1",
-        "--epsilon",
-        "0.1",
+    args = tiny_train_args(
+        tmp_path / "o",
         "--set",
         "dp.noise_multiplier=0.5",
-        "--out",
-        str(tmp_path / "o"),
-        "--set",
-        "run.progress=false",
-        "--device",
-        "cpu",
+        model="equiconvert:resnet9",
+        model_kwargs="widths=4,8,8",
+        group="none",
+        steps=2,
+        epsilon=0.1,
     )
+    error = run_error(capsys, *args)
     assert "spends epsilon" in error and not (tmp_path / "o" / "result.json").exists()

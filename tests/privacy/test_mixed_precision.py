@@ -14,6 +14,7 @@ from equiconvert.privacy.bookkeeping import BookkeepingUnsupportedError, per_sam
 from equiconvert.privacy.checkpoint import load, save_atomic
 from equiconvert.privacy.per_sample import clip_and_sum, per_sample_norms
 from equiconvert.privacy.trainer import DPTrainer
+from tests.support.train_args import tiny_train_args
 
 MAX_GRAD_NORM = 0.01  # below every example's norm here: every example is clipped
 
@@ -150,35 +151,15 @@ def test_checkpoints_from_before_the_precision_option_resume_and_precision_is_pa
 def test_train_precision_reaches_the_trainer_and_the_result(tmp_path, capsys):
     out = tmp_path / "run"
     code = main(
-        [
-            "train",
-            "--dataset",
-            "synthetic",
-            "--model",
-            "equiconvert:resnet9",
-            "--model-kwargs",
-            "widths=8,16,32",
-            "--group",
-            "C4",
-            "--steps",
-            "1",
-            "--batch-size",
-            "8",
-            "--aug-mult",
-            "1",
-            "--epsilon",
-            "8",
-            "--physical-batch-size",
-            "8",
+        tiny_train_args(
+            out,
             "--set",
             "dp.precision=bf16",
-            "--out",
-            str(out),
-            "--set",
-            "run.progress=false",
-            "--device",
-            "cpu",
-        ]
+            model="equiconvert:resnet9",
+            model_kwargs="widths=8,16,32",
+            group="C4",
+            epsilon=8,
+        )
     )
     assert code == 0
     result = json.loads((out / "result.json").read_text())

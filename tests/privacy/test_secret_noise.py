@@ -17,6 +17,7 @@ from equiconvert.privacy.per_sample import clip_and_sum, per_sample_gradients
 from equiconvert.privacy.secure_rng import NOISE, SAMPLING, RandomSource
 from equiconvert.privacy.trainer import DPTrainer
 from tests.support.tiny import N, linear_classifier, tiny_images
+from tests.support.train_args import tiny_train_args
 
 SEED = 0
 OPTIONS = dict(
@@ -199,37 +200,8 @@ def test_checkpoint_is_owner_only_and_holds_generator_states_as_uint8_tensors(tm
 
 def _train(tmp_path, *flags: str) -> tuple[dict, list[dict]]:
     out = tmp_path / "run"
-    assert (
-        main(
-            [
-                "train",
-                "--dataset",
-                "synthetic",
-                "--model",
-                "equiconvert:resnet9",
-                "--model-kwargs",
-                "widths=4,8,8",
-                "--group",
-                "none",
-                "--steps",
-                "2",
-                "--batch-size",
-                "8",
-                "--aug-mult",
-                "1",
-                "--physical-batch-size",
-                "8",
-                "--out",
-                str(out),
-                "--set",
-                "run.progress=false",
-                "--device",
-                "cpu",
-                *flags,
-            ]
-        )
-        == 0
-    )
+    args = tiny_train_args(out, *flags, model="equiconvert:resnet9", model_kwargs="widths=4,8,8", group="none", steps=2)
+    assert main(args) == 0
     log = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
     return json.loads((out / "result.json").read_text()), log
 

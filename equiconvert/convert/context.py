@@ -27,11 +27,12 @@ class ConversionConfig:
 
     head: str = "keep"  # "keep" or "invariant"
     invariant_pool: str = "max"  # group pooling before the classifier
-    weight_standardization: bool = False
+    weight_standardization: bool | str = False  # True = "field"; "layer": the released code's (nn/conv.py)
     init_gain: float = math.sqrt(2.0)  # steerable filters start with std gain/sqrt(fan-in); 1 = escnn's scale
     basis_cutoff: float | None = None  # band limit c*r per ring; None = escnn's default (3.0 = paper's code)
     restrict: Any = None  # see convert/restrict.py
     batchnorm_groups: int = 32  # BatchNorm2d becomes a field-aligned GroupNorm with this many groups
+    norm_group_rule: str = "at_most"  # a norm's groups from its fields and the groups asked (convert/norm_groups.py)
     strict: bool = False
     leaf_modules: tuple[type, ...] = ()
     even_kernels: str = "refuse"  # "grow": a k x k conv with k even becomes (k+1) x (k+1), same stride and padding

@@ -13,6 +13,27 @@ from ..bases.canonical import BasisMismatchError, basis_fingerprint
 
 _FINGERPRINT_KEY = "_extra_state"  # torch's key suffix for get_extra_state
 
+# Weight standardization scopes: the coefficient dimensions of weight (out, in, basis) each mean and variance span.
+# "field": per output field, eps added to the variance (a layer norm of each field's coefficients).
+# "layer": over the layer's whole coefficient vector, eps added to the standard deviation (the released code of
+# Hölzl et al., hlzl/equivariant, standardizes its R2Conv weights this way).
+STANDARDIZATION_DIMS: dict[str, tuple[int, ...]] = {"field": (1, 2), "layer": (0, 1, 2)}
+
+
+def standardization_scope(weight_standardization: bool | str) -> str | None:
+    """The scope of a weight_standardization option: False/None -> None, True -> "field", or a STANDARDIZATION_DIMS
+    name; anything else is refused by name."""
+    if weight_standardization is None or weight_standardization is False:
+        return None
+    if weight_standardization is True:
+        return "field"
+    if weight_standardization not in STANDARDIZATION_DIMS:
+        raise ValueError(
+            f"weight_standardization must be a bool or one of {sorted(STANDARDIZATION_DIMS)}, "
+            f"got {weight_standardization!r}"
+        )
+    return weight_standardization
+
 
 def apply_to_constants(module: nn.Module, fn, names: tuple[str, ...]) -> None:
     """Move/cast the tensor attributes `names` (None allowed) as `nn.Module._apply` does buffers.
@@ -51,7 +72,7 @@ class SteerableConv2d(nn.Module):
         groups: int = 1,
         bias: bool = True,
         padding_mode: str = "zeros",
-        weight_standardization: bool = False,
+        weight_standardization: bool | str = False,
         eps: float = 1e-5,
         bias_channels: tuple[int, ...] | None = None,
         init_gain: float = math.sqrt(2.0),
@@ -75,7 +96,7 @@ class SteerableConv2d(nn.Module):
             padding = d * (self.kernel_size - 1) // 2 if padding == "same" else 0
         self.stride, self.padding, self.dilation = stride, padding, dilation
         self.padding_mode = padding_mode
-        self.weight_standardization = weight_standardization
+        self.weight_standardization = standardization_scope(weight_standardization)  # None, "field" or "layer"
         self.eps = eps
         self.init_gain = init_gain
         # A constant, not a buffer: Opacus refuses trainable modules with buffers (make_private
@@ -150,29 +171,40 @@ class SteerableConv2d(nn.Module):
                 self.bias.zero_()
 
     def coefficients(self, weight: torch.Tensor | None = None) -> torch.Tensor:
-        """The basis coefficients of `weight` (default: self.weight), standardized per output field if asked."""
+        """The basis coefficients of `weight` (default: self.weight), standardized over the scope asked for."""
         weight = self.weight if weight is None else weight
-        if not self.weight_standardization:
+        if self.weight_standardization is None:
             return weight
-        mean = weight.mean(dim=(1, 2), keepdim=True)
-        var = weight.var(dim=(1, 2), keepdim=True, unbiased=False)
+        dims = STANDARDIZATION_DIMS[self.weight_standardization]
+        var, mean = torch.var_mean(weight, dim=dims, keepdim=True, unbiased=False)
+        if self.weight_standardization == "layer":
+            return (weight - mean) / (var.sqrt() + self.eps)
         return (weight - mean) / torch.sqrt(var + self.eps)
 
     def weight_gradients(self, coefficient_grads: torch.Tensor) -> torch.Tensor:
         """Gradients of self.weight from gradients of its coefficients, for a batch (..., out, in, basis) of them.
 
-        The VJP of the standardization in closed form (a layer norm's backward: rstd (g - mean g - w_hat mean(g
-        w_hat)), means per output field), a few passes over per-example gradients where vmap of autograd's VJP
-        makes about ten; tests compare the two.
+        The VJP of the standardization in closed form (a layer norm's backward, means over the scope), a few passes
+        over per-example gradients where vmap of autograd's VJP makes about ten; tests compare the two.
+        "field": rstd (g - mean g - w_hat mean(g w_hat)). "layer", y = u / (s + eps) with u = w - mean w and
+        s = std w: (g - mean g) / (s + eps) - u mean(g u) / (s (s + eps)^2).
         """
-        if not self.weight_standardization:
+        if self.weight_standardization is None:
             return coefficient_grads
+        dims = STANDARDIZATION_DIMS[self.weight_standardization]
+        grad_dims = tuple(d - 3 for d in dims)  # the same dimensions counted from the end of the batch
         weight = self.weight.detach()
-        mean = weight.mean(dim=(1, 2), keepdim=True)
-        rstd = torch.rsqrt(weight.var(dim=(1, 2), keepdim=True, unbiased=False) + self.eps)
+        var, mean = torch.var_mean(weight, dim=dims, keepdim=True, unbiased=False)
+        grad_mean = coefficient_grads.mean(dim=grad_dims, keepdim=True)
+        if self.weight_standardization == "layer":
+            std = var.sqrt()
+            centred_weight = weight - mean
+            grad_dot = (coefficient_grads * centred_weight).mean(dim=grad_dims, keepdim=True)
+            scale = 1.0 / (std + self.eps)
+            return (coefficient_grads - grad_mean) * scale - centred_weight * (grad_dot * scale.pow(2) / std)
+        rstd = torch.rsqrt(var + self.eps)
         standardized = (weight - mean) * rstd
-        grad_mean = coefficient_grads.mean(dim=(-2, -1), keepdim=True)
-        grad_dot = (coefficient_grads * standardized).mean(dim=(-2, -1), keepdim=True)
+        grad_dot = (coefficient_grads * standardized).mean(dim=grad_dims, keepdim=True)
         centred = torch.addcmul(-grad_mean * rstd, coefficient_grads, rstd)
         return torch.addcmul(centred, standardized, -grad_dot * rstd)
 
@@ -211,5 +243,9 @@ class SteerableConv2d(nn.Module):
             f"fields {self.in_fields}x{self.in_size} -> {self.out_fields}x{self.out_size}, "
             f"kernel={self.kernel_size}, num_basis={self.num_basis}, stride={self.stride}, "
             f"padding={self.padding}, dilation={self.dilation}, groups={self.groups}, "
-            f"bias={self.bias is not None}, weight_standardization={self.weight_standardization}"
+            f"bias={self.bias is not None}, weight_standardization={self._standardization_repr()}"
         )
+
+    def _standardization_repr(self) -> str:
+        """False / True for none / "field" (the form runs record in OUT/model.txt and compare on resume), else the name."""
+        return {None: "False", "field": "True"}.get(self.weight_standardization, repr(self.weight_standardization))

@@ -62,6 +62,14 @@ class RunSpec:
         """The keyword arguments create_model receives as they are (the preset's own ones are built separately)."""
         return {k: v for k, v in self.model_kwargs.items() if k not in PRESET_KEYS}
 
+    def conversion_kwargs(self) -> dict[str, Any]:
+        """The model keyword arguments that are ConversionConfig fields (e.g. weight_standardization): the paper
+        preset passes them to its conversion, so its plain network is built without them."""
+        from ..convert.context import ConversionConfig
+
+        names = {f.name for f in dataclasses.fields(ConversionConfig)}
+        return {k: v for k, v in self.passed_kwargs().items() if k in names}
+
 
 # the paper preset's keyword arguments (its conv -> activation -> norm blocks and last stage), refused for other
 # models: activation (a PAPER_ACTIVATIONS name; default mish), norm_groups (default 8), res2 (default true: the last
@@ -109,7 +117,7 @@ def _paper_model(spec: RunSpec, activation: str, num_classes: int, channels: int
             act=activation,
             norm_groups=norm_groups,
             **_blocks(spec),
-            **spec.passed_kwargs(),
+            **{k: v for k, v in spec.passed_kwargs().items() if k not in spec.conversion_kwargs()},
         )
     except ValueError as exc:
         raise ValueError(f"norm_groups {spec.preset('norm_groups')}: {exc}") from exc
@@ -192,6 +200,11 @@ def _refuse_preset_options_for_other_models(spec: RunSpec) -> None:
 def _refuse_conversion_options_for_baseline(spec: RunSpec) -> None:
     if spec.group.lower() != BASELINE_GROUP:
         return
+    if spec.conversion_kwargs():
+        raise ValueError(
+            f"model.kwargs {sorted(spec.conversion_kwargs())} are conversion options; the unconverted baseline "
+            "(--group none) has no conversion: drop them, or pick a group"
+        )
     for name, (flag, what) in _CONVERSION_FLAGS.items():
         if getattr(spec, name) is not None:
             raise ValueError(

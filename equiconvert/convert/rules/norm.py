@@ -8,6 +8,7 @@ from torch import nn
 from ...nn import FieldGroupNorm, GroupStandardization
 from ..context import ConversionContext
 from ..fields import FieldType
+from ..norm_groups import norm_group_rule
 from ..registry import register_module_rule
 
 
@@ -32,7 +33,7 @@ GROUP_STANDARDIZED = ("field",)
 def convert_batchnorm(ctx: ConversionContext, node: fx.Node) -> FieldType:
     bn = ctx.module(node)
     t_in = _check_channels(ctx, node, bn.num_features)
-    groups = min(t_in.num_fields, ctx.config.batchnorm_groups)
+    groups = norm_group_rule(ctx.config.norm_group_rule)(t_in.num_fields, ctx.config.batchnorm_groups)
     ctx.replace_module(node, _field_norm(t_in, groups, bn.affine, bn.eps))
     return t_in
 
@@ -41,7 +42,7 @@ def convert_batchnorm(ctx: ConversionContext, node: fx.Node) -> FieldType:
 def convert_groupnorm(ctx: ConversionContext, node: fx.Node) -> FieldType:
     gn: nn.GroupNorm = ctx.module(node)
     t_in = _check_channels(ctx, node, gn.num_channels)
-    groups = min(t_in.num_fields, gn.num_groups)
+    groups = norm_group_rule(ctx.config.norm_group_rule)(t_in.num_fields, gn.num_groups)
     ctx.replace_module(node, _field_norm(t_in, groups, gn.affine, gn.eps))
     return t_in
 

@@ -29,6 +29,7 @@ class ConversionConfig:
     invariant_pool: str = "max"  # group pooling before the classifier
     weight_standardization: bool | str = False  # True = "field"; "layer": the released code's (nn/conv.py)
     init_gain: float = math.sqrt(2.0)  # steerable filters start with std gain/sqrt(fan-in); 1 = escnn's scale
+    unit_norm_bias: bool = False  # a field's bias added as bias/sqrt(field size) per channel, as escnn's R2Conv
     basis_cutoff: float | None = None  # band limit c*r per ring; None = escnn's default (3.0 = paper's code)
     restrict: Any = None  # see convert/restrict.py
     batchnorm_groups: int = 32  # BatchNorm2d becomes a field-aligned GroupNorm with this many groups

@@ -76,10 +76,13 @@ class SteerableConv2d(nn.Module):
         eps: float = 1e-5,
         bias_channels: tuple[int, ...] | None = None,
         init_gain: float = math.sqrt(2.0),
+        bias_scale: float = 1.0,
     ) -> None:
         super().__init__()
         if not init_gain > 0:
             raise ValueError(f"init_gain must be positive, got {init_gain}")
+        if not bias_scale > 0:
+            raise ValueError(f"bias_scale must be positive, got {bias_scale}")
         if basis.ndim != 5 or basis.shape[0] == 0:
             raise ValueError(f"basis must have shape (num_basis>0, out, in, k, k), got {tuple(basis.shape)}")
         if in_fields % groups or out_fields % groups:
@@ -114,6 +117,10 @@ class SteerableConv2d(nn.Module):
             self.bias_index = torch.tensor(self.bias_channels)  # not a buffer either (see basis)
         bias_shape = (out_fields,) if bias_channels is None else (out_fields, len(self.bias_channels))
         self.bias = nn.Parameter(torch.zeros(bias_shape)) if bias else None
+        # what one unit of bias adds to each channel it reaches: 1, or 1/sqrt(field size) (unit_norm_bias), as escnn's
+        # R2Conv adds a regular field's bias along the unit-norm constant vector; a reparametrisation that sets how
+        # fast the bias learns under SGD (its gradient scales by bias_scale, its step in the output by bias_scale^2)
+        self.bias_scale = float(bias_scale)
         self.reset_parameters()
 
     def _apply(self, fn, recurse: bool = True):
@@ -225,6 +232,8 @@ class SteerableConv2d(nn.Module):
         bias = self.bias if bias is None else bias
         if bias is None:
             return None
+        if self.bias_scale != 1.0:
+            bias = bias * self.bias_scale
         if self.bias_channels is None:  # a constant per field is invariant for trivial and regular fields
             return bias.repeat_interleave(self.out_size)
         full = bias.new_zeros(self.out_fields, self.out_size)
@@ -244,6 +253,7 @@ class SteerableConv2d(nn.Module):
             f"kernel={self.kernel_size}, num_basis={self.num_basis}, stride={self.stride}, "
             f"padding={self.padding}, dilation={self.dilation}, groups={self.groups}, "
             f"bias={self.bias is not None}, weight_standardization={self._standardization_repr()}"
+            + (f", bias_scale={self.bias_scale:.6g}" if self.bias_scale != 1.0 else "")
         )
 
     def _standardization_repr(self) -> str:

@@ -138,7 +138,8 @@ def compute_steerable_conv_grad_sample(
         per_channel = backprops.unflatten(1, (layer.out_fields, layer.out_size)).flatten(3).sum(-1)  # (n, fields, size)
         channels = getattr(layer, "bias_channels", None)
         # one bias per field on all its channels, or (irrep fields) one per listed trivial channel of each field
-        ret[layer.bias] = per_channel.sum(-1) if channels is None else per_channel[:, :, list(channels)]
+        per_bias = per_channel.sum(-1) if channels is None else per_channel[:, :, list(channels)]
+        ret[layer.bias] = per_bias * layer.bias_scale if layer.bias_scale != 1.0 else per_bias
     return ret
 
 

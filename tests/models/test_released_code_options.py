@@ -175,3 +175,50 @@ def test_summing_views_before_clipping_at_c_equals_averaging_and_clipping_at_c_o
     ours.train_step(images, labels)
     for name, param in ours.model.named_parameters():
         assert torch.allclose(param.detach(), released[name], rtol=1e-5, atol=1e-6), name
+
+
+def test_unit_norm_bias_adds_bias_over_sqrt_field_size_to_each_channel():
+    model = equivariant_resnet9("D4", unit_norm_bias=True)
+    convs = [m for m in model.modules() if isinstance(m, SteerableConv2d)]
+    assert [c.out_size for c in convs] == [8] * 5 + [4] * 3  # D4 fields, then D2 ones after the restriction
+    assert all(c.bias_scale == c.out_size**-0.5 for c in convs)
+    conv = convs[0]
+    with torch.no_grad():
+        conv.bias.copy_(torch.arange(1.0, conv.out_fields + 1))
+    assert torch.allclose(conv.expand_bias(), torch.arange(1.0, conv.out_fields + 1).repeat_interleave(8) / 8**0.5)
+    assert all(c.bias_scale == 1.0 for c in equivariant_resnet9("D4").modules() if isinstance(c, SteerableConv2d))
+    with pytest.raises(ValueError, match="bias_scale must be positive"):
+        _conv_with_bias_scale(0.0)
+
+
+def _conv_with_bias_scale(scale: float) -> SteerableConv2d:
+    from equiconvert.basis import steerable_basis
+
+    basis = steerable_basis(parse_group("D2"), "regular", "regular", 3)
+    return SteerableConv2d(basis, 2, 3, padding=1, bias_scale=scale)
+
+
+def test_per_sample_gradients_follow_the_bias_scale():
+    """Book-keeping (the trainer's) and Opacus' grad sampler (make_private's) against autograd per example."""
+    from equiconvert.privacy.bookkeeping import per_sample_gradients_bookkeeping
+    from equiconvert.privacy.opacus_interop import compute_steerable_conv_grad_sample
+    from equiconvert.privacy.per_sample import per_sample_gradients
+    from tests.support.tiny import perturbed
+
+    torch.manual_seed(0)
+    model = perturbed(equivariant_resnet9("D4", unit_norm_bias=True, **RELEASED))
+    views, labels = torch.randn(3, 2, 3, 32, 32), torch.randint(0, 10, (3,))
+    params = {n: p.detach() for n, p in model.named_parameters()}
+    expected, _ = per_sample_gradients(model, params, dict(model.named_buffers()), views, labels)
+    grads, _ = per_sample_gradients_bookkeeping(model, views, labels)
+    for key in expected:
+        assert float((grads[key] - expected[key]).norm() / expected[key].norm().clamp_min(1e-12)) < 1e-5, key
+
+    conv = _conv_with_bias_scale(0.5)
+    x = torch.randn(4, conv.in_channels, 5, 5)
+    backprops = torch.randn(4, conv.out_channels, 5, 5)
+    sampled = compute_steerable_conv_grad_sample(conv, [x], backprops)[conv.bias]
+    for i in range(4):
+        conv.zero_grad()
+        (conv(x[i : i + 1]) * backprops[i : i + 1]).sum().backward()
+        assert torch.allclose(sampled[i], conv.bias.grad, atol=1e-5)

@@ -8,6 +8,7 @@ import torch.fx as fx
 from ...basis import steerable_basis
 from ...nn.channels_last import ChannelsLastSteerableLinear
 from ..context import ConversionContext
+from .conv import bias_scale
 from ..fields import FieldType
 from ..registry import register_function_rule
 
@@ -50,6 +51,7 @@ def convert_channels_last_linear(ctx: ConversionContext, node: fx.Node, t: Field
         init_gain=ctx.config.init_gain,
         weight_standardization=ctx.config.weight_standardization,
         bias_channels=t.group.bias_channels(out_repr),
+        bias_scale=bias_scale(ctx, t.group, out_repr),
     )
     ctx.replace_module(node, new)
     return FieldType(t.group, out_repr, out_fields, spatial=True, channels_last=True)

@@ -8,6 +8,7 @@ import torch.fx as fx
 from torch import nn
 
 from ...basis import steerable_basis
+from ...groups import GroupSpec
 from ...nn import SteerableConv2d
 from ..context import ConversionContext
 from ..fields import FieldType
@@ -108,6 +109,7 @@ def convert_conv(ctx: ConversionContext, node: fx.Node, weight_standardization: 
         weight_standardization=weight_standardization,
         init_gain=ctx.config.init_gain,
         bias_channels=t_in.group.bias_channels(out_repr),
+        bias_scale=bias_scale(ctx, t_in.group, out_repr),
     )
     ctx.replace_module(node, new)
     ctx.set_spatial(node, WindowOp(kernel, stride, grid_padding, dilation))
@@ -122,3 +124,11 @@ def grouped_conv_multiples(gm) -> dict[int, int]:
             for channels in (module.in_channels, module.out_channels):
                 multiples[channels] = math.lcm(multiples.get(channels, 1), module.groups)
     return multiples
+
+
+def bias_scale(ctx: ConversionContext, group: GroupSpec, out_repr: str) -> float:
+    """SteerableConv2d's bias_scale: 1/sqrt(field size) under unit_norm_bias where one bias covers a whole field
+    (trivial and regular fields; irrep fields' biases sit on single trivial channels already), else 1."""
+    if not ctx.config.unit_norm_bias or group.bias_channels(out_repr) is not None:
+        return 1.0
+    return group.repr_size(out_repr) ** -0.5

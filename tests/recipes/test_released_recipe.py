@@ -26,7 +26,7 @@ def test_the_released_recipe_resolves_to_the_released_codes_settings():
         "unit_norm_bias": True,
     }
     t = trainer_options(recipe)
-    assert (t["aug_mult"], t["momentum"], t["ema_decay"], t["delta"]) == (K, 0.0, 0.999, 1e-5)
+    assert (t["aug_mult"], t["momentum"], t["delta"]) == (K, 0.0, 1e-5)
     assert t["batch_size"] == N // 6 and t["steps"] == 353 * 6  # Opacus' rate 1/len(loader), whole epochs
     assert t["max_grad_norm"] == RELEASED_CLIP / K  # sum of K views clipped at C == K x (mean clipped at C/K)
     assert t["lr"] == RELEASED_LR * K * t["batch_size"] / RELEASED_BATCH  # it divides by 8192, we by the expected
@@ -70,3 +70,37 @@ def test_the_noise_multiplier_is_opacus_for_the_released_arguments_and_its_epsil
     assert (epochs, sigma) == (353, t["noise_multiplier"])
     spent = PrivacyLedger("rdp", 1e-5, None, t["batch_size"] / N, sigma).epsilon_after(t["steps"])
     assert 8.0 < spent <= t["target_epsilon"] < spent + 0.01  # 8.078: the budget the run really spends
+
+
+def _released_ema(trajectory: torch.Tensor, physical_batches: torch.Tensor) -> torch.Tensor:
+    """The released code's EMA (torch_ema, decay 0.999, warm-up (1 + k)/(10 + k) over updates k = 1, 2, ...),
+    updated after every physical batch: the weights change at the last physical batch of each step only."""
+    shadow, k = trajectory[0].clone(), 0
+    for t, n in enumerate(physical_batches.tolist(), start=1):
+        for j in range(n):
+            k += 1
+            decay = min(0.999, (1 + k) / (10 + k))
+            shadow += (1 - decay) * ((trajectory[t] if j == n - 1 else trajectory[t - 1]) - shadow)
+    return shadow
+
+
+def test_one_ema_update_per_step_at_the_recipes_decay_comes_close_to_the_released_per_batch_ema():
+    from equiconvert.privacy.ema import ExponentialMovingAverage
+
+    t = trainer_options(load_recipe(NAME))
+    assert t["ema_decay"] == pytest.approx(0.999**17, abs=1e-4)
+    generator = torch.Generator().manual_seed(0)
+    steps = t["steps"]
+    trajectory = torch.randn(steps + 1, 64, generator=generator, dtype=torch.float64).cumsum(0)
+    batches = 16 + (torch.rand(steps, generator=generator) < 0.955).long()  # ceil(B/512): B = 8192 or less ~4.5%
+    released = _released_ema(trajectory, batches)
+
+    def ours(decay: float) -> torch.Tensor:
+        ema = ExponentialMovingAverage({"w": trajectory[0].clone()}, decay)
+        for step in range(1, steps + 1):
+            ema.update({"w": trajectory[step]}, step)
+        return ema.params["w"]
+
+    scale = (trajectory[-1] - released).norm()
+    assert float((ours(t["ema_decay"]) - released).norm() / scale) < 0.05
+    assert float((ours(0.999) - released).norm() / scale) > 0.5  # the default per-step EMA is far from it

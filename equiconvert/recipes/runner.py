@@ -200,7 +200,7 @@ def _refuse_preset_options_for_other_models(spec: RunSpec) -> None:
 def _refuse_conversion_options_for_baseline(spec: RunSpec) -> None:
     if spec.group.lower() != BASELINE_GROUP:
         return
-    if spec.conversion_kwargs():
+    if _is_paper_model(spec) and spec.conversion_kwargs():  # its plain network is built without them
         raise ValueError(
             f"model.kwargs {sorted(spec.conversion_kwargs())} are conversion options; the unconverted baseline "
             "(--group none) has no conversion: drop them, or pick a group"

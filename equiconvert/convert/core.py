@@ -12,12 +12,14 @@ from torch import nn
 
 from ..errors import UnsupportedLayerError
 from ..groups import GroupSpec, parse_group
+from ..nn.conv import standardization_scope
 from ..recipe import conversion_recipe, remember_recipe
 from . import rules  # noqa: F401  (registers the built-in rules)
 from .context import SPATIAL_KEY, TYPE_KEY, ConversionConfig, ConversionContext
 from .fields import FieldType
 from .grid import GridAnalysis
 from .input_fit import fit_input, invalid_size_error
+from .norm_groups import norm_group_rule
 from .weights import report_pretrained_weights
 from .model import EquivariantModel
 from .registry import channel_fold, find_rule
@@ -273,6 +275,8 @@ def _make_config(config: dict | ConversionConfig | None, strict: bool, head: str
         cfg.head = head
     if cfg.head not in ("keep", "invariant"):
         raise ValueError(f"head must be 'keep' or 'invariant', got {cfg.head!r}")
+    norm_group_rule(cfg.norm_group_rule)  # refused by name before any layer converts, with or without norms
+    standardization_scope(cfg.weight_standardization)
     return cfg
 
 

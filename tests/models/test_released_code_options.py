@@ -36,6 +36,11 @@ def test_released_rule_gives_the_released_codes_groups():
     assert set(NORM_GROUP_RULES) == {"at_most", "released"}
     with pytest.raises(ValueError, match="norm_group_rule must be one of"):
         norm_group_rule("nearest")
+    plain_convs = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU())  # no norm: refused before any layer converts
+    with pytest.raises(ValueError, match="norm_group_rule must be one of"):
+        equiconvert.make_equivariant(plain_convs, "C4", config={"norm_group_rule": "nearest"})
+    with pytest.raises(ValueError, match="weight_standardization must be a bool or one of"):
+        equiconvert.make_equivariant(plain_convs, "C4", config={"weight_standardization": "channel"})
 
 
 def test_the_released_options_give_1_1_3_3_groups_and_whole_layer_standardization():

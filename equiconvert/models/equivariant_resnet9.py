@@ -134,9 +134,10 @@ def equivariant_resnet9(
     pool_after_res2: layer3's pooling moved after res2, which then sees 8x8 maps instead of 4x4 (32x32 inputs): the
     same parameters, more FLOPs (not the paper's).
     Extra keyword arguments are ConversionConfig fields. The released code's (hlzl/equivariant) choices where ours
-    differ: weight_standardization="layer" (each conv's whole coefficient vector, not each output field's) and
-    norm_group_rule="released" (its groups for 8 asked: 1, 1, 3, 3 by stage for D4, not min(fields, 8));
-    docs/guides/reproducing-the-paper.md lists every difference and the recipe cifar10_paper_d4_eps8_released.
+    differ: weight_standardization="layer" (each conv's whole coefficient vector, not each output field's),
+    norm_group_rule="released" (its groups for 8 asked: 1, 1, 3, 3 by stage for D4, not min(fields, 8)) and
+    unit_norm_bias=True (a field's bias added as bias / sqrt(field size) per channel); none changes the parameter
+    count. docs/guides/reproducing-the-paper.md lists every difference; recipe cifar10_paper_d4_eps8_released.
     """
     options = {
         "weight_standardization": True,

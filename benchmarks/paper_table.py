@@ -154,7 +154,10 @@ def summarize(definition: dict[str, Any], runs: dict[str, dict[str, Any]], comma
 
 def epsilon_axis(ax: Any, epsilons: list[float]) -> None:
     """An epsilon x-axis: log scale (when every epsilon is positive), ticked at the epsilons trained."""
-    eps = sorted(set(epsilons))
+    eps: list[float] = []
+    for e in sorted(set(epsilons)):  # one tick for epsilons within 5% (8 and a recipe's 8.08 would overprint)
+        if not eps or e > 1.05 * eps[-1]:
+            eps.append(e)
     if eps and min(eps) > 0:
         ax.set_xscale("log")
     ax.set_xticks(eps, [f"{e:g}" for e in eps])
@@ -170,6 +173,7 @@ def plot(summary: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     rows = summary["rows"]
+    drawn_paper_points: set[tuple[float, float]] = set()  # a paper number two rows compare with is drawn once
     fig, ax = plt.subplots(figsize=(7.0, 4.4))
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for i, model in enumerate(dict.fromkeys(r["model"] for r in rows)):
@@ -185,7 +189,12 @@ def plot(summary: dict[str, Any], path: Path) -> None:
             ax.errorbar(
                 [r["epsilon"] for r in ours], med, yerr=err, marker="o", capsize=3, color=color, label=f"ours: {model}"
             )
-        paper = [r for r in mine if r.get("paper") is not None]
+        paper = [
+            r
+            for r in mine
+            if r.get("paper") is not None and (r["paper"], round(r["epsilon"])) not in drawn_paper_points
+        ]
+        drawn_paper_points.update((r["paper"], round(r["epsilon"])) for r in paper)
         if paper:
             ax.plot(
                 [r["epsilon"] for r in paper],

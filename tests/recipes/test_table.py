@@ -332,3 +332,33 @@ def test_summary_counts_finished_runs_and_sums_gpu_hours_over_parts():
     text = "\n".join(page.render_section(summary))
     assert "| M | 8 | 255,675 | **79.70%** (2) | 0.72 | 1.09 | paper's + --set dp.precision=bf16 | 81.62% |" in text
     assert "- M, epsilon 8: `equiconvert train --recipe r --seed S`, S = 0, 1, 2" in text
+
+
+def test_the_plot_ticks_near_epsilons_once_and_draws_a_shared_paper_number_once(tmp_path, monkeypatch):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    _, ax = plt.subplots()
+    accuracy.paper_table.epsilon_axis(ax, [3, 8, 8.08, 6, 3])
+    assert list(ax.get_xticks()) == [3, 6, 8]
+    plt.close("all")
+
+    drawn: list[tuple[str, list[float]]] = []
+    original = matplotlib.axes.Axes.plot
+
+    def recording_plot(self, x, y, *args, **kwargs):
+        drawn.append((kwargs.get("label", ""), list(x)))
+        return original(self, x, y, *args, **kwargs)
+
+    rows = [
+        {"model": "ours", "epsilon": 8, "accuracy": [79.0], "paper": 81.62},
+        {"model": "released", "epsilon": 8.08, "accuracy": [80.0], "paper": 81.62},
+        {"model": "released", "epsilon": 3, "accuracy": [], "paper": 70.0},
+    ]
+    monkeypatch.setattr(matplotlib.axes.Axes, "plot", recording_plot)
+    accuracy.paper_table.plot({"title": "t", "rows": rows}, tmp_path / "p.png")
+    paper_lines = [(label, x) for label, x in drawn if label.startswith("paper")]
+    assert paper_lines == [("paper: ours", [8]), ("paper: released", [3])]
+    assert (tmp_path / "p.png").is_file()

@@ -64,6 +64,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from opacus.grad_sample import register_grad_sampler  # noqa: E402
 from torch import nn  # noqa: E402
+from torch.func import vjp, vmap  # noqa: E402
 
 from ..nn.conv import SteerableConv2d  # noqa: E402
 from ..nn.irrep_fields import GroupStandardization  # noqa: E402
@@ -135,11 +136,10 @@ def compute_steerable_conv_grad_sample(
     if layer.weight.requires_grad:
         ret[layer.weight] = _weight_grads(layer, x, backprops)
     if layer.bias is not None and layer.bias.requires_grad:
-        per_channel = backprops.unflatten(1, (layer.out_fields, layer.out_size)).flatten(3).sum(-1)  # (n, fields, size)
-        channels = getattr(layer, "bias_channels", None)
-        # one bias per field on all its channels, or (irrep fields) one per listed trivial channel of each field
-        per_bias = per_channel.sum(-1) if channels is None else per_channel[:, :, list(channels)]
-        ret[layer.bias] = per_bias * layer.bias_scale if layer.bias_scale != 1.0 else per_bias
+        # the VJP of expand_bias (as book-keeping takes it): whatever maps the bias to its channels maps back here
+        _, bias_vjp = vjp(layer.expand_bias, layer.bias.detach().to(backprops.dtype))
+        channel_sums = backprops.flatten(2).sum(-1)  # (n, channels)
+        ret[layer.bias] = vmap(lambda g: bias_vjp(g)[0])(channel_sums)
     return ret
 
 

@@ -485,7 +485,6 @@ def _run_training(
         **_final_metrics(final),
         private=trainer.private,
         log_nonprivate_stats=c.log_nonprivate_stats,
-        nonfinite_gradients=trainer.nonfinite_gradients,
         epsilon=trainer.epsilon,
         delta=trainer.delta,
         target_epsilon=c.target_epsilon,
@@ -525,6 +524,8 @@ def _run_training(
         world_size=context.world_size,
         versions=library_versions(),
     )
+    if c.log_nonprivate_stats:  # a noise-free statistic of the training data: written only when asked for
+        result["nonfinite_gradients"] = trainer.nonfinite_gradients
     if context.is_main:
         Path(spec.out).mkdir(parents=True, exist_ok=True)
         save_trained(

@@ -8,6 +8,7 @@ fails the test. EQUICONVERT_INSTALL_PYTHONS (e.g. "3.13") names the versions to 
 
 import glob
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -90,16 +91,21 @@ def test_wheel_installs_with_numpy2_without_escnn(version, tmp_path, request):
     wheel = request.getfixturevalue("wheel")  # built once, after the interpreter is known to exist
     start = time.perf_counter()
     venv = tmp_path / "venv"
-    _run(python, "-m", "venv", str(venv))
-    pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "-q", "--only-binary=:all:"]
-    env = {**os.environ, "PATH": f"{venv / 'bin'}:/usr/bin:/bin"}  # no Fortran compiler needed or used
-    _run(*pip, "numpy>=2", env=env)
-    _run(*pip, str(wheel), "torch==2.14.1", "torchvision==0.29.1", env=env)
-    installed = time.perf_counter()
-    out = _run(str(venv / "bin" / "python"), "-c", SCRIPT, env={**env, "EQUICONVERT_CACHE_DIR": str(tmp_path / "c")})
-    print(f"{out}venv and install {installed - start:.0f} s, run {time.perf_counter() - installed:.0f} s")
-    assert version in _run(str(venv / "bin" / "python"), "--version")
-    assert out.count("invariant") == 6 and "dp step ok" in out and "recipe " in out
+    try:
+        _run(python, "-m", "venv", str(venv))
+        pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "-q", "--only-binary=:all:"]
+        env = {**os.environ, "PATH": f"{venv / 'bin'}:/usr/bin:/bin"}  # no Fortran compiler needed or used
+        _run(*pip, "numpy>=2", env=env)
+        _run(*pip, str(wheel), "torch==2.14.1", "torchvision==0.29.1", env=env)
+        installed = time.perf_counter()
+        out = _run(
+            str(venv / "bin" / "python"), "-c", SCRIPT, env={**env, "EQUICONVERT_CACHE_DIR": str(tmp_path / "c")}
+        )
+        print(f"{out}venv and install {installed - start:.0f} s, run {time.perf_counter() - installed:.0f} s")
+        assert version in _run(str(venv / "bin" / "python"), "--version")
+        assert out.count("invariant") == 6 and "dp step ok" in out and "recipe " in out
+    finally:
+        shutil.rmtree(venv, ignore_errors=True)  # 5-6 GB of torch per venv; never left on disk
 
 
 def test_a_missing_interpreter_fails_with_what_to_do(tmp_path, monkeypatch):

@@ -25,7 +25,7 @@ from equiconvert.models.equivariant_resnet9 import equivariant_resnet9  # noqa: 
 from equiconvert.privacy.augment import TEST_SHIFTS, shift_set  # noqa: E402
 from equiconvert.privacy.ema import ExponentialMovingAverage  # noqa: E402
 from equiconvert.privacy.metrics import evaluate  # noqa: E402
-from equiconvert.recipes.runner import pad_images, padded_size  # noqa: E402
+from equiconvert.recipes.build_model import pad_images, padded_size  # noqa: E402
 
 
 def evaluated_weights(state: dict, group: str, classes: int, channels: int) -> nn.Module:

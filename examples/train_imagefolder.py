@@ -25,7 +25,7 @@ import equiconvert
 from equiconvert.data import load_dataset
 from equiconvert.models import resnet9
 from equiconvert.privacy import DPTrainer
-from equiconvert.recipes.runner import padded_size
+from equiconvert.recipes.build_model import padded_size
 
 
 def parse_args() -> argparse.Namespace:

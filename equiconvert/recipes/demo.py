@@ -4,7 +4,7 @@ Everything goes through `recipes.runner.run_training` (the engine of `equiconver
 the model is converted, checked for equivariance at the padded input size (28 -> 32),
 trained by DPTrainer (Poisson sampling, per-sample clipping, RDP accounting) and
 evaluated on the whole test set. The demo trains the cpu_main_job recipe (`CPU_DEFAULTS`); a timing
-probe fits its steps to the time budget before the noise is calibrated (runner.plan_steps), and it
+probe fits its steps to the time budget before the noise is calibrated (step_plan.py), and it
 prints and writes a summary to OUT/demo.json.
 """
 

@@ -66,7 +66,7 @@ def test_benchmark_at_a_checkpoint_reports_the_trained_weights_norms(tmp_path, c
     """--checkpoint: the per-example norms of the checkpoint's weights, against a per-example autograd loop."""
     from equiconvert.data import load_dataset
     from equiconvert.models.equivariant_resnet9 import equivariant_resnet9
-    from equiconvert.recipes.runner import pad_images, padded_size
+    from equiconvert.recipes.build_model import pad_images, padded_size
 
     data = load_dataset("synthetic", None, split="train")
     images, labels = data.images[:6], data.labels[:6]

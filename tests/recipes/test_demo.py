@@ -87,11 +87,11 @@ def test_demo_readable_output(tmp_path, capsys):
 
 
 def test_the_probe_fits_the_steps_to_a_tiny_budget_and_spends_the_whole_epsilon(tmp_path, capsys, monkeypatch):
-    from equiconvert.recipes import runner
+    from equiconvert.recipes import step_plan
 
     # the probe's timing is fixed here (a real one varies with the machine's load): 5 s a step plans
     # int(0.8 * 50 / 5) = 8 steps, which the tiny model runs well inside the 50 s limit even on a loaded machine
-    monkeypatch.setattr(runner, "probe_seconds_per_step", lambda *args, **kwargs: 5.0)
+    monkeypatch.setattr(step_plan, "probe_seconds_per_step", lambda *args, **kwargs: 5.0)
     budget = 50.0
     summary = run_demo_json(
         capsys, *TINY, "--set", "schedule.steps=100000", "--time-limit", str(budget), "--out", str(tmp_path)

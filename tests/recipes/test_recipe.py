@@ -14,7 +14,7 @@ from equiconvert.recipes.recipe import (
     parse_value,
     shipped_recipes,
 )
-from equiconvert.recipes.runner import spec_of, trainer_options
+from equiconvert.recipes.run_spec import spec_of, trainer_options
 
 
 def test_the_paper_cell_recipe_holds_the_papers_settings():

@@ -9,7 +9,8 @@ import torch
 from equiconvert.nn import FieldGroupNorm, SteerableConv2d
 from equiconvert.privacy.accounting import PrivacyLedger
 from equiconvert.recipes.recipe import apply_overrides, load_recipe
-from equiconvert.recipes.runner import _paper_model, spec_of, trainer_options
+from equiconvert.recipes.build_model import paper_model
+from equiconvert.recipes.run_spec import spec_of, trainer_options
 
 NAME = "cifar10_paper_d4_eps8_released"
 CIFAR10_MEAN, CIFAR10_STD = (0.4914, 0.4822, 0.4465), (0.2471, 0.2435, 0.2616)
@@ -35,7 +36,7 @@ def test_the_released_recipe_resolves_to_the_released_codes_settings():
 
 def test_the_released_recipes_model_has_the_released_options():
     spec = spec_of(load_recipe(NAME))
-    model, plain_count = _paper_model(spec, "mish", 10, 3)
+    model, plain_count = paper_model(spec, "mish", 10, 3)
     norms = [m.num_groups for m in model.modules() if isinstance(m, FieldGroupNorm)]
     assert norms == [1, 1, 1, 1, 1, 3, 3, 3, 3, 3]  # stem, layer1, res1 x2 + scale, layer2, layer3, res2 x2 + scale
     convs = [m for m in model.modules() if isinstance(m, SteerableConv2d)]
@@ -43,9 +44,9 @@ def test_the_released_recipes_model_has_the_released_options():
     assert all(c.bias_scale == c.out_size**-0.5 for c in convs)
     assert sum(p.numel() for p in model.parameters()) == 255_675
     with pytest.raises(ValueError, match="conversion options; the unconverted baseline"):
-        from equiconvert.recipes.runner import _refuse_conversion_options_for_baseline
+        from equiconvert.recipes.build_model import refuse_conversion_options_for_baseline
 
-        _refuse_conversion_options_for_baseline(spec_of(apply_overrides(load_recipe(NAME), ["conversion.group=none"])))
+        refuse_conversion_options_for_baseline(spec_of(apply_overrides(load_recipe(NAME), ["conversion.group=none"])))
 
 
 def test_the_normalisation_constants_reach_the_trainer():

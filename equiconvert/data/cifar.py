@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import pickle
 from pathlib import Path
 
 import numpy as np
 
 from ._base import DatasetFormatError, ImageData, candidate_dirs, check_split, make_image_data, not_found, register
+from .array_pickle import load_array_pickle
 from .imagefolder import find_split_dir, load_image_folder
 
 CIFAR10_CLASSES = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]
@@ -36,10 +36,7 @@ def _folder_root(d: Path) -> Path | None:
 
 
 def _read_batch(path: Path) -> tuple[np.ndarray, np.ndarray]:
-    # The public CIFAR-10 format is a Python pickle (torchvision reads it the same way): only load
-    # files from a source you trust.
-    with open(path, "rb") as f:
-        d = pickle.load(f, encoding="bytes")
+    d = load_array_pickle(path)  # a pickle, read without running code (array_pickle.py)
     try:
         data = np.asarray(d[b"data"], dtype=np.uint8)
         labels = np.asarray(d.get(b"labels", d.get(b"fine_labels")), dtype=np.int64)
@@ -60,8 +57,10 @@ def load_cifar10_pickle(batch_dir: Path, split: str) -> ImageData:
     classes = CIFAR10_CLASSES
     meta = batch_dir / "batches.meta"
     if meta.is_file():
-        with open(meta, "rb") as f:
-            names = pickle.load(f, encoding="bytes").get(b"label_names")
+        record = load_array_pickle(meta)
+        if not isinstance(record, dict):
+            raise DatasetFormatError(f"{meta}: not CIFAR-10's batches.meta (a dict with b'label_names')")
+        names = record.get(b"label_names")
         if names:
             classes = [n.decode() if isinstance(n, bytes) else str(n) for n in names]
     return make_image_data(

@@ -512,3 +512,55 @@ def test_rotated_mnist_from_idx_and_missing(tmp_path) -> None:
     np.savez(bad, foo=np.zeros(3))
     with pytest.raises(DatasetFormatError, match="expected keys 'images' and 'labels'"):
         load_dataset("rotated_mnist", bad)
+
+
+class _RunsCode:
+    """A pickle that calls a function of its choosing when loaded (here: writes a marker file)."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.write_text, (self.marker, "ran"))
+
+
+@pytest.mark.parametrize("name", ["data_batch_1", "batches.meta"])
+def test_cifar10_pickle_that_would_run_code_is_refused_without_running_it(tmp_path, name) -> None:
+    folder = tmp_path / "cifar-10-batches-py"
+    write_cifar_pickle(folder)
+    marker = tmp_path / "marker"
+    with open(folder / name, "wb") as f:
+        pickle.dump({b"data": _RunsCode(marker), b"label_names": _RunsCode(marker)}, f)
+    with pytest.raises(DatasetFormatError, match=rf"{name}: not a CIFAR-10 pickle of NumPy arrays .*refusing"):
+        load_dataset("cifar10", tmp_path, "train")
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("protocol", [2, 3, 4, 5])
+def test_cifar10_pickle_of_arrays_reads_at_every_protocol(tmp_path, protocol) -> None:
+    from equiconvert.data.array_pickle import load_array_pickle
+
+    record = {
+        b"data": np.arange(6, dtype=np.uint8).reshape(2, 3),
+        b"labels": [np.int64(1), 2],
+        b"batch_label": b"training batch 1 of 5",
+    }
+    path = tmp_path / "batch"
+    path.write_bytes(pickle.dumps(record, protocol=protocol))
+    loaded = load_array_pickle(path)
+    np.testing.assert_array_equal(loaded[b"data"], record[b"data"])
+    assert loaded[b"labels"] == [1, 2] and loaded[b"batch_label"] == b"training batch 1 of 5"
+
+
+@pytest.mark.parametrize("core", [b"numpy.core", b"numpy._core"])
+def test_cifar10_pickle_reads_arrays_written_by_numpy_1_and_2(tmp_path, core) -> None:
+    """NumPy 1 names numpy.core in a pickle, NumPy 2 numpy._core: either reads under the installed NumPy."""
+    from equiconvert.data.array_pickle import load_array_pickle
+
+    data = np.arange(6, dtype=np.uint8).reshape(2, 3)
+    written = pickle.dumps({b"data": data}, protocol=2)  # protocol 2 names globals as text lines
+    spelled = written.replace(b"numpy._core.multiarray\n", b"numpy.core.multiarray\n")
+    spelled = spelled.replace(b"numpy.core.multiarray\n", core + b".multiarray\n")
+    assert core + b".multiarray\n_reconstruct" in spelled
+    (tmp_path / "batch").write_bytes(spelled)
+    np.testing.assert_array_equal(load_array_pickle(tmp_path / "batch")[b"data"], data)

@@ -48,6 +48,8 @@ no cheaper "ghost" identity for the basis-contracted convolution gradient.
 
 from __future__ import annotations
 
+import warnings
+
 try:
     import opacus  # noqa: F401
 except ModuleNotFoundError as _missing:  # only a missing Opacus becomes a friendly error; a broken one re-raises
@@ -224,6 +226,14 @@ if register_norm_sampler is not None:
     register_norm_sampler(GroupStandardization)(compute_group_standardization_norm_sample)
 
 
+OPACUS_NOT_SECURE = (
+    "opacus_interop.make_private: PrivacyEngine(secure_mode=False) (Opacus' default) draws the noise and the "
+    "Poisson sampling from torch's generators: whoever knows or guesses their seed (torch.manual_seed) can "
+    "recompute the noise, and the run is not private. Pass PrivacyEngine(secure_mode=True) (needs torchcsprng), or "
+    "use equiconvert.privacy.PrivacyEngine, whose randomness is secret unless debug_seed is given"
+)
+
+
 def make_private(
     privacy_engine: Any,
     *,
@@ -235,10 +245,16 @@ def make_private(
 ) -> Any:
     """``privacy_engine.make_private(...)`` after ``check_dp_safe(module, example_input)``.
 
-    example_input defaults to the first example of ``data_loader.dataset`` (read directly: no batch is drawn,
-    no random state changes). Raises PrivacyValidationError, naming the module, for a model DP-SGD cannot train.
+    example_input defaults to random values of the shape and dtype of the first example of
+    ``data_loader.dataset`` (its values are not used: the check sees no training data; no batch is drawn).
+    Raises PrivacyValidationError, naming the module, for a model DP-SGD cannot train, and warns when the
+    engine's randomness is not secure (Opacus' secure_mode off).
     """
     if example_input is None:
-        example_input = torch.as_tensor(data_loader.dataset[0][0]).unsqueeze(0)
+        example = torch.as_tensor(data_loader.dataset[0][0])
+        shaped = torch.rand_like(example) if example.is_floating_point() else torch.zeros_like(example)
+        example_input = shaped.unsqueeze(0)
     check_dp_safe(module, example_input)
+    if not getattr(privacy_engine, "secure_mode", False):
+        warnings.warn(OPACUS_NOT_SECURE, UserWarning, stacklevel=2)
     return privacy_engine.make_private(module=module, optimizer=optimizer, data_loader=data_loader, **kwargs)

@@ -106,5 +106,42 @@ def test_opacus_make_private_checks_the_model_first():
         private(_model(timm_norm.BatchNormAct2d(3)))
     with pytest.raises(PrivacyValidationError, match="changes its buffer 'seen_average'"):
         private(_model(RenamedRunningAverage(3)))
-    module, _, _ = private(_model(nn.ReLU()))
+    with pytest.warns(UserWarning, match=r"secure_mode=False.*recompute the noise.*secure_mode=True"):
+        module, _, _ = private(_model(nn.ReLU()))
     assert module(torch.rand(2, 2, 6, 6)).shape == (2, 4)
+
+
+class _RecordingEngine:
+    """Stands in for an Opacus PrivacyEngine with secure_mode on (which needs torchcsprng): records the call."""
+
+    secure_mode = True
+
+    def make_private(self, **kwargs):
+        self.called_with = kwargs
+        return kwargs["module"], kwargs["optimizer"], kwargs["data_loader"]
+
+
+class _InputRecorder(nn.Module):
+    seen: list[torch.Tensor] = []  # on the class: shared by the deep copies the checks run
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen.append(x.detach().clone())
+        return x
+
+
+def test_opacus_make_private_checks_the_model_on_random_inputs_and_is_quiet_in_secure_mode(recwarn):
+    pytest.importorskip("opacus")
+    from equiconvert.privacy.opacus_interop import make_private
+
+    images = torch.full((8, 2, 6, 6), 0.25)  # the training data: every value 0.25 (float32)
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(images, torch.arange(8) % 4), batch_size=4)
+    recorder = _InputRecorder()
+    model = nn.Sequential(recorder, _model(nn.ReLU()))
+    engine = _RecordingEngine()
+    make_private(engine, module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), data_loader=loader)
+    assert engine.called_with["data_loader"] is loader and engine.called_with["module"] is model
+    assert recorder.seen and all(seen.shape[1:] == (2, 6, 6) for seen in recorder.seen)
+    assert not any(
+        torch.isclose(seen.float(), torch.tensor(0.25)).all() for seen in recorder.seen
+    )  # no training example
+    assert not [w for w in recwarn if "secure_mode" in str(w.message)]

@@ -2,10 +2,12 @@
 
 Each configuration is a fresh, short run (no checkpoints, no resume) of the same command, the paper's D4
 Equivariant-ResNet9 on CIFAR-10 at the paper's batch (8192 x 4 views) unless told otherwise; N GPUs run it
-with `train --nproc-per-node N`. Throughput is steady-state: augmented samples (the logged Poisson batch
-sizes x views) from the first step at or after `--warmup` whose record waited for the device to the last
-step, over the time between them (start-up and the final evaluation excluded; both are in wall_time_s and
-samples_per_s_with_startup_and_evaluation). Prints one JSON object.
+with `train --nproc-per-node N`. Throughput is steady-state: augmented samples from the first step at or
+after `--warmup` whose record waited for the device to the last step, over the time between them (start-up
+and the final evaluation excluded; both are in wall_time_s and samples_per_s_with_startup_and_evaluation).
+Samples are counted at the expected batch size, expected_samples_per_step = aug_mult x batch_size per step:
+the actual Poisson batch sizes are secret (with the timings they would give away the sampling), so the runs
+log no non-private statistics. Prints one JSON object.
 
 Usage (a 4-GPU host, CIFAR-10 extracted from shared/data/cifar10-jpeg.tar.xz into /tmp/cifar):
     python benchmarks/distributed_smoke.py --data-dir /tmp/cifar/cifar10 --gpus 1,4 --steps 80
@@ -42,24 +44,23 @@ PAPER_RUN = [
 ]
 
 
-def steady_throughput(records: list[dict[str, Any]], aug_mult: int, warmup: int) -> dict[str, float]:
-    """Samples/s between the first record from step `warmup` on that carries epsilon and the last step.
+def steady_throughput(records: list[dict[str, Any]], samples_per_step: float, warmup: int) -> dict[str, float]:
+    """Expected samples/s between the first step record from step `warmup` on that carries epsilon and the last.
 
     Only those records are written after the device has finished their step; the ones between hold the
-    time their step was queued.
+    time their step was queued. `samples_per_step`: the expected augmented samples of one step.
     """
-    steps = [r for r in records if "batch_size" in r]
-    synced = [r for r in steps if "epsilon" in r and r["step"] >= warmup]
+    synced = [r for r in records if "epsilon" in r and "time_s" in r and r["step"] >= warmup]
     if len(synced) < 2:
         raise ValueError(f"need two logged steps with epsilon after step {warmup}; raise --steps")
     first, last = synced[0], synced[-1]
-    samples = aug_mult * sum(r["batch_size"] for r in steps if first["step"] < r["step"] <= last["step"])
+    steps = last["step"] - first["step"]
     seconds = last["time_s"] - first["time_s"]
     return {
-        "measured_steps": last["step"] - first["step"],
+        "measured_steps": steps,
         "seconds": seconds,
-        "samples_per_s": samples / seconds,
-        "ms_per_step": 1000 * seconds / (last["step"] - first["step"]),
+        "samples_per_s": samples_per_step * steps / seconds,
+        "ms_per_step": 1000 * seconds / steps,
     }
 
 
@@ -90,9 +91,6 @@ def run(gpus: int, args: argparse.Namespace, out: Path) -> dict[str, Any]:
         "run.progress=false",
         "--out",
         str(out),
-        # the actual Poisson batch sizes count the samples (a temporary folder, deleted after the run)
-        "--set",
-        "dp.log_nonprivate_stats=true",
         *args.extra,
     ]
     if args.data_dir:
@@ -105,12 +103,13 @@ def run(gpus: int, args: argparse.Namespace, out: Path) -> dict[str, Any]:
     wall = time.perf_counter() - start
     records = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
     result = json.loads((out / "result.json").read_text())
-    samples = args.aug_mult * sum(r["batch_size"] for r in records if "batch_size" in r)
+    expected = result["aug_mult"] * result["batch_size"]  # the run's own settings, --extra included
     return {
         "gpus": gpus,
-        **steady_throughput(records, args.aug_mult, args.warmup),
+        "expected_samples_per_step": expected,
+        **steady_throughput(records, expected, args.warmup),
         "wall_time_s": wall,
-        "samples_per_s_with_startup_and_evaluation": samples / wall,
+        "samples_per_s_with_startup_and_evaluation": expected * result["steps"] / wall,
         "train_time_s": result["train_time_s"],
         "test_accuracy": result["test_accuracy"],
         "device": result["device"],

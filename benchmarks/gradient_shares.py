@@ -4,8 +4,10 @@ DP-SGD clips each example's whole gradient to one norm, so a layer with a large 
 takes most of the signal that survives clipping. Under weight standardization a steerable conv's gradient
 goes as 1/(its initial scale), so `init_gain` moves this budget between the convs and the classifier.
 For the paper's Equivariant-ResNet9 converted to --group at each --gains value, and for the plain network
-it is converted from, on --examples training images (one unaugmented view each): the median per-example
+it is converted from, on --examples images of --split (one unaugmented view each): the median per-example
 gradient norm, and the median share of the squared norm of the classifier and of each layer. JSON.
+The split is the test split unless told: these are noise-free statistics of the images they use, so on the
+training split (--split train, which warns and records "private": false) they are not private.
 With --checkpoint (a DPTrainer checkpoint.pt of the paper's model converted to --group), the same at the trained
 weights it holds, instead of at initialisation, with quantiles of the per-example norm: which examples a clipping
 bound cuts.
@@ -59,6 +61,11 @@ def shares(model: nn.Module, images: torch.Tensor, labels: torch.Tensor) -> dict
 
 
 QUANTILES = (0.1, 0.25, 0.5, 0.75, 0.9)
+SPLITS = ("test", "train")
+TRAIN_SPLIT_WARNING = (
+    "warning: --split train: these gradient statistics of training images are noise-free, not private; "
+    "do not publish them"
+)
 
 
 def trained(path: str, group: str, classes: int, channels: int) -> nn.Module:
@@ -80,15 +87,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--group", default="D1")
     parser.add_argument("--gains", default="1.4142,1,0.7071,0.5", help="comma-separated init gains")
     parser.add_argument("--examples", type=int, default=64)
+    parser.add_argument(
+        "--split",
+        choices=SPLITS,
+        default="test",
+        help="the images measured (default test); train-split statistics are noise-free, so not private",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--checkpoint", default=None, help="a DPTrainer checkpoint.pt: its weights, not initial ones")
     parser.add_argument("--out", default=None, help="JSON file (default: print only)")
     args = parser.parse_args(argv)
 
-    data = load_dataset(args.dataset, args.data_dir, split="train")
+    data = load_dataset(args.dataset, args.data_dir, split=args.split)
     images, labels = data.images[: args.examples], data.labels[: args.examples]
     channels, classes = images.shape[1], len(data.classes)
-    result: dict = {"dataset": args.dataset, "group": args.group, "examples": len(labels), "seed": args.seed}
+    result: dict = {"dataset": args.dataset, "split": args.split}
+    if args.split == "train":
+        print(TRAIN_SPLIT_WARNING, file=sys.stderr)
+        result["private"] = False
+    result.update(group=args.group, examples=len(labels), seed=args.seed)
     if args.checkpoint:
         model = trained(args.checkpoint, args.group, classes, channels)
         result["checkpoint"] = args.checkpoint

@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import json
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -54,7 +55,9 @@ def test_benchmark_reports_the_classifier_share_falling_with_the_gain(tmp_path, 
         == 0
     )
     result = json.loads(out.read_text())
-    assert json.loads(capsys.readouterr().out) == result
+    printed = capsys.readouterr()
+    assert json.loads(printed.out) == result and printed.err == ""
+    assert result["split"] == "test" and "private" not in result  # not training data unless asked for
     he, small = result["converted"]["1.4142"], result["converted"]["0.5"]
     assert 0 < small["classifier_share"] < he["classifier_share"] < 1
     assert small["median_norm"] > he["median_norm"]  # conv gradients 2.83x larger, classifier's alike
@@ -62,13 +65,15 @@ def test_benchmark_reports_the_classifier_share_falling_with_the_gain(tmp_path, 
     assert any(name.endswith("head.2.weight") for name in he["layer_shares"])
 
 
-def test_benchmark_at_a_checkpoint_reports_the_trained_weights_norms(tmp_path, capsys):
-    """--checkpoint: the per-example norms of the checkpoint's weights, against a per-example autograd loop."""
+@pytest.mark.parametrize("split", [None, "test", "train"])
+def test_benchmark_at_a_checkpoint_reports_the_trained_weights_norms_on_the_split(tmp_path, capsys, split):
+    """--checkpoint: the per-example norms of the checkpoint's weights on --split's images (default test), against a
+    per-example autograd loop; the training split warns once and is recorded as not private."""
     from equiconvert.data import load_dataset
     from equiconvert.models.equivariant_resnet9 import equivariant_resnet9
     from equiconvert.recipes.build_model import pad_images, padded_size
 
-    data = load_dataset("synthetic", None, split="train")
+    data = load_dataset("synthetic", None, split=split or "test")
     images, labels = data.images[:6], data.labels[:6]
     torch.manual_seed(5)
     model = equivariant_resnet9("D1", len(data.classes), images.shape[1])
@@ -90,12 +95,19 @@ def test_benchmark_at_a_checkpoint_reports_the_trained_weights_norms(tmp_path, c
                 str(tmp_path / "checkpoint.pt"),
                 "--out",
                 str(out),
+                *(["--split", split] if split else []),
             ]
         )
         == 0
     )
-    capsys.readouterr()
-    trained = json.loads(out.read_text())["trained"]
+    result = json.loads(out.read_text())
+    warning = capsys.readouterr().err
+    if split == "train":
+        assert result["split"] == "train" and result["private"] is False
+        assert warning.count("\n") == 1 and "not private" in warning and "--split train" in warning
+    else:
+        assert result["split"] == "test" and "private" not in result and warning == ""
+    trained = result["trained"]
     x = (pad_images(images, padded_size(model, images.shape[-1])).float() / 255 - 0.5) / 0.5
     model.eval()
     norms = []

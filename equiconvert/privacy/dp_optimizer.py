@@ -22,17 +22,10 @@ from torch import nn
 from torch.optim import Optimizer
 
 from .accounting import PrivacyBudgetError, PrivacyLedger, compute_epsilon
-from .nonfinite import NonfiniteCount, zero_nonfinite_examples
+from .nonfinite import zero_nonfinite_examples
 from .per_sample import clip_factors
 from .private_module import PrivateModule
 from .secure_rng import RandomSource
-
-
-NONFINITE_WARNING = (
-    "make_private: an example's gradient had a NaN or inf entry (a non-finite input, or a model that overflows on "
-    "it); it counted as zero in the clipped sum and the step went on. optimizer.nonfinite_gradients counts such "
-    "examples; check the data for NaN/inf values"
-)
 
 
 class DPOptimizer(Optimizer):
@@ -66,7 +59,8 @@ class DPOptimizer(Optimizer):
         self._skip_next = False
         self._summed: dict[nn.Parameter, torch.Tensor] = {}
         self._examples = 0
-        self._nonfinite = NonfiniteCount(optimizer.param_groups[0]["params"][0].device, NONFINITE_WARNING)
+        device = optimizer.param_groups[0]["params"][0].device
+        self._nonfinite = torch.zeros((), dtype=torch.int64, device=device)  # examples zeroed (nonfinite.py)
         self.steps = 0
 
     # --- the wrapped optimizer's state --------------------------------------------------------
@@ -111,8 +105,11 @@ class DPOptimizer(Optimizer):
 
     @property
     def nonfinite_gradients(self) -> int:
-        """Examples whose gradient had a NaN or inf entry and counted as zero so far (waits for the device)."""
-        return self._nonfinite.total()
+        """Examples whose gradient had a NaN or inf entry and counted as zero so far (waits for the device).
+
+        A noise-free statistic of the training data: the optimizer never prints or logs it.
+        """
+        return int(self._nonfinite)
 
     # --- DP-SGD --------------------------------------------------------------------------------
     def signal_skip_step(self, do_skip: bool = True) -> None:
@@ -132,7 +129,7 @@ class DPOptimizer(Optimizer):
         examples = self.module.recorded_examples
         if examples:
             grads, nonfinite = zero_nonfinite_examples(self.module.per_sample_gradients())
-            self._nonfinite.add(nonfinite)
+            self._nonfinite += nonfinite
             norms = torch.stack([g.reshape(g.shape[0], -1).pow(2).sum(1) for g in grads.values()]).sum(0).sqrt()
             factors = clip_factors(norms, self.max_grad_norm)
             for param, value in grads.items():

@@ -18,7 +18,6 @@ import equiconvert.privacy.opacus_interop  # noqa: F401  (Opacus' samplers for t
 from equiconvert.privacy import BatchMemoryManager, PrivacyEngine, make_private
 from equiconvert.privacy.accounting import PrivacyBudgetError
 from equiconvert.privacy.bookkeeping import BookkeepingUnsupportedError
-from equiconvert.privacy.nonfinite import NonfiniteCount
 from equiconvert.privacy.validate import PrivacyValidationError
 
 
@@ -340,12 +339,11 @@ def test_a_non_finite_example_counts_as_zero_and_is_counted():
     finite = torch.stack([g.flatten(1).isfinite().all(1) for g in probe.per_sample_gradients().values()]).all(0)
     assert finite.tolist() == [True, True, False, True, True, True]  # example 2's gradient is NaN, the others not
 
-    with pytest.warns(RuntimeWarning, match=r"NaN or inf entry.*optimizer.nonfinite_gradients"):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the count is a noise-free statistic: never announced
         with_corrupt, optimizer = _steps_on(start, data, [(corrupt, y)])
     keep = [0, 1, 3, 4, 5]
-    with warnings.catch_warnings():
-        warnings.filterwarnings("error", category=RuntimeWarning)
-        without, clean = _steps_on(start, data, [(x[keep], y[keep])])
+    without, clean = _steps_on(start, data, [(x[keep], y[keep])])
     assert optimizer.nonfinite_gradients == 1 and clean.nonfinite_gradients == 0
     for name, p in with_corrupt.named_parameters():
         assert bool(p.isfinite().all()), name
@@ -353,26 +351,14 @@ def test_a_non_finite_example_counts_as_zero_and_is_counted():
     assert any(not torch.equal(a, b) for a, b in zip(start.parameters(), with_corrupt.parameters()))
 
 
-def test_non_finite_examples_accumulate_with_one_warning():
+def test_non_finite_examples_accumulate_silently():
     x, y = torch.randn(4, 3, 9, 9), torch.randint(0, 10, (4,))
     x[0, 0, 0, 0] = float("nan")
-    with pytest.warns(RuntimeWarning, match="NaN or inf entry") as caught:
-        model, optimizer = _steps_on(_perturbed(PlainCNN()), TensorDataset(x, y), [(x, y), (x, y)])
-    assert sum(issubclass(w.category, RuntimeWarning) for w in caught) == 1
-    assert optimizer.nonfinite_gradients == 2 and optimizer.steps == 2
-    assert all(bool(p.isfinite().all()) for p in model.parameters())
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the count's non-blocking copy to the host)")
-def test_the_count_on_cuda_warns_once_the_host_copy_has_arrived():
-    count = NonfiniteCount(torch.device("cuda"), "an example was zeroed")
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        count.add(torch.ones((), dtype=torch.int64, device="cuda"))  # queues the copy: no wait, no warning yet
-    torch.cuda.synchronize()
-    with pytest.warns(RuntimeWarning, match="an example was zeroed"):
-        count.add(torch.zeros((), dtype=torch.int64, device="cuda"))
-    assert count.total() == 1
+        model, optimizer = _steps_on(_perturbed(PlainCNN()), TensorDataset(x, y), [(x, y), (x, y)])
+    assert optimizer.nonfinite_gradients == 2 and optimizer.steps == 2
+    assert all(bool(p.isfinite().all()) for p in model.parameters())
 
 
 def test_randomness_is_secret_unless_a_debug_seed_is_given():

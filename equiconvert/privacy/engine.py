@@ -18,7 +18,7 @@ from torch import nn
 from torch.optim import Optimizer
 from torch.utils.data import DataLoader
 
-from .accounting import ACCOUNTANTS, PrivacyLedger, calibrate_noise_multiplier
+from .accounting import ACCOUNTANTS, PrivacyLedger, calibrate_noise_multiplier, check_delta_for, refuse_delta
 from .dp_loader import DPDataLoader
 from .dp_optimizer import DPOptimizer
 from .private_module import PrivateModule
@@ -100,6 +100,9 @@ def make_private(
         raise ValueError("give noise_multiplier, or target_epsilon (with target_delta and epochs or steps), not both")
     if noise_multiplier is not None and not noise_multiplier > 0:
         raise ValueError(f"noise_multiplier must be > 0 for a private run, got {noise_multiplier}")
+    if target_delta is not None:  # before any work: delta >= 1/N is refused, above 1/(10 N) warned about
+        refuse_delta(target_delta, len(data_loader.dataset), flag="target_delta")
+        check_delta_for(target_delta, len(data_loader.dataset))
     planned = _planned_steps(epochs, steps, len(data_loader))
     _check_dp_safe(module)
     _check_optimizer_params(module, optimizer)

@@ -382,6 +382,27 @@ def test_randomness_is_secret_unless_a_debug_seed_is_given():
     assert seeded[0] == seeded[1]
 
 
+def test_target_delta_of_one_over_n_or_more_is_refused_and_a_weak_one_warned_about():
+    data = TensorDataset(torch.randn(16, 3, 9, 9), torch.randint(0, 10, (16,)))
+
+    def private(delta: float):
+        model = PlainCNN()
+        return make_private(
+            module=model,
+            optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+            data_loader=DataLoader(data, batch_size=4),
+            max_grad_norm=1.0,
+            target_epsilon=3.0,
+            target_delta=delta,
+            steps=4,
+        )
+
+    with pytest.raises(PrivacyBudgetError, match=r"target_delta 0.1 >= 1/N = 1/16"):
+        private(0.1)
+    with pytest.warns(UserWarning, match=r"delta 0.01 > 1/\(10 N\).*weak guarantee for 16 examples"):
+        private(0.01)
+
+
 def test_target_epsilon_is_calibrated_and_enforced():
     model = PlainCNN()
     data = TensorDataset(torch.randn(16, 3, 9, 9), torch.randint(0, 10, (16,)))

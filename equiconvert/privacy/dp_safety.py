@@ -101,11 +101,14 @@ def _state(model: nn.Module) -> State:
 
 def _differs(a: State, b: State, name: str) -> bool:
     x, y = a.get(name), b.get(name)
-    return x is None or y is None or x[1].shape != y[1].shape or not torch.equal(x[1], y[1])
+    if x is None or y is None or x[1].shape != y[1].shape:
+        return True
+    same_nan = x[1].is_floating_point() and torch.allclose(x[1], y[1], rtol=0.0, atol=0.0, equal_nan=True)
+    return not (torch.equal(x[1], y[1]) or same_nan)
 
 
 def check_buffers_unchanged(model: nn.Module, example_input: torch.Tensor) -> None:
-    """Refuse any buffer (or parameter) whose value after train-mode forwards depends on their inputs.
+    """Refuse any buffer (or parameter) whose value after train-mode forwards depends on the inputs.
 
     Two copies of the model, fresh as given, each run two forwards on their own random batches; whatever
     ends up different between the copies was written from the inputs: running statistics under any name,
@@ -113,23 +116,26 @@ def check_buffers_unchanged(model: nn.Module, example_input: torch.Tensor) -> No
     way for any input (a step counter, a cache built from parameters) is allowed.
     """
     copies = (_probe_copy(model), _probe_copy(model))
-    history = [_state(copies[0])]  # the first copy's state: as given, after one forward, after two
+    initial = _state(copies[0])
     batches = iter(_independent_batches(example_input, 2 * len(copies)))
-    dependent: list[str] = []
+    pairs: list[tuple[State, State]] = []  # the two copies' states after one forward, after two
     for _ in range(2):
         for probe in copies:
             _forward(probe, next(batches))
-        first, second = _state(copies[0]), _state(copies[1])
-        history.append(first)
-        if not dependent:
-            dependent = [name for name in {**second, **first} if _differs(first, second, name)]
-            kinds = {name: kind for name, (kind, _) in {**second, **first}.items()}
-    if dependent:
-        raise PrivacyValidationError(_input_dependent_message(dependent, kinds[dependent[0]], history))
+        pairs.append((_state(copies[0]), _state(copies[1])))
+    for first, second in pairs:
+        either = {**second, **first}
+        dependent = [name for name in either if _differs(first, second, name)]
+        if dependent:
+            history = [initial, pairs[0][0], pairs[1][0]]
+            raise PrivacyValidationError(_input_dependent_message(dependent, either[dependent[0]][0], history))
 
 
 def _input_dependent_message(names: list[str], kind: str, history: list[State]) -> str:
-    """The refusal of the first of `names` (a `kind`), saying whether forward initialises it or updates it."""
+    """The refusal of the first of `names` (a `kind`), saying whether forward initialises it or updates it.
+
+    history: the first copy's state as given, after one forward, after two.
+    """
     name = names[0]
     owner, _, attribute = name.rpartition(".")
     set_once = _differs(history[0], history[1], name) and not _differs(history[1], history[2], name)

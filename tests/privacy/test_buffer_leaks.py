@@ -76,14 +76,14 @@ class StepCounter(nn.Module):
 
 
 class LazyConstant(nn.Module):
-    """A cache built on the first forward from constants (like a basis expansion), then read."""
+    """A cache built on the first forward from constants (like a basis expansion), then read; NaN until built."""
 
     def __init__(self, channels: int) -> None:
         super().__init__()
-        self.register_buffer("scale", torch.zeros(1, channels, 1, 1), persistent=False)
+        self.register_buffer("scale", torch.full((1, channels, 1, 1), float("nan")), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.scale.any():
+        if self.scale.isnan().any():
             self.scale.copy_(torch.linspace(0.5, 1.5, self.scale.shape[1]).view_as(self.scale))
         return x * self.scale
 

@@ -1,11 +1,12 @@
 """Behavioural DP-safety probes: what a model does in a train-mode forward, not what its layers are called.
 
 Two ways a model breaks DP-SGD's per-example analysis whatever its layers' names:
-- a buffer that a forward pass changes (running statistics under any name) is
-  updated from private data without clipping or noise, then released;
+- a buffer (or parameter) that a forward pass writes from its input (running statistics
+  under any name, data-dependent initialisation such as ActNorm's) holds statistics of
+  private data without clipping or noise, then released;
 - a forward that mixes examples (`x - x.mean(0)`, `F.batch_norm(training=True)`)
   makes an example's output, hence its "per-example" gradient, depend on others.
-Both probes run on a float64 CPU copy of the model with random inputs shaped like
+Both probes run on float64 CPU copies of the model with random inputs shaped like
 the example; the caller's model and RNG state are left as they were.
 """
 
@@ -82,26 +83,74 @@ def _same_example(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.shape == b.shape and torch.allclose(a[0], b[0], rtol=_RTOL, atol=_ATOL)
 
 
+def _independent_batches(example_input: torch.Tensor, count: int) -> list[torch.Tensor]:
+    """`count` batches of PROBE_BATCH random inputs shaped like one example, no two examples alike."""
+    generator = torch.Generator().manual_seed(1)
+    shape = (PROBE_BATCH, *example_input.shape[1:])
+    return [torch.randn(shape, generator=generator, dtype=torch.float64) for _ in range(count)]
+
+
+State = dict[str, tuple[str, torch.Tensor]]  # path -> ("buffer" or "parameter", its value)
+
+
+def _state(model: nn.Module) -> State:
+    """Every buffer and parameter of `model` by path, with its kind, as it is now."""
+    buffers = {name: ("buffer", b.detach().clone()) for name, b in model.named_buffers()}
+    return buffers | {name: ("parameter", p.detach().clone()) for name, p in model.named_parameters()}
+
+
+def _differs(a: State, b: State, name: str) -> bool:
+    x, y = a.get(name), b.get(name)
+    if x is None or y is None or x[1].shape != y[1].shape:
+        return True
+    same_nan = x[1].is_floating_point() and torch.allclose(x[1], y[1], rtol=0.0, atol=0.0, equal_nan=True)
+    return not (torch.equal(x[1], y[1]) or same_nan)
+
+
 def check_buffers_unchanged(model: nn.Module, example_input: torch.Tensor) -> None:
-    """Refuse any buffer that a train-mode forward changes, naming its module and buffer."""
-    probe = _probe_copy(model)
-    first, second = _random_batch(example_input)
-    _forward(probe, first)  # buffers filled lazily from parameters settle here
-    before = {name: b.detach().clone() for name, b in probe.named_buffers()}
-    _forward(probe, second)
-    changed = [
-        name
-        for name, b in probe.named_buffers()
-        if name in before and not (b.shape == before[name].shape and torch.equal(b, before[name]))
-    ]
-    if changed:
-        owner, _, buffer = changed[0].rpartition(".")
-        raise PrivacyValidationError(
-            f"module {owner or '<root>'!r} changes its buffer {buffer!r} in a forward pass (of {len(changed)} changed: "
-            f"{changed[:5]}): statistics of private data would be updated without noise and released with the "
-            "weights. Compute them from parameters or inputs of the same example only, or register them as "
-            "non-persistent constants that forward does not write."
-        )
+    """Refuse any buffer (or parameter) whose value after train-mode forwards depends on the inputs.
+
+    Two copies of the model, fresh as given, each run two forwards on their own random batches; whatever
+    ends up different between the copies was written from the inputs: running statistics under any name,
+    and data-dependent initialisation on the first forward (ActNorm). State that forward changes the same
+    way for any input (a step counter, a cache built from parameters) is allowed.
+    """
+    copies = (_probe_copy(model), _probe_copy(model))
+    initial = _state(copies[0])
+    batches = iter(_independent_batches(example_input, 2 * len(copies)))
+    pairs: list[tuple[State, State]] = []  # the two copies' states after one forward, after two
+    for _ in range(2):
+        for probe in copies:
+            _forward(probe, next(batches))
+        pairs.append((_state(copies[0]), _state(copies[1])))
+    for first, second in pairs:
+        either = {**second, **first}
+        dependent = [name for name in either if _differs(first, second, name)]
+        if dependent:
+            history = [initial, pairs[0][0], pairs[1][0]]
+            raise PrivacyValidationError(_input_dependent_message(dependent, either[dependent[0]][0], history))
+
+
+def _input_dependent_message(names: list[str], kind: str, history: list[State]) -> str:
+    """The refusal of the first of `names` (a `kind`), saying whether forward initialises it or updates it.
+
+    history: the first copy's state as given, after one forward, after two.
+    """
+    name = names[0]
+    owner, _, attribute = name.rpartition(".")
+    set_once = _differs(history[0], history[1], name) and not _differs(history[1], history[2], name)
+    how = (
+        "it is set from the input of the first forward (data-dependent initialisation, e.g. ActNorm)"
+        if set_once
+        else "it is updated from the input of every forward (running statistics)"
+    )
+    return (
+        f"module {owner or '<root>'!r} changes its {kind} {attribute!r} from its input in a forward pass: {how} "
+        f"(of {len(names)} input-dependent: {names[:5]}). Statistics of private data would be written without "
+        "clipping or noise and released with the weights. Compute them from parameters or inputs of the same "
+        "example only, initialise them before training from parameters or public data (and stop forward "
+        "writing them), or register them as non-persistent constants that forward does not write."
+    )
 
 
 def check_examples_independent(model: nn.Module, example_input: torch.Tensor) -> None:

@@ -29,7 +29,8 @@ DEFAULT_ACCOUNTANT = "prv"  # Opacus' PrivacyEngine default: a swapped import re
 
 
 def _check_dp_safe(module: nn.Module) -> None:
-    """The one DP-safety check of make_private: refuses batch statistics and running-statistics buffers by name."""
+    """The DP-safety check that needs no input: batch statistics and running-statistics buffers, by name. The
+    behavioural buffer check (buffers written from the input) runs at the module's first forward (private_module.py)."""
     validate_dp_safe(module)
 
 
@@ -88,7 +89,8 @@ def make_private(
     calibrated and a step past the target is refused). aug_mult K: the module takes
     (B, K, ...) views and each example's gradient is the mean over its views, clipped.
     debug_seed: reproducible sampling and noise for tests (secure_rng.py); the run is then NOT private.
-    verify: probe the model once (first forward) for layers that mix examples.
+    verify: probe the model once (first forward) for layers that mix examples. Buffers written from the input
+    are refused at the first forward whatever `verify` says (dp_safety.check_buffers_unchanged, on copies).
     """
     if accountant not in ACCOUNTANTS:
         raise ValueError(f"accountant must be one of {ACCOUNTANTS}, got {accountant!r}")

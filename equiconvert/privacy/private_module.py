@@ -32,6 +32,8 @@ from .bookkeeping import (
     parametrised_layers,
     verify_bookkeeping,
 )
+from .dp_safety import check_buffers_unchanged
+from .validate import PrivacyValidationError
 
 LOSS_REDUCTIONS = ("mean", "sum")
 
@@ -61,10 +63,13 @@ class PrivateModule(nn.Module):
         self.aug_mult = aug_mult
         self.loss_reduction = loss_reduction
         self._verify = verify
+        self._state_checked = False
         self._record: _Record | None = None
 
     def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         x = self._flatten_views(x)
+        if not self._state_checked:
+            self._check_state_once(x)
         if not (self.training and torch.is_grad_enabled()):
             return self._module(x, *args, **kwargs)
         if self._record is not None and self._record.grads:
@@ -92,6 +97,30 @@ class PrivateModule(nn.Module):
                 f"example, got {shape}"
             )
         return x.flatten(0, 1)
+
+    def _check_state_once(self, x: torch.Tensor) -> None:
+        """dp_safety.check_buffers_unchanged on copies, with random inputs shaped like the first input, before the
+        module itself runs: refuse buffers written from the input (running statistics under any name, data-dependent
+        initialisation)."""
+        if not x.is_floating_point():
+            self._state_checked = True
+            warnings.warn(
+                "make_private: the model takes non-float inputs, so the check that its forward writes no statistics "
+                "of its input into buffers (dp_safety.check_buffers_unchanged, random inputs) was not run",
+                stacklevel=3,
+            )
+            return
+        try:
+            check_buffers_unchanged(self._module, x)
+        except PrivacyValidationError:
+            raise
+        except Exception as error:  # noqa: BLE001  (a forward that needs more than one tensor: say so, do not refuse)
+            warnings.warn(
+                f"make_private: the check that the model writes no statistics of its input into buffers could not "
+                f"run ({error})",
+                stacklevel=3,
+            )
+        self._state_checked = True
 
     def _verify_once(self, x: torch.Tensor) -> None:
         """bookkeeping.verify_bookkeeping on the first input shape: refuse models that mix examples."""

@@ -11,6 +11,7 @@ budget would be exceeded.
 from __future__ import annotations
 
 import contextlib
+import copy
 import time
 import warnings
 from pathlib import Path
@@ -253,10 +254,11 @@ class DPTrainer(TrainerCheckpoint):
         device once; a step waits for the device only where its record is written (every `epsilon_every` steps,
         evaluations, checkpoints), so `time_s` of the steps between is the time they were queued.
         """
-        data = self._data(train_set, "the training data")
+        train_source = self._source(train_set, "the training data")
+        check_dp_safe(self.model, self._first_example(train_source, "the training data"))
+        data = self._checked(train_source, "the training data")
         if eval_set is not None:
-            eval_set = self._data(eval_set, "the evaluation data")
-        check_dp_safe(self.model, self._normalize(data.gather(torch.zeros(1, dtype=torch.long))[0]))
+            eval_set = self._checked(self._source(eval_set, "the evaluation data"), "the evaluation data")
         if self.sampler is None:
             self._prepare_privacy(len(data))
         if self.out_dir is not None:
@@ -317,24 +319,29 @@ class DPTrainer(TrainerCheckpoint):
             return time.perf_counter() - start >= limit_s
         return self._logs_epsilon(self.step) and self.dist.agree(time.perf_counter() - start >= limit_s, self.device)
 
-    def _data(self, data: Any, what: str) -> TrainData:
-        """`data` as TrainData, checked (a streamed set: its examples as they are read) and, in memory, on the
-        device."""
-        source = data if isinstance(data, TrainData) else as_train_data(data, what, self.config.data_in_memory_bytes)
+    def _source(self, data: Any, what: str) -> TrainData:
+        return data if isinstance(data, TrainData) else as_train_data(data, what, self.config.data_in_memory_bytes)
+
+    def _first_example(self, source: TrainData, what: str) -> torch.Tensor:
+        """Example 0 of `source`, normalised (its shape is all the DP-safety probes use)."""
+        if len(source) == 0:
+            raise ValueError(f"{what} is empty")
+        return self._normalize(source.gather(torch.zeros(1, dtype=torch.long))[0])
+
+    def _checked(self, source: TrainData, what: str) -> TrainData:
+        """`source` checked (a streamed set: its examples as they are read) and, in memory, on the device."""
         if isinstance(source, StreamedData):
-            images, _ = source.gather(torch.zeros(1, dtype=torch.long))
-            source.num_classes = self._num_classes(images)
+            source.num_classes = self._num_classes(self._first_example(source, what))
             return source
         self._check_data(source.images, source.labels, what)
         return source.to(self.device)
 
-    def _num_classes(self, images: torch.Tensor) -> int:
-        was_training = self.model.training
-        self.model.eval()
+    def _num_classes(self, example: torch.Tensor) -> int:
+        """The model's output width, from a copy run on zeros shaped like `example`: the model being trained sees
+        no data outside DP-SGD steps (a forward may write its buffers)."""
+        probe = copy.deepcopy(self.model).eval()
         with torch.no_grad():
-            num_classes = self.model(self._normalize(images[:1].to(self.device))).shape[-1]
-        self.model.train(was_training)
-        return num_classes
+            return probe(torch.zeros_like(example[:1], device=self.device)).shape[-1]
 
     def _evaluate_with_callbacks(self, data: TrainData) -> dict[str, float]:
         metrics = self.evaluate(data)
@@ -347,7 +354,7 @@ class DPTrainer(TrainerCheckpoint):
         check_images(images, what)
         if len(images) == 0:
             raise ValueError(f"{what} is empty")
-        check_labels(labels, len(images), self._num_classes(images), what)
+        check_labels(labels, len(images), self._num_classes(self._normalize(images[:1])), what)
 
     def evaluate(self, data: TensorData | Any) -> dict[str, float]:
         """Metrics of the EMA weights (if any) on `data`, plus shift-averaged ones when test_shifts is set.

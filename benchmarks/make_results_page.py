@@ -140,6 +140,20 @@ def _params(params: int | list[int] | None) -> str:
     return " / ".join(f"{p:,}" for p in (params if isinstance(params, list) else [params]))
 
 
+def _seeds_not_run(row: dict) -> str:
+    """' (run: seed 0; not run: seeds 1, 2)' for a cell with some but not all of its seeds finished (seeds_run);
+    a cell with none is 'not run' in the table already."""
+    seeds, run = row.get("seeds", []), row.get("seeds_run") or []
+    missing = [seed for seed in seeds if seed not in run]
+    if not run or not missing:
+        return ""
+
+    def named(xs: list[int]) -> str:
+        return ("seed " if len(xs) == 1 else "seeds ") + ", ".join(map(str, xs))
+
+    return f" (run: {named(run)}; not run: {named(missing)})"
+
+
 @renderer("paper_table")
 def _paper_table(s: Summary) -> list[str]:
     columns = [
@@ -173,6 +187,7 @@ def _paper_table(s: Summary) -> list[str]:
     commands = [
         f"- {r['model']}, epsilon {r['epsilon']}: `{r['command']}`"
         + (f", S = {', '.join(map(str, r['seeds']))}" if len(r.get("seeds", [])) > 1 else "")
+        + _seeds_not_run(r)
         for r in s["rows"]
         if r.get("command")
     ]

@@ -98,7 +98,7 @@ def summarize(definition: dict[str, Any], runs: dict[str, dict[str, Any]], comma
     """
     rows, notes, finished_results, dates = [], [], [], []
     for cell in definition["cells"]:
-        counted, recorded, seconds = [], [], 0.0
+        counted, recorded, seeds_run, seconds = [], [], [], 0.0
         for seed in cell["seeds"]:
             name = run_name(cell["name"], seed)
             run = runs.get(name, {})
@@ -112,6 +112,7 @@ def summarize(definition: dict[str, Any], runs: dict[str, dict[str, Any]], comma
                 )
                 continue
             counted.append(result)
+            seeds_run.append(seed)
             recorded.append(run.get("recorded") or {})
             seconds += gpu_seconds(result, parts)
             dates += [p["finished"][:10] for p in parts if p.get("finished")]
@@ -132,6 +133,7 @@ def summarize(definition: dict[str, Any], runs: dict[str, dict[str, Any]], comma
                 "paper": cell["paper"],
                 "command": cell_command(cell),
                 "seeds": cell["seeds"],
+                "seeds_run": seeds_run,
             }
         )
     today = _dt.datetime.now(_dt.timezone.utc).date().isoformat()

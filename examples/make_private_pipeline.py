@@ -36,7 +36,11 @@ def parse_args() -> argparse.Namespace:
         help="train on Fashion-MNIST's IDX files in DIR (default: random 1x32x32 tensors)",
     )
     parser.add_argument("--num-examples", type=int, default=64, help="training examples (0: the whole split)")
-    parser.add_argument("--widths", default="8,16,32", help="ResNet9 channel widths (the paper: 64,128,256)")
+    parser.add_argument(
+        "--widths",
+        default="8,16,32",
+        help="ResNet9 channel widths (Hölzl et al.: 16,32,64; Klause et al.'s ResNet9: 64,128,256)",
+    )
     parser.add_argument("--batch-size", type=int, default=16, help="expected batch size (Poisson sampling)")
     parser.add_argument("--epochs", type=int, default=1)
     parser.add_argument("--steps", type=int, default=3, help="stop after this many steps (0: no limit)")

@@ -34,7 +34,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--demo-data", action="store_true", help="write a tiny synthetic ImageFolder and train on it")
     parser.add_argument("--image-size", type=int, default=None, help="resize every image to this square size")
     parser.add_argument("--group", default="D4", help="C1..C16, D1..D16, or SO2/O2")
-    parser.add_argument("--widths", default="8,16,32", help="ResNet9 channel widths (the paper: 64,128,256)")
+    parser.add_argument(
+        "--widths",
+        default="8,16,32",
+        help="ResNet9 channel widths (Hölzl et al.: 16,32,64; Klause et al.'s ResNet9: 64,128,256)",
+    )
     parser.add_argument("--epsilon", type=float, default=8.0, help="target epsilon (the noise is calibrated to it)")
     parser.add_argument("--delta", type=float, default=1e-5)
     parser.add_argument("--batch-size", type=int, default=16, help="expected logical batch (Poisson sampling)")

@@ -96,7 +96,9 @@ def add_parser(sub) -> None:
         help="a shipped recipe's name (equiconvert recipes) or a TOML file [default: none, the defaults]",
     )
     add_recipe_options(g)
-    recipe_flag(g, "--out", "output folder (log.jsonl, checkpoint.pt, result.json); required, by the recipe or here")
+    recipe_flag(
+        g, "--out", "output folder (log.jsonl, checkpoint.pt, model.pt, result.json); required, by the recipe or here"
+    )
     recipe_flag(g, "--device", "cpu, cuda, cuda:1 (none: cuda if available)")
     recipe_flag(
         g,

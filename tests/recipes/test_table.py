@@ -18,7 +18,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = REPO_ROOT / "benchmarks" / "accuracy.py"
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 SUMMARY_KEYS = {"kind", "title", "description", "command", "card", "date", "rows", "notes", "figure"}
-ROW_KEYS = {"model", "epsilon", "params", "accuracy", "gpu_hours", "setting", "paper", "command", "seeds"}
+ROW_KEYS = {"model", "epsilon", "params", "accuracy", "gpu_hours", "setting", "paper", "command", "seeds", "seeds_run"}
 
 
 def _script(name: str) -> ModuleType:
@@ -323,6 +323,7 @@ def test_summary_counts_finished_runs_and_sums_gpu_hours_over_parts():
         "paper": 81.62,
         "command": "equiconvert train --recipe r --seed S",
         "seeds": [0, 1, 2],
+        "seeds_run": [0, 1],
     }
     assert (b["accuracy"], b["gpu_hours"], b["params"], b["setting"]) == ([], None, None, "paper's")
     assert b["command"] == "equiconvert train --recipe r --set dp.epsilon=3 --seed 0"
@@ -331,7 +332,11 @@ def test_summary_counts_finished_runs_and_sums_gpu_hours_over_parts():
     assert "a_seed2: stopped at step 1000 of 2200 (time_limit); not counted until resumed." in summary["notes"]
     text = "\n".join(page.render_section(summary))
     assert "| M | 8 | 255,675 | **79.70%** (2) | 0.72 | 1.09 | paper's + --set dp.precision=bf16 | 81.62% |" in text
-    assert "- M, epsilon 8: `equiconvert train --recipe r --seed S`, S = 0, 1, 2" in text
+    assert (
+        "- M, epsilon 8: `equiconvert train --recipe r --seed S`, S = 0, 1, 2 (run: seeds 0, 1; not run: seed 2)"
+        in text
+    )
+    assert "- N, epsilon 3: `equiconvert train --recipe r --set dp.epsilon=3 --seed 0`\n" in text + "\n"
 
 
 def test_the_plot_ticks_near_epsilons_once_and_draws_a_shared_paper_number_once(tmp_path, monkeypatch):

@@ -12,12 +12,14 @@ import copy
 import re
 import dataclasses
 import sys
+import typing
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
 from ..privacy.dp_config import DPConfig
+from .value_types import describe, matches
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -156,6 +158,10 @@ def set_key(recipe: Recipe, key: str, value: Any) -> None:
         if not isinstance(value, dict):
             raise RecipeError(f"{key} must be a table of keyword arguments, got {value!r}")
         value = {k: tuple(v) if isinstance(v, list) else v for k, v in value.items()}
+    hint = typing.get_type_hints(type(target))[path[-1]]
+    fits, value = matches(value, hint)
+    if not fits:  # e.g. "no" for a bool, which would otherwise count as true
+        raise RecipeError(f"{key} takes {describe(hint)}, got {value!r}")
     setattr(target, path[-1], value)
 
 

@@ -27,7 +27,7 @@ def _width(text: str) -> str | float:
     return value
 
 
-def check_size(model, requested: int | None) -> int | None:
+def measurement_size(model, requested: int | None) -> int | None:
     """Where to measure equivariance: the requested size if valid, else the model's default.
 
     None when the model has no valid size and none was requested.
@@ -85,7 +85,7 @@ def convert_and_check(
     report = converted.report
 
     equivariance = None
-    size = check_size(converted, input_size) if check else None
+    size = measurement_size(converted, input_size) if check else None
     if size is not None:
         start = time.perf_counter()
         result = check_equivariance(converted, input_size=size, batch_size=CHECK_BATCH_SIZE)

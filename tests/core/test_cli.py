@@ -228,6 +228,17 @@ def test_bad_width_is_an_argparse_error(capsys):
     assert "--width" in capsys.readouterr().err
 
 
+def test_a_width_that_is_not_positive_is_refused_before_building_the_model(capsys, monkeypatch):
+    import equiconvert.models
+
+    def never(*args, **kwargs):
+        raise AssertionError("the model was built before the width was checked")
+
+    monkeypatch.setattr(equiconvert.models, "create_model", never)
+    assert main(["convert", "equiconvert:resnet9", "--group", "D4", "--width", "-1", "--no-check"]) == 2
+    assert "width kappa must be positive, got -1.0" in capsys.readouterr().err
+
+
 def test_demo_conversion_only_json_lists_both_models(capsys):
     summary = run_json(capsys, "demo", "--conversion-only", "--json")
     assert summary["group"] == "D4"

@@ -26,6 +26,7 @@ from torch import nn
 from ..errors import GroupSpecError, UnsupportedLayerError
 from ..nn.restriction import FieldRestriction, ReflectionRestriction
 from .context import SHAPE_KEY
+from .fields import FieldType
 
 _DOWNSAMPLING_MODULES = (nn.Conv2d, nn.MaxPool2d, nn.AvgPool2d)
 _DOWNSAMPLING_FUNCTIONS = (F.max_pool2d, F.avg_pool2d, F.conv2d)
@@ -201,8 +202,6 @@ FIELD_RESTRICTORS: dict[str, Any] = {
 
 def apply_restriction(ctx, node: fx.Node, step: Any):
     """Insert the change of basis after `node` and return the restricted field type."""
-    from .fields import FieldType
-
     t = ctx.type_of(node)
     if t is None:
         raise ctx.unsupported(node, f"restriction {step!r} is placed on a tensor that equiconvert could not type")

@@ -26,7 +26,7 @@ from .registry import channel_fold, find_rule
 from .rules.conv import grouped_conv_multiples
 from .rules.split import consistent_width
 from .report import ConversionReport
-from .restrict import apply_restriction, plan, width_groups
+from .restrict import RestrictSpec, apply_restriction, plan, width_groups
 from .trace import propagate_shapes, trace
 from .verify import verify_conversion
 from .width import PARAMS, WidthSpec, multiplier_width, resolve_width
@@ -176,7 +176,7 @@ def make_equivariant(
     config: dict | ConversionConfig | None = None,
     strict: bool = False,
     head: str | None = None,
-    restrict=None,
+    restrict: RestrictSpec = None,
     frequency: int | None = None,
     pad_to_valid: bool = False,
     crop_to_valid: bool = False,

@@ -10,7 +10,7 @@ import time
 from typing import Any
 
 from ..convert.context import HEADS
-from ..convert.width import DEFAULT_WIDTH, PAPER_KAPPA, WIDTHS
+from ..convert.width import DEFAULT_WIDTH, PAPER_KAPPA, WIDTHS, resolve_width
 from .common import CLIError
 
 JSON_VALID_SIZES = 16  # how many valid input sizes the JSON output lists
@@ -60,7 +60,6 @@ def convert_and_check(
     A model that is equivariant by construction (the paper's preset) is built for `group` instead of converted.
     """
     from .. import check_equivariance, make_equivariant, parse_group
-    from ..convert.width import resolve_width
     from ..models import create_model
     from ..models._registry import is_equivariant_model
 

@@ -27,6 +27,7 @@ from torch.nn.utils import skip_init
 from .convert.model import EquivariantModel
 from .errors import UnsupportedLayerError
 from .nn.norm import normalize_field_groups
+from .nn.pooling import NORM_POOL_EPS, REDUCTIONS
 from .nn import (
     FieldGroupNorm,
     FieldRestriction,
@@ -309,7 +310,6 @@ _POOLS = {
 }
 _LP_POOLS = {1: nn.LPPool1d, 2: nn.LPPool2d, 3: nn.LPPool3d}
 _CONSTANT_PADS = {1: nn.ConstantPad1d, 2: nn.ConstantPad2d, 3: nn.ConstantPad3d}
-NORM_POOL_EPS = 1e-12  # GroupPool's 'norm' mode takes sqrt(sum x^2 + 1e-12)
 
 
 class _FieldReduce(nn.Module):
@@ -320,12 +320,7 @@ class _FieldReduce(nn.Module):
         self.num_fields, self.field_size, self.mode = num_fields, field_size, mode
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        fields = x.unflatten(1, (self.num_fields, self.field_size))
-        if self.mode == "max":
-            return fields.amax(dim=2)
-        if self.mode == "mean":
-            return fields.mean(dim=2)
-        return fields.pow(2).sum(dim=2).add(NORM_POOL_EPS).sqrt()
+        return REDUCTIONS[self.mode](x.unflatten(1, (self.num_fields, self.field_size)))
 
 
 @register_exporter(GroupPool)
@@ -335,7 +330,7 @@ def export_group_pool(module: GroupPool, ctx: ExportContext) -> nn.Module:
     For an input of rank n, the unflattened tensor has n - 1 pooled dims (field
     size, then the spatial dims), so (B,C) uses the 1d pools and (B,C,H,W) the 3d
     ones, with kernel (size, 1, ...). 'norm' is LPPool(2) over the field plus one
-    padded slot of value sqrt(1e-12): that adds GroupPool's epsilon under the root,
+    padded slot of value sqrt(NORM_POOL_EPS): that adds GroupPool's epsilon under the root,
     so zero fields give 1e-6 (not 0) and gradients stay finite, as in GroupPool.
     When the input rank is unknown (no traced shapes), a traced pure-torch
     reduction replaces it instead.

@@ -166,7 +166,7 @@ RESTRICTIONS = {
 }
 
 
-def parse_group(group: "str | GroupSpec | ContinuousGroupSpec", frequency: int | None = None):
+def parse_group(group: str | AnyGroupSpec, frequency: int | None = None) -> AnyGroupSpec:
     """Parse "C1".."C16" / "D1".."D16", or "SO2" / "O2" with a band limit `frequency` (default 1)."""
     if isinstance(group, (GroupSpec, ContinuousGroupSpec)):
         return group
@@ -335,6 +335,7 @@ class ContinuousGroupSpec:
 
 
 CONTINUOUS = ("SO2", "O2")
+AnyGroupSpec = GroupSpec | ContinuousGroupSpec  # what parse_group returns
 
 
 def _snap(value: float) -> float:

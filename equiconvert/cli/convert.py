@@ -9,6 +9,8 @@ import sys
 import time
 from typing import Any
 
+from ..convert.context import HEADS
+from ..convert.width import DEFAULT_WIDTH, PAPER_KAPPA, WIDTHS, resolve_width
 from .common import CLIError
 
 JSON_VALID_SIZES = 16  # how many valid input sizes the JSON output lists
@@ -16,18 +18,16 @@ CHECK_BATCH_SIZE = 1  # the equivariance check's batch; the error does not depen
 
 
 def _width(text: str) -> str | float:
-    if text in ("kappa", "params", "channels"):
+    """A width name or a float kappa; convert/width.resolve_width checks its value."""
+    if text in WIDTHS:
         return text
     try:
-        value = float(text)
+        return float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not 'kappa', 'params', 'channels' or a number") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"kappa must be positive, got {text}")
-    return value
+        raise argparse.ArgumentTypeError(f"{text!r} is not one of {', '.join(WIDTHS)} or a number") from None
 
 
-def check_size(model, requested: int | None) -> int | None:
+def measurement_size(model, requested: int | None) -> int | None:
     """Where to measure equivariance: the requested size if valid, else the model's default.
 
     None when the model has no valid size and none was requested.
@@ -63,7 +63,8 @@ def convert_and_check(
     from ..models import create_model
     from ..models._registry import is_equivariant_model
 
-    spec = parse_group(group)  # fail on a bad group before building anything
+    spec = parse_group(group)  # fail on a bad group or width before building anything
+    resolve_width(width)
     options = {"width": width, "input_size": input_size, "strict": strict or None, "head": head}
     if is_equivariant_model(model_spec):
         if pretrained or pad_to_valid or crop_to_valid:
@@ -85,7 +86,7 @@ def convert_and_check(
     report = converted.report
 
     equivariance = None
-    size = check_size(converted, input_size) if check else None
+    size = measurement_size(converted, input_size) if check else None
     if size is not None:
         start = time.perf_counter()
         result = check_equivariance(converted, input_size=size, batch_size=CHECK_BATCH_SIZE)
@@ -160,10 +161,11 @@ def add_parser(sub) -> None:
         "--width",
         type=_width,
         default=None,
-        metavar="kappa|params|channels|<float>",
-        help="width policy: kappa (1.75, default), params, channels, or a float kappa",
+        metavar="|".join((*WIDTHS, "<float>")),
+        help=f"width policy: {', '.join(WIDTHS)} or a float kappa (default: {DEFAULT_WIDTH}, "
+        f"with kappa = {PAPER_KAPPA})",
     )
-    convert.add_argument("--head", choices=("keep", "invariant"), default=None)
+    convert.add_argument("--head", choices=HEADS, default=None)
     convert.add_argument("--num-classes", type=int, default=10)
     convert.add_argument("--in-channels", type=int, default=3)
     convert.add_argument("--strict", action="store_true", help="turn equivariance warnings into errors")

@@ -15,7 +15,7 @@ from ..groups import GroupSpec, parse_group
 from ..nn.conv import standardization_scope
 from ..recipe import conversion_recipe, remember_recipe
 from . import rules  # noqa: F401  (registers the built-in rules)
-from .context import SPATIAL_KEY, TYPE_KEY, ConversionConfig, ConversionContext
+from .context import HEADS, SPATIAL_KEY, TYPE_KEY, ConversionConfig, ConversionContext
 from .fields import FieldType
 from .grid import GridAnalysis
 from .input_fit import fit_input, invalid_size_error
@@ -26,10 +26,10 @@ from .registry import channel_fold, find_rule
 from .rules.conv import grouped_conv_multiples
 from .rules.split import consistent_width
 from .report import ConversionReport
-from .restrict import apply_restriction, plan, width_groups
+from .restrict import RestrictSpec, apply_restriction, plan, width_groups
 from .trace import propagate_shapes, trace
 from .verify import verify_conversion
-from .width import WidthSpec, multiplier_width, resolve_width
+from .width import PARAMS, WidthSpec, multiplier_width, resolve_width
 
 PROBE_SIZES = (224, 32, 28, 64, 96)  # tried in order when input_size is not given
 GRID_SEARCH = range(8, 1025)
@@ -156,7 +156,7 @@ def _solve_params_width(template, in_channels, group, config, target: int) -> tu
 
     def count(multiplier: float) -> int:
         width_fn = multiplier_width(multiplier)
-        return _count(_convert_once(template, in_channels, group, width_fn, config, "params", "meta")[0])
+        return _count(_convert_once(template, in_channels, group, width_fn, config, PARAMS, "meta")[0])
 
     while count(high) < target:
         high *= 2
@@ -164,7 +164,7 @@ def _solve_params_width(template, in_channels, group, config, target: int) -> tu
         middle = (low + high) / 2
         low, high = (middle, high) if count(middle) <= target else (low, middle)
     best = min((low, high), key=lambda m: abs(count(m) - target))
-    return multiplier_width(best), f"params (multiplier {best:.4f} fields per channel)"
+    return multiplier_width(best), f"{PARAMS} (multiplier {best:.4f} fields per channel)"
 
 
 def make_equivariant(
@@ -176,7 +176,7 @@ def make_equivariant(
     config: dict | ConversionConfig | None = None,
     strict: bool = False,
     head: str | None = None,
-    restrict=None,
+    restrict: RestrictSpec = None,
     frequency: int | None = None,
     pad_to_valid: bool = False,
     crop_to_valid: bool = False,
@@ -188,14 +188,15 @@ def make_equivariant(
     `frequency` (default 1; see groups.FieldLayout) and the width rules use the
     field size in place of |G|.
 
-    width: None/"kappa" (fields = floor(C*sqrt(1.75|G|)/|G|)), a float kappa, "params"
-    (match the original parameter count), "channels" (keep the channel count), or a
-    callable (channels, group) -> fields. input_size: the image size you will use; the
+    width: a name of convert/width.WIDTHS: None/"kappa" (fields = floor(C*sqrt(PAPER_KAPPA*|G|)/|G|)),
+    "params" (match the original parameter count), "channels" (keep the channel count); a float
+    kappa, or a callable (channels, group) -> fields. input_size: the image size you will use; the
     report says whether it keeps exact equivariance. config: ConversionConfig fields
     (head, invariant_pool, weight_standardization, init_gain, basis_cutoff, batchnorm_groups,
     norm_group_rule, unit_norm_bias, leaf_modules, even_kernels: "refuse" (default) or "grow", which replaces a k x k conv with k
     even by a (k+1) x (k+1) one with the same stride and padding, reported per layer).
-    strict: turn every equivariance warning into an error. head: "keep" or "invariant".
+    strict: turn every equivariance warning into an error. head: one of context.HEADS,
+    "keep" the head as it is or make the output "invariant" by group pooling before it.
     restrict: restrict the fields to a subgroup: "halved", "reflection", "invariant", a group
     name, a schedule "D8->D4->D1" (before the last stages) or {module name: step}; see
     convert/restrict.py. The model is then exactly equivariant to the last subgroup.
@@ -215,14 +216,15 @@ def make_equivariant(
         cfg.restrict = restrict
     template, in_channels = _prepare(copy.deepcopy(model), input_size, cfg.leaf_modules)
     width_fn = resolve_width(width)
-    if width_fn == "params":
+    solve_params = width_fn == PARAMS
+    if solve_params:
         width_fn, width_name = _solve_params_width(template, in_channels, spec, cfg, _count(model))
     else:
         width_name = getattr(width_fn, "__name__", str(width_fn))
     gm, report, output_type = _convert_once(template, in_channels, spec, width_fn, cfg, width_name)
     report.params_before = _count(model)
     report.params_after = _count(gm)
-    if width == "params" and abs(report.params_after - report.params_before) > PARAMS_TOLERANCE * report.params_before:
+    if solve_params and abs(report.params_after - report.params_before) > PARAMS_TOLERANCE * report.params_before:
         raise UnsupportedLayerError(
             f"width='params' reached {report.params_after:,} parameters for a target of {report.params_before:,} "
             f"(more than {PARAMS_TOLERANCE:.0%} apart); pass a float kappa or a callable width instead"
@@ -273,8 +275,8 @@ def _make_config(config: dict | ConversionConfig | None, strict: bool, head: str
     cfg.strict = cfg.strict or strict
     if head is not None:
         cfg.head = head
-    if cfg.head not in ("keep", "invariant"):
-        raise ValueError(f"head must be 'keep' or 'invariant', got {cfg.head!r}")
+    if cfg.head not in HEADS:
+        raise ValueError(f"head must be one of {HEADS}, got {cfg.head!r}")
     norm_group_rule(cfg.norm_group_rule)  # refused by name before any layer converts, with or without norms
     standardization_scope(cfg.weight_standardization)
     return cfg

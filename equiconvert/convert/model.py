@@ -9,6 +9,7 @@ from torch import nn
 from ..groups import GroupSpec
 from .fields import FieldType
 from .report import ConversionReport
+from .verify import preferred_valid_size
 
 
 class EquivariantModel(nn.Module):
@@ -33,11 +34,11 @@ class EquivariantModel(nn.Module):
         return self.network(x)
 
     def default_input_size(self) -> int:
-        """The requested input size if it is valid, else the first valid size at least 32."""
+        """The requested input size if it is valid, else verify.preferred_valid_size of the valid sizes."""
         report = self.report
         if report.input_size is not None and report.input_size_valid:
             return report.input_size
-        candidates = [s for s in report.valid_input_sizes if s >= 32] or report.valid_input_sizes
-        if not candidates:
+        size = preferred_valid_size(report.valid_input_sizes)
+        if size is None:
             raise ValueError("this model has no input size that keeps exact equivariance; see model.report")
-        return candidates[0]
+        return size

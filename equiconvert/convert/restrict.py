@@ -24,8 +24,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import GroupSpecError, UnsupportedLayerError
+from ..groups import AnyGroupSpec
 from ..nn.restriction import FieldRestriction, ReflectionRestriction
 from .context import SHAPE_KEY
+from .fields import FieldType
+
+# a step is "halved" / "reflection" / "invariant" / a group name; the forms are listed above
+RestrictSpec = str | list[str] | tuple[str, ...] | dict[str, str] | None
 
 _DOWNSAMPLING_MODULES = (nn.Conv2d, nn.MaxPool2d, nn.AvgPool2d)
 _DOWNSAMPLING_FUNCTIONS = (F.max_pool2d, F.avg_pool2d, F.conv2d)
@@ -37,7 +42,7 @@ class RestrictionPoint:
     target: Any  # "halved" / "reflection" / "invariant" / group name, relative to the group at that point
 
 
-def parse_schedule(restrict: Any, group_name: str) -> list | dict | None:
+def parse_schedule(restrict: RestrictSpec, group_name: str) -> list | dict | None:
     """Normalise `restrict=` into None, a list of steps (last stages) or a {module: step} dict."""
     if restrict is None or isinstance(restrict, dict):
         return restrict or None
@@ -128,7 +133,7 @@ def _ancestors(node: fx.Node) -> set[fx.Node]:
     return seen
 
 
-def plan(gm: fx.GraphModule, restrict: Any, group_name: str) -> list[RestrictionPoint]:
+def plan(gm: fx.GraphModule, restrict: RestrictSpec, group_name: str) -> list[RestrictionPoint]:
     """Restriction points of the traced, not yet rewritten graph."""
     schedule = parse_schedule(restrict, group_name)
     if schedule is None:
@@ -152,7 +157,7 @@ def _named_input(gm: fx.GraphModule, name: str) -> fx.Node:
     raise UnsupportedLayerError(f"restrict names module {name!r}, which the traced model never calls")
 
 
-def width_groups(gm: fx.GraphModule, points: list[RestrictionPoint], group) -> dict[int, Any]:
+def width_groups(gm: fx.GraphModule, points: list[RestrictionPoint], group: AnyGroupSpec) -> dict[int, AnyGroupSpec]:
     """Channel count -> group whose order sizes its fields: the group of the last conv of that width.
 
     So a stage whose end is restricted is sized for the subgroup throughout, as in
@@ -160,8 +165,8 @@ def width_groups(gm: fx.GraphModule, points: list[RestrictionPoint], group) -> d
     restricts its output); layers added together keep equal field counts.
     """
     targets = {p.node: p.target for p in points}
-    node_group: dict[fx.Node, Any] = {}
-    result: dict[int, Any] = {}
+    node_group: dict[fx.Node, AnyGroupSpec] = {}
+    result: dict[int, AnyGroupSpec] = {}
     for node in gm.graph.nodes:
         inputs = [node_group[a] for a in node.all_input_nodes if a in node_group]
         current = min(inputs, key=lambda g: g.order) if inputs else group
@@ -201,8 +206,6 @@ FIELD_RESTRICTORS: dict[str, Any] = {
 
 def apply_restriction(ctx, node: fx.Node, step: Any):
     """Insert the change of basis after `node` and return the restricted field type."""
-    from .fields import FieldType
-
     t = ctx.type_of(node)
     if t is None:
         raise ctx.unsupported(node, f"restriction {step!r} is placed on a tensor that equiconvert could not type")

@@ -15,7 +15,7 @@ from ..errors import EquivarianceBreakError, UnsupportedLayerError
 from .context import SHAPE_KEY
 from .report import ConversionReport, EquivarianceWarning
 
-MIN_CHECK_SIZE = 32  # the valid size that is run: the first one at least this large (as default_input_size picks)
+MIN_CHECK_SIZE = 32  # smallest size that a check runs at when a valid one this large exists
 
 
 class _NodeFailure(Exception):
@@ -58,8 +58,11 @@ def run_at(gm: fx.GraphModule, in_channels: int, size: int) -> tuple[int, ...] |
     return tuple(out.shape) if isinstance(out, torch.Tensor) else None
 
 
-def check_size(size: int, valid: list[int]) -> int | None:
-    """The valid size that conversion runs: the first at least MIN_CHECK_SIZE, else the largest."""
+def preferred_valid_size(valid: list[int]) -> int | None:
+    """The valid size to run a model at: the first at least MIN_CHECK_SIZE, else the largest; None if none.
+
+    Large enough that a check sees more than a few pixels, yet as cheap as possible; `valid` is ascending.
+    """
     if not valid:
         return None
     return next((s for s in valid if s >= MIN_CHECK_SIZE), valid[-1])
@@ -83,7 +86,7 @@ def verify_conversion(
             raise EquivarianceBreakError(f"{message} (strict=True turns this warning into an error)")
         report.warnings.append(EquivarianceWarning("", "", "", message))
     sizes = [traced_size]
-    valid = check_size(traced_size, report.valid_input_sizes)
+    valid = preferred_valid_size(report.valid_input_sizes)
     if valid is not None and valid != traced_size:
         sizes.append(valid)
     for size in sizes:

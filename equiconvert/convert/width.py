@@ -18,7 +18,6 @@ RELEASED_CODE_KAPPA = 1.5  # hlzl/equivariant, reproduces the paper's Table 1 pa
 
 WidthFn = Callable[[int, GroupSpec], int]
 WidthSpec = Union[str, float, int, WidthFn, None]
-WIDTH_NAMES = ("kappa", "params", "channels")
 
 
 def kappa_width(kappa: float) -> WidthFn:
@@ -46,14 +45,23 @@ def multiplier_width(multiplier: float) -> WidthFn:
     return fields
 
 
+PARAMS = "params"  # no fixed function: make_equivariant solves for the width that keeps the parameter count
+
+# the named width policies; PARAMS stands for itself until make_equivariant solves it
+WIDTHS: dict[str, WidthFn | str] = {
+    "kappa": kappa_width(PAPER_KAPPA),
+    PARAMS: PARAMS,
+    "channels": channels_width,
+}
+DEFAULT_WIDTH = "kappa"
+
+
 def resolve_width(width: WidthSpec) -> WidthFn | str:
-    """Turn the user's `width=` into a function of (channels, group), or "params" (solved later)."""
-    if width is None or width == "kappa":
-        return kappa_width(PAPER_KAPPA)
-    if width == "params":
-        return "params"
-    if width == "channels":
-        return channels_width
+    """Turn the user's `width=` into a function of (channels, group), or PARAMS (solved later)."""
+    if width is None:
+        width = DEFAULT_WIDTH
+    if isinstance(width, str) and width in WIDTHS:
+        return WIDTHS[width]
     if isinstance(width, (int, float)) and not isinstance(width, bool):
         if width <= 0:
             raise ValueError(f"width kappa must be positive, got {width}")
@@ -61,6 +69,6 @@ def resolve_width(width: WidthSpec) -> WidthFn | str:
     if callable(width):
         return width
     raise ValueError(
-        f"unknown width policy {width!r}: use a float kappa, 'kappa' (={PAPER_KAPPA}), 'params', "
-        "'channels', or a callable (channels, group) -> number of fields"
+        f"unknown width policy {width!r}: use a float kappa, one of {sorted(WIDTHS)} "
+        f"({DEFAULT_WIDTH!r}, the default, is kappa {PAPER_KAPPA}), or a callable (channels, group) -> number of fields"
     )

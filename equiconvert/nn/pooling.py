@@ -2,10 +2,29 @@
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 from torch import nn
 
-GROUP_POOL_MODES = ("max", "mean", "norm")
+NORM_POOL_EPS = 1e-12  # 'norm' takes sqrt(sum x^2 + eps): a zero field gives 1e-6 and a finite gradient
+
+
+def _max(fields: torch.Tensor) -> torch.Tensor:
+    return fields.amax(dim=2)
+
+
+def _mean(fields: torch.Tensor) -> torch.Tensor:
+    return fields.mean(dim=2)
+
+
+def _norm(fields: torch.Tensor) -> torch.Tensor:
+    return fields.pow(2).sum(dim=2).add(NORM_POOL_EPS).sqrt()
+
+
+# group pooling mode -> reduction of a (B, fields, field size, ...) tensor over its field-size dim
+REDUCTIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"max": _max, "mean": _mean, "norm": _norm}
+GROUP_POOL_MODES = tuple(REDUCTIONS)
 
 
 class GroupPool(nn.Module):
@@ -22,12 +41,7 @@ class GroupPool(nn.Module):
         self.num_fields, self.field_size, self.mode = num_fields, field_size, mode
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        fields = x.reshape(x.shape[0], self.num_fields, self.field_size, *x.shape[2:])
-        if self.mode == "max":
-            return fields.amax(dim=2)
-        if self.mode == "mean":
-            return fields.mean(dim=2)
-        return fields.pow(2).sum(dim=2).add(1e-12).sqrt()
+        return REDUCTIONS[self.mode](x.reshape(x.shape[0], self.num_fields, self.field_size, *x.shape[2:]))
 
     def extra_repr(self) -> str:
         return f"fields={self.num_fields}x{self.field_size}, mode={self.mode}"

@@ -56,3 +56,25 @@ def test_a_rule_that_breaks_shapes_is_caught_and_names_the_node():
             equiconvert.make_equivariant(_Residual(), "C4", input_size=32)
     finally:
         del MODULE_RULES[_Keep]
+
+
+def test_the_size_a_check_runs_at_is_the_first_valid_one_from_32_else_the_largest():
+    from types import SimpleNamespace
+
+    from equiconvert.convert.model import EquivariantModel
+    from equiconvert.convert.verify import MIN_CHECK_SIZE, preferred_valid_size
+
+    assert MIN_CHECK_SIZE == 32
+    assert preferred_valid_size([9, 17, 33, 65]) == 33
+    assert preferred_valid_size([8, 16, 24]) == 24
+    assert preferred_valid_size([]) is None
+
+    def default(requested, valid, sizes):
+        report = SimpleNamespace(input_size=requested, input_size_valid=valid, valid_input_sizes=sizes)
+        return EquivariantModel.default_input_size(SimpleNamespace(report=report))
+
+    assert default(65, True, [33, 65]) == 65
+    assert default(64, False, [33, 65]) == 33
+    assert default(None, None, [8, 16, 24]) == 24  # the same size conversion ran at
+    with pytest.raises(ValueError, match="no input size"):
+        default(None, None, [])

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 
 from equiconvert.cli import SUBCOMMANDS, _parser, main
-from equiconvert.cli.convert import JSON_VALID_SIZES, check_size
+from equiconvert.cli.convert import JSON_VALID_SIZES, measurement_size
 from equiconvert.cli.demo import _print_demo
 from tests.support.paths import REPO_ROOT, repo_env
 from tests.support.train_args import tiny_train_args
@@ -144,7 +144,7 @@ def test_convert_fits_an_invalid_size_with_pad_or_crop(capsys, flag, target):
     assert text_exit == 0 and f"input fit: input 224 -> {target}" in capsys.readouterr().out
 
 
-def test_check_size_falls_back_to_default_size():
+def test_measurement_size_falls_back_to_default_size():
     def fake(valid: bool, default):
         def default_input_size():
             if default is None:
@@ -153,11 +153,11 @@ def test_check_size_falls_back_to_default_size():
 
         return SimpleNamespace(report=SimpleNamespace(input_size_valid=valid), default_input_size=default_input_size)
 
-    assert check_size(fake(True, 33), 225) == 225
-    assert check_size(fake(False, 33), 224) == 33
-    assert check_size(fake(None, 32), None) == 32
-    assert check_size(fake(False, None), 30) == 30  # nothing valid: measure the requested size
-    assert check_size(fake(None, None), None) is None
+    assert measurement_size(fake(True, 33), 225) == 225
+    assert measurement_size(fake(False, 33), 224) == 33
+    assert measurement_size(fake(None, 32), None) == 32
+    assert measurement_size(fake(False, None), 30) == 30  # nothing valid: measure the requested size
+    assert measurement_size(fake(None, None), None) is None
 
 
 def test_width_params_matches_parameter_count(capsys):
@@ -226,6 +226,17 @@ def test_bad_width_is_an_argparse_error(capsys):
         main(["convert", "equiconvert:resnet9", "--group", "D4", "--width", "wide"])
     assert exc.value.code == 2
     assert "--width" in capsys.readouterr().err
+
+
+def test_a_width_that_is_not_positive_is_refused_before_building_the_model(capsys, monkeypatch):
+    import equiconvert.models
+
+    def never(*args, **kwargs):
+        raise AssertionError("the model was built before the width was checked")
+
+    monkeypatch.setattr(equiconvert.models, "create_model", never)
+    assert main(["convert", "equiconvert:resnet9", "--group", "D4", "--width", "-1", "--no-check"]) == 2
+    assert "width kappa must be positive, got -1.0" in capsys.readouterr().err
 
 
 def test_demo_conversion_only_json_lists_both_models(capsys):

@@ -84,7 +84,8 @@ def require_pointwise(ctx: ConversionContext, node: fx.Node) -> FieldType:
     return t_in
 
 
-def _out_of_place(module: nn.Module) -> nn.Module:
+def out_of_place(module: nn.Module) -> nn.Module:
+    """`module`, or a copy of it that does not act in place: a converted graph never overwrites its tensors."""
     if getattr(module, "inplace", False):
         module = copy.deepcopy(module)
         module.inplace = False
@@ -97,12 +98,12 @@ def convert_activation_module(ctx: ConversionContext, node: fx.Node) -> FieldTyp
     t_in = ctx.field_input(node)
     module = ctx.module(node)
     if t_in.representation in FIELD_NONLINEARITIES:
-        gated = FIELD_NONLINEARITIES[t_in.representation](t_in, _out_of_place(module))
+        gated = FIELD_NONLINEARITIES[t_in.representation](t_in, out_of_place(module))
         ctx.replace_module(node, gated)
         return t_in
     t_in = require_pointwise(ctx, node)
     if getattr(module, "inplace", False):
-        ctx.replace_module(node, _out_of_place(module))
+        ctx.replace_module(node, out_of_place(module))
     return t_in
 
 

@@ -15,7 +15,7 @@ from ..context import ConversionContext
 from ..fields import FieldType
 from ..registry import register_module_rule
 from .activation import POINTWISE_REPRESENTATIONS
-from .norm_act import _activation, _channels
+from .norm_act import check_norm_channels, norm_activation
 
 _EVO = "timm.layers.evo_norm"
 # class name -> (statistic, whether it normalises only when its activation is on (the non-"a" forms))
@@ -37,7 +37,7 @@ def _largest_divisor(n: int, limit: int) -> int:
 @register_module_rule(*(f"{_EVO}:{name}" for name in S_VARIANTS))
 def convert_evo_norm_s(ctx: ConversionContext, node: fx.Node) -> FieldType:
     module, t = ctx.module(node), ctx.field_input(node)
-    _channels(ctx, node, module.weight.numel(), t)
+    check_norm_channels(ctx, node, module.weight.numel(), t)
     if not t.spatial or t.channels_last or t.representation not in POINTWISE_REPRESENTATIONS:
         raise ctx.unsupported(
             node, f"EvoNorm's group statistics need a channels-first map of pointwise fields, not {t.describe()}"
@@ -52,7 +52,7 @@ def convert_evo_norm_s(ctx: ConversionContext, node: fx.Node) -> FieldType:
         _largest_divisor(t.num_fields, module.groups),
         statistic,
         normalize,
-        _activation(ctx, node, copy.deepcopy(activation), t) if activation is not None else None,
+        norm_activation(ctx, node, copy.deepcopy(activation), t) if activation is not None else None,
         swish,
         module.eps,
     )

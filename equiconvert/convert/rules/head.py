@@ -17,6 +17,7 @@ from ..context import TYPE_KEY, ConversionContext
 from ..fields import FieldType
 from ..grid import AdaptiveOp
 from ..registry import head_transparent, register_function_rule, register_module_rule
+from .channels_last import convert_channels_last_linear
 
 ADAPTIVE_POOLS = (nn.AdaptiveAvgPool2d, nn.AdaptiveMaxPool2d)
 
@@ -156,9 +157,7 @@ def convert_linear(ctx: ConversionContext, node: fx.Node) -> FieldType:
     linear: nn.Linear = ctx.module(node)
     t = ctx.field_input(node)
     if t.channels_last:
-        from .channels_last import convert_channels_last_linear  # ConvNeXt's pointwise MLP
-
-        return convert_channels_last_linear(ctx, node, t)
+        return convert_channels_last_linear(ctx, node, t)  # ConvNeXt's pointwise MLP
     if t.spatial:
         raise ctx.unsupported(
             node,

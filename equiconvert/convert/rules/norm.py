@@ -19,7 +19,7 @@ def _check_channels(ctx: ConversionContext, node: fx.Node, channels: int) -> Fie
     return t_in
 
 
-def _field_norm(t: FieldType, groups: int, affine: bool, eps: float) -> nn.Module:
+def field_norm(t: FieldType, groups: int, affine: bool, eps: float) -> nn.Module:
     """The per-sample norm over whole fields; irrep fields need group standardization (no mean on irreps)."""
     if t.representation in GROUP_STANDARDIZED:
         return GroupStandardization(t.num_fields, t.group.layout, groups, affine, eps)
@@ -34,7 +34,7 @@ def convert_batchnorm(ctx: ConversionContext, node: fx.Node) -> FieldType:
     bn = ctx.module(node)
     t_in = _check_channels(ctx, node, bn.num_features)
     groups = norm_group_rule(ctx.config.norm_group_rule)(t_in.num_fields, ctx.config.batchnorm_groups)
-    ctx.replace_module(node, _field_norm(t_in, groups, bn.affine, bn.eps))
+    ctx.replace_module(node, field_norm(t_in, groups, bn.affine, bn.eps))
     return t_in
 
 
@@ -43,7 +43,7 @@ def convert_groupnorm(ctx: ConversionContext, node: fx.Node) -> FieldType:
     gn: nn.GroupNorm = ctx.module(node)
     t_in = _check_channels(ctx, node, gn.num_channels)
     groups = norm_group_rule(ctx.config.norm_group_rule)(t_in.num_fields, gn.num_groups)
-    ctx.replace_module(node, _field_norm(t_in, groups, gn.affine, gn.eps))
+    ctx.replace_module(node, field_norm(t_in, groups, gn.affine, gn.eps))
     return t_in
 
 
@@ -51,6 +51,6 @@ def convert_groupnorm(ctx: ConversionContext, node: fx.Node) -> FieldType:
 def convert_instancenorm(ctx: ConversionContext, node: fx.Node) -> FieldType:
     norm: nn.InstanceNorm2d = ctx.module(node)
     t_in = _check_channels(ctx, node, norm.num_features)
-    new = _field_norm(t_in, t_in.num_fields, norm.affine, norm.eps)
+    new = field_norm(t_in, t_in.num_fields, norm.affine, norm.eps)
     ctx.replace_module(node, new)
     return t_in

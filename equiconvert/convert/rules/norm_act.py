@@ -21,10 +21,10 @@ from ..registry import head_transparent, module_rule, register_module_rule
 from .activation import (
     FIELD_NONLINEARITIES,
     POINTWISE_REPRESENTATIONS,
-    _out_of_place,
+    out_of_place,
     convert_activation_module,
 )
-from .norm import _field_norm
+from .norm import field_norm
 
 
 def optional_classes(module: str, *names: str) -> list[str]:
@@ -67,7 +67,7 @@ LAYER_SCALE = optional_classes("timm.layers.layer_scale", "LayerScale", "LayerSc
 register_module_rule(*TIMM_ACTIVATIONS)(convert_activation_module)  # elementwise, like torch's own
 
 
-def _activation(ctx: ConversionContext, node: fx.Node, act: nn.Module, t: FieldType) -> nn.Module:
+def norm_activation(ctx: ConversionContext, node: fx.Node, act: nn.Module, t: FieldType) -> nn.Module:
     """The equivariant form of a norm-act layer's activation on fields of type `t`."""
     if isinstance(act, nn.Identity):
         return act
@@ -78,10 +78,10 @@ def _activation(ctx: ConversionContext, node: fx.Node, act: nn.Module, t: FieldT
             "Options: use an elementwise activation (ReLU, SiLU, GELU, ...) in the norm layer.",
         )
     if t.representation in FIELD_NONLINEARITIES:
-        return FIELD_NONLINEARITIES[t.representation](t, _out_of_place(act))
+        return FIELD_NONLINEARITIES[t.representation](t, out_of_place(act))
     if t.representation not in POINTWISE_REPRESENTATIONS:
         raise ctx.unsupported(node, f"a pointwise activation is not equivariant on {t.representation} fields")
-    return _out_of_place(copy.deepcopy(act))
+    return out_of_place(copy.deepcopy(act))
 
 
 def _drop(ctx: ConversionContext, node: fx.Node, drop: nn.Module) -> nn.Module:
@@ -94,7 +94,8 @@ def _drop(ctx: ConversionContext, node: fx.Node, drop: nn.Module) -> nn.Module:
     return copy.deepcopy(drop)
 
 
-def _channels(ctx: ConversionContext, node: fx.Node, channels: int, t: FieldType) -> None:
+def check_norm_channels(ctx: ConversionContext, node: fx.Node, channels: int, t: FieldType) -> None:
+    """Refuse a norm whose channel count differs from its input's, wherever its layout puts the channels."""
     shape = ctx.shape(node.args[0])
     seen = shape[-1] if t.channels_last or not t.spatial and len(shape) == 2 else shape[1]
     if seen != channels:
@@ -103,7 +104,9 @@ def _channels(ctx: ConversionContext, node: fx.Node, channels: int, t: FieldType
 
 def _replace_norm_act(ctx: ConversionContext, node: fx.Node, norm: nn.Module, t: FieldType) -> FieldType:
     module = ctx.module(node)
-    ctx.replace_module(node, nn.Sequential(norm, _drop(ctx, node, module.drop), _activation(ctx, node, module.act, t)))
+    ctx.replace_module(
+        node, nn.Sequential(norm, _drop(ctx, node, module.drop), norm_activation(ctx, node, module.act, t))
+    )
     return t
 
 
@@ -111,8 +114,8 @@ def _replace_norm_act(ctx: ConversionContext, node: fx.Node, norm: nn.Module, t:
 def convert_batch_norm_act(ctx: ConversionContext, node: fx.Node) -> FieldType:
     module, t = ctx.module(node), ctx.field_input(node)
     channels = module.num_features if hasattr(module, "num_features") else module.weight.numel()
-    _channels(ctx, node, channels, t)
-    norm = _field_norm(t, min(t.num_fields, ctx.config.batchnorm_groups), True, module.eps)
+    check_norm_channels(ctx, node, channels, t)
+    norm = field_norm(t, min(t.num_fields, ctx.config.batchnorm_groups), True, module.eps)
     if not hasattr(module, "act"):  # a plain frozen batch norm
         ctx.replace_module(node, norm)
         return t
@@ -122,8 +125,8 @@ def convert_batch_norm_act(ctx: ConversionContext, node: fx.Node) -> FieldType:
 @register_module_rule(*GROUP_NORM_ACT)
 def convert_group_norm_act(ctx: ConversionContext, node: fx.Node) -> FieldType:
     module, t = ctx.module(node), ctx.field_input(node)
-    _channels(ctx, node, module.num_channels, t)
-    norm = _field_norm(t, min(t.num_fields, module.num_groups), module.affine, module.eps)
+    check_norm_channels(ctx, node, module.num_channels, t)
+    norm = field_norm(t, min(t.num_fields, module.num_groups), module.affine, module.eps)
     return _replace_norm_act(ctx, node, norm, t)
 
 
@@ -133,7 +136,7 @@ def _layer_norm(ctx: ConversionContext, node: fx.Node, t: FieldType, channels_la
         raise ctx.unsupported(
             node, f"normalises over {tuple(module.normalized_shape)}; only the channel dim is supported"
         )
-    _channels(ctx, node, module.normalized_shape[0], t)
+    check_norm_channels(ctx, node, module.normalized_shape[0], t)
     if t.representation not in POINTWISE_REPRESENTATIONS:
         raise ctx.unsupported(node, f"a layer norm's mean is not equivariant on {t.representation} fields")
     affine = module.weight is not None
@@ -183,6 +186,6 @@ def convert_layer_scale(ctx: ConversionContext, node: fx.Node) -> FieldType:
     module, t = ctx.module(node), ctx.field_input(node)
     if getattr(module, "inplace", False):
         module.inplace = False
-    _channels(ctx, node, module.gamma.numel(), t)
+    check_norm_channels(ctx, node, module.gamma.numel(), t)
     ctx.replace_module(node, layer_scale_module(t, module.gamma))
     return t

@@ -16,6 +16,7 @@ from ..context import ConversionContext
 from ..fields import FieldType
 from ..grid import AdaptiveOp, WindowOp
 from ..registry import head_transparent, register_function_rule, register_module_rule
+from .head import insert_invariant_map
 
 
 def _single(ctx: ConversionContext, node: fx.Node, name: str, value) -> int:
@@ -71,8 +72,7 @@ def convert_adaptive_pool(ctx: ConversionContext, node: fx.Node) -> FieldType:
     size = ctx.module(node).output_size
     ctx.set_spatial(node, AdaptiveOp(_single(ctx, node, "output_size", size)))
     if isinstance(ctx.module(node), nn.AdaptiveMaxPool2d) and t_in.representation in NORM_POOLED:
-        from .head import insert_invariant_map  # a max over space of rotating vectors: take invariants first
-
+        # a max over space of rotating vectors: take invariants first
         return insert_invariant_map(ctx, node, node.args[0], t_in)
     return t_in
 

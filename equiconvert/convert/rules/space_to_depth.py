@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
+from ...groups import AnyGroupSpec
 from ...nn.space_to_depth import FieldSpaceToDepth, space_to_depth
 from ..context import ConversionContext
 from ..fields import FieldType
@@ -18,7 +19,7 @@ from ..grid import WindowOp
 from ..registry import LAZY_CHANNEL_FOLDS, register_module_rule
 
 
-def regular_order(group, channels: int, block: int) -> list[int] | None:
+def regular_order(group: AnyGroupSpec, channels: int, block: int) -> list[int] | None:
     """Channel order of space_to_depth's output that makes it regular fields of `group`, or None if none does."""
     elements, size = group.grid_elements, block * block
     if len(elements) != group.order:
@@ -41,7 +42,7 @@ def regular_order(group, channels: int, block: int) -> list[int] | None:
     return None
 
 
-def _is_regular(group, order: list[int], channels: int, block: int) -> bool:
+def _is_regular(group: AnyGroupSpec, order: list[int], channels: int, block: int) -> bool:
     """Whether every grid element moves the reordered output as it moves regular fields (check.act_on_output)."""
     x = torch.randn(1, channels, 2 * block, 2 * block, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
     y = space_to_depth(x, block)[:, order]

@@ -16,6 +16,7 @@ from typing import Callable
 import torch
 import torch.fx as fx
 
+from ...groups import AnyGroupSpec
 from ..context import SHAPE_KEY, ConversionContext
 from ..fields import FieldType
 from ..registry import register_function_rule
@@ -160,7 +161,7 @@ def consistent_width(gm: fx.GraphModule, width_fn: Callable, multiples: dict[int
         return width_fn
     piece_multiples = _piece_multiples(partitions, multiples or {})
 
-    def fields(channels: int, group) -> int:
+    def fields(channels: int, group: AnyGroupSpec) -> int:
         pieces = partitions.get(channels)
         if pieces:
             return sum(fields(p, group) for p in pieces)

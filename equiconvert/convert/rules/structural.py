@@ -12,6 +12,9 @@ from torch import nn
 from ..context import ConversionContext
 from ..fields import FieldType
 from ..registry import head_transparent, register_function_rule, register_module_rule
+from .head import is_parameter_view
+from .norm_act import layer_scale_module
+from .split import convert_channel_getitem
 
 PASS_THROUGH_MODULES: list[type | str] = [
     nn.Identity,
@@ -40,9 +43,7 @@ def convert_size(ctx: ConversionContext, node: fx.Node) -> None:
 
 @register_function_rule(operator.getitem)
 def convert_getitem(ctx: ConversionContext, node: fx.Node) -> FieldType | None:
-    from .split import convert_channel_getitem  # pieces of channel splits, slices over whole fields
-
-    piece = convert_channel_getitem(ctx, node)
+    piece = convert_channel_getitem(ctx, node)  # pieces of channel splits, slices over whole fields
     if piece is not None:
         return piece
     if ctx.type_of(node.args[0]) is not None:
@@ -91,9 +92,6 @@ def convert_elementwise_binary(ctx: ConversionContext, node: fx.Node) -> FieldTy
 
 def _layer_scale(ctx: ConversionContext, node: fx.Node) -> FieldType | None:
     """x * gamma with gamma a per-channel parameter (torchvision CNBlock, timm ConvNeXt) -> FieldLayerScale."""
-    from .head import is_parameter_view
-    from .norm_act import layer_scale_module
-
     args = list(node.args[:2])
     params = [a for a in args if is_parameter_view(a)]
     tensors = [a for a in args if ctx.type_of(a) is not None]

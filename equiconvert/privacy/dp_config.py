@@ -7,9 +7,9 @@ An option that can be off is off when None (OFF_OPTIONS); a recipe, TOML having 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import numbers
-import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable
 

@@ -50,7 +50,8 @@ class DPTrainer(TrainerCheckpoint):
     """Train a model with DP-SGD; see DPConfig for the options (passed as keyword arguments).
 
     lr_schedule: "constant", "cosine", or a callable step -> learning rate (the schedule hook).
-    optimizer: "sgd", "nadam", or a factory params -> torch.optim.Optimizer (e.g. functools.partial(AdamW, lr=1e-3)).
+    optimizer: a name in dp_config.OPTIMIZERS, or a factory params -> torch.optim.Optimizer
+        (e.g. functools.partial(AdamW, lr=1e-3)).
     loss_fn: logits, labels -> per-example losses (default: cross-entropy); book-keeping and vmap both use it.
     augment: images, K, generator -> K views per image on the device (default: reflect-pad crop and flip).
     callbacks: Callback objects (on_step_end, on_eval_end); metrics_logger: a MetricsLogger fed each log record.

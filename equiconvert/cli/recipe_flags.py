@@ -40,23 +40,9 @@ DEMO_FLAGS = {
     "--threads": "run.threads",
 }
 
-# recipe keys whose values are checked before any data or model is loaded: each with its test and the error's rule
-_RECIPE_LIMITS: dict[str, tuple[Callable[[float], bool], str]] = {
-    "dp.target_epsilon": (lambda v: v > 0, "must be > 0"),
-    "dp.delta": (lambda v: 0 < v < 1, "must be in (0, 1)"),
-    "dp.noise_multiplier": (lambda v: v > 0, "must be > 0"),
-    "dp.batch_size": (lambda v: v >= 1, "must be >= 1"),
-    "dp.physical_batch_size": (lambda v: v >= 1, "must be >= 1"),
-    "schedule.steps": (lambda v: v >= 1, "must be >= 1"),
-    "dp.aug_mult": (lambda v: v >= 1, "must be >= 1"),
-    "dp.max_grad_norm": (lambda v: v > 0, "must be > 0"),
-    "schedule.lr": (lambda v: v > 0, "must be > 0"),
-    "schedule.momentum": (lambda v: 0 <= v < 1, "must be in [0, 1)"),
-    "data.augment_padding": (lambda v: v >= 0, "must be >= 0"),
-    "data.normalize_std": (lambda v: v > 0, "must be > 0"),
-    "schedule.ema_decay": (lambda v: 0 <= v < 1, "must be in [0, 1) (0: no EMA)"),
-    "schedule.eval_every": (lambda v: v >= 1, "must be >= 1"),
-    "schedule.checkpoint_every": (lambda v: v >= 0, "must be >= 0 (0: none)"),
+# the run's own settings checked with the trainer's (those: privacy.dp_config.FIELD_LIMITS), each with its test
+# and the error's rule
+_RUN_LIMITS: dict[str, tuple[Callable[[float], bool], str]] = {
     "run.time_limit_s": (lambda v: v > 0, "must be > 0 seconds"),
     "run.threads": (lambda v: v >= 1, "give at least 1 CPU thread"),
 }
@@ -71,15 +57,31 @@ def _value(recipe: Any, key: str) -> Any:
     return target
 
 
-def check_recipe(recipe: Any) -> None:
-    """Every numeric setting in range, and the data set known, before any data or model is touched."""
-    from ..data import resolve_name
+def _setting(key: str, value: Any) -> str:
+    """How the user gave `key`: its flag and value, else --set KEY=VALUE."""
+    shown = f"{value:g}" if isinstance(value, (int, float)) and not isinstance(value, bool) else str(value)
+    flag = next((flag for flag, flag_key in TRAIN_FLAGS.items() if flag_key == key), None)
+    return f"{flag} {shown}" if flag else f"--set {key}={shown}"
 
-    flags = {key: flag for flag, key in TRAIN_FLAGS.items()}
-    for key, (valid, rule) in _RECIPE_LIMITS.items():
+
+def check_recipe(recipe: Any) -> None:
+    """Every setting in range (the trainer's by privacy.dp_config.check_config), and the data set known, before
+    any data or model is touched; an error names the flag or key."""
+    from ..data import resolve_name
+    from ..privacy.dp_config import OFF_OPTIONS, ConfigError, DPConfig, check_config
+    from ..recipes.recipe import trainer_fields
+    from ..recipes.run_spec import trainer_options
+
+    try:
+        check_config(DPConfig(**trainer_options(recipe)))
+    except ConfigError as exc:
+        key = next(key for key, name in trainer_fields().items() if name == exc.field)
+        off = f" (0: {OFF_OPTIONS[exc.field]})" if exc.field in OFF_OPTIONS else ""
+        raise CLIError(f"{_setting(key, exc.value)}: {exc.rule}{off}") from None
+    for key, (valid, rule) in _RUN_LIMITS.items():
         value = _value(recipe, key)
         if isinstance(value, (int, float)) and not isinstance(value, bool) and not valid(value):
-            raise CLIError(f"{flags[key]} {value:g}: {rule}" if key in flags else f"--set {key}={value:g}: {rule}")
+            raise CLIError(f"{_setting(key, value)}: {rule}")
     if recipe.data.dataset is not None:
         resolve_name(recipe.data.dataset)
 

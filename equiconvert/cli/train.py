@@ -39,6 +39,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
 
 def add_parser(sub) -> None:
+    from ..privacy.accounting import ACCOUNTANTS
     from ..recipes.recipe import parse_kwargs
 
     train = sub.add_parser(
@@ -79,9 +80,12 @@ def add_parser(sub) -> None:
     g = train.add_argument_group("privacy")
     recipe_flag(g, "--epsilon", "target epsilon (the noise is calibrated to spend it)", type=float)
     recipe_flag(
-        g, "--delta", "none: 1e-5 while 1e-5 <= 1/(10 N), else the largest power of ten <= 1/(10 N)", type=float
+        g,
+        "--delta",
+        "target delta (none: from the number N of training examples, by equiconvert.privacy.accounting.default_delta)",
+        type=float,
     )
-    recipe_flag(g, "--accountant", "privacy accountant", choices=("rdp", "prv"))
+    recipe_flag(g, "--accountant", "privacy accountant", choices=ACCOUNTANTS)
     recipe_flag(g, "--batch-size", "expected logical (Poisson) batch size", type=int)
     recipe_flag(g, "--aug-mult", "augmented views per example, averaged before clipping", type=int)
     recipe_flag(g, "--max-grad-norm", "per-example clipping norm", type=float)

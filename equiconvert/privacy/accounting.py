@@ -16,14 +16,12 @@ import operator
 import threading
 import warnings
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Callable
 
 from opacus.accountants import IAccountant, PRVAccountant, RDPAccountant
 from opacus.accountants.utils import get_noise_multiplier
 
 from ..errors import EquiconvertError
-
-ACCOUNTANTS = ("rdp", "prv")
 
 History = tuple[tuple[float, float, int], ...]
 
@@ -56,22 +54,24 @@ class WideRangeRDPAccountant(RDPAccountant):
     DEFAULT_ALPHAS = RDPAccountant.DEFAULT_ALPHAS + [80, 96, 128, 160, 192, 256, 320, 384, 512]
 
 
+# the accountants by name (DPConfig.accountant, --accountant): the one list of those there are
+ACCOUNTANT_FACTORIES: dict[str, Callable[[], IAccountant]] = {"rdp": WideRangeRDPAccountant, "prv": PRVAccountant}
+ACCOUNTANTS = tuple(ACCOUNTANT_FACTORIES)
+
+
 class PrivacyBudgetError(EquiconvertError, ValueError):
     """A privacy target cannot be met (or has already been exceeded)."""
 
 
-def make_accountant(kind: str) -> IAccountant:
-    """A fresh Opacus accountant of `kind` ("rdp" or "prv")."""
-    if kind == "rdp":
-        return WideRangeRDPAccountant()
-    if kind == "prv":
-        return PRVAccountant()
-    raise ValueError(f"unknown accountant {kind!r}; choose one of {ACCOUNTANTS}")
-
-
 def _check_kind(kind: str) -> None:
-    if kind not in ACCOUNTANTS:
+    if kind not in ACCOUNTANT_FACTORIES:
         raise ValueError(f"unknown accountant {kind!r}; choose one of {ACCOUNTANTS}")
+
+
+def make_accountant(kind: str) -> IAccountant:
+    """A fresh Opacus accountant of `kind` (a name in ACCOUNTANT_FACTORIES)."""
+    _check_kind(kind)
+    return ACCOUNTANT_FACTORIES[kind]()
 
 
 def _check_positive(name: str, value: float) -> float:
@@ -139,7 +139,7 @@ def calibrate_noise_multiplier(
     delta: float,
     sample_rate: float,
     steps: int,
-    kind: str = "rdp",
+    kind: str,
     tolerance: float = 0.01,
 ) -> float:
     """Noise multiplier whose epsilon after `steps` lies in [target - tolerance, target].

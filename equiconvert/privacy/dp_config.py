@@ -1,27 +1,47 @@
 """The options of a DP-SGD run: DPConfig (each option's one default), the values allowed, and their check.
 
 check_config runs before any data is loaded, so an option that cannot train fails at once, naming its field.
+FIELD_LIMITS is the one table of each field's allowed values; the command line's recipe checks use it too.
+An option that can be off is off when None (OFF_OPTIONS); a recipe, TOML having no null, writes that None as 0.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import numbers
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
+from .accounting import ACCOUNTANTS
 from .augment import shift_set
 from .filter_gradients import FILTER_GRADIENT_METHODS
 from .normalization import check_normalization
 
 CUSTOM = "custom"  # a callable given to DPTrainer (optimizer factory, lr schedule)
-OPTIMIZERS = ("sgd", "nadam", CUSTOM)
 PER_SAMPLE_METHODS = ("auto", "bookkeeping", "vmap")
 CUSTOM_SCHEDULE = CUSTOM  # a callable step -> lr given to DPTrainer
 LR_SCHEDULES = ("constant", "cosine", CUSTOM_SCHEDULE)
 # forward/backward dtype under autocast (None: the model's own); per-sample gradients, clipping and noise stay fp32
 PRECISIONS: dict[str, torch.dtype | None] = {"fp32": None, "bf16": torch.bfloat16}
+DEFAULT_EMA_DECAY = 0.999
+
+
+def _sgd(params: list[torch.nn.Parameter], config: DPConfig) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=config.lr, momentum=config.momentum)
+
+
+def _nadam(params: list[torch.nn.Parameter], config: DPConfig) -> torch.optim.Optimizer:
+    return torch.optim.NAdam(params, lr=config.lr)
+
+
+# DPConfig.optimizer's names -> the optimizer each builds on the trainable parameters (CUSTOM: DPTrainer's factory)
+OPTIMIZERS: dict[str, Callable[[list[torch.nn.Parameter], DPConfig], torch.optim.Optimizer]] = {
+    "sgd": _sgd,
+    "nadam": _nadam,
+}
 
 
 @dataclass
@@ -38,7 +58,7 @@ class DPConfig:
     momentum: float = 0.0
     optimizer: str = "sgd"
     lr_schedule: str = "constant"  # "cosine": lr * (1 + cos(pi * step / steps)) / 2; "custom": a callable
-    ema_decay: float | None = 0.999
+    ema_decay: float | None = DEFAULT_EMA_DECAY
     accountant: str = "rdp"
     noise_multiplier: float | None = None  # None: calibrated from target_epsilon
     physical_batch_size: int = 256
@@ -75,48 +95,100 @@ class DPConfig:
     test_shifts: str | None = None
 
 
+# the options that None turns off, and what off means
+OFF_OPTIONS = {
+    "ema_decay": "no EMA",
+    "eval_every": "evaluate after the last step only",
+    "checkpoint_every": "no periodic checkpoints",
+}
+
+Limit = tuple[Callable[[Any], bool], str]  # the test of a value, and the rule an error states
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def _at_least(low: int, note: str = "") -> Limit:
+    return (lambda v: _is_number(v) and v >= low, f"must be >= {low}" + (f" ({note})" if note else ""))
+
+
+def _above(low: float) -> Limit:
+    return (lambda v: _is_number(v) and v > low, f"must be > {low:g}")
+
+
+def _within(low: float, high: float, low_open: bool = True) -> Limit:
+    def valid(v: Any) -> bool:
+        return _is_number(v) and (low < v if low_open else low <= v) and v < high
+
+    return (valid, f"must be in {'(' if low_open else '['}{low:g}, {high:g})")
+
+
+def _one_of(names: tuple[str, ...]) -> Limit:
+    return (lambda v: v in names, f"must be one of {names}")
+
+
+# DPConfig field -> its limit; None is not tested in a field that may be None (its comment or OFF_OPTIONS says
+# what None means)
+FIELD_LIMITS: dict[str, Limit] = {
+    "target_epsilon": _above(0),
+    "delta": _within(0, 1),
+    "noise_multiplier": _above(0),
+    "batch_size": _at_least(1),
+    "steps": _at_least(0),
+    "aug_mult": _at_least(1),
+    "max_grad_norm": _above(0),
+    "lr": _above(0),
+    "momentum": _within(0, 1, low_open=False),
+    "optimizer": _one_of((*OPTIMIZERS, CUSTOM)),
+    "lr_schedule": _one_of(LR_SCHEDULES),
+    "ema_decay": _within(0, 1),
+    "accountant": _one_of(ACCOUNTANTS),
+    "physical_batch_size": _at_least(1),
+    "augment_padding": _at_least(0, "the crops' shift in pixels"),
+    # one value; per-channel values: check_normalization
+    "normalize_std": (lambda v: not _is_number(v) or v > 0, "must be > 0"),
+    "data_in_memory_bytes": _at_least(0, "0: always stream a Dataset"),
+    "eval_every": _at_least(1),
+    "eval_batch_size": _at_least(1),
+    "checkpoint_every": _at_least(1),
+    "epsilon_every": _at_least(1),
+    "per_sample_method": _one_of(PER_SAMPLE_METHODS),
+    "precision": _one_of(tuple(PRECISIONS)),
+    "filter_gradients": _one_of(FILTER_GRADIENT_METHODS),
+}
+
+
+_OPTIONAL = frozenset(f.name for f in dataclasses.fields(DPConfig) if "None" in str(f.type))
+
+
+class ConfigError(ValueError):
+    """A DPConfig field whose value breaks its rule; field, value and rule let a caller name its own flag."""
+
+    def __init__(self, field: str, value: Any, rule: str) -> None:
+        self.field, self.value, self.rule = field, value, rule
+        off = f" (None: {OFF_OPTIONS[field]})" if field in OFF_OPTIONS else ""
+        super().__init__(f"{field} {rule}, got {value!r}{off}")
+
+
 def check_config(c: DPConfig) -> None:
     """Refuse options that cannot train (before any data is loaded); errors name the DPConfig field."""
-    if c.optimizer not in OPTIMIZERS:
-        raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {c.optimizer!r}")
-    if c.filter_gradients not in FILTER_GRADIENT_METHODS:
-        raise ValueError(f"filter_gradients must be one of {FILTER_GRADIENT_METHODS}, got {c.filter_gradients!r}")
-    if c.test_shifts is not None:
-        shift_set(c.test_shifts)
-    if c.per_sample_method not in PER_SAMPLE_METHODS:
-        raise ValueError(f"per_sample_method must be one of {PER_SAMPLE_METHODS}, got {c.per_sample_method!r}")
-    if c.precision not in PRECISIONS:
-        raise ValueError(f"precision must be one of {tuple(PRECISIONS)}, got {c.precision!r}")
+    for field, (valid, rule) in FIELD_LIMITS.items():
+        value = getattr(c, field)
+        if not (value is None and field in _OPTIONAL or valid(value)):
+            raise ConfigError(field, value, rule)
+    if c.target_epsilon is None and c.noise_multiplier is None:
+        raise ValueError("give target_epsilon (sigma is calibrated) or noise_multiplier")
+    if c.noise_multiplier is None and c.steps < 1:
+        raise ConfigError("steps", c.steps, "must be >= 1 for the noise to be calibrated to the epsilon target")
     if c.precision != "fp32" and c.per_sample_method == "vmap":
         raise ValueError(
             f"precision {c.precision!r} needs book-keeping per-sample gradients "
             "(per_sample_method 'bookkeeping' or 'auto'); vmap runs in fp32 only"
         )
-    if c.lr_schedule not in LR_SCHEDULES:
-        raise ValueError(f"lr_schedule must be one of {LR_SCHEDULES}, got {c.lr_schedule!r}")
-    if c.target_epsilon is None and c.noise_multiplier is None:
-        raise ValueError("give target_epsilon (sigma is calibrated) or noise_multiplier")
-    if c.noise_multiplier is not None and c.noise_multiplier <= 0:
-        raise ValueError(f"noise_multiplier must be > 0 for a private run, got {c.noise_multiplier}")
-    if c.aug_mult < 1 or c.batch_size < 1 or c.steps < 0 or c.max_grad_norm <= 0:
-        raise ValueError("aug_mult and batch_size must be >= 1, steps >= 0, max_grad_norm > 0")
-    if c.physical_batch_size < 1 or c.eval_batch_size < 1 or c.epsilon_every < 1:
-        raise ValueError("physical_batch_size, eval_batch_size and epsilon_every must be >= 1")
-    if c.target_epsilon is not None and not c.target_epsilon > 0:
-        raise ValueError(f"target_epsilon must be > 0, got {c.target_epsilon}")
-    if c.delta is not None and not 0 < c.delta < 1:
-        raise ValueError(f"delta must lie in (0, 1), got {c.delta}")
-    if c.ema_decay is not None and not 0 < c.ema_decay < 1:
-        raise ValueError(f"ema_decay must lie in (0, 1) (None: no EMA), got {c.ema_decay}")
-    if not c.lr > 0:
-        raise ValueError(f"lr must be > 0, got {c.lr}")
+    if c.test_shifts is not None:
+        shift_set(c.test_shifts)
     check_normalization(c.normalize_mean, c.normalize_std)
-    if c.data_in_memory_bytes < 0:
-        raise ValueError(
-            f"data_in_memory_bytes must be >= 0 (0: always stream a Dataset), got {c.data_in_memory_bytes}"
-        )
-    if c.augment_padding < 0:
-        raise ValueError(f"augment_padding (crop shift in pixels) must be >= 0, got {c.augment_padding}")
 
 
 def named_schedule(config: DPConfig) -> Callable[[int], float] | None:

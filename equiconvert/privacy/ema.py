@@ -16,6 +16,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from .dp_config import DEFAULT_EMA_DECAY
+
 Target = nn.Module | Mapping[str, torch.Tensor]
 
 
@@ -45,7 +47,7 @@ class ExponentialMovingAverage:
     for `functional_call`) stays valid across `copy_to` and `applied`.
     """
 
-    def __init__(self, model: Target, decay: float = 0.999) -> None:
+    def __init__(self, model: Target, decay: float = DEFAULT_EMA_DECAY) -> None:
         if not 0.0 <= decay <= 1.0:
             raise ValueError(f"decay must be in [0, 1], got {decay}")
         self.decay = float(decay)

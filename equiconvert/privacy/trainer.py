@@ -26,7 +26,7 @@ from .augment import augment_views, shift_set
 from .callbacks import Callback, MetricsLogger
 from .checkpoint import remove_stale_temporaries
 from .distributed import SINGLE_PROCESS, DistributedContext
-from .dp_config import CUSTOM, CUSTOM_SCHEDULE, DPConfig, check_config, named_schedule
+from .dp_config import CUSTOM, CUSTOM_SCHEDULE, OPTIMIZERS, DPConfig, check_config, named_schedule
 from .dp_safety import check_dp_safe
 from .ema import ExponentialMovingAverage
 from .metrics import classification_metrics, predict
@@ -50,7 +50,8 @@ class DPTrainer(TrainerCheckpoint):
     """Train a model with DP-SGD; see DPConfig for the options (passed as keyword arguments).
 
     lr_schedule: "constant", "cosine", or a callable step -> learning rate (the schedule hook).
-    optimizer: "sgd", "nadam", or a factory params -> torch.optim.Optimizer (e.g. functools.partial(AdamW, lr=1e-3)).
+    optimizer: a name in dp_config.OPTIMIZERS, or a factory params -> torch.optim.Optimizer
+        (e.g. functools.partial(AdamW, lr=1e-3)).
     loss_fn: logits, labels -> per-example losses (default: cross-entropy); book-keeping and vmap both use it.
     augment: images, K, generator -> K views per image on the device (default: reflect-pad crop and flip).
     callbacks: Callback objects (on_step_end, on_eval_end); metrics_logger: a MetricsLogger fed each log record.
@@ -63,7 +64,7 @@ class DPTrainer(TrainerCheckpoint):
         *,
         device: str | torch.device | None = None,
         out_dir: str | Path | None = None,
-        lr_schedule: str | Callable[[int], float] = "constant",
+        lr_schedule: str | Callable[[int], float] = DPConfig.lr_schedule,
         progress: bool = True,
         distributed: DistributedContext | None = None,
         loss_fn: PerExampleLoss | None = None,
@@ -105,7 +106,8 @@ class DPTrainer(TrainerCheckpoint):
         self.lr_schedule = custom_schedule or named_schedule(self.config)
         self.progress = progress and self.dist.is_main
         self.optimizer = self._make_optimizer()
-        self.ema = ExponentialMovingAverage(self.model, self.config.ema_decay) if self.config.ema_decay else None
+        decay = self.config.ema_decay
+        self.ema = ExponentialMovingAverage(self.model, decay) if decay is not None else None
         if self.ema is not None and (unreached := self.ema.unreached_warning(self.config.steps)):
             warnings.warn(unreached)
         self.step = 0
@@ -151,9 +153,7 @@ class DPTrainer(TrainerCheckpoint):
             if not isinstance(optimizer, torch.optim.Optimizer):
                 raise TypeError(f"optimizer factory returned {type(optimizer).__name__}, not a torch.optim.Optimizer")
             return optimizer
-        if self.config.optimizer == "nadam":
-            return torch.optim.NAdam(params, lr=self.config.lr)
-        return torch.optim.SGD(params, lr=self.config.lr, momentum=self.config.momentum)
+        return OPTIMIZERS[self.config.optimizer](params, self.config)
 
     def _prepare_privacy(self, num_examples: int) -> None:
         c = self.config

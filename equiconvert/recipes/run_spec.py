@@ -6,6 +6,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..privacy.dp_config import OFF_OPTIONS
 from .recipe import Recipe, RecipeError
 
 BASELINE_GROUP = "none"  # --group none: the unconverted network
@@ -83,7 +84,10 @@ def spec_of(recipe: Recipe) -> RunSpec:
 
 
 def trainer_options(recipe: Recipe) -> dict[str, Any]:
-    """The recipe's DPConfig as run_training's keyword arguments (an EMA decay of 0: no EMA)."""
+    """The recipe's DPConfig as run_training's keyword arguments. A recipe turns an option off by 0, TOML having
+    no null: here, the one place it is read, that 0 becomes DPConfig's off, None (dp_config.OFF_OPTIONS)."""
     options = dataclasses.asdict(recipe.trainer)
-    options["ema_decay"] = options["ema_decay"] or None
+    for name in OFF_OPTIONS:
+        if options[name] == 0 and not isinstance(options[name], bool):
+            options[name] = None
     return options

@@ -106,7 +106,8 @@ Limit = tuple[Callable[[Any], bool], str]  # the test of a value, and the rule a
 
 
 def _is_number(value: Any) -> bool:
-    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+    """A finite real number: an inf learning rate or clip norm would make every weight NaN after one step."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _at_least(low: int, note: str = "") -> Limit:
@@ -114,7 +115,7 @@ def _at_least(low: int, note: str = "") -> Limit:
 
 
 def _above(low: float) -> Limit:
-    return (lambda v: _is_number(v) and v > low, f"must be > {low:g}")
+    return (lambda v: _is_number(v) and v > low, f"must be a finite number > {low:g}")
 
 
 def _within(low: float, high: float, low_open: bool = True) -> Limit:

@@ -16,7 +16,7 @@ from equiconvert.recipes.recipe import Recipe, RecipeError, apply_overrides, rec
         ("schedule.steps=true", r"schedule.steps takes an integer, got True"),
         ("dp.batch_size=2.5", r"dp.batch_size takes an integer, got 2.5"),
         ("conversion.group=4", r"conversion.group takes a string"),
-        ("data.normalize_mean=[0.5,\"x\"]", r"data.normalize_mean takes a number or a list of numbers"),
+        ('data.normalize_mean=[0.5,"x"]', r"data.normalize_mean takes a number or a list of numbers"),
     ],
 )
 def test_a_value_of_the_wrong_type_is_refused_naming_the_key(assignment, message):

@@ -68,6 +68,7 @@ def check_recipe(recipe: Any) -> None:
     """Every setting in range (the trainer's by privacy.dp_config.check_config), and the data set known, before
     any data or model is touched; an error names the flag or key."""
     from ..data import resolve_name
+    from ..privacy.devices import resolve_device
     from ..privacy.dp_config import OFF_OPTIONS, ConfigError, DPConfig, check_config
     from ..recipes.recipe import trainer_fields
     from ..recipes.run_spec import trainer_options
@@ -82,8 +83,13 @@ def check_recipe(recipe: Any) -> None:
         value = _value(recipe, key)
         if isinstance(value, (int, float)) and not isinstance(value, bool) and not valid(value):
             raise CLIError(f"{_setting(key, value)}: {rule}")
-    if recipe.data.dataset is not None:
-        resolve_name(recipe.data.dataset)
+    dataset = resolve_name(recipe.data.dataset) if recipe.data.dataset is not None else None
+    if dataset == "synthetic" and recipe.data.data_dir is not None:
+        raise CLIError(f"--data-dir {recipe.data.data_dir}: the synthetic data set is generated, not read; drop it")
+    try:
+        resolve_device(recipe.run.device, flag="--device")
+    except ValueError as exc:
+        raise CLIError(str(exc)) from None
 
 
 def apply_flags(recipe: Any, args: argparse.Namespace, flags: dict[str, str]) -> None:

@@ -32,6 +32,7 @@ from .ema import ExponentialMovingAverage
 from .metrics import classification_metrics, predict
 from .hooks import Augment, OptimizerFactory, PerExampleLoss, check_hooks, cross_entropy
 from .inputs import check_images, check_labels
+from .devices import resolve_device
 from .nonfinite import zero_nonfinite_examples
 from .normalization import Normalize
 from .per_sample import clip_and_sum
@@ -98,7 +99,7 @@ class DPTrainer(TrainerCheckpoint):
         if self.config.insecure_seeded_noise:
             warn_not_private("insecure_seeded_noise")
         self._per_sample_gradients = PerSampleGradients(model, self.config, self.loss_fn)
-        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.device = resolve_device(device)
         self.model = model.to(self.device)
         self.dist = distributed or SINGLE_PROCESS  # [distributed] every rank starts from rank 0's weights
         self.dist.broadcast_module(self.model)

@@ -18,6 +18,7 @@ No restriction, as in the paper.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from torch import nn
@@ -26,6 +27,7 @@ from ..convert import make_equivariant
 from ..convert.context import ConversionConfig
 from ..convert.model import EquivariantModel
 from ..convert.width import PAPER_KAPPA, RELEASED_CODE_KAPPA, kappa_width
+from ..groups import ContinuousGroupSpec, parse_group
 from ._registry import ModelNameError, register_model
 from .resnet9 import BlockOptions, ResNet9
 
@@ -61,6 +63,34 @@ TABLE1_PARAMS = {  # 10 classes
 }
 
 
+@dataclass(frozen=True)
+class PresetOptions:
+    """The preset's block and last-stage choices: the paper's Mish, GroupNorm(8), res2 kept at 4x4."""
+
+    activation: str = "mish"  # a PAPER_ACTIVATIONS name
+    norm_groups: int = PAPER_NORM_GROUPS
+    res2: bool = True  # the last residual block kept
+    pool_after_res2: bool = False  # res2 at 4x4 (32x32 inputs)
+
+    @classmethod
+    def resolve(
+        cls,
+        activation: str | None = None,
+        norm_groups: int | None = None,
+        res2: bool | None = None,
+        pool_after_res2: bool | None = None,
+    ) -> PresetOptions:
+        """The options as built from a user's choices, None meaning the preset's own; an unknown activation is
+        refused."""
+        given = {"activation": activation, "norm_groups": norm_groups, "res2": res2, "pool_after_res2": pool_after_res2}
+        options = cls(**{k: v for k, v in given.items() if v is not None})
+        paper_activation(options.activation)
+        return options
+
+
+PRESET = PresetOptions()
+
+
 def paper_activation(act: type[nn.Module] | str) -> type[nn.Module]:
     """An activation class, given as one or by its PAPER_ACTIVATIONS name ("mish", "tanh", ...)."""
     if not isinstance(act, str):
@@ -75,10 +105,10 @@ def plain_paper_resnet9(
     num_classes: int = 10,
     in_channels: int = 3,
     layout=PAPER_LAYOUT,
-    act: type[nn.Module] | str = nn.Mish,
-    norm_groups: int = PAPER_NORM_GROUPS,
-    res2: bool = True,
-    pool_after_res2: bool = False,
+    act: type[nn.Module] | str = PRESET.activation,
+    norm_groups: int = PRESET.norm_groups,
+    res2: bool = PRESET.res2,
+    pool_after_res2: bool = PRESET.pool_after_res2,
 ) -> ResNet9:
     """The non-equivariant network the preset converts: conv -> act (Mish) -> GroupNorm(8, no affine) -> pool;
     res2=False leaves out the last residual block (the 4x4 stage), pool_after_res2 runs it at 8x8.
@@ -115,10 +145,10 @@ def equivariant_resnet9(
     width: Any = None,
     input_size: int = 32,
     frequency: int | None = None,
-    act: type[nn.Module] | str = nn.Mish,
-    norm_groups: int = PAPER_NORM_GROUPS,
-    res2: bool = True,
-    pool_after_res2: bool = False,
+    act: type[nn.Module] | str = PRESET.activation,
+    norm_groups: int = PRESET.norm_groups,
+    res2: bool = PRESET.res2,
+    pool_after_res2: bool = PRESET.pool_after_res2,
     **config: Any,
 ) -> EquivariantModel:
     """The paper's Equivariant-ResNet9 for `group` ("C4", "D4", ..., "SO2", "O2").
@@ -158,14 +188,10 @@ def equivariant_resnet9(
 
 
 def _is_continuous(group: str) -> bool:
-    from ..groups import ContinuousGroupSpec, parse_group
-
     return isinstance(parse_group(group), ContinuousGroupSpec)
 
 
 def _paper_restriction(group: str) -> Any:
-    from ..groups import parse_group
-
     spec = parse_group(group)
     halvable = getattr(spec, "kind", None) in ("C", "D") and spec.n % 2 == 0
     return dict(PAPER_RESTRICTION) if halvable else None

@@ -37,9 +37,8 @@ PAPER_BASIS_CUTOFF = 3.0
 PAPER_RESTRICTION = {"layer3": "halved"}  # "before conv4", the last stage
 # Not the paper's: its code starts the filters at escnn's scale (gain ~1), ours at gain 1/sqrt(2). Under weight
 # standardization a smaller start makes the filters learn faster and take a larger share of the clipped per-sample
-# gradient; measured (one seed each): CIFAR-10 D4 65.0% at step 300 vs 62.0% (gain 1) and 60.0%
-# (He, sqrt(2)); Fashion-MNIST D1 median 89.85% vs 89.46% (He).
-PAPER_INIT_GAIN = 2**-0.5
+# gradient (docs/guides/reproducing-the-paper.md, "Coefficients").
+PRESET_INIT_GAIN = 2**-0.5
 # Pointwise activations the preset can be built with (Mish: the paper's). Tempered sigmoids (tanh) and SELU are the
 # DP literature's alternatives (Papernot et al. 2021; Cheng et al.'s DPNAS); every one is equivariant on regular fields.
 PAPER_ACTIVATIONS: dict[str, type[nn.Module]] = {
@@ -172,7 +171,7 @@ def equivariant_resnet9(
     options = {
         "weight_standardization": True,
         "basis_cutoff": PAPER_BASIS_CUTOFF,
-        "init_gain": PAPER_INIT_GAIN,
+        "init_gain": PRESET_INIT_GAIN,
         **config,
     }
     if restrict == "paper":

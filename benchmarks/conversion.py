@@ -123,8 +123,9 @@ def _worker(args: argparse.Namespace) -> int:
         import torch
 
         from equiconvert import make_equivariant
-        from equiconvert._escnn_compat import cache_root, import_escnn
+        from equiconvert._escnn_compat import import_escnn
         from equiconvert.basis import basis_dir, clear_memory_cache
+        from equiconvert.cache import cache_root
 
         assert cache_root() == cache_dir, (cache_root(), cache_dir)
         assert not any(cache_dir.iterdir()), "cold run needs an empty cache directory"

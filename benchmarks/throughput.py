@@ -53,7 +53,9 @@ from equiconvert.privacy.dp_config import PRECISIONS  # noqa: E402
 MAX_GRAD_NORM, NOISE = 2.0, 1.0
 
 
-PAPER_CODE_DP_SAMPLES_PER_S = 12_100  # hlzl/equivariant, D4 Equivariant-ResNet9, H200, fp32, 512 x 4 (the issue)
+# the paper's released code (hlzl/equivariant), D4 Equivariant-ResNet9, timed with that code on an H200, fp32,
+# physical batch 512 x 4 (docs/results.md)
+PAPER_CODE_DP_SAMPLES_PER_S = 12_100
 
 
 def build_model(

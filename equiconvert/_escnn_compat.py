@@ -20,21 +20,13 @@ are checked against. Three defects are handled:
 from __future__ import annotations
 
 import importlib.util
-import os
 import sys
 from pathlib import Path
 from types import ModuleType
 
+from .cache import cache_root
+
 _patched = False
-
-
-def cache_root() -> Path:
-    """User cache directory of equiconvert (overridable with EQUICONVERT_CACHE_DIR)."""
-    explicit = os.environ.get("EQUICONVERT_CACHE_DIR")
-    if explicit:
-        return Path(explicit)
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "equiconvert"
 
 
 def _redirect_joblib_caches(modules: list[ModuleType], location: Path) -> None:

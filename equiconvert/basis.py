@@ -18,8 +18,8 @@ from pathlib import Path
 
 import torch
 
-from ._escnn_compat import cache_root
 from .bases import BUILDER_VERSION, canonical_basis, harmonic_span
+from .cache import cache_root
 from .groups import GroupSpec
 
 BASIS_FORMAT = "v4"  # bump when the way bases are stored changes (BUILDER_VERSION: how they are built)

@@ -20,9 +20,10 @@ import torch
 
 import equiconvert
 from equiconvert.models import equivariant_resnet9
+from equiconvert.models.equivariant_resnet9 import TABLE1_PARAMS
 
 # Table 1's parameter counts (10 classes), in thousands as the paper prints them.
-PAPER_THOUSANDS = {"C4": 258, "C8": 256, "C16": 244, "D4": 256, "D8": 244, "D16": 238, "O2": 215}
+PAPER_THOUSANDS = {group: round(count / 1000) for group, count in TABLE1_PARAMS.items()}
 GROUPS = tuple(PAPER_THOUSANDS)
 
 

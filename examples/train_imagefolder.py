@@ -24,8 +24,19 @@ from PIL import Image, ImageDraw
 import equiconvert
 from equiconvert.data import load_dataset
 from equiconvert.models import resnet9
-from equiconvert.privacy import DPTrainer
+from equiconvert.privacy import DPConfig, DPTrainer
 from equiconvert.recipes.build_model import padded_size
+
+DEFAULTS = DPConfig()
+# flag -> DPTrainer option, passed only when given (otherwise DPConfig's default)
+OPTIONAL = {
+    "epsilon": "target_epsilon",
+    "delta": "delta",
+    "lr": "lr",
+    "max_grad_norm": "max_grad_norm",
+    "ema_decay": "ema_decay",
+    "physical_batch_size": "physical_batch_size",
+}
 
 
 def parse_args() -> argparse.Namespace:
@@ -39,17 +50,33 @@ def parse_args() -> argparse.Namespace:
         default="8,16,32",
         help="ResNet9 channel widths (Hölzl et al.: 16,32,64; Klause et al.'s ResNet9: 64,128,256)",
     )
-    parser.add_argument("--epsilon", type=float, default=8.0, help="target epsilon (the noise is calibrated to it)")
-    parser.add_argument("--delta", type=float, default=1e-5)
+    # None: not given, DPConfig's default applies (DPTrainer receives only the options given)
+    parser.add_argument(
+        "--epsilon",
+        type=float,
+        default=None,
+        help=f"target epsilon, the noise is calibrated to it (default {DEFAULTS.target_epsilon:g})",
+    )
+    parser.add_argument(
+        "--delta",
+        type=float,
+        default=None,
+        help="default: from the number N of training examples, at most 1/(10 N) (privacy.accounting.default_delta)",
+    )
     parser.add_argument("--batch-size", type=int, default=16, help="expected logical batch (Poisson sampling)")
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument(
         "--aug-mult", type=int, default=2, help="augmented views per example (averaged before clipping)"
     )
-    parser.add_argument("--lr", type=float, default=2.0)
-    parser.add_argument("--max-grad-norm", type=float, default=2.0)
-    parser.add_argument("--ema-decay", type=float, default=0.999)
-    parser.add_argument("--physical-batch-size", type=int, default=256, help="examples per chunk in memory")
+    parser.add_argument("--lr", type=float, default=None, help=f"default {DEFAULTS.lr:g}")
+    parser.add_argument("--max-grad-norm", type=float, default=None, help=f"default {DEFAULTS.max_grad_norm:g}")
+    parser.add_argument("--ema-decay", type=float, default=None, help=f"default {DEFAULTS.ema_decay:g}")
+    parser.add_argument(
+        "--physical-batch-size",
+        type=int,
+        default=None,
+        help=f"examples per chunk in memory (default {DEFAULTS.physical_batch_size})",
+    )
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     parser.add_argument("--out", default=None, help="write the JSON-lines log (and checkpoints) here")
     args = parser.parse_args()
@@ -113,25 +140,21 @@ def main() -> None:
 
     # DP-SGD: Poisson sampling, per-example clipping of the gradient averaged over aug_mult views,
     # Gaussian noise calibrated to (epsilon, delta) for these steps, EMA of the weights.
+    given = {option: getattr(args, flag) for flag, option in OPTIONAL.items() if getattr(args, flag) is not None}
     trainer = DPTrainer(
         model,
-        target_epsilon=args.epsilon,
-        delta=args.delta,
         batch_size=args.batch_size,
         steps=args.steps,
         aug_mult=args.aug_mult,
-        lr=args.lr,
-        max_grad_norm=args.max_grad_norm,
-        ema_decay=args.ema_decay,
-        physical_batch_size=args.physical_batch_size,
         device=args.device,
         out_dir=args.out,
+        **given,
     )
     trainer.fit((train_images, train.labels), eval_set=(test_images, test.labels))
     final = trainer.history[-1]["final_eval"]
     print(
         f"noise multiplier {trainer.noise_multiplier:.3f}, {trainer.step} steps, "
-        f"epsilon {trainer.epsilon:.3f} (delta {args.delta:g})"
+        f"epsilon {trainer.epsilon:.3f} (delta {trainer.delta:g})"
     )
     print(f"test accuracy: {final['accuracy']:.4f} (loss {final['loss']:.4f})")
 

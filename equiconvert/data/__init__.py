@@ -12,8 +12,9 @@ Registered data sets (``DATASETS``): ``cifar10`` (pickle batches or ImageFolder)
 (npz batches), ``imagefolder`` (users' own images) and ``synthetic``.
 
 With ``data_dir=None`` a loader looks in ``$EQUICONVERT_DATA_DIR`` and its own defaults.
-Decoded image folders are cached in ``$EQUICONVERT_CACHE_DIR`` (default
-``~/.cache/equiconvert/datasets``).
+Decoded image folders are cached in the ``datasets`` folder of equiconvert's cache
+(:func:`equiconvert.cache.cache_root`: ``$EQUICONVERT_CACHE_DIR``, else ``$XDG_CACHE_HOME/equiconvert``, else
+``~/.cache/equiconvert``).
 """
 
 from __future__ import annotations

@@ -13,6 +13,7 @@ from typing import Callable, Iterable, Sequence
 import numpy as np
 import torch
 
+from equiconvert.cache import cache_root
 from equiconvert.errors import EquiconvertError
 
 SPLITS = ("train", "test")
@@ -191,9 +192,8 @@ def not_found(dataset: str, searched: Sequence[Path], expected: str, how: str = 
 
 
 def cache_dir() -> Path:
-    """$EQUICONVERT_CACHE_DIR, else ~/.cache/equiconvert/datasets."""
-    env = os.environ.get("EQUICONVERT_CACHE_DIR")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "equiconvert" / "datasets"
+    """The data sets' folder in equiconvert's cache (see equiconvert.cache.cache_root)."""
+    return cache_root() / "datasets"
 
 
 def cache_key(*parts: object) -> str:

@@ -18,6 +18,7 @@ No restriction, as in the paper.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from torch import nn
@@ -26,6 +27,7 @@ from ..convert import make_equivariant
 from ..convert.context import ConversionConfig
 from ..convert.model import EquivariantModel
 from ..convert.width import PAPER_KAPPA, RELEASED_CODE_KAPPA, kappa_width
+from ..groups import ContinuousGroupSpec, parse_group
 from ._registry import ModelNameError, register_model
 from .resnet9 import BlockOptions, ResNet9
 
@@ -35,9 +37,8 @@ PAPER_BASIS_CUTOFF = 3.0
 PAPER_RESTRICTION = {"layer3": "halved"}  # "before conv4", the last stage
 # Not the paper's: its code starts the filters at escnn's scale (gain ~1), ours at gain 1/sqrt(2). Under weight
 # standardization a smaller start makes the filters learn faster and take a larger share of the clipped per-sample
-# gradient; measured (one seed each): CIFAR-10 D4 65.0% at step 300 vs 62.0% (gain 1) and 60.0%
-# (He, sqrt(2)); Fashion-MNIST D1 median 89.85% vs 89.46% (He).
-PAPER_INIT_GAIN = 2**-0.5
+# gradient (docs/guides/reproducing-the-paper.md, "Coefficients").
+PRESET_INIT_GAIN = 2**-0.5
 # Pointwise activations the preset can be built with (Mish: the paper's). Tempered sigmoids (tanh) and SELU are the
 # DP literature's alternatives (Papernot et al. 2021; Cheng et al.'s DPNAS); every one is equivariant on regular fields.
 PAPER_ACTIVATIONS: dict[str, type[nn.Module]] = {
@@ -61,6 +62,34 @@ TABLE1_PARAMS = {  # 10 classes
 }
 
 
+@dataclass(frozen=True)
+class PresetOptions:
+    """The preset's block and last-stage choices: the paper's Mish, GroupNorm(8), res2 kept at 4x4."""
+
+    activation: str = "mish"  # a PAPER_ACTIVATIONS name
+    norm_groups: int = PAPER_NORM_GROUPS
+    res2: bool = True  # the last residual block kept
+    pool_after_res2: bool = False  # res2 at 4x4 (32x32 inputs)
+
+    @classmethod
+    def resolve(
+        cls,
+        activation: str | None = None,
+        norm_groups: int | None = None,
+        res2: bool | None = None,
+        pool_after_res2: bool | None = None,
+    ) -> PresetOptions:
+        """The options as built from a user's choices, None meaning the preset's own; an unknown activation is
+        refused."""
+        given = {"activation": activation, "norm_groups": norm_groups, "res2": res2, "pool_after_res2": pool_after_res2}
+        options = cls(**{k: v for k, v in given.items() if v is not None})
+        paper_activation(options.activation)
+        return options
+
+
+PRESET = PresetOptions()
+
+
 def paper_activation(act: type[nn.Module] | str) -> type[nn.Module]:
     """An activation class, given as one or by its PAPER_ACTIVATIONS name ("mish", "tanh", ...)."""
     if not isinstance(act, str):
@@ -75,10 +104,10 @@ def plain_paper_resnet9(
     num_classes: int = 10,
     in_channels: int = 3,
     layout=PAPER_LAYOUT,
-    act: type[nn.Module] | str = nn.Mish,
-    norm_groups: int = PAPER_NORM_GROUPS,
-    res2: bool = True,
-    pool_after_res2: bool = False,
+    act: type[nn.Module] | str = PRESET.activation,
+    norm_groups: int = PRESET.norm_groups,
+    res2: bool = PRESET.res2,
+    pool_after_res2: bool = PRESET.pool_after_res2,
 ) -> ResNet9:
     """The non-equivariant network the preset converts: conv -> act (Mish) -> GroupNorm(8, no affine) -> pool;
     res2=False leaves out the last residual block (the 4x4 stage), pool_after_res2 runs it at 8x8.
@@ -115,10 +144,10 @@ def equivariant_resnet9(
     width: Any = None,
     input_size: int = 32,
     frequency: int | None = None,
-    act: type[nn.Module] | str = nn.Mish,
-    norm_groups: int = PAPER_NORM_GROUPS,
-    res2: bool = True,
-    pool_after_res2: bool = False,
+    act: type[nn.Module] | str = PRESET.activation,
+    norm_groups: int = PRESET.norm_groups,
+    res2: bool = PRESET.res2,
+    pool_after_res2: bool = PRESET.pool_after_res2,
     **config: Any,
 ) -> EquivariantModel:
     """The paper's Equivariant-ResNet9 for `group` ("C4", "D4", ..., "SO2", "O2").
@@ -142,7 +171,7 @@ def equivariant_resnet9(
     options = {
         "weight_standardization": True,
         "basis_cutoff": PAPER_BASIS_CUTOFF,
-        "init_gain": PAPER_INIT_GAIN,
+        "init_gain": PRESET_INIT_GAIN,
         **config,
     }
     if restrict == "paper":
@@ -158,14 +187,10 @@ def equivariant_resnet9(
 
 
 def _is_continuous(group: str) -> bool:
-    from ..groups import ContinuousGroupSpec, parse_group
-
     return isinstance(parse_group(group), ContinuousGroupSpec)
 
 
 def _paper_restriction(group: str) -> Any:
-    from ..groups import parse_group
-
     spec = parse_group(group)
     halvable = getattr(spec, "kind", None) in ("C", "D") and spec.n % 2 == 0
     return dict(PAPER_RESTRICTION) if halvable else None

@@ -14,7 +14,7 @@ from torch import nn
 
 from ..groups import FieldLayout
 from .conv import apply_to_constants
-from .norm import at_least_fp32
+from .norm import at_least_fp32, field_groups
 
 
 def _gate_index(layout: FieldLayout) -> torch.Tensor:
@@ -58,8 +58,6 @@ class GroupStandardization(nn.Module):
 
     def __init__(self, num_fields: int, layout: FieldLayout, num_groups: int, affine: bool = False, eps: float = 1e-5):
         super().__init__()
-        from .norm import field_groups
-
         if not 1 <= num_groups <= num_fields:
             raise ValueError(f"num_groups={num_groups} must lie in 1..num_fields={num_fields}")
         self.num_fields, self.field_size, self.trivial = num_fields, layout.size, layout.trivial

@@ -57,8 +57,3 @@ class TensorBoardLogger:
 
 def tensorboard_available() -> bool:
     return importlib.util.find_spec("tensorboard") is not None
-
-
-def default_metrics_logger(log_dir: str | Path) -> MetricsLogger | None:
-    """A TensorBoardLogger in `log_dir` when tensorboard is installed, else None (the JSON log only)."""
-    return TensorBoardLogger(log_dir) if tensorboard_available() else None

@@ -28,12 +28,6 @@ from .validate import validate_dp_safe
 DEFAULT_ACCOUNTANT = "prv"  # Opacus' PrivacyEngine default: a swapped import reports the same epsilon
 
 
-def _check_dp_safe(module: nn.Module) -> None:
-    """The DP-safety check that needs no input: batch statistics and running-statistics buffers, by name. The
-    behavioural buffer check (buffers written from the input) runs at the module's first forward (private_module.py)."""
-    validate_dp_safe(module)
-
-
 def _planned_steps(epochs: float | None, steps: int | None, steps_per_epoch: int) -> int | None:
     if epochs is not None and steps is not None:
         raise ValueError("give epochs or steps, not both")
@@ -106,7 +100,9 @@ def make_private(
         refuse_delta(target_delta, len(data_loader.dataset), flag="target_delta")
         check_delta_for(target_delta, len(data_loader.dataset))
     planned = _planned_steps(epochs, steps, len(data_loader))
-    _check_dp_safe(module)
+    # the DP-safety check that needs no input (batch statistics, running-statistics buffers, by name); the check of
+    # buffers written from the input runs at the module's first forward (private_module.py)
+    validate_dp_safe(module)
     _check_optimizer_params(module, optimizer)
     if debug_seed is not None:
         warn_not_private("debug_seed")

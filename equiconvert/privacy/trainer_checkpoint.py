@@ -133,8 +133,7 @@ class TrainerCheckpoint:
 def resume_identity(config: dict[str, Any]) -> dict[str, Any]:
     """The options a resumed run must share with its checkpoint.
 
-    An option added after the checkpoint was written counts at its default, the behaviour of the version that
-    wrote it (new options default to the old behaviour: precision "fp32").
+    An option missing from the checkpoint takes its DPConfig default (e.g. precision "fp32").
     """
     full = {**asdict(DPConfig()), **config}
     return {key: value for key, value in full.items() if key not in METHOD_ONLY_OPTIONS + EVALUATION_ONLY_OPTIONS}

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..convert import make_equivariant
+from ..models.equivariant_resnet9 import PresetOptions
 from .run_spec import BASELINE_GROUP, PRESET_KEYS, RunSpec
 
 
@@ -76,32 +77,31 @@ def paper_model(spec: RunSpec, activation: str, num_classes: int, channels: int)
     return model, count_parameters(plain)
 
 
-def activation_of(spec: RunSpec) -> str | None:
-    """The paper preset's activation, by name: as asked, else the paper's Mish; None for other models (their own)."""
-    from ..models.equivariant_resnet9 import PAPER_ACTIVATIONS
-
+def preset_of(spec: RunSpec) -> PresetOptions | None:
+    """The paper preset's options as built from spec's model keywords; None for other models (their own)."""
     if not is_paper_model(spec):
         return None
-    activation = spec.preset("activation")
-    if activation is not None and activation not in PAPER_ACTIVATIONS:
-        raise ValueError(f"activation {activation!r} is not one of {sorted(PAPER_ACTIVATIONS)}")
-    return activation or "mish"
+    return PresetOptions.resolve(**{key: spec.preset(key) for key in PRESET_KEYS})
+
+
+def activation_of(spec: RunSpec) -> str | None:
+    """The paper preset's activation, by name (None for other models: their own)."""
+    preset = preset_of(spec)
+    return None if preset is None else preset.activation
 
 
 def norm_groups_of(spec: RunSpec) -> int | None:
     """The paper preset's GroupNorm groups as built (None for other models: their own norms)."""
-    from ..models.equivariant_resnet9 import PAPER_NORM_GROUPS
-
-    if not is_paper_model(spec):
-        return None
-    return PAPER_NORM_GROUPS if spec.preset("norm_groups") is None else spec.preset("norm_groups")
+    preset = preset_of(spec)
+    return None if preset is None else preset.norm_groups
 
 
 def blocks_of(spec: RunSpec) -> dict[str, bool | None]:
-    """The paper preset's last-stage choices as built (res2 kept, pooled before it unless asked); None for others."""
-    if not is_paper_model(spec):
+    """The paper preset's last-stage choices as built (res2, pool_after_res2); None for other models."""
+    preset = preset_of(spec)
+    if preset is None:
         return {"res2": None, "pool_after_res2": None}
-    return {"res2": spec.preset("res2") is not False, "pool_after_res2": bool(spec.preset("pool_after_res2"))}
+    return {"res2": preset.res2, "pool_after_res2": preset.pool_after_res2}
 
 
 def head_of(spec: RunSpec) -> str:

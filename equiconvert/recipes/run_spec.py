@@ -51,8 +51,7 @@ class RunSpec:
 
 
 # the paper preset's keyword arguments (its conv -> activation -> norm blocks and last stage), refused for other
-# models: activation (a PAPER_ACTIVATIONS name; default mish), norm_groups (default 8), res2 (default true: the last
-# residual block kept), pool_after_res2 (default false: res2 at 4x4)
+# models; their defaults are equiconvert.models.equivariant_resnet9.PresetOptions'
 PRESET_KEYS = ("activation", "norm_groups", "res2", "pool_after_res2")
 
 

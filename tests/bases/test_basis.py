@@ -88,7 +88,7 @@ def test_cold_build_with_recent_scikit_learn(cold_cache):
 
 def test_escnn_joblib_cache_redirected_out_of_site_packages(cold_cache):
     import_escnn()  # the extra is what this checks (installed by the set-up)
-    from equiconvert._escnn_compat import cache_root
+    from equiconvert.cache import cache_root
 
     import_escnn()
     import escnn.group._clebsh_gordan as cg

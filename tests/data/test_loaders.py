@@ -328,7 +328,7 @@ def test_imagefolder_cache_is_used_and_invalidated(cifar_jpeg_subset, tmp_path, 
     monkeypatch.setattr(imagefolder_mod, "decode_images", counting)
     a = load_dataset("imagefolder", root, "train")
     assert calls == [20]
-    assert list((tmp_path / "cache").glob("imagefolder-train-*.npz"))
+    assert list((tmp_path / "cache" / "datasets").glob("imagefolder-train-*.npz"))
     b = load_dataset("imagefolder", root, "train")
     assert calls == [20]  # second load: from the cache, nothing decoded
     assert torch.equal(a.images, b.images) and torch.equal(a.labels, b.labels) and a.classes == b.classes

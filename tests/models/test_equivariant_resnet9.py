@@ -5,7 +5,7 @@ import torch
 
 import equiconvert
 from equiconvert.models import equivariant_resnet9
-from equiconvert.models.equivariant_resnet9 import PAPER_INIT_GAIN, TABLE1_PARAMS
+from equiconvert.models.equivariant_resnet9 import PRESET_INIT_GAIN, TABLE1_PARAMS
 from equiconvert.nn import FieldGroupNorm, FieldRestriction, SteerableConv2d
 
 FINITE = ["C4", "C8", "C16", "D4", "D8", "D16"]
@@ -49,7 +49,7 @@ def test_paper_preset_starts_filters_at_gain_one_over_sqrt2_and_takes_another():
     torch.manual_seed(0)
     escnn_scale = equivariant_resnet9("D1", in_channels=1, init_gain=1.0)
     pairs = [(a, b) for a, b in zip(preset.modules(), escnn_scale.modules()) if isinstance(a, SteerableConv2d)]
-    assert pairs and all(a.init_gain == PAPER_INIT_GAIN == 2**-0.5 and b.init_gain == 1.0 for a, b in pairs)
+    assert pairs and all(a.init_gain == PRESET_INIT_GAIN == 2**-0.5 and b.init_gain == 1.0 for a, b in pairs)
     assert all(torch.allclose(a.weight * 2**0.5, b.weight) for a, b in pairs)
     converted = equiconvert.make_equivariant(torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3)), "C4")
     assert next(m for m in converted.modules() if isinstance(m, SteerableConv2d)).init_gain == 2**0.5  # He

@@ -7,7 +7,7 @@ import json
 from equiconvert import cli
 from equiconvert.cli import main
 from equiconvert.cli.demo import demo_settings
-from equiconvert.recipes.demo import CPU_DEFAULTS, SUMMARY_FILE, format_summary
+from equiconvert.recipes.demo import MAIN_JOB_RECIPE, SUMMARY_FILE, format_summary
 
 TINY = [
     "--set",
@@ -23,7 +23,7 @@ TINY = [
     "--set",
     "run.progress=false",
 ]
-T = CPU_DEFAULTS.trainer
+T = MAIN_JOB_RECIPE.trainer
 
 
 def run_demo_json(capsys, *argv: str) -> dict:
@@ -51,7 +51,7 @@ def test_demo_trains_and_reports(tmp_path, capsys):
     assert json.loads((out / SUMMARY_FILE).read_text()) == summary
     result = json.loads((out / "result.json").read_text())  # run_training's own record of the same run
     assert result["test_accuracy"] == summary["test_accuracy"] and result["evals"] == []
-    assert result["init_gain"] == summary["settings"]["init_gain"] == CPU_DEFAULTS.conversion.init_gain == 2**-0.5
+    assert result["init_gain"] == summary["settings"]["init_gain"] == MAIN_JOB_RECIPE.conversion.init_gain == 2**-0.5
     probe = summary["step_probe"]  # 3 steps fit the 600 s budget: none dropped
     assert probe["planned_steps"] == probe["requested_steps"] == 3 and probe["seconds_per_step"] > 0
 
@@ -105,7 +105,7 @@ def test_the_probe_fits_the_steps_to_a_tiny_budget_and_spends_the_whole_epsilon(
 
 def test_demo_defaults_live_in_one_place():
     parse = cli._parser().parse_args
-    assert demo_settings(parse(["demo"])) == CPU_DEFAULTS
+    assert demo_settings(parse(["demo"])) == MAIN_JOB_RECIPE
     big = demo_settings(
         parse(
             [
@@ -135,7 +135,7 @@ def test_demo_defaults_live_in_one_place():
     )
     assert big.run.time_limit_s is None and t.target_epsilon == T.target_epsilon
     assert demo_settings(parse(["demo", "--set", "conversion.init_gain=1.4142"])).conversion.init_gain == 1.4142
-    assert CPU_DEFAULTS.run.time_limit_s == 600 and CPU_DEFAULTS.run.plan_steps
+    assert MAIN_JOB_RECIPE.run.time_limit_s == 600 and MAIN_JOB_RECIPE.run.plan_steps
 
 
 def test_missing_fashion_mnist_says_where_to_put_it(tmp_path, capsys):

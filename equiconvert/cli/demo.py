@@ -122,7 +122,7 @@ def _demo_training(args: argparse.Namespace) -> int:
 
 
 def add_parser(sub) -> None:
-    from ..recipes.demo import CPU_DEFAULTS as main_job
+    from ..recipes.demo import MAIN_JOB_RECIPE as main_job
     from ..recipes.demo import MAIN_JOB
 
     demo = sub.add_parser(

@@ -20,13 +20,14 @@ TYPE_KEY = "equiconvert_type"
 SPATIAL_KEY = "equiconvert_spatial"
 SHAPE_KEY = "equiconvert_shape"
 HEADS = ("keep", "invariant")  # the classifier head as it was, or preceded by global group pooling
+KEEP_HEAD, INVARIANT_HEAD = HEADS
 
 
 @dataclass
 class ConversionConfig:
     """Options of one conversion; see make_equivariant for their meaning."""
 
-    head: str = HEADS[0]  # one of HEADS
+    head: str = KEEP_HEAD  # one of HEADS
     invariant_pool: str = "max"  # group pooling before the classifier
     weight_standardization: bool | str = False  # True = "field"; "layer": the released code's (nn/conv.py)
     init_gain: float = math.sqrt(2.0)  # steerable filters start with std gain/sqrt(fan-in); 1 = escnn's scale

@@ -24,7 +24,7 @@ from typing import Any
 from torch import nn
 
 from ..convert import make_equivariant
-from ..convert.context import ConversionConfig
+from ..convert.context import KEEP_HEAD, ConversionConfig
 from ..convert.model import EquivariantModel
 from ..convert.width import PAPER_KAPPA, RELEASED_CODE_KAPPA, kappa_width
 from ..groups import ContinuousGroupSpec, parse_group
@@ -140,7 +140,7 @@ def equivariant_resnet9(
     *,
     layout=PAPER_LAYOUT,
     restrict: Any = "paper",
-    head: str = "keep",
+    head: str = KEEP_HEAD,
     width: Any = None,
     input_size: int = 32,
     frequency: int | None = None,

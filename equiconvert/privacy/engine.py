@@ -12,11 +12,13 @@ batches from dp_loader.py; epsilon from Opacus' accountants (accounting.py).
 
 from __future__ import annotations
 
+import math
+
 from typing import Any
 
 from torch import nn
 from torch.optim import Optimizer
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, IterableDataset
 
 from .accounting import ACCOUNTANTS, PrivacyLedger, calibrate_noise_multiplier, check_delta_for, refuse_delta
 from .dp_loader import DPDataLoader
@@ -59,6 +61,23 @@ def _check_optimizer_params(module: nn.Module, optimizer: Optimizer) -> None:
         )
 
 
+def _check_loader(data_loader: DataLoader) -> None:
+    """Poisson sampling draws indices of a map-style data set of known size, in batches of the loader's size."""
+    dataset = data_loader.dataset
+    if isinstance(dataset, IterableDataset) or not hasattr(dataset, "__len__"):
+        raise ValueError(
+            "make_private needs a map-style dataset (len() and indexing) for Poisson sampling; the data loader's "
+            f"dataset is {type(dataset).__name__}: load it into a Dataset with __len__ and __getitem__"
+        )
+    if len(dataset) == 0:
+        raise ValueError("make_private: the data loader's dataset is empty")
+    if data_loader.batch_sampler is None:
+        raise ValueError(
+            "make_private: the data loader does not batch (batch_size=None); give it the expected batch size, "
+            "DataLoader(dataset, batch_size=B): Poisson batches are drawn at rate B / len(dataset)"
+        )
+
+
 def make_private(
     *,
     module: nn.Module,
@@ -90,12 +109,13 @@ def make_private(
         raise ValueError(f"accountant must be one of {ACCOUNTANTS}, got {accountant!r}")
     if not poisson_sampling:
         raise ValueError("make_private samples batches by Poisson sampling only: the accountants assume it")
-    if not max_grad_norm > 0:
-        raise ValueError(f"max_grad_norm must be > 0, got {max_grad_norm}")
+    if not (math.isfinite(max_grad_norm) and max_grad_norm > 0):
+        raise ValueError(f"max_grad_norm must be a finite number > 0, got {max_grad_norm}")
     if (noise_multiplier is None) == (target_epsilon is None):
         raise ValueError("give noise_multiplier, or target_epsilon (with target_delta and epochs or steps), not both")
-    if noise_multiplier is not None and not noise_multiplier > 0:
-        raise ValueError(f"noise_multiplier must be > 0 for a private run, got {noise_multiplier}")
+    if noise_multiplier is not None and not (math.isfinite(noise_multiplier) and noise_multiplier > 0):
+        raise ValueError(f"noise_multiplier must be a finite number > 0 for a private run, got {noise_multiplier}")
+    _check_loader(data_loader)
     if target_delta is not None:  # before any work: delta >= 1/N is refused, above 1/(10 N) warned about
         refuse_delta(target_delta, len(data_loader.dataset), flag="target_delta")
         check_delta_for(target_delta, len(data_loader.dataset))

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..convert import make_equivariant
+from ..convert.context import INVARIANT_HEAD, KEEP_HEAD
 from ..models.equivariant_resnet9 import PresetOptions
 from .run_spec import BASELINE_GROUP, PRESET_KEYS, RunSpec
 
@@ -106,7 +107,7 @@ def blocks_of(spec: RunSpec) -> dict[str, bool | None]:
 
 def head_of(spec: RunSpec) -> str:
     """The converted model's head: as asked, else the paper preset's own (its 2x2 grid), else global pooling."""
-    return spec.head or ("keep" if is_paper_model(spec) else "invariant")
+    return spec.head or (KEEP_HEAD if is_paper_model(spec) else INVARIANT_HEAD)
 
 
 # options that only a converted model has, and what each sets: refused for the unconverted baseline

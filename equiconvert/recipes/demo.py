@@ -27,7 +27,6 @@ STALE_FILES = ("log.jsonl", "checkpoint.pt", "result.json", SUMMARY_FILE)  # a d
 MAIN_JOB = "cpu_main_job"  # the recipe (equiconvert/recipes/files/cpu_main_job.toml)
 
 MAIN_JOB_RECIPE: Recipe = load_recipe(MAIN_JOB)  # its time and accuracy on a 2-core CPU: docs/results.md
-CPU_DEFAULTS = MAIN_JOB_RECIPE  # the name equiconvert/cli/demo.py imports
 
 
 def cpu_threads() -> int:

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from ..check import check_equivariance
+from ..convert.context import INVARIANT_HEAD
 from ..nn.conv import SteerableConv2d
 from ..privacy import distributed
 from ..privacy.accounting import refuse_delta
@@ -136,7 +137,7 @@ def _run_training(
         check = check_equivariance(model, input_size=input_size, batch_size=1)
         result["max_equivariance_error"] = check.max_error
         # the paper's head (AdaptiveAvgPool2d(2) + Flatten + Linear) is equivariant up to the head, not invariant
-        result["invariant_head"] = head_of(spec) == "invariant"
+        result["invariant_head"] = head_of(spec) == INVARIANT_HEAD
     _refuse_resuming_another_model(Path(spec.out), model, spec.resume, writes=context.is_main)
     images_train, images_test = pad_images(train.images, input_size), pad_images(test.images, input_size)
     result["step_probe"] = None

@@ -500,3 +500,33 @@ def test_any_torch_optimizer_and_its_lr_scheduler_run_under_make_private():
         scheduler.step()
     assert optimizer.steps == 3 and optimizer.param_groups[0]["lr"] == pytest.approx(0.01 / 8)
     assert len(optimizer.original_optimizer.state) == len(list(model.parameters()))  # Adam's moments exist
+
+
+class _Stream(torch.utils.data.IterableDataset):
+    def __iter__(self):
+        yield torch.zeros(3, 9, 9), 0
+
+
+@pytest.mark.parametrize(
+    "loader, options, message",
+    [
+        (DataLoader(_Stream(), batch_size=2), {}, r"map-style dataset .*_Stream"),
+        (DataLoader(TensorDataset(torch.zeros(0, 3, 9, 9), torch.zeros(0)), batch_size=2), {}, r"dataset is empty"),
+        (DataLoader(TensorDataset(torch.zeros(4, 3, 9, 9), torch.zeros(4)), batch_size=None), {}, r"batch_size=None"),
+        (DataLoader(TensorDataset(torch.zeros(4, 3, 9, 9)), batch_size=2), {"max_grad_norm": float("inf")}, "finite"),
+        (
+            DataLoader(TensorDataset(torch.zeros(4, 3, 9, 9)), batch_size=2),
+            {"noise_multiplier": float("inf")},
+            "finite",
+        ),
+    ],
+)
+def test_loaders_and_values_poisson_sampling_cannot_use_are_refused_first(loader, options, message):
+    model = PlainCNN()
+    with pytest.raises(ValueError, match=message):
+        make_private(
+            module=model,
+            optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+            data_loader=loader,
+            **{"noise_multiplier": 1.0, "max_grad_norm": 1.0, **options},
+        )

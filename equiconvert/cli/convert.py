@@ -27,6 +27,17 @@ def _width(text: str) -> str | float:
         raise argparse.ArgumentTypeError(f"{text!r} is not one of {', '.join(WIDTHS)} or a number") from None
 
 
+def _positive_int(text: str) -> int:
+    """An image side, class or channel count: an integer >= 1, refused by argparse (naming the flag) otherwise."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be >= 1")
+    return value
+
+
 def measurement_size(model, requested: int | None) -> int | None:
     """Where to measure equivariance: the requested size if valid, else the model's default.
 
@@ -156,7 +167,7 @@ def add_parser(sub) -> None:
         "equiconvert's, then torchvision's, then timm's",
     )
     convert.add_argument("--group", required=True, help="C1..C16 (rotations) or D1..D16 (rotations and reflections)")
-    convert.add_argument("--input-size", type=int, default=None, help="the image size you will use (H = W)")
+    convert.add_argument("--input-size", type=_positive_int, default=None, help="the image size you will use (H = W)")
     convert.add_argument(
         "--width",
         type=_width,
@@ -166,8 +177,8 @@ def add_parser(sub) -> None:
         f"with kappa = {PAPER_KAPPA})",
     )
     convert.add_argument("--head", choices=HEADS, default=None)
-    convert.add_argument("--num-classes", type=int, default=10)
-    convert.add_argument("--in-channels", type=int, default=3)
+    convert.add_argument("--num-classes", type=_positive_int, default=10)
+    convert.add_argument("--in-channels", type=_positive_int, default=3)
     convert.add_argument("--strict", action="store_true", help="turn equivariance warnings into errors")
     convert.add_argument("--json", action="store_true", help="print one JSON object")
     convert.add_argument("--no-check", action="store_true", help="skip the equivariance check")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import io
 import copy
 from typing import Any
 
@@ -45,19 +46,29 @@ def _input_channels(model: nn.Module) -> int:
     raise UnsupportedLayerError(f"{type(model).__name__} has no nn.Conv2d; equiconvert converts convolutional networks")
 
 
+def _first_line(exc: BaseException) -> str:
+    """The root cause of a shape error in one line (ShapeProp wraps it with the node's whole metadata)."""
+    while exc.__cause__ is not None:
+        exc = exc.__cause__
+    return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+
+
 def _traced_with_shapes(
     model: nn.Module, input_size: int | None, in_channels: int, leaves: tuple
 ) -> tuple[fx.GraphModule, int]:
+    if input_size is not None and (isinstance(input_size, bool) or not isinstance(input_size, int) or input_size < 1):
+        raise ValueError(f"input_size must be a positive int (the side of a square input), got {input_size!r}")
     sizes = (input_size,) if input_size else PROBE_SIZES
     errors = []
     for size in sizes:
         gm = trace(model, leaves)
         try:
-            with torch.no_grad():
+            # ShapeProp prints each failing node's traceback; a size the model does not take is an expected outcome
+            with torch.no_grad(), contextlib.redirect_stderr(io.StringIO()):
                 propagate_shapes(gm, torch.zeros(2, in_channels, size, size))
             return gm, size
         except Exception as exc:  # shape errors of a fixed-size head
-            errors.append(f"{size}: {type(exc).__name__}: {exc}")
+            errors.append(f"{size}: {_first_line(exc)}")
     raise UnsupportedLayerError(
         f"{type(model).__name__} does not run on a {in_channels}-channel input of size(s) {sizes} "
         f"({'; '.join(errors)}). Pass input_size= with the size the model expects."

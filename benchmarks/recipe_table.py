@@ -107,7 +107,9 @@ def table_slots(gpus: list[str], nproc: int, device: str | None) -> list[Slot]:
         return [Slot(device or "train's default device", {})]
     bad = [g for g in gpus if not (g.isascii() and g.isdigit())]
     if bad:
-        raise SystemExit(f"error: --gpus {','.join(gpus)}: give comma-separated card indices (0, 1, ...), not {bad[0]!r}")
+        raise SystemExit(
+            f"error: --gpus {','.join(gpus)}: give comma-separated card indices (0, 1, ...), not {bad[0]!r}"
+        )
     repeated = sorted({g for g in gpus if gpus.count(g) > 1})
     if repeated:
         raise SystemExit(f"error: --gpus {','.join(gpus)} lists card {repeated[0]} twice: give each card once")

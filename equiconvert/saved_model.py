@@ -89,7 +89,9 @@ def read(path: str | Path) -> dict[str, Any]:
     """The checked contents of a saved model file (weights_only: no code in the file runs)."""
     path = Path(path)
     if path.is_dir():
-        raise SavedModelError(f"{path} is a directory: give the path of the model file in it (e.g. {path / 'model.pt'})")
+        raise SavedModelError(
+            f"{path} is a directory: give the path of the model file in it (e.g. {path / 'model.pt'})"
+        )
     try:
         with warnings.catch_warnings():  # torch's note on the pickle protocol of a foreign file
             warnings.filterwarnings("ignore", message="Detected pickle protocol")

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import queue
 import sys
 import time
@@ -89,10 +90,29 @@ class Slot:
     env: dict[str, str]
 
 
+def positive_seconds(text: str) -> float:
+    """--time-limit's value: a number of seconds > 0 (0 or less would start nothing yet report the cells unfinished)."""
+    try:
+        seconds = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"give a number of seconds, not {text!r}") from None
+    if not (math.isfinite(seconds) and seconds > 0):
+        raise argparse.ArgumentTypeError(f"give a finite number of seconds > 0 (leave it out for no limit), not {text}")
+    return seconds
+
+
 def table_slots(gpus: list[str], nproc: int, device: str | None) -> list[Slot]:
     """One slot (every visible card) without --gpus; else one slot per --nproc-per-node cards of --gpus."""
     if not gpus:
         return [Slot(device or "train's default device", {})]
+    bad = [g for g in gpus if not (g.isascii() and g.isdigit())]
+    if bad:
+        raise SystemExit(
+            f"error: --gpus {','.join(gpus)}: give comma-separated card indices (0, 1, ...), not {bad[0]!r}"
+        )
+    repeated = sorted({g for g in gpus if gpus.count(g) > 1})
+    if repeated:
+        raise SystemExit(f"error: --gpus {','.join(gpus)} lists card {repeated[0]} twice: give each card once")
     if len(gpus) % nproc:
         raise SystemExit(f"error: --gpus lists {len(gpus)} cards, not a multiple of --nproc-per-node {nproc}")
     if device not in (None, "cuda"):
@@ -292,7 +312,7 @@ def add_parser(sub: Any) -> None:
     )
     tab.add_argument(
         "--time-limit",
-        type=float,
+        type=positive_seconds,
         default=None,
         metavar="SECONDS",
         help="budget of this invocation: each run trains until it is spent (less --startup-margin) and stops "

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
+from .convert.core import GRID_SEARCH
 from .convert.fields import FieldType
 from .convert.model import EquivariantModel
+from .convert.report import ConversionReport
 from .groups import GridElement, GroupSpec, parse_group
 
 
@@ -48,6 +51,31 @@ def _disk(size: int) -> torch.Tensor:
     return (radius <= (size - 1) / 2).float()
 
 
+def _require_positive(name: str, value: object) -> None:
+    """Refuse a size or count that is not an int >= 1 (0 would otherwise mean "the default", < 0 a torch error)."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise ValueError(f"check_equivariance: {name} must be an int >= 1, got {value!r}")
+
+
+def _warn_if_not_exact(report: ConversionReport, size: int) -> None:
+    """Warn when `size` is one the grid analysis found not to keep exact equivariance: the error measured there
+    mixes the model's equivariance with the grid's misalignment."""
+    valid = report.valid_input_sizes
+    searched = report.input_fit is not None or GRID_SEARCH[0] <= size <= GRID_SEARCH[-1]
+    if size in valid or not searched:
+        return
+    below = [s for s in valid if s < size][-1:]
+    above = [s for s in valid if s > size][:1]
+    nearest = ", ".join(map(str, below + above)) or "none"
+    warnings.warn(
+        f"check_equivariance: input size {size} does not keep exact equivariance for this model (valid: "
+        f"{report.valid_input_rule or 'none'}; nearest: {nearest}), so the measured error is not a statement about "
+        "exact equivariance; pass input_size= one of the nearest valid sizes",
+        UserWarning,
+        stacklevel=3,
+    )
+
+
 def check_equivariance(
     model: nn.Module,
     group: str | GroupSpec | None = None,
@@ -64,15 +92,20 @@ def check_equivariance(
     (degrees) adds the error of invariant outputs under rotations of a disk-masked input
     by those angles (bilinear interpolation, so these errors are not at float precision).
     """
+    for name, value in (("input_size", input_size), ("in_channels", in_channels), ("batch_size", batch_size)):
+        _require_positive(name, value)
     output_type = None
     if isinstance(model, EquivariantModel):
         # a restricted model is equivariant to the subgroup its output fields live in
         group = group or (model.output_type.group if model.output_type is not None else model.group)
-        input_size = input_size or model.default_input_size()
-        in_channels = in_channels or model.in_channels
+        input_size = model.default_input_size() if input_size is None else input_size
+        in_channels = model.in_channels if in_channels is None else in_channels
         output_type = model.output_type
     if group is None or input_size is None or in_channels is None:
         raise ValueError("pass group, input_size and in_channels for a model that equiconvert did not convert")
+    report = getattr(model, "report", None)
+    if isinstance(report, ConversionReport):
+        _warn_if_not_exact(report, input_size)
     spec = parse_group(group)
     parameter = next(model.parameters(), None)
     device = parameter.device if parameter is not None else torch.device("cpu")

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import importlib.metadata
 import pickle
+import warnings
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +55,8 @@ def save(model: nn.Module, path: str | Path, recipe: Recipe | None = None) -> Pa
     if not is_plain(recipe) or "model" not in recipe:
         raise SavedModelError(f"recipe for {path} must be plain values with a 'model' registry name, got {recipe!r}")
     path = Path(path)
+    if path.is_dir():
+        raise SavedModelError(f"cannot save to {path}: it is a directory; give a file path such as {path / 'model.pt'}")
     path.parent.mkdir(parents=True, exist_ok=True)
     state = {
         "format": FORMAT,
@@ -62,8 +66,11 @@ def save(model: nn.Module, path: str | Path, recipe: Recipe | None = None) -> Pa
         "state_dict": {name: value.detach().cpu() for name, value in model.state_dict().items()},
     }
     temporary = path.with_name(path.name + ".tmp")
-    torch.save(state, temporary)
-    temporary.replace(path)  # a reader never sees a half-written file
+    try:
+        torch.save(state, temporary)
+        temporary.replace(path)  # a reader never sees a half-written file
+    finally:
+        temporary.unlink(missing_ok=True)
     return path
 
 
@@ -81,12 +88,22 @@ def save_trained(trainer: Any, path: str | Path, batch_norm_to_group_norm: bool 
 def read(path: str | Path) -> dict[str, Any]:
     """The checked contents of a saved model file (weights_only: no code in the file runs)."""
     path = Path(path)
+    if path.is_dir():
+        raise SavedModelError(
+            f"{path} is a directory: give the path of the model file in it (e.g. {path / 'model.pt'})"
+        )
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
+        with warnings.catch_warnings():  # torch's note on the pickle protocol of a foreign file
+            warnings.filterwarnings("ignore", message="Detected pickle protocol")
+            state = torch.load(path, map_location="cpu", weights_only=True)
     except FileNotFoundError:
         raise
-    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, OSError) as error:
-        raise SavedModelError(f"{path} is not a readable equiconvert model file ({error})") from error
+    except (pickle.UnpicklingError, zipfile.BadZipFile, RuntimeError, EOFError, ValueError, OSError) as error:
+        # torch's own text suggests weights_only=False, which would run the file's code: keep it as the cause only
+        raise SavedModelError(
+            f"{path}: corrupt or not written by equiconvert.save (it is read with weights_only=True and never "
+            "unpickled unsafely); re-save it"
+        ) from error
     if not isinstance(state, dict) or state.get("format") != FORMAT:
         raise SavedModelError(f"{path} is not an equiconvert model file (written by equiconvert.save?)")
     version = state.get("format_version")

@@ -4,11 +4,40 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from pathlib import Path
+from typing import Any, Callable
 
 import torch
 
 from .common import CLIError
+
+
+def _positive(value: float) -> bool:
+    return math.isfinite(value) and value > 0
+
+
+# flag -> (what a given value must satisfy, what to give instead); a flag left out keeps its default
+FLAG_RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "--num-examples": (lambda n: n >= 1, "give at least 1 (or leave it out for all)"),
+    "--canaries": (lambda n: n >= 2, "give at least 2 (each is trained on with probability 1/2)"),
+    "--confidence": (lambda c: 0.0 < c < 1.0, "give a number in (0, 1), e.g. 0.95"),
+    "--epsilon": (_positive, "give a finite privacy budget > 0, e.g. 1"),
+    "--delta": (lambda d: 0.0 < d < 1.0, "give a number in (0, 1), e.g. 1e-5"),
+    "--noise-multiplier": (_positive, "give a finite sigma > 0 (0 adds no noise: not private)"),
+    "--steps": (lambda n: n >= 1, "give at least 1 step to audit"),
+    "--batch-size": (lambda n: n >= 1, "give at least 1"),
+    "--max-grad-norm": (_positive, "give a finite clipping norm > 0, e.g. 1.0"),
+    "--lr": (_positive, "give a finite learning rate > 0"),
+}
+
+
+def check_flags(args: argparse.Namespace) -> None:
+    """Refuse the first flag whose value breaks its rule in FLAG_RULES, naming it, before any data is read."""
+    for flag, (valid, rule) in FLAG_RULES.items():
+        value = getattr(args, flag.removeprefix("--").replace("-", "_"))
+        if value is not None and not valid(value):
+            raise CLIError(f"{flag} {value}: {rule}")
 
 
 def _cmd_audit(args: argparse.Namespace) -> int:
@@ -19,12 +48,9 @@ def _cmd_audit(args: argparse.Namespace) -> int:
     out = Path(args.out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise CLIError(f"--out {out} exists and is not an empty folder; give a new or empty one")
+    check_flags(args)
     if args.guesses < 1 or 2 * args.guesses > args.canaries:
         raise CLIError(f"--guesses {args.guesses}: give k >= 1 with 2k at most --canaries ({args.canaries})")
-    if not 0.0 < args.confidence < 1.0:
-        raise CLIError(f"--confidence {args.confidence}: give a number in (0, 1), e.g. 0.95")
-    if args.num_examples is not None and args.num_examples < 1:
-        raise CLIError(f"--num-examples {args.num_examples}: give at least 1 (or leave it out for all)")
     data = load_dataset(args.dataset, args.data_dir)
     images, labels = data.as_tuple()
     if args.num_examples is not None:

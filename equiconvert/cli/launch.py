@@ -3,19 +3,25 @@
 from __future__ import annotations
 
 import argparse
+import os
 from typing import Sequence
+
+import torch
 
 from .common import CLIError
 
 
-def launch_train(args: argparse.Namespace) -> int:
-    """`train --nproc-per-node N`: the same command on N local workers, started by torchrun's own entry point."""
+def launch_train(args: argparse.Namespace, device: str | None = None) -> int:
+    """`train --nproc-per-node N`: the same command on N local workers, started by torchrun's own entry point.
+
+    device: the run's device (None: cuda if available, else cpu), which decides what a worker occupies."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     from ..privacy import distributed
 
     if args.nproc_per_node < 1:
         raise CLIError(f"--nproc-per-node {args.nproc_per_node}: give at least 1 worker")
+    _refuse_more_workers_than_devices(args.nproc_per_node, device)
     if distributed.launched_world_size() > 1:
         raise CLIError("--nproc-per-node starts its own workers: drop it when launching with torchrun")
     try:
@@ -24,6 +30,17 @@ def launch_train(args: argparse.Namespace) -> int:
         rank, failure = exc.get_first_failure()
         raise CLIError(f"training worker {rank} exited with code {failure.exitcode}; its error is above") from exc
     return 0
+
+
+def _refuse_more_workers_than_devices(workers: int, device: str | None) -> None:
+    """Each worker takes one GPU (cuda:LOCAL_RANK) or one CPU core: more workers than that hang or oversubscribe."""
+    on_cuda = device.startswith("cuda") if device is not None else torch.cuda.is_available()
+    if on_cuda:
+        available, what = torch.cuda.device_count(), "CUDA devices are visible (CUDA_VISIBLE_DEVICES chooses them)"
+    else:
+        available, what = os.cpu_count() or 1, "CPU cores are available for a CPU run"
+    if workers > available:
+        raise CLIError(f"--nproc-per-node {workers}: only {available} {what}; give at most {available}")
 
 
 def _without_option(argv: Sequence[str], flag: str) -> list[str]:

@@ -29,7 +29,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
     recipe = train_recipe(args)
     check_recipe(recipe)
     if getattr(args, "nproc_per_node", None) is not None:
-        return launch_train(args)
+        return launch_train(args, recipe.run.device)
     if recipe.run.threads is not None:
         torch.set_num_threads(recipe.run.threads)
     result = run_recipe(recipe)

@@ -14,20 +14,60 @@ Configuration that reproduces the paper's parameter counts exactly
 
 from __future__ import annotations
 
-from typing import Sequence
+from numbers import Integral
+from typing import Callable, Sequence, Union
 
 import torch
 from torch import nn
 
-from ._registry import register_model
+from ._registry import ModelNameError, register_model
 
-__all__ = ["ResNet9", "resnet9", "make_norm", "NORMS"]
+__all__ = ["ResNet9", "resnet9", "make_norm", "NORMS", "ACTIVATIONS", "activation_class", "check_widths"]
 
 NORMS: tuple[str, ...] = ("group", "batch", "instance", "none")
 HEAD_POOLS = {"max": nn.AdaptiveMaxPool2d, "avg": nn.AdaptiveAvgPool2d}
 
 
 BLOCK_ORDERS: tuple[str, ...] = ("conv-norm-act", "conv-act-norm")
+
+# Activations by name, so a config file or --model-kwargs act=gelu can choose one.
+ACTIVATIONS: dict[str, type[nn.Module]] = {
+    "mish": nn.Mish,
+    "relu": nn.ReLU,
+    "gelu": nn.GELU,
+    "silu": nn.SiLU,
+    "elu": nn.ELU,
+    "selu": nn.SELU,
+    "tanh": nn.Tanh,
+    "leaky_relu": nn.LeakyReLU,
+}
+ActivationSpec = Union[str, Callable[[], nn.Module]]
+
+
+def activation_class(act: ActivationSpec) -> Callable[[], nn.Module]:
+    """The activation factory for `act`: a module class (or other zero-argument callable) or an ACTIVATIONS name."""
+    if isinstance(act, str):
+        if act.lower() not in ACTIVATIONS:
+            raise ModelNameError(f"act {act!r} is not an activation name; use one of {', '.join(sorted(ACTIVATIONS))}")
+        return ACTIVATIONS[act.lower()]
+    if not callable(act):
+        raise ModelNameError(
+            f"act {act!r} is neither a module class nor an activation name; use one of "
+            f"{', '.join(sorted(ACTIVATIONS))}, or an nn.Module class such as nn.ReLU"
+        )
+    return act
+
+
+def check_widths(widths: Sequence[int]) -> tuple[int, int, int]:
+    """The three stage widths, each an int >= 1 (a zero or negative width fails deep inside torch otherwise)."""
+    if isinstance(widths, (str, bytes)) or not isinstance(widths, Sequence) or len(widths) != 3:
+        raise ValueError(f"widths must have 3 entries, got {widths!r}")
+    if any(isinstance(w, bool) or not isinstance(w, Integral) or w < 1 for w in widths):
+        raise ValueError(
+            f"widths must be 3 ints >= 1 (channels per stage), got {tuple(widths)!r}; e.g. widths=(16, 32, 64)"
+        )
+    w0, w1, w2 = (int(w) for w in widths)
+    return w0, w1, w2
 
 
 def make_norm(norm: str, channels: int, affine: bool = True, groups: int | None = None) -> nn.Module:
@@ -52,7 +92,7 @@ def conv_block(
     in_channels: int,
     out_channels: int,
     norm: str,
-    act: type[nn.Module],
+    act: Callable[[], nn.Module],
     pool: bool = False,
     options: "BlockOptions | None" = None,
 ) -> nn.Sequential:
@@ -103,7 +143,7 @@ class Residual(nn.Module):
         self,
         channels: int,
         norm: str,
-        act: type[nn.Module],
+        act: Callable[[], nn.Module],
         scale_norm: bool,
         options: BlockOptions | None = None,
     ) -> None:
@@ -135,7 +175,7 @@ class ResNet9(nn.Module):
         widths: Sequence[int] = (64, 128, 256),
         norm: str = "group",
         scale_norm: bool = True,
-        act: type[nn.Module] = nn.Mish,
+        act: ActivationSpec = nn.Mish,
         options: BlockOptions | None = None,
         head_pool: str = "max",
         res2: bool = True,
@@ -144,11 +184,10 @@ class ResNet9(nn.Module):
         super().__init__()
         if norm not in NORMS:
             raise ValueError(f"unknown norm {norm!r}; allowed values are {', '.join(map(repr, NORMS))}")
-        if len(widths) != 3:
-            raise ValueError(f"widths must have 3 entries, got {tuple(widths)!r}")
+        w0, w1, w2 = check_widths(widths)
+        act = activation_class(act)
         if head_pool not in HEAD_POOLS:
             raise ValueError(f"unknown head_pool {head_pool!r}; allowed values are {', '.join(map(repr, HEAD_POOLS))}")
-        w0, w1, w2 = (int(w) for w in widths)
         self.stem = conv_block(in_channels, w0, norm, act, options=options)
         self.layer1 = conv_block(w0, w1, norm, act, pool=True, options=options)
         self.res1 = Residual(w1, norm, act, scale_norm, options)
@@ -184,9 +223,11 @@ def resnet9(
     widths: Sequence[int] = (64, 128, 256),
     norm: str = "group",
     scale_norm: bool = True,
-    act: type[nn.Module] = nn.Mish,
+    act: ActivationSpec = nn.Mish,
 ) -> nn.Module:
-    """Build the Klause et al. ResNet9 (see module docstring for the exact config)."""
+    """Build the Klause et al. ResNet9 (see module docstring for the exact config).
+
+    act: a module class or an ACTIVATIONS name ("relu", "gelu", ...)."""
     return ResNet9(
         num_classes=num_classes,
         in_channels=in_channels,

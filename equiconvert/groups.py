@@ -16,6 +16,7 @@ import torch
 from .errors import GroupSpecError
 
 MAX_ORDER = 16
+GROUP_NAMES = f"C1..C{MAX_ORDER} (rotations), D1..D{MAX_ORDER} (rotations and reflections), SO2 or O2"
 _NAME = re.compile(r"^(?P<kind>[CD])(?P<n>\d+)$")
 
 
@@ -176,13 +177,10 @@ def parse_group(group: str | AnyGroupSpec, frequency: int | None = None) -> AnyG
             raise GroupSpecError(f"frequency must be at least 1, got {frequency}")
         return ContinuousGroupSpec(group.strip().upper().replace("(", "").replace(")", ""), frequency)
     if not isinstance(group, str):
-        raise GroupSpecError(f"group must be a name 'C1'..'C{MAX_ORDER}' or 'D1'..'D{MAX_ORDER}', got {group!r}")
+        raise GroupSpecError(f"group must be a name ({GROUP_NAMES}), got {group!r}")
     match = _NAME.match(group.strip().upper())
     if not match or not 1 <= int(match["n"]) <= MAX_ORDER:
-        raise GroupSpecError(
-            f"unknown group {group!r}: use 'C1'..'C{MAX_ORDER}' (rotations), 'D1'..'D{MAX_ORDER}' "
-            "(rotations and reflections), 'SO2' or 'O2'"
-        )
+        raise GroupSpecError(f"unknown group {group!r}: use {GROUP_NAMES}")
     return GroupSpec(match["kind"], int(match["n"]))
 
 

@@ -10,6 +10,7 @@ import time
 from typing import Any
 
 from ..convert.context import HEADS
+from ..groups import GROUP_NAMES
 from ..convert.width import DEFAULT_WIDTH, PAPER_KAPPA, WIDTHS, resolve_width
 from .common import CLIError
 
@@ -166,7 +167,7 @@ def add_parser(sub) -> None:
         "equivariant_resnet9, torchvision:<name>, timm:<name>; bare names: "
         "equiconvert's, then torchvision's, then timm's",
     )
-    convert.add_argument("--group", required=True, help="C1..C16 (rotations) or D1..D16 (rotations and reflections)")
+    convert.add_argument("--group", required=True, help=GROUP_NAMES)
     convert.add_argument("--input-size", type=_positive_int, default=None, help="the image size you will use (H = W)")
     convert.add_argument(
         "--width",

@@ -9,6 +9,7 @@ from typing import Any, Callable
 
 import torch
 
+from ..groups import GROUP_NAMES
 from .launch import launch_train
 from .recipe_flags import TRAIN_FLAGS, add_recipe_options, apply_flags, check_recipe, recipe_flag
 
@@ -68,7 +69,7 @@ def add_parser(sub) -> None:
     recipe_flag(
         g,
         "--group",
-        "C1..C16, D1..D16, or 'none' for the unconverted baseline (conversion.width/head/init_gain: --set)",
+        f"{GROUP_NAMES}, or 'none' for the unconverted baseline (conversion.width/head/init_gain: --set)",
     )
     g = train.add_argument_group("data")
     recipe_flag(
@@ -113,7 +114,10 @@ def add_parser(sub) -> None:
     )
     recipe_flag(g, "--resume", "continue from OUT/checkpoint.pt (which must exist)", action="store_true")
     recipe_flag(
-        g, "--overwrite", "replace the earlier run in OUT (a non-empty OUT is refused otherwise)", action="store_true"
+        g,
+        "--overwrite",
+        "replace the earlier run in OUT (otherwise an OUT holding a run's files is refused)",
+        action="store_true",
     )
     g = train.add_argument_group("advanced")
     recipe_flag(g, "--physical-batch-size", "examples per forward/backward pass (memory, not privacy)", type=int)

@@ -63,8 +63,8 @@ def resolve_width(width: WidthSpec) -> WidthFn | str:
     if isinstance(width, str) and width in WIDTHS:
         return WIDTHS[width]
     if isinstance(width, (int, float)) and not isinstance(width, bool):
-        if width <= 0:
-            raise ValueError(f"width kappa must be positive, got {width}")
+        if not (math.isfinite(width) and width > 0):
+            raise ValueError(f"width kappa must be a finite number > 0, got {width}")
         return kappa_width(float(width))
     if callable(width):
         return width

@@ -4,11 +4,17 @@ from __future__ import annotations
 
 import torch
 
-_AVAILABLE = {
-    "cpu": lambda: 1,
-    "cuda": lambda: torch.cuda.device_count() if torch.cuda.is_available() else 0,
-    "mps": lambda: int(torch.backends.mps.is_available()),
-}
+
+def _device_count(kind: str) -> int | None:
+    """How many `kind` devices this machine has, by torch's module of that name (torch.cuda, torch.xpu, torch.mps);
+    None where torch has no such module to ask (the device is then taken as given)."""
+    if kind == "cpu":
+        return 1
+    module = getattr(torch, kind, None)
+    if module is None or not hasattr(module, "device_count"):
+        return None
+    available = getattr(module, "is_available", lambda: True)
+    return int(module.device_count()) if available() else 0
 
 
 def resolve_device(device: str | torch.device | None, flag: str = "device") -> torch.device:
@@ -19,10 +25,13 @@ def resolve_device(device: str | torch.device | None, flag: str = "device") -> t
     try:
         resolved = torch.device(device)
     except (RuntimeError, TypeError) as exc:
-        raise ValueError(f"{flag} {device}: not a device name ({', '.join(_AVAILABLE)}, or cuda:N)") from exc
-    count = _AVAILABLE.get(resolved.type, lambda: 0)()
+        raise ValueError(f"{flag} {device}: not a device name (cpu, cuda, cuda:N, mps, ...)") from exc
+    count = _device_count(resolved.type)
     if count == 0:
         raise ValueError(f"{flag} {device}: this machine has no {resolved.type} device; give {flag} cpu")
-    if resolved.index is not None and resolved.index >= count:
-        raise ValueError(f"{flag} {device}: this machine has {count} {resolved.type} device(s), cuda:0..{count - 1}")
+    if count is not None and resolved.index is not None and resolved.index >= count:
+        raise ValueError(
+            f"{flag} {device}: this machine has {count} {resolved.type} device(s), "
+            f"{resolved.type}:0..{resolved.type}:{count - 1}"
+        )
     return resolved

@@ -2,7 +2,8 @@
 
 check_config runs before any data is loaded, so an option that cannot train fails at once, naming its field.
 FIELD_LIMITS is the one table of each field's allowed values; the command line's recipe checks use it too.
-An option that can be off is off when None (OFF_OPTIONS); a recipe, TOML having no null, writes that None as 0.
+An option that can be off is off when None (OFF_OPTIONS); 0 is read as None (a recipe, TOML having no null,
+writes off as 0).
 """
 
 from __future__ import annotations
@@ -94,8 +95,14 @@ class DPConfig:
     # over those shifted copies of each test image (post-processing: no privacy cost); the plain metrics are kept
     test_shifts: str | None = None
 
+    def __post_init__(self) -> None:
+        for name in OFF_OPTIONS:  # 0 is read as off: TOML, which recipes are written in, has no null
+            value = getattr(self, name)
+            if value == 0 and not isinstance(value, bool):
+                setattr(self, name, None)
 
-# the options that None turns off, and what off means
+
+# the options that None (or 0) turns off, and what off means
 OFF_OPTIONS = {
     "ema_decay": "no EMA",
     "eval_every": "evaluate after the last step only",

@@ -17,6 +17,7 @@ from typing import Any, Iterator
 
 import torch
 from torch import nn
+from torch.nn.parameter import is_lazy
 
 from .validate import PrivacyValidationError, validate_dp_safe
 
@@ -115,6 +116,12 @@ def check_buffers_unchanged(model: nn.Module, example_input: torch.Tensor) -> No
     and data-dependent initialisation on the first forward (ActNorm). State that forward changes the same
     way for any input (a step counter, a cache built from parameters) is allowed.
     """
+    lazy = [name for name, p in model.named_parameters() if is_lazy(p)]
+    if lazy:  # materialised by the first forward with a fresh random init, which the copies would not share
+        raise PrivacyValidationError(
+            f"parameter {lazy[0]!r} is uninitialised (a lazy module): run the model once on a zero input of the "
+            "data's shape before DP training, so that its shapes and initial values are fixed"
+        )
     copies = (_probe_copy(model), _probe_copy(model))
     initial = _state(copies[0])
     batches = iter(_independent_batches(example_input, 2 * len(copies)))

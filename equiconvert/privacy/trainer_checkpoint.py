@@ -7,7 +7,7 @@ so the resumed steps draw the same samples and noise the uninterrupted run would
 
 from __future__ import annotations
 
-from dataclasses import asdict
+from dataclasses import asdict, fields
 from pathlib import Path
 from typing import Any
 
@@ -135,5 +135,7 @@ def resume_identity(config: dict[str, Any]) -> dict[str, Any]:
 
     An option missing from the checkpoint takes its DPConfig default (e.g. precision "fp32").
     """
-    full = {**asdict(DPConfig()), **config}
+    known = {f.name for f in fields(DPConfig)}
+    as_read = asdict(DPConfig(**{**asdict(DPConfig()), **{k: v for k, v in config.items() if k in known}}))
+    full = {**config, **as_read}  # DPConfig's reading of its own options (0 as off: None), other keys as stored
     return {key: value for key, value in full.items() if key not in METHOD_ONLY_OPTIONS + EVALUATION_ONLY_OPTIONS}

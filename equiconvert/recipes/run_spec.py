@@ -6,7 +6,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..privacy.dp_config import OFF_OPTIONS
+from ..privacy.dp_config import DPConfig
 from .recipe import Recipe, RecipeError
 
 BASELINE_GROUP = "none"  # --group none: the unconverted network
@@ -83,10 +83,5 @@ def spec_of(recipe: Recipe) -> RunSpec:
 
 
 def trainer_options(recipe: Recipe) -> dict[str, Any]:
-    """The recipe's DPConfig as run_training's keyword arguments. A recipe turns an option off by 0, TOML having
-    no null: here, the one place it is read, that 0 becomes DPConfig's off, None (dp_config.OFF_OPTIONS)."""
-    options = dataclasses.asdict(recipe.trainer)
-    for name in OFF_OPTIONS:
-        if options[name] == 0 and not isinstance(options[name], bool):
-            options[name] = None
-    return options
+    """The recipe's DPConfig as run_training's keyword arguments, as DPConfig reads them (a recipe's 0: off, None)."""
+    return dataclasses.asdict(DPConfig(**dataclasses.asdict(recipe.trainer)))

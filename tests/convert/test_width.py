@@ -24,9 +24,9 @@ def test_every_width_name_resolves_to_its_registry_entry_and_none_to_the_default
     assert resolve_width(1.5)(64, d4) == 27
 
 
-@pytest.mark.parametrize("width", [0, -1.5])
-def test_a_kappa_that_is_not_positive_is_refused(width):
-    with pytest.raises(ValueError, match="width kappa must be positive"):
+@pytest.mark.parametrize("width", [0, -1.5, float("nan"), float("inf")])
+def test_a_kappa_that_is_not_a_finite_positive_number_is_refused(width):
+    with pytest.raises(ValueError, match="width kappa must be a finite number > 0"):
         resolve_width(width)
 
 

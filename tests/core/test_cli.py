@@ -236,7 +236,7 @@ def test_a_width_that_is_not_positive_is_refused_before_building_the_model(capsy
 
     monkeypatch.setattr(equiconvert.models, "create_model", never)
     assert main(["convert", "equiconvert:resnet9", "--group", "D4", "--width", "-1", "--no-check"]) == 2
-    assert "width kappa must be positive, got -1.0" in capsys.readouterr().err
+    assert "width kappa must be a finite number > 0, got -1.0" in capsys.readouterr().err
 
 
 def test_demo_conversion_only_json_lists_both_models(capsys):

@@ -30,13 +30,16 @@ def test_a_device_this_machine_lacks_is_refused_before_the_run(tmp_path, capsys,
 def test_resolve_device_counts_the_cards(monkeypatch):
     _cards(monkeypatch, 2)
     assert resolve_device(None) == torch.device("cuda") and resolve_device("cuda:1") == torch.device("cuda:1")
-    with pytest.raises(ValueError, match=r"device cuda:5: this machine has 2 cuda device\(s\), cuda:0..1"):
+    with pytest.raises(ValueError, match=r"device cuda:5: this machine has 2 cuda device\(s\), cuda:0..cuda:1"):
         resolve_device("cuda:5")
     _cards(monkeypatch, 0)
     assert resolve_device(None) == torch.device("cpu")
-    monkeypatch.setattr(devices, "_AVAILABLE", {**devices._AVAILABLE, "mps": lambda: 0})
-    with pytest.raises(ValueError, match=r"device mps: this machine has no mps device"):
-        resolve_device("mps")
+    with pytest.raises(ValueError, match=r"device cuda: this machine has no cuda device"):
+        resolve_device("cuda")
+
+
+def test_a_device_torch_has_no_module_to_count_is_taken_as_given():
+    assert devices._device_count("meta") is None and resolve_device("meta") == torch.device("meta")
 
 
 def test_data_dir_for_the_generated_data_set_is_refused(tmp_path, capsys):

@@ -207,3 +207,14 @@ def test_converted_models_are_accepted_by_the_trainer_and_make_private():
     assert trainer.step == 1
     private, optimizer, _ = _make_private(_converted_resnet9(), images, labels)
     _one_private_step(private, optimizer, images[:2], labels[:2])
+
+
+def test_a_lazy_module_is_refused_with_what_to_do_and_accepted_once_materialised():
+    from equiconvert.privacy.dp_safety import PrivacyValidationError
+
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.Flatten(), nn.LazyLinear(2))
+    example = torch.zeros(1, 3, 6, 6)
+    with pytest.raises(PrivacyValidationError, match=r"parameter '2.weight' is uninitialised .*zero input"):
+        check_dp_safe(model, example)
+    model(example)
+    check_dp_safe(model, example)

@@ -44,9 +44,9 @@ def test_every_limit_is_a_field_and_every_default_passes():
     [
         ({"accountant": "gdp"}, "accountant", "accountant must be one of ('rdp', 'prv'), got 'gdp'"),
         ({"optimizer": "adam"}, "optimizer", "optimizer must be one of ('sgd', 'nadam', 'custom'), got 'adam'"),
-        ({"ema_decay": 0}, "ema_decay", "ema_decay must be in (0, 1), got 0 (None: no EMA)"),
+        ({"ema_decay": -0.5}, "ema_decay", "ema_decay must be in (0, 1), got -0.5 (None: no EMA)"),
         ({"ema_decay": 1.0}, "ema_decay", "ema_decay must be in (0, 1), got 1.0"),
-        ({"checkpoint_every": 0}, "checkpoint_every", "checkpoint_every must be >= 1, got 0 (None: no periodic"),
+        ({"checkpoint_every": -1}, "checkpoint_every", "checkpoint_every must be >= 1, got -1 (None: no periodic"),
         ({"momentum": 1.0}, "momentum", "momentum must be in [0, 1), got 1.0"),
         ({"batch_size": None}, "batch_size", "batch_size must be >= 1, got None"),
         ({"lr": True}, "lr", "lr must be a finite number > 0, got True"),
@@ -107,10 +107,23 @@ def test_a_recipe_turns_an_option_off_by_zero():
     recipe = Recipe()
     for name in OFF_OPTIONS:
         set_key(recipe, f"schedule.{name}", 0)
-    options = trainer_options(recipe)
-    assert {name: options[name] for name in OFF_OPTIONS} == dict.fromkeys(OFF_OPTIONS)
+    config = DPConfig(**trainer_options(recipe))
+    assert {name: getattr(config, name) for name in OFF_OPTIONS} == dict.fromkeys(OFF_OPTIONS)
     check_recipe(recipe)  # 0 is off in a recipe, not out of range
-    check_config(DPConfig(**options))
+    check_config(config)
+
+
+def test_zero_is_off_in_the_api_too_and_a_checkpoint_that_stored_zero_resumes():
+    from equiconvert.privacy.trainer_checkpoint import resume_identity
+
+    config = DPConfig(ema_decay=0, eval_every=0, checkpoint_every=0)
+    assert (config.ema_decay, config.eval_every, config.checkpoint_every) == (None, None, None)
+    check_config(config)
+    stored = {**dataclasses.asdict(DPConfig()), "checkpoint_every": 0, "eval_every": 0}
+    assert resume_identity(stored) == resume_identity(
+        dataclasses.asdict(DPConfig(checkpoint_every=None, eval_every=None))
+    )
+    assert resume_identity({**stored, "lr": 3.0}) != resume_identity(dataclasses.asdict(DPConfig()))
 
 
 @pytest.mark.parametrize(

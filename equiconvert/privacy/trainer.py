@@ -31,7 +31,7 @@ from .dp_safety import check_dp_safe
 from .ema import ExponentialMovingAverage
 from .metrics import classification_metrics, predict
 from .hooks import Augment, OptimizerFactory, PerExampleLoss, check_hooks, cross_entropy
-from .inputs import check_images, check_labels
+from .inputs import InvalidDataError, check_images, check_labels
 from .devices import resolve_device
 from .nonfinite import zero_nonfinite_examples
 from .normalization import Normalize
@@ -104,6 +104,8 @@ class DPTrainer(TrainerCheckpoint):
         self.dist = distributed or SINGLE_PROCESS  # [distributed] every rank starts from rank 0's weights
         self.dist.broadcast_module(self.model)
         self.out_dir = Path(out_dir) if out_dir is not None else None
+        if self.out_dir is not None and self.out_dir.exists() and not self.out_dir.is_dir():
+            raise ValueError(f"out_dir {self.out_dir} is a file: give a folder for the run's log and checkpoints")
         self.lr_schedule = custom_schedule or named_schedule(self.config)
         self.progress = progress and self.dist.is_main
         self.optimizer = self._make_optimizer()
@@ -327,7 +329,10 @@ class DPTrainer(TrainerCheckpoint):
         """Example 0 of `source`, normalised (its shape is all the DP-safety probes use)."""
         if len(source) == 0:
             raise ValueError(f"{what} is empty")
-        return self._normalize(source.gather(torch.zeros(1, dtype=torch.long))[0])
+        images = source.gather(torch.zeros(1, dtype=torch.long))[0]
+        if images.dim() < 2:  # as check_images: one dimension per example at least; the probes need its shape
+            raise InvalidDataError(f"{what} images must be a tensor (N, C, H, W), got shape {tuple(images.shape)}")
+        return self._normalize(images)
 
     def _checked(self, source: TrainData, what: str) -> TrainData:
         """`source` checked (a streamed set: its examples as they are read) and, in memory, on the device."""

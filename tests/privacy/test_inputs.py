@@ -226,3 +226,17 @@ def test_first_step_over_budget_fails_with_a_message(tmp_path, capsys):
     )
     error = run_error(capsys, *args)
     assert "spends epsilon" in error and not (tmp_path / "o" / "result.json").exists()
+
+
+def test_one_dimensional_images_are_refused_by_shape_before_any_probe():
+    trainer = DPTrainer(linear_classifier(), **OPTIONS)
+    with pytest.raises(InvalidDataError, match=r"images must be a tensor \(N, C, H, W\), got shape \(1,\)"):
+        trainer.fit((torch.rand(N), torch.arange(N) % CLASSES))
+    assert trainer.step == 0
+
+
+def test_an_out_dir_that_is_a_file_is_refused_when_the_trainer_is_built(tmp_path):
+    path = tmp_path / "run"
+    path.write_text("not a folder")
+    with pytest.raises(ValueError, match=r"out_dir .*run is a file: give a folder"):
+        DPTrainer(linear_classifier(), out_dir=path, **OPTIONS)

@@ -18,6 +18,7 @@ def launched(monkeypatch):
     calls: list[int] = []
     monkeypatch.setattr(distributed, "launch", lambda n, module, argv: calls.append(n))
     monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # one visible card
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     return calls
 

@@ -17,9 +17,12 @@ def final_ema_decay(trainer: DPTrainer) -> float | None:
     return trainer.ema.decay_at(trainer.step - 1) if trainer.ema is not None and trainer.step else None
 
 
-def eval_history(log: Path) -> list[dict[str, Any]]:
-    """Every periodic evaluation of the run, from its log (which a resumed run appends to)."""
-    records = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+def eval_history(log: Path | None) -> list[dict[str, Any]]:
+    """Every periodic evaluation of the run, from its log (which a resumed run appends to); none without a log.
+
+    Only the process that writes the log reads it: another rank could read a line rank 0 is still writing.
+    """
+    records = [json.loads(line) for line in log.read_text().splitlines()] if log is not None and log.exists() else []
     by_step = {r["step"]: {"step": r["step"], **r["eval"]} for r in records if "eval" in r}
     return [by_step[step] for step in sorted(by_step)]
 
@@ -45,7 +48,7 @@ def final_metrics(final: dict[str, float]) -> dict[str, float]:
     return {**plain, **averaged}
 
 
-def trainer_record(trainer: DPTrainer, log: Path) -> dict[str, Any]:
+def trainer_record(trainer: DPTrainer, log: Path | None) -> dict[str, Any]:
     """A finished DPTrainer run's metrics, privacy spent and settings as used, under result.json's names.
 
     The count of examples with non-finite gradients is a noise-free statistic of the training data: it is in the

@@ -159,7 +159,7 @@ def _run_training(
         time_limit_s=spec.time_limit_s,
     )
     result.update(
-        **trainer_record(trainer, Path(spec.out) / "log.jsonl"),
+        **trainer_record(trainer, Path(spec.out) / "log.jsonl" if context.is_main else None),
         params=count_parameters(model),
         params_before=params_before,
         input_size=input_size,

@@ -154,6 +154,11 @@ def _seeds_not_run(row: dict) -> str:
     return f" (run: {named(run)}; not run: {named(missing)})"
 
 
+def _explained(effects: list[dict]) -> str:
+    """A cell's measured effects, '-1.2: JPEG copy (summary jpeg_generations.json); ...', or '-' for none."""
+    return "; ".join(f"{e['points']:+.2f}: {e['effect']} ({e['source']})" for e in effects) or "-"
+
+
 @renderer("paper_table")
 def _paper_table(s: Summary) -> list[str]:
     columns = [
@@ -165,11 +170,14 @@ def _paper_table(s: Summary) -> list[str]:
         "GPU-hours (card)",
         "setting",
         "paper (median of 5)",
+        "gap (points)",
+        "explained (points: source)",
     ]
     rows = []
     for r in s["rows"]:
         runs = r["accuracy"]
         ours = f"**{_pct(_median(runs))}** ({len(runs)})" if runs else "not run"
+        gap = f"{_median(runs) - r['paper']:+.2f}" if runs and r.get("paper") is not None else "-"
         std = f"{statistics.stdev(runs):.2f}" if len(runs) > 1 else "-"
         hours = "-" if r.get("gpu_hours") is None else f"{r['gpu_hours']:.2f}"
         rows.append(
@@ -182,6 +190,8 @@ def _paper_table(s: Summary) -> list[str]:
                 hours,
                 r.get("setting", "paper's"),
                 _pct(r.get("paper")),
+                gap,
+                _explained(r.get("explained", [])),
             ]
         )
     commands = [
@@ -198,6 +208,33 @@ def _paper_table(s: Summary) -> list[str]:
             "",
         ] + commands
     return _table(columns, rows) + commands
+
+
+@renderer("jpeg_generations")
+def _jpeg_generations(s: Summary) -> list[str]:
+    arms = list(s["medians_percent"])
+    columns = ["extra q75 generations", "added MSE (train)"] + [f"{arm}: median accuracy" for arm in arms]
+    generations = sorted({int(g) for arm in arms for g in s["medians_percent"][arm]})
+    mse = [0.0] + s["added_mse_per_generation"]["train"]
+    rows = [
+        [g, f"{mse[g]:.1f}" if g else "-"]
+        + [_pct(s["medians_percent"][arm].get(str(g), s["medians_percent"][arm].get(g))) for arm in arms]
+        for g in generations
+    ]
+    fits = s["fit_percent"]
+    costs = s["cost_by_distortion_percent"]
+    rows.append(
+        ["cost of the copy, per generation (SE)", ""]
+        + [f"{fits[arm]['cost_of_copy']:.2f} ({fits[arm]['cost_of_copy_se']:.2f})" for arm in arms]
+    )
+    rows.append(
+        ["cost of the copy, by distortion: lower bound (SE)", ""]
+        + [
+            f"{costs[arm]['cost_of_copy_lower_bound']:.2f} ({costs[arm]['cost_of_copy_lower_bound_se']:.2f})"
+            for arm in arms
+        ]
+    )
+    return _table(columns, rows)
 
 
 @renderer("methods")

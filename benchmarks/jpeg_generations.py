@@ -1,0 +1,286 @@
+"""What does training on a JPEG copy of CIFAR-10 cost? Accuracy against generations of the same compression.
+
+The CIFAR-10 copy here is JPEG quality 75 (4:2:0); the paper trained on the lossless images, which are not here.
+The experiment adds k more generations of the same compression (k = 0, 1, 2, 3): each generation shifts the
+image by a few pixels (so that the 8x8 / 16x16 block grid no longer lines up with the previous one and the
+encoder throws away fresh detail), encodes it at quality 75, decodes it and shifts it back. Each generation adds
+about the distortion one q75 encoding adds to an uncompressed image (its mean squared error against the images it
+started from is recorded), so accuracy against k, extrapolated to k = -1, estimates training on the lossless
+images; the cost of the copy is acc(-1) - acc(0). The fit is a least-squares line over the runs (seeds as
+repeats); its standard error says how sure the estimate is, and the recorded per-generation errors show how well
+"one generation = one original encoding" holds (a generation that adds less than the first would make the
+estimate a lower bound).
+
+Both a non-private arm (plain SGD, crops and flips) and a private arm (DPTrainer, Poisson sampling, clipping,
+secret noise) train the same model on each generation.
+
+    python benchmarks/jpeg_generations.py --data-dir DIR --generations 0,1,2,3 --seeds 0,1 --device cuda \\
+        --out benchmarks/results/jpeg_generations.json
+
+`--tiny` trains a few steps on 512 images (the CPU test).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import io
+import json
+import math
+import platform
+import statistics
+import sys
+from collections.abc import Sequence
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from PIL import Image
+
+from equiconvert.data import load_dataset
+from equiconvert.models.equivariant_resnet9 import equivariant_resnet9
+from equiconvert.privacy import DPTrainer
+
+QUALITY = 75  # the copy's own quality: every generation repeats its compression
+SHIFTS = ((4, 4), (2, 6), (6, 2), (3, 5))  # block-grid offsets of generations 1, 2, ...
+
+
+def one_generation(images: np.ndarray, shift: tuple[int, int], quality: int = QUALITY) -> np.ndarray:
+    """Images (N, H, W, C) uint8 rolled by `shift`, JPEG-encoded at `quality` (PIL's 4:2:0), decoded, rolled back."""
+    out = np.empty_like(images)
+    for i, image in enumerate(images):
+        rolled = np.roll(image, shift, axis=(0, 1))
+        buffer = io.BytesIO()
+        Image.fromarray(rolled).save(buffer, "JPEG", quality=quality)
+        decoded = np.asarray(Image.open(io.BytesIO(buffer.getvalue())).convert("RGB"))
+        out[i] = np.roll(decoded, (-shift[0], -shift[1]), axis=(0, 1))
+    return out
+
+
+def generations(images: torch.Tensor, count: int, workers: int) -> tuple[list[torch.Tensor], list[float]]:
+    """[images after k generations for k = 0..count] (N, C, H, W uint8) and each generation's added MSE (0-255)."""
+    current = images.permute(0, 2, 3, 1).contiguous().numpy()
+    chunks = max(1, workers)
+    result, added = [images], []
+    for k in range(count):
+        parts = np.array_split(current, chunks)
+        with ProcessPoolExecutor(max_workers=chunks) as pool:
+            encoded = np.concatenate(list(pool.map(one_generation, parts, [SHIFTS[k % len(SHIFTS)]] * len(parts))))
+        added.append(float(((encoded.astype(np.float64) - current.astype(np.float64)) ** 2).mean()))
+        current = encoded
+        result.append(torch.from_numpy(encoded).permute(0, 3, 1, 2).contiguous())
+    return result, added
+
+
+def normalise(images: torch.Tensor) -> torch.Tensor:
+    return (images.float() / 255 - 0.5) / 0.5
+
+
+def crop_flip(batch: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """Random 4-pixel-padded crops and horizontal flips, on the batch's device."""
+    n, _, h, w = batch.shape
+    padded = F.pad(batch, (4, 4, 4, 4))
+    dy, dx = (torch.randint(0, 9, (n,), generator=generator) for _ in range(2))
+    rows = (torch.arange(h)[None, :] + dy[:, None]).to(batch.device)
+    cols = (torch.arange(w)[None, :] + dx[:, None]).to(batch.device)
+    out = padded[torch.arange(n, device=batch.device)[:, None, None, None], torch.arange(batch.shape[1], device=batch.device)[None, :, None, None], rows[:, None, :, None], cols[:, None, None, :]]
+    flip = (torch.rand(n, generator=generator) < 0.5).to(batch.device)
+    return torch.where(flip[:, None, None, None], out.flip(-1), out)
+
+
+@torch.no_grad()
+def accuracy(model: torch.nn.Module, images: torch.Tensor, labels: torch.Tensor, device: str) -> float:
+    model.eval()
+    correct = 0
+    for start in range(0, len(images), 1000):
+        x = normalise(images[start : start + 1000].to(device))
+        with torch.autocast(device_type=torch.device(device).type, dtype=torch.bfloat16, enabled=device != "cpu"):
+            correct += int((model(x).argmax(1).cpu() == labels[start : start + 1000]).sum())
+    return correct / len(images)
+
+
+def train_nonprivate(train, test, seed: int, epochs: int, device: str) -> float:
+    """Plain SGD (momentum 0.9, cosine, weight decay 5e-4, batch 512) with crops and flips; test accuracy."""
+    torch.manual_seed(seed)
+    model = equivariant_resnet9("D4").to(device)
+    images, labels = train
+    steps = epochs * math.ceil(len(images) / 512)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, nesterov=True, weight_decay=5e-4)
+    schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=0.1, total_steps=steps)
+    generator = torch.Generator().manual_seed(seed)
+    images_dev, labels_dev = images.to(device), labels.to(device)
+    for _ in range(epochs):
+        model.train()
+        order = torch.randperm(len(images), generator=generator).to(device)
+        for start in range(0, len(images), 512):
+            index = order[start : start + 512]
+            x = normalise(crop_flip(images_dev[index].float(), generator))
+            with torch.autocast(device_type=torch.device(device).type, dtype=torch.bfloat16, enabled=device != "cpu"):
+                loss = F.cross_entropy(model(x), labels_dev[index])
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            schedule.step()
+    return accuracy(model, *test, device)
+
+
+def train_private(train, test, seed: int, options: dict, device: str) -> float:
+    """DPTrainer with `options` (DPConfig fields); the final test accuracy of its EMA weights."""
+    torch.manual_seed(seed)
+    trainer = DPTrainer(equivariant_resnet9("D4"), device=device, progress=False, seed=seed, **options)
+    trainer.fit(train, eval_set=test)
+    return float(trainer.history[-1]["final_eval"]["accuracy"])
+
+
+def fit_line(points: Sequence[tuple[int, float]]) -> dict[str, float]:
+    """Least squares acc = a + b k over (k, acc) points; the value at k = -1 and the cost acc(-1) - acc(0), with SEs."""
+    k = np.array([p[0] for p in points], dtype=float)
+    y = np.array([p[1] for p in points], dtype=float)
+    design = np.stack([np.ones_like(k), k], axis=1)
+    coef, *_ = np.linalg.lstsq(design, y, rcond=None)
+    dof = max(len(y) - 2, 1)
+    sigma2 = float(((y - design @ coef) ** 2).sum() / dof)
+    cov = sigma2 * np.linalg.inv(design.T @ design)
+    slope_se = math.sqrt(cov[1, 1])
+    at_minus_one = coef[0] - coef[1]
+    at_minus_one_se = math.sqrt(cov[0, 0] + cov[1, 1] - 2 * cov[0, 1])
+    return {
+        "intercept": float(coef[0]),
+        "slope_per_generation": float(coef[1]),
+        "slope_se": slope_se,
+        "lossless_estimate": float(at_minus_one),
+        "lossless_estimate_se": at_minus_one_se,
+        "cost_of_copy": float(-coef[1]),
+        "cost_of_copy_se": slope_se,
+    }
+
+
+def mse_based_cost(points: Sequence[tuple[int, float]], added_mse: Sequence[float]) -> dict[str, float]:
+    """Accuracy as a line in the cumulative added MSE; the cost of one more encoding of the first generation's MSE.
+
+    Later generations add less distortion than the first (the copy loses detail each time), and an encoding of
+    the lossless images removes at least as much as the first generation: the cost is a lower bound.
+    """
+    cumulative = np.concatenate([[0.0], np.cumsum(added_mse)])
+    x = np.array([cumulative[g] for g, _ in points])
+    y = np.array([acc for _, acc in points])
+    design = np.stack([np.ones_like(x), x], axis=1)
+    coef, *_ = np.linalg.lstsq(design, y, rcond=None)
+    sigma2 = float(((y - design @ coef) ** 2).sum() / max(len(y) - 2, 1))
+    slope_se = math.sqrt(sigma2 * np.linalg.inv(design.T @ design)[1, 1])
+    return {
+        "slope_per_mse": float(coef[1]),
+        "cost_of_copy_lower_bound": float(-coef[1] * added_mse[0]),
+        "cost_of_copy_lower_bound_se": slope_se * added_mse[0],
+    }
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--data-dir", help="the CIFAR-10 copy (ImageFolder or pickle layout)")
+    parser.add_argument("--generations", default="0,1,2,3", help="extra q75 generations to train on")
+    parser.add_argument("--seeds", default="0,1")
+    parser.add_argument("--arms", default="nonprivate,private")
+    parser.add_argument("--epochs", type=int, default=15, help="non-private epochs")
+    parser.add_argument("--private-steps", type=int, default=300)
+    parser.add_argument("--private-batch", type=int, default=4096)
+    parser.add_argument("--epsilon", type=float, default=8.0)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--workers", type=int, default=8, help="processes for the JPEG encoding")
+    parser.add_argument("--tiny", action="store_true", help="512 training and 256 test images, a few steps (tests)")
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--merge", nargs="+", metavar="JSON", help="merge these summaries into --out, train nothing")
+    args = parser.parse_args(argv)
+    if args.merge:
+        return merge(args.merge, args.out)
+    wanted = sorted({int(g) for g in args.generations.split(",")})
+    seeds = [int(s) for s in args.seeds.split(",")]
+    arms = args.arms.split(",")
+    train, test = (load_dataset("cifar10", args.data_dir, split=s) for s in ("train", "test"))
+    train_x, train_y, test_x, test_y = train.images, train.labels, test.images, test.labels
+    if args.tiny:
+        every_train, every_test = torch.randperm(len(train_x))[:512], torch.randperm(len(test_x))[:256]
+        train_x, train_y, test_x, test_y = train_x[every_train], train_y[every_train], test_x[every_test], test_y[every_test]
+        args.epochs, args.private_steps, args.private_batch = 1, 3, max(4, len(train_x) // 4)
+    train_gens, train_mse = generations(train_x, max(wanted), args.workers)
+    test_gens, test_mse = generations(test_x, max(wanted), args.workers)
+    private_options = {
+        "target_epsilon": args.epsilon,
+        "delta": 1e-5,
+        "batch_size": args.private_batch,
+        "steps": args.private_steps,
+        "aug_mult": 1,
+        "lr": 2.0,
+        "max_grad_norm": 2.0,
+        "ema_decay": 0.999,
+        "physical_batch_size": min(args.private_batch, 1024),
+        "precision": "bf16" if args.device.startswith("cuda") else "fp32",
+    }
+    runs = []
+    for generation in wanted:
+        data_train, data_test = (train_gens[generation], train_y), (test_gens[generation], test_y)
+        for seed in seeds:
+            for arm in arms:
+                if arm == "nonprivate":
+                    acc = train_nonprivate(data_train, data_test, seed, args.epochs, args.device)
+                else:
+                    acc = train_private(data_train, data_test, seed, private_options, args.device)
+                runs.append({"arm": arm, "generation": generation, "seed": seed, "accuracy": acc})
+                print(json.dumps(runs[-1]), flush=True)
+    summary = {
+        "command": "python benchmarks/jpeg_generations.py " + " ".join(sys.argv[1:] if argv is None else argv),
+        "date": _dt.date.today().isoformat(),
+        "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else platform.processor() or "cpu",
+        "quality": QUALITY,
+        "added_mse_per_generation": {"train": train_mse, "test": test_mse},
+        "non_private": {"model": "D4 Equivariant-ResNet9", "epochs": args.epochs, "optimizer": "SGD 0.1 one-cycle"},
+        "private": private_options,
+        "runs": runs,
+    }
+    write_summary(summary, Path(args.out))
+
+
+def write_summary(summary: dict, out: Path) -> None:
+    """Add the per-generation medians and the fits (with two generations or more) and write `out`."""
+    runs = summary["runs"]
+    arms = sorted({r["arm"] for r in runs})
+    summary["medians_percent"] = {
+        arm: {
+            g: statistics.median(100 * r["accuracy"] for r in runs if r["arm"] == arm and r["generation"] == g)
+            for g in sorted({r["generation"] for r in runs if r["arm"] == arm})
+        }
+        for arm in arms
+    }
+    summary["fit_percent"] = {
+        arm: fit_line([(r["generation"], 100 * r["accuracy"]) for r in runs if r["arm"] == arm])
+        for arm in arms
+        if len({r["generation"] for r in runs if r["arm"] == arm}) > 1
+    }
+    first_mse = summary["added_mse_per_generation"]["train"][0] if summary["added_mse_per_generation"]["train"] else None
+    summary["cost_by_distortion_percent"] = {
+        arm: mse_based_cost(
+            [(r["generation"], 100 * r["accuracy"]) for r in runs if r["arm"] == arm],
+            summary["added_mse_per_generation"]["train"],
+        )
+        for arm in summary["fit_percent"]
+        if first_mse is not None
+    }
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(summary, indent=2) + "\n")
+    print(json.dumps(summary["fit_percent"], indent=2))
+
+
+def merge(parts: Sequence[str], out: str) -> None:
+    """One summary from the summaries of runs made in parallel (one process per generation, say)."""
+    loaded = [json.loads(Path(p).read_text()) for p in parts]
+    summary = {**loaded[0], "runs": [run for part in loaded for run in part["runs"]]}
+    longest = max(loaded, key=lambda part: len(part["added_mse_per_generation"]["train"]))
+    summary["added_mse_per_generation"] = longest["added_mse_per_generation"]
+    summary["command"] = " ; ".join(part["command"] for part in loaded)
+    write_summary(summary, Path(out))
+
+
+if __name__ == "__main__":
+    main()

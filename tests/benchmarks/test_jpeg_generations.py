@@ -1,0 +1,75 @@
+"""benchmarks/jpeg_generations.py: the JPEG-generation ladder, its fits, and a tiny end-to-end run on CPU."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from tests.support.benchmark_scripts import load_benchmark
+
+jpeg = load_benchmark("jpeg_generations")
+
+
+def test_fit_line_extrapolates_a_line_to_one_generation_before_the_copy():
+    points = [(k, 80.0 - 1.5 * k) for k in (0, 1, 2, 3) for _ in range(2)]
+    fit = jpeg.fit_line(points)
+    assert fit["cost_of_copy"] == pytest.approx(1.5)
+    assert fit["lossless_estimate"] == pytest.approx(81.5)
+    assert fit["slope_se"] == pytest.approx(0.0, abs=1e-9)
+
+
+def test_distortion_based_cost_scales_the_accuracy_slope_by_the_first_generations_error():
+    added = [50.0, 40.0, 30.0]
+    cumulative = [0.0, 50.0, 90.0, 120.0]
+    points = [(k, 80.0 - 0.02 * cumulative[k]) for k in range(4)]
+    cost = jpeg.mse_based_cost(points, added)
+    assert cost["slope_per_mse"] == pytest.approx(-0.02)
+    assert cost["cost_of_copy_lower_bound"] == pytest.approx(1.0)
+
+
+def test_a_generation_loses_detail_and_keeps_the_image_in_place():
+    rng = np.random.default_rng(0)
+    smooth = np.kron(rng.integers(0, 256, (4, 4, 4, 3)), np.ones((1, 8, 8, 1))).astype(np.uint8)
+    noisy = np.clip(smooth + rng.normal(0, 20, smooth.shape), 0, 255).astype(np.uint8)
+    once = jpeg.one_generation(noisy, (4, 4))
+    assert once.shape == noisy.shape and once.dtype == np.uint8
+    error = np.abs(once.astype(float) - noisy.astype(float)).mean()
+    assert 0 < error < 30  # detail is lost, but the image is not shifted (a 4-pixel shift would cost far more)
+    assert np.array_equal(jpeg.one_generation(noisy, (4, 4)), once)
+
+
+def _image_folder(root, per_class: int) -> None:
+    rng = np.random.default_rng(1)
+    for split, count in (("train", per_class), ("test", max(2, per_class // 2))):
+        for label in range(10):
+            folder = root / "cifar10" / split / f"class{label}"
+            folder.mkdir(parents=True)
+            for i in range(count):
+                pixels = np.clip(rng.normal(25 * label, 30, (32, 32, 3)), 0, 255).astype(np.uint8)
+                Image.fromarray(pixels).save(folder / f"{i}.jpg", quality=75)
+
+
+def test_tiny_run_trains_both_arms_on_each_generation_and_writes_the_fits(tmp_path, monkeypatch):
+    monkeypatch.setenv("EQUICONVERT_CACHE_DIR", str(tmp_path / "cache"))
+    _image_folder(tmp_path / "data", per_class=4)
+    out = tmp_path / "summary.json"
+    jpeg.main(
+        [
+            *("--data-dir", str(tmp_path / "data"), "--tiny", "--generations", "0,1", "--seeds", "0"),
+            *("--device", "cpu", "--workers", "1", "--out", str(out)),
+        ]
+    )
+    summary = json.loads(out.read_text())
+    assert {(r["arm"], r["generation"]) for r in summary["runs"]} == {
+        (arm, g) for arm in ("nonprivate", "private") for g in (0, 1)
+    }
+    assert all(0.0 <= r["accuracy"] <= 1.0 for r in summary["runs"])
+    assert len(summary["added_mse_per_generation"]["train"]) == 1
+    assert summary["added_mse_per_generation"]["train"][0] > 0
+    assert set(summary["fit_percent"]) == {"nonprivate", "private"}
+    merged = tmp_path / "merged.json"
+    jpeg.main(["--merge", str(out), str(out), "--out", str(merged)])
+    assert len(json.loads(merged.read_text())["runs"]) == 2 * len(summary["runs"])

@@ -40,3 +40,13 @@ def test_values_of_the_right_type_are_kept_as_the_field_keeps_them():
     assert recipe.trainer.normalize_mean == (0.5, 0.5, 0.5)
     assert recipe.conversion.width == "kappa" and recipe.run.time_limit_s == 60.0
     assert apply_overrides(Recipe(), ["conversion.width=1.5"]).conversion.width == 1.5
+
+
+def test_a_rank_that_does_not_write_the_log_never_reads_it(tmp_path):
+    """result.json's evaluations come from rank 0's log; another rank could read a half-written line."""
+    from equiconvert.recipes.result_record import eval_history
+
+    log = tmp_path / "log.jsonl"
+    log.write_text('{"step": 2, "eval": {"accuracy": 0.5}}\n{"step": 3, "ev')  # rank 0 is mid-write
+    assert eval_history(None) == []
+    assert eval_history(tmp_path / "absent.jsonl") == []

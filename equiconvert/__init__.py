@@ -4,6 +4,7 @@ from .check import EquivarianceResult, check_equivariance
 from .convert import (
     ConversionConfig,
     ConversionReport,
+    EquivarianceWarning,
     EquivariantModel,
     make_equivariant,
     register_function_rule,
@@ -22,6 +23,7 @@ __all__ = [
     "ConversionReport",
     "EquivarianceBreakError",
     "EquivarianceResult",
+    "EquivarianceWarning",
     "EquiconvertError",
     "EquivariantModel",
     "GroupSpec",

@@ -14,7 +14,7 @@ are checked against. Three defects are handled:
   escnn uses its exact dense SciPy SVD, which is also deterministic.
 * escnn keeps a joblib cache of Clebsch-Gordan coefficients inside its own
   package folder, which is read-only for non-root users. We point it at the
-  user cache directory instead.
+  user cache directory instead (nowhere when the disk cache is off, cache.disk_cache_enabled).
 """
 
 from __future__ import annotations
@@ -24,16 +24,16 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
-from .cache import cache_root
+from .cache import cache_root, disk_cache_enabled
 
 _patched = False
 
 
-def _redirect_joblib_caches(modules: list[ModuleType], location: Path) -> None:
+def _redirect_joblib_caches(modules: list[ModuleType], location: Path | None) -> None:
     from joblib import Memory
     from joblib.memory import MemorizedFunc
 
-    memory = Memory(str(location), verbose=0)
+    memory = Memory(None if location is None else str(location), verbose=0)  # None: joblib caches nothing
     for module in modules:
         for name, value in vars(module).copy().items():
             if isinstance(value, MemorizedFunc):
@@ -84,7 +84,7 @@ def import_escnn() -> ModuleType:
         ) from exc
     if not _patched:
         numerical.randomized_svd = None
-        location = cache_root() / f"escnn-{escnn.__version__}-joblib"
+        location = cache_root() / f"escnn-{escnn.__version__}-joblib" if disk_cache_enabled() else None
         _redirect_joblib_caches([clebsch_gordan, irrep], location)
         _patched = True
     return escnn

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from .bases import BUILDER_VERSION, canonical_basis, harmonic_span
-from .cache import cache_root
+from .cache import cache_root, disk_cache_enabled
 from .groups import GroupSpec
 
 BASIS_FORMAT = "v4"  # bump when the way bases are stored changes (BUILDER_VERSION: how they are built)
@@ -122,17 +122,28 @@ def steerable_basis(
     key = basis_key(group, in_repr, out_repr, kernel_size, cutoff=cutoff)
     if key in _memory_cache:
         return _memory_cache[key]
+    # Real values on the CPU whatever the caller's default device: width="params" converts under
+    # torch.device("meta") to count parameters, and a meta basis could be neither built, saved nor reused.
+    with torch.device("cpu"):
+        basis = _load_or_build(key, group, in_repr, out_repr, kernel_size, cutoff)
+    _memory_cache[key] = basis
+    return basis
+
+
+def _load_or_build(
+    key: str, group: GroupSpec, in_repr: str, out_repr: str, kernel_size: int, cutoff: float | None
+) -> torch.Tensor:
+    """The basis from the disk cache, else built (and saved unless the disk cache is off, cache.disk_cache_enabled)."""
+    if not disk_cache_enabled():
+        return build_basis(group, in_repr, out_repr, kernel_size, cutoff=cutoff)
     path = basis_dir() / f"{key}.pt"
-    basis = None
     if path.exists():
         try:
-            basis = torch.load(path, weights_only=True)
+            return torch.load(path, map_location="cpu", weights_only=True)
         except Exception:  # a corrupt cache entry is rebuilt, never trusted
-            basis = None
-    if basis is None:
-        basis = build_basis(group, in_repr, out_repr, kernel_size, cutoff=cutoff)
-        _atomic_save(basis, path)
-    _memory_cache[key] = basis
+            pass
+    basis = build_basis(group, in_repr, out_repr, kernel_size, cutoff=cutoff)
+    _atomic_save(basis, path)
     return basis
 
 

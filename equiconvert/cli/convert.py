@@ -66,6 +66,7 @@ def convert_and_check(
     pretrained: bool | str = False,
     pad_to_valid: bool = False,
     crop_to_valid: bool = False,
+    allow_non_equivariant: bool = False,
 ) -> tuple[Any, dict]:
     """Build, convert and (optionally) check one model; returns (EquivariantModel, JSON record).
 
@@ -79,10 +80,10 @@ def convert_and_check(
     resolve_width(width)
     options = {"width": width, "input_size": input_size, "strict": strict or None, "head": head}
     if is_equivariant_model(model_spec):
-        if pretrained or pad_to_valid or crop_to_valid:
+        if pretrained or pad_to_valid or crop_to_valid or allow_non_equivariant:
             raise CLIError(
-                f"{model_spec} is built equivariant: --pretrained, --pad-to-valid and --crop-to-valid "
-                "apply to converted models only"
+                f"{model_spec} is built equivariant: --pretrained, --pad-to-valid, --crop-to-valid and "
+                "--allow-non-equivariant apply to converted models only"
             )
         start = time.perf_counter()
         converted = create_model(model_spec, group=group, num_classes=num_classes, in_channels=in_channels, **options)
@@ -92,7 +93,13 @@ def convert_and_check(
         )
         start = time.perf_counter()
         converted = make_equivariant(
-            model, spec, pretrained=bool(pretrained), pad_to_valid=pad_to_valid, crop_to_valid=crop_to_valid, **options
+            model,
+            spec,
+            pretrained=bool(pretrained),
+            pad_to_valid=pad_to_valid,
+            crop_to_valid=crop_to_valid,
+            allow_non_equivariant=allow_non_equivariant,
+            **options,
         )
     conversion_time = time.perf_counter() - start
     report = converted.report
@@ -149,6 +156,7 @@ def _cmd_convert(args: argparse.Namespace) -> int:
             pretrained=args.pretrained,
             pad_to_valid=args.pad_to_valid,
             crop_to_valid=args.crop_to_valid,
+            allow_non_equivariant=args.allow_non_equivariant,
         )
     if args.json:
         print(json.dumps(record))
@@ -180,7 +188,14 @@ def add_parser(sub) -> None:
     convert.add_argument("--head", choices=HEADS, default=None)
     convert.add_argument("--num-classes", type=_positive_int, default=10)
     convert.add_argument("--in-channels", type=_positive_int, default=3)
-    convert.add_argument("--strict", action="store_true", help="turn equivariance warnings into errors")
+    strictness = convert.add_mutually_exclusive_group()
+    strictness.add_argument("--strict", action="store_true", help="turn equivariance warnings into errors")
+    strictness.add_argument(
+        "--allow-non-equivariant",
+        action="store_true",
+        help="keep a model that no input size makes exactly equivariant (it is then approximately equivariant, "
+        "with a warning naming the layers that break it); without it such a model is an error",
+    )
     convert.add_argument("--json", action="store_true", help="print one JSON object")
     convert.add_argument("--no-check", action="store_true", help="skip the equivariance check")
     convert.add_argument(

@@ -4,12 +4,13 @@ from .context import ConversionConfig
 from .core import make_equivariant
 from .model import EquivariantModel
 from .registry import register_function_rule, register_module_rule
-from .report import ConversionReport
+from .report import ConversionReport, EquivarianceWarning
 
 __all__ = [
     "ConversionConfig",
     "ConversionReport",
     "EquivariantModel",
+    "EquivarianceWarning",
     "make_equivariant",
     "register_function_rule",
     "register_module_rule",

@@ -74,7 +74,9 @@ class ConversionContext:
     def module(self, node: fx.Node) -> nn.Module:
         return self.gm.get_submodule(node.target)
 
-    def module_path(self, node: fx.Node) -> str:
+    @staticmethod
+    def module_path(node: fx.Node) -> str:
+        """The module that `node` calls, or the innermost one whose forward created it ("" if none)."""
         if node.op == "call_module":
             return str(node.target)
         stack = node.meta.get("nn_module_stack") or {}
@@ -149,8 +151,13 @@ class ConversionContext:
         node.meta[SPATIAL_KEY] = op
 
     # --- diagnostics -------------------------------------------------------
+    @classmethod
+    def warning_at(cls, node: fx.Node, message: str) -> EquivarianceWarning:
+        """An equivariance warning located at `node`: its name, module and line of model code."""
+        return EquivarianceWarning(node.name, cls.module_path(node), cls.source_line(node), message)
+
     def warn(self, node: fx.Node, message: str) -> None:
-        warning = EquivarianceWarning(node.name, self.module_path(node), self.source_line(node), message)
+        warning = self.warning_at(node, message)
         if self.config.strict:
             raise EquivarianceBreakError(f"{warning} (strict=True turns this warning into an error)")
         self.report.warnings.append(warning)

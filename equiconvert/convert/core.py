@@ -5,6 +5,8 @@ from __future__ import annotations
 import contextlib
 import io
 import copy
+import warnings
+from collections import Counter
 from typing import Any
 
 import torch
@@ -18,7 +20,7 @@ from ..recipe import conversion_recipe, remember_recipe
 from . import rules  # noqa: F401  (registers the built-in rules)
 from .context import HEADS, SPATIAL_KEY, TYPE_KEY, ConversionConfig, ConversionContext
 from .fields import FieldType
-from .grid import GridAnalysis
+from .grid import GridAnalysis, GridBreak
 from .input_fit import fit_input, invalid_size_error
 from .norm_groups import norm_group_rule
 from .weights import report_pretrained_weights
@@ -29,7 +31,7 @@ from .rules.split import consistent_width
 from .report import ConversionReport
 from .restrict import RestrictSpec, apply_restriction, plan, width_groups
 from .trace import propagate_shapes, trace
-from .verify import verify_conversion
+from .verify import require_an_exact_size, verify_conversion
 from .width import PARAMS, WidthSpec, multiplier_width, resolve_width
 
 PROBE_SIZES = (224, 32, 28, 64, 96)  # tried in order when input_size is not given
@@ -76,34 +78,44 @@ def _traced_with_shapes(
 
 
 def _analyse_grid(graph: fx.Graph) -> GridAnalysis:
-    """Input sizes at which every window op is symmetric and all merged branches agree."""
+    """Input sizes at which every window op is symmetric and all merged branches agree; the first break at the others."""
     valid = []
+    breaks: Counter[GridBreak] = Counter()
     nodes = list(graph.nodes)
     for size in GRID_SEARCH:
-        sizes: dict[fx.Node, int] = {}
-        ok = True
-        for node in nodes:
-            if node.op == "placeholder":
-                sizes[node] = size
-                continue
-            ftype = node.meta.get(TYPE_KEY)
-            inputs = [sizes[a] for a in node.all_input_nodes if a in sizes]
-            if ftype is None or not ftype.spatial or not inputs:
-                continue
-            merged = set(inputs) - {1} or {1}  # 1x1 maps (squeeze-excite gates) broadcast
-            if len(merged) > 1:
-                ok = False
-                break
-            op = node.meta.get(SPATIAL_KEY)
-            size_in = merged.pop() if op is None else inputs[0]
-            out, symmetric = op.apply(size_in) if op is not None else (size_in, True)
-            if not symmetric or out < 1:
-                ok = False
-                break
-            sizes[node] = out
-        if ok:
+        first_break = _first_break(nodes, size)
+        if first_break is None:
             valid.append(size)
-    return GridAnalysis(valid, GRID_SEARCH[-1])
+        elif first_break is not _TOO_SMALL:
+            breaks[first_break] += 1
+    return GridAnalysis(valid, GRID_SEARCH[-1], dict(breaks))
+
+
+_TOO_SMALL = GridBreak("", "shrinks the map to nothing")  # the input is too small: no break of equivariance
+
+
+def _first_break(nodes: list[fx.Node], size: int) -> GridBreak | None:
+    sizes: dict[fx.Node, int] = {}
+    for node in nodes:
+        if node.op == "placeholder":
+            sizes[node] = size
+            continue
+        ftype = node.meta.get(TYPE_KEY)
+        inputs = [sizes[a] for a in node.all_input_nodes if a in sizes]
+        if ftype is None or not ftype.spatial or not inputs:
+            continue
+        merged = set(inputs) - {1} or {1}  # 1x1 maps (squeeze-excite gates) broadcast
+        if len(merged) > 1:
+            return GridBreak(node.name, "merges maps of different sizes")
+        op = node.meta.get(SPATIAL_KEY)
+        size_in = merged.pop() if op is None else inputs[0]
+        out, symmetric = op.apply(size_in) if op is not None else (size_in, True)
+        if out < 1:
+            return _TOO_SMALL
+        if not symmetric:
+            return GridBreak(node.name, "places its windows asymmetrically")
+        sizes[node] = out
+    return None
 
 
 def _rewrite(gm: fx.GraphModule, ctx: ConversionContext, in_channels: int) -> FieldType | None:
@@ -192,6 +204,7 @@ def make_equivariant(
     pad_to_valid: bool = False,
     crop_to_valid: bool = False,
     pretrained: bool = False,
+    allow_non_equivariant: bool = False,
 ) -> EquivariantModel:
     """Convert a CNN into a steerable CNN equivariant to `group` ("C1".."C16", "D1".."D16", "SO2", "O2").
 
@@ -216,6 +229,9 @@ def make_equivariant(
     front (nn/input_fit.py): the model then takes input_size and stays exact.
     pretrained: the model holds trained weights; the report lists the layers that keep them
     and warns (also as a Python warning) that the others are freshly initialised.
+    A model that no input size makes exactly equivariant raises EquivarianceBreakError naming the
+    nodes that break it; allow_non_equivariant=True keeps it (approximately equivariant) with a warning.
+    Every report warning is also issued as a Python warning (an EquivarianceWarning).
     """
     if pad_to_valid and crop_to_valid:
         raise ValueError("give pad_to_valid or crop_to_valid, not both")
@@ -223,6 +239,8 @@ def make_equivariant(
         raise ValueError("pad_to_valid/crop_to_valid need the input_size to fit")
     spec = parse_group(group, frequency)
     cfg = _make_config(config, strict, head)
+    if cfg.strict and allow_non_equivariant:
+        raise ValueError("give strict or allow_non_equivariant, not both: strict refuses what the other accepts")
     if restrict is not None:
         cfg.restrict = restrict
     template, in_channels = _prepare(copy.deepcopy(model), input_size, cfg.leaf_modules)
@@ -243,6 +261,7 @@ def make_equivariant(
     grid = _analyse_grid(gm.graph)
     report.valid_input_sizes = grid.valid_sizes
     report.valid_input_rule = grid.rule()
+    require_an_exact_size(gm, grid, report, allow_non_equivariant=allow_non_equivariant)
     if input_size is not None:
         report.input_size = input_size
         report.input_size_valid = grid.is_valid(input_size)
@@ -251,7 +270,7 @@ def make_equivariant(
         if not report.input_size_valid:
             fit_input(gm, report, input_size, grid, "pad" if pad_to_valid else "crop")
     _validate_no_batch_statistics(gm)
-    verify_conversion(gm, template, report, in_channels, cfg.strict)  # runs where the original ran (verify.py)
+    verify_conversion(gm, template, report, in_channels)  # runs where the original ran (verify.py)
     if pretrained:
         report_pretrained_weights(model, gm, report)
     converted = EquivariantModel(gm, spec, in_channels, output_type, report).train(model.training)
@@ -266,7 +285,10 @@ def make_equivariant(
         frequency=frequency,
         pad_to_valid=pad_to_valid,
         crop_to_valid=crop_to_valid,
+        allow_non_equivariant=allow_non_equivariant,
     )
+    for warning in report.warnings:
+        warnings.warn(warning, stacklevel=2)
     return remember_recipe(converted, conversion_recipe(model, arguments))
 
 

@@ -10,7 +10,7 @@ pooling is always symmetric.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
@@ -63,10 +63,23 @@ class MinSizeOp:
 SpatialOp = WindowOp | AdaptiveOp | ScaleOp | MinSizeOp
 
 
+@dataclass(frozen=True)
+class GridBreak:
+    """The first node that loses exact equivariance at some input size, and why."""
+
+    node: str
+    reason: str
+
+
 @dataclass
 class GridAnalysis:
     valid_sizes: list[int]
     searched_up_to: int
+    breaks: dict[GridBreak, int] = field(default_factory=dict)  # how many searched sizes each break is the first at
+
+    def main_breaks(self, limit: int = 3) -> list[tuple[GridBreak, int]]:
+        """The breaks that stop the most sizes, most first."""
+        return sorted(self.breaks.items(), key=lambda item: -item[1])[:limit]
 
     def rule(self) -> str:
         """A readable description: a residue class from some size on, plus exceptions below it."""

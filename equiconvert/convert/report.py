@@ -14,19 +14,30 @@ class LayerChange:
     after: str
 
 
-@dataclass(frozen=True)
-class EquivarianceWarning:
-    """A construct that breaks exact equivariance, with where it is."""
+class EquivarianceWarning(UserWarning):
+    """A construct that breaks exact equivariance, with where it is.
 
-    node: str
-    module_path: str
-    source: str
-    message: str
+    Kept in ConversionReport.warnings and issued by make_equivariant through warnings.warn,
+    so it can be filtered or turned into an error like any Python warning.
+    """
+
+    def __init__(self, node: str, module_path: str, source: str, message: str) -> None:
+        super().__init__(node, module_path, source, message)  # args rebuild it when unpickled
+        self.node, self.module_path, self.source, self.message = node, module_path, source, message
 
     def __str__(self) -> str:
         where = f"node {self.node!r}" + (f" (module {self.module_path!r})" if self.module_path else "")
         src = f" at {self.source}" if self.source else ""
         return f"{where}{src}: {self.message}"
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is type(self) and self.args == other.args
+
+    def __hash__(self) -> int:
+        return hash(self.args)
+
+    def to_dict(self) -> dict[str, str]:
+        return {"node": self.node, "module_path": self.module_path, "source": self.source, "message": self.message}
 
 
 @dataclass
@@ -51,7 +62,7 @@ class ConversionReport:
 
     def to_dict(self) -> dict:
         data = asdict(self)
-        data["warnings"] = [dict(asdict(w), text=str(w)) for w in self.warnings]
+        data["warnings"] = [dict(w.to_dict(), text=str(w)) for w in self.warnings]
         return data
 
     def to_json(self, **kwargs) -> str:

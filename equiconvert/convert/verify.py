@@ -3,7 +3,9 @@
 The grid analysis reasons about window arithmetic only; a rule that changed a
 spatial size without saying so (or a merge of branches that disagree) would
 otherwise give a model that fails at run time. Conversion runs the converted
-graph node by node and names the node that fails.
+graph node by node and names the node that fails. A graph that no input size
+makes exactly equivariant is refused, naming the nodes that break it, unless
+the caller accepts it (allow_non_equivariant).
 """
 
 from __future__ import annotations
@@ -12,7 +14,8 @@ import torch
 import torch.fx as fx
 
 from ..errors import EquivarianceBreakError, UnsupportedLayerError
-from .context import SHAPE_KEY
+from .context import SHAPE_KEY, ConversionContext
+from .grid import GridAnalysis
 from .report import ConversionReport, EquivarianceWarning
 
 MIN_CHECK_SIZE = 32  # smallest size that a check runs at when a valid one this large exists
@@ -73,18 +76,12 @@ def verify_conversion(
     original: fx.GraphModule,
     report: ConversionReport,
     in_channels: int,
-    strict: bool,
 ) -> None:
-    """Raise UnsupportedLayerError if `converted` fails where `original` runs; warn (strict: raise) on no valid size.
+    """Raise UnsupportedLayerError if `converted` fails where `original` runs.
 
     `original` is the traced template with its recorded shapes: its input's size is where the original ran.
     """
     traced_size = next(n for n in original.graph.nodes if n.op == "placeholder").meta[SHAPE_KEY][-1]
-    if not report.valid_input_sizes:
-        message = f"{report.valid_input_rule}: the converted model is equivariant only approximately at every size"
-        if strict:
-            raise EquivarianceBreakError(f"{message} (strict=True turns this warning into an error)")
-        report.warnings.append(EquivarianceWarning("", "", "", message))
     sizes = [traced_size]
     valid = preferred_valid_size(report.valid_input_sizes)
     if valid is not None and valid != traced_size:
@@ -115,6 +112,36 @@ def verify_conversion(
                 f"the converted model returns shape {shape} on a {size}x{size} input where the original returns "
                 f"{expected}; a rule changed the output layout. Register a corrected rule for the head."
             )
+
+
+def require_an_exact_size(
+    converted: fx.GraphModule, grid: GridAnalysis, report: ConversionReport, *, allow_non_equivariant: bool
+) -> None:
+    """Refuse a model that no input size makes exactly equivariant, naming the nodes that break it.
+
+    With allow_non_equivariant the model is kept and the report warns (make_equivariant issues its
+    warnings as Python warnings): it is then equivariant only approximately, at every size.
+    """
+    if grid.valid_sizes:
+        return
+    nodes = {node.name: node for node in converted.graph.nodes}
+    breaks = grid.main_breaks()
+    where = "; ".join(
+        f"node {b.node!r} ({_where(nodes[b.node])}) {b.reason} at {count} of the sizes from 8 to {grid.searched_up_to}"
+        for b, count in breaks
+    )
+    message = f"{grid.rule()}" + (f": {where}" if where else "")
+    if not allow_non_equivariant:
+        raise EquivarianceBreakError(
+            f"{message}. Give those layers strides, paddings and pool sizes that agree on some input size (or replace "
+            "them) before converting, or pass allow_non_equivariant=True (CLI --allow-non-equivariant) to keep a model that is equivariant only "
+            "approximately at every size"
+        )
+    message += ": the converted model is equivariant only approximately at every size"
+    if breaks:
+        report.warnings.append(ConversionContext.warning_at(nodes[breaks[0][0].node], message))
+    else:
+        report.warnings.append(EquivarianceWarning("", "", "", message))
 
 
 def _runs(gm: fx.GraphModule, in_channels: int, size: int) -> bool:

@@ -53,14 +53,6 @@ def test_symmetrize_projects_onto_equivariant_filters():
     assert not torch.allclose(projected, noise, atol=1e-2)
 
 
-@pytest.fixture
-def cold_cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("EQUICONVERT_CACHE_DIR", str(tmp_path))
-    basis_module.clear_memory_cache()
-    yield tmp_path
-    basis_module.clear_memory_cache()
-
-
 def test_cold_build_needs_no_escnn_and_is_keyed_on_the_builder(cold_cache, monkeypatch):
     import sys
 

@@ -8,7 +8,6 @@ import torch
 from torch import nn
 
 import equiconvert
-from equiconvert import basis as basis_module
 from equiconvert.bases.canonical import BasisMismatchError, canonical_basis, orthonormal_span
 from equiconvert.nn.reexpress import reexpress_state_dict
 from equiconvert.basis import steerable_basis, symmetrize_on_grid
@@ -54,18 +53,13 @@ def test_model_with_dilated_convs_is_exactly_invariant_in_float64(group):
     assert output.abs().max() > 1e-3  # not trivially invariant (a zero output would be)
 
 
-def test_dilated_bases_build_without_escnn(tmp_path, monkeypatch):
-    monkeypatch.setenv("EQUICONVERT_CACHE_DIR", str(tmp_path))
+def test_dilated_bases_build_without_escnn(cold_cache, monkeypatch):
     monkeypatch.setitem(sys.modules, "escnn", None)  # any import of escnn now fails
-    basis_module.clear_memory_cache()
-    try:
-        model = equiconvert.make_equivariant(_net(2), "D4", input_size=17)
-        assert [c.dilation for c in _convs(model)] == [2, 2, 1]
-        # one cache entry per (group, fields, kernel size): the dilation does not change the tensor
-        names = sorted(p.name for p in tmp_path.rglob("*.pt"))
-        assert names == ["D4_regular_regular_k3.pt", "D4_regular_regular_k5.pt", "D4_trivial_regular_k3.pt"], names
-    finally:
-        basis_module.clear_memory_cache()
+    model = equiconvert.make_equivariant(_net(2), "D4", input_size=17)
+    assert [c.dilation for c in _convs(model)] == [2, 2, 1]
+    # one cache entry per (group, fields, kernel size): the dilation does not change the tensor
+    names = sorted(p.name for p in cold_cache.rglob("*.pt"))
+    assert names == ["D4_regular_regular_k3.pt", "D4_regular_regular_k5.pt", "D4_trivial_regular_k3.pt"], names
 
 
 def _escnn_dilated_basis(group, in_repr, out_repr, k, cutoff):

@@ -7,21 +7,25 @@ import torch.fx as fx
 from torch import nn
 
 import equiconvert
-from equiconvert.errors import InvalidInputSizeError
 from equiconvert.convert.registry import MODULE_RULES, register_module_rule
 
 
-def test_dla34_without_a_valid_size_warns_and_runs_where_the_original_runs():
-    original = timm.create_model("dla34", num_classes=3).eval()
-    model = equiconvert.make_equivariant(original, "C4").eval()
+@pytest.mark.parametrize("name, breaks", [("dla34", "level1_0"), ("hrnet_w18_small", "conv1")])
+def test_timm_models_exact_at_no_size_are_refused_naming_the_layer_that_breaks_it(name, breaks):
+    original = timm.create_model(name, pretrained=False, num_classes=3).eval()
+    with pytest.raises(
+        equiconvert.EquivarianceBreakError, match=f"no size from 8 to 1024 keeps exact equivariance: node '{breaks}'"
+    ):
+        equiconvert.make_equivariant(original, "D4", head="invariant")
+
+
+def test_dla34_kept_with_allow_non_equivariant_warns_and_runs_where_the_original_runs():
+    original = timm.create_model("dla34", pretrained=False, num_classes=3).eval()
+    with pytest.warns(equiconvert.EquivarianceWarning, match="node 'level1_0'.*equivariant only approximately"):
+        model = equiconvert.make_equivariant(original, "D4", head="invariant", allow_non_equivariant=True).eval()
     assert model.report.valid_input_sizes == []
-    assert any("no size" in w.message for w in model.report.warnings)
     with torch.no_grad():
         assert model(torch.randn(1, 3, 64, 64)).shape == original(torch.randn(1, 3, 64, 64)).shape == (1, 3)
-    with pytest.raises(equiconvert.EquivarianceBreakError, match="no size from 8"):
-        equiconvert.make_equivariant(original, "C4", strict=True)
-    with pytest.raises(InvalidInputSizeError, match="nearest: none"):  # a requested size cannot be made valid
-        equiconvert.make_equivariant(original, "C4", input_size=64, pad_to_valid=True)
 
 
 class _Keep(nn.Module):

@@ -19,8 +19,8 @@ def cache_root() -> Path:
 
 
 def disk_cache_enabled() -> bool:
-    """False when $EQUICONVERT_NO_CACHE is 1/true/yes: kernel bases and escnn's tables are then built in
-    memory, never read from or written to cache_root() (read-only or shared machines, cold-start checks)."""
+    """False when $EQUICONVERT_NO_CACHE is 1/true/yes: kernel bases, escnn's tables and decoded data sets are then
+    built in memory, never read from or written to cache_root() (read-only or shared machines, cold-start checks)."""
     value = os.environ.get(NO_CACHE_VARIABLE, "").strip().lower()
     if value not in _SWITCH:
         raise ValueError(f"${NO_CACHE_VARIABLE} must be 1/true/yes (no disk cache) or 0/false/no/empty, got {value!r}")

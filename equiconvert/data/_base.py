@@ -13,7 +13,7 @@ from typing import Callable, Iterable, Sequence
 import numpy as np
 import torch
 
-from equiconvert.cache import cache_root
+from equiconvert.cache import cache_root, disk_cache_enabled
 from equiconvert.errors import EquiconvertError
 
 SPLITS = ("train", "test")
@@ -201,7 +201,8 @@ def cache_key(*parts: object) -> str:
 
 
 def cache_load(path: Path) -> dict[str, np.ndarray] | None:
-    if not path.is_file():
+    """The arrays cached at `path`; None when absent, unreadable or the disk cache is off ($EQUICONVERT_NO_CACHE)."""
+    if not disk_cache_enabled() or not path.is_file():
         return None
     try:
         with np.load(path, allow_pickle=False) as z:
@@ -212,7 +213,9 @@ def cache_load(path: Path) -> dict[str, np.ndarray] | None:
 
 
 def cache_save(path: Path, **arrays: np.ndarray) -> bool:
-    """Write atomically (temporary file + rename); a read-only cache directory only warns."""
+    """Write atomically (temporary file + rename); a read-only cache directory only warns; off: nothing written."""
+    if not disk_cache_enabled():
+        return False
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.stem, suffix=".tmp.npz")

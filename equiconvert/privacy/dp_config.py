@@ -80,6 +80,10 @@ class DPConfig:
     # NOT private: log each step's noise-free mean training loss and actual Poisson batch size (and count of
     # non-finite per-example gradients), statistics of the private data released without noise
     log_nonprivate_stats: bool = False
+    # NOT covered by the guarantee: each step's record carries the run's elapsed time, so a step's duration, which
+    # grows with its secret Poisson batch size, can be read off the log; by default only evaluations, stops and the
+    # end carry it
+    log_step_times: bool = False
     epsilon_every: int = 10  # log epsilon every this many steps (PRV's get_epsilon is slow)
     # "bookkeeping": fastest and leanest measured (benchmarks/throughput.py, H200); "vmap": torch.func, for any
     # model; "auto": bookkeeping unless the model fails its checks (static, then a probe at the first step), then vmap

@@ -76,7 +76,9 @@ class DPConfig:
     insecure_seeded_noise: bool = False
     eval_every: int | None = None
     eval_batch_size: int = 1024
-    checkpoint_every: int | None = None
+    # with out_dir, a checkpoint every this many steps, besides those at each evaluation, a time-limit stop and the
+    # end: what a killed run resumes from
+    checkpoint_every: int | None = 100
     # NOT private: log each step's noise-free mean training loss and actual Poisson batch size (and count of
     # non-finite per-example gradients), statistics of the private data released without noise
     log_nonprivate_stats: bool = False

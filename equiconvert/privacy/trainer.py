@@ -303,8 +303,7 @@ class DPTrainer(TrainerCheckpoint):
                 self._log.append({"step": self.step, "eval": evaluation, "time_s": self._clock.elapsed()})
                 self._checkpoint_if_out()
             if self.config.checkpoint_every and self.step % self.config.checkpoint_every == 0:
-                if self._checkpoint_step != self.step:
-                    self.save_checkpoint()
+                self._checkpoint_if_out()
             if time_limit_s is not None and self.step < self.config.steps and self._time_is_up(start, time_limit_s):
                 self.stopped_reason = "time_limit"
                 self._log.append({"event": "stopped", "reason": "time_limit", **self._progress_fields()})

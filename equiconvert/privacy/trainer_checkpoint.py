@@ -28,6 +28,7 @@ from .secure_rng import RandomSource, rekey_generators, rekey_global_generators
 
 METHOD_ONLY_OPTIONS = ("per_sample_method", "data_in_memory_bytes")  # how gradients are computed, not what they are
 EVALUATION_ONLY_OPTIONS = ("test_shifts",)  # what evaluations also report, not what is trained
+RECORD_ONLY_OPTIONS = ("checkpoint_every", "log_step_times")  # what is written along the way, not what is trained
 
 
 class TrainerCheckpoint:
@@ -155,4 +156,8 @@ def resume_identity(config: dict[str, Any]) -> dict[str, Any]:
     known = {f.name for f in fields(DPConfig)}
     as_read = asdict(DPConfig(**{**asdict(DPConfig()), **{k: v for k, v in config.items() if k in known}}))
     full = {**config, **as_read}  # DPConfig's reading of its own options (0 as off: None), other keys as stored
-    return {key: value for key, value in full.items() if key not in METHOD_ONLY_OPTIONS + EVALUATION_ONLY_OPTIONS}
+    return {
+        key: value
+        for key, value in full.items()
+        if key not in METHOD_ONLY_OPTIONS + EVALUATION_ONLY_OPTIONS + RECORD_ONLY_OPTIONS
+    }

@@ -11,16 +11,20 @@ import copy
 import json
 import math
 import pickle
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
 import torch
 
 from equiconvert.privacy.checkpoint import load, save_atomic
+from equiconvert.privacy.dp_config import DPConfig
 from equiconvert.privacy.per_sample import clip_and_sum, per_sample_gradients
 from equiconvert.privacy.secure_rng import RandomSource
 from equiconvert.privacy.trainer import DPTrainer
+from equiconvert.privacy.trainer_checkpoint import resume_identity
 from tests.support.crash import CopyOutAfter
+from tests.support.rng import freshly_keyed, initial_seed
 from tests.support.tiny import N, linear_classifier, tiny_images
 
 OPTIONS = dict(
@@ -37,17 +41,6 @@ OPTIONS = dict(
     progress=False,
     epsilon_every=1,
 )
-
-
-def _initial_seed(state: torch.Tensor) -> int:
-    """The seed a torch CPU generator's state starts with (its first 8 bytes)."""
-    return int.from_bytes(bytes(state[:8].tolist()), "little")
-
-
-def _freshly_keyed(state: torch.Tensor) -> bool:
-    """Whether `state` is that of a generator that has drawn nothing since it was seeded: running MT19937
-    backwards from it leads to its seed and no further, so it derives no earlier draw."""
-    return torch.equal(state, torch.Generator().manual_seed(_initial_seed(state)).get_state())
 
 
 def _replay_step_one(private: bool, tmp_path: Path) -> tuple[float, bool]:
@@ -69,8 +62,8 @@ def _replay_step_one(private: bool, tmp_path: Path) -> tuple[float, bool]:
     trainer.save_checkpoint()
 
     state = load(tmp_path / "checkpoint.pt")  # the attacker holds the file and the weights of steps 0 and 1
-    noise = RandomSource([_initial_seed(s) for s in state["rng"]["noise"]])
-    sampling = RandomSource([_initial_seed(s) for s in state["sampler"]["generator_states"]])
+    noise = RandomSource([initial_seed(s) for s in state["rng"]["noise"]])
+    sampling = RandomSource([initial_seed(s) for s in state["sampler"]["generator_states"]])
     std = state["noise_multiplier"] * OPTIONS["max_grad_norm"]
     recovered = {
         n: (before[n] - after[n]) / OPTIONS["lr"] * OPTIONS["batch_size"] - noise.gaussian(p.shape, std)
@@ -102,12 +95,12 @@ def test_a_private_checkpoint_replays_no_earlier_noise_or_batch(tmp_path):
 def test_every_generator_state_in_a_private_checkpoint_is_freshly_keyed(tmp_path):
     """Noise, sampling, augmentation and torch's global generator: each state written derives only later draws
     (the augmentation's and the global one's positions would count the secret batch sizes)."""
-    trainer = DPTrainer(linear_classifier(), out_dir=tmp_path, steps=3, **OPTIONS)
+    trainer = DPTrainer(linear_classifier(), out_dir=tmp_path, steps=3, checkpoint_every=3, **OPTIONS)
     trainer.fit(tiny_images())
     state = load(tmp_path / "checkpoint.pt")
     rng = state["rng"]
     states = [*rng["noise"], *state["sampler"]["generator_states"], rng["augment"], rng["torch"]]
-    assert len(states) == 6 and all(_freshly_keyed(s) for s in states)
+    assert len(states) == 6 and all(freshly_keyed(s) for s in states)
     public = torch.Generator().manual_seed(1).get_state()  # the augmentation's, from the public seed 0
     assert not torch.equal(rng["augment"], public)
 
@@ -121,7 +114,7 @@ def test_a_resumed_secret_source_continues_the_live_one_and_draws_no_earlier_noi
     resumed.load_state_dict(live.state_dict())
     later = resumed.gaussian((4000,), 2.0)
     assert torch.equal(later, live.gaussian((4000,), 2.0))
-    reseeded = RandomSource([_initial_seed(s) for s in resumed.state_dict()])  # after 1 save: fresh again
+    reseeded = RandomSource([initial_seed(s) for s in resumed.state_dict()])  # after 1 save: fresh again
     assert not torch.equal(reseeded.gaussian((4000,), 2.0), earlier)
     assert abs(float(torch.corrcoef(torch.stack([earlier, later]))[0, 1])) < 5 / math.sqrt(4000)
     variance = float(later.double().pow(2).mean())
@@ -134,7 +127,7 @@ def test_a_pickled_or_copied_secret_source_replays_no_earlier_draw(duplicate):
     live = RandomSource.secret()
     earlier = live.gaussian((64,), 1.0)
     copied = duplicate(pickle.dumps(live)) if duplicate is pickle.loads else duplicate(live)
-    assert all(_freshly_keyed(g.get_state()) for g in copied._generators)  # as held, before any state_dict()
+    assert all(freshly_keyed(g.get_state()) for g in copied._generators)  # as held, before any state_dict()
     assert torch.equal(copied.gaussian((64,), 1.0), live.gaussian((64,), 1.0))
     assert not torch.equal(copied.gaussian((64,), 1.0), earlier)
 
@@ -165,21 +158,35 @@ def _log(folder: Path) -> list[dict]:
 def test_a_run_killed_after_its_checkpoint_resumes_with_each_step_logged_once_and_its_time_going_on(tmp_path):
     """Killed after step 4 with the checkpoint of step 2: the log holds steps 3 and 4 already; the resumed log
     has each step once, and its times go on from the checkpoint's elapsed time."""
-    options = {**OPTIONS, "steps": 6, "checkpoint_every": 2, "log_step_times": True}
+    options = {**OPTIONS, "steps": 6, "checkpoint_every": 2}
     crashed = tmp_path / "b"
-    with pytest.warns(UserWarning, match="log_step_times"):
-        kill_after_4 = CopyOutAfter(4, tmp_path / "a", crashed)
-        DPTrainer(linear_classifier(), out_dir=tmp_path / "a", callbacks=[kill_after_4], **options).fit(tiny_images())
+    kill_after_4 = CopyOutAfter(4, tmp_path / "a", crashed)
+    DPTrainer(linear_classifier(), out_dir=tmp_path / "a", callbacks=[kill_after_4], **options).fit(tiny_images())
     assert [r["step"] for r in _log(crashed) if "lr" in r] == [1, 2, 3, 4]
     state = load(crashed / "checkpoint.pt")
     assert state["step"] == 2
     save_atomic({**state, "elapsed_s": 1000.0}, crashed / "checkpoint.pt")  # a run that had trained 1000 s
-    with pytest.warns(UserWarning, match="log_step_times"):
-        DPTrainer(linear_classifier(), out_dir=crashed, **options).fit(tiny_images(), resume=True)
+    resumed = DPTrainer(linear_classifier(), out_dir=crashed, **options)
+    resumed.fit(tiny_images(), resume=True)
     log = _log(crashed)
     assert [r["step"] for r in log if "lr" in r] == [1, 2, 3, 4, 5, 6]
-    resumed = [r for r in log if r["step"] > 2 and "time_s" in r]
-    assert resumed and all(r["time_s"] >= 1000.0 for r in resumed)
+    timed = [r for r in log if r["step"] > 2 and "time_s" in r]
+    assert timed and all(r["time_s"] >= 1000.0 for r in timed)
+    assert load(crashed / "checkpoint.pt")["elapsed_s"] >= 1000.0
+
+
+def test_how_often_checkpoints_are_written_may_change_on_resume():
+    """checkpoint_every and log_step_times change what is written along the way, not what is trained."""
+    saved = asdict(DPConfig(checkpoint_every=None))
+    assert resume_identity(saved) == resume_identity(asdict(DPConfig(checkpoint_every=7, log_step_times=True)))
+    assert resume_identity(saved) != resume_identity(asdict(DPConfig(steps=7)))
+
+
+def test_step_times_are_logged_only_on_request_with_a_warning(tmp_path):
+    with pytest.warns(UserWarning, match="log_step_times.*NOT covered"):
+        DPTrainer(linear_classifier(), out_dir=tmp_path, steps=2, log_step_times=True, **OPTIONS).fit(tiny_images())
+    steps = [r for r in _log(tmp_path) if "lr" in r]
+    assert len(steps) == 2 and steps[0]["time_s"] <= steps[1]["time_s"]
 
 
 def test_the_default_log_has_no_step_time_only_run_totals(tmp_path):

@@ -70,7 +70,9 @@ class DPConfig:
     # a Dataset (or DataLoader) whose images take at most this many bytes is read once into tensors on the
     # device; a larger one is streamed (each step reads its sampled examples through the Dataset)
     data_in_memory_bytes: int = 2**30
-    seed: int = 0  # initial weights (set by the caller), augmentation and data order; never the noise or sampling
+    # initial weights (set by the caller), augmentation (a private run's until its first checkpoint re-keys it) and
+    # data order; never the noise or sampling
+    seed: int = 0
     # NOT private: seed the noise and the Poisson sampling from `seed` (tests, debugging); the default draws them from
     # the operating system's CSPRNG (secure_rng), and anyone with the seed could subtract the noise
     insecure_seeded_noise: bool = False

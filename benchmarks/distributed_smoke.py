@@ -52,7 +52,7 @@ def steady_throughput(records: list[dict[str, Any]], samples_per_step: float, wa
     Only those records are written after the device has finished their step; the ones between hold the
     time their step was queued. `samples_per_step`: the expected augmented samples of one step.
     """
-    synced = [r for r in records if "epsilon" in r and "time_s" in r and r["step"] >= warmup]
+    synced = [r for r in records if "lr" in r and "epsilon" in r and "time_s" in r and r["step"] >= warmup]
     if len(synced) < 2:
         raise ValueError(f"need two logged steps with epsilon after step {warmup}; raise --steps")
     first, last = synced[0], synced[-1]

@@ -11,7 +11,7 @@ Forward security: a torch generator's state holds its seed (and MT19937 runs bac
 after some draws would let its holder replay them. `state_dict()` of a secret source therefore re-keys it
 first with fresh CSPRNG seeds: the states it returns (what checkpoints hold) derive the draws after it and
 nothing before, and the live run goes on from exactly those states, so a resumed run draws what the
-uninterrupted one does. `rekey_generators` does the same for the generators whose position counts the
+run that wrote the checkpoint does, up to the next save (each save re-keys afresh). `rekey_generators` does the same for the generators whose position counts the
 secret batch sizes (augmentation, and torch's global ones that dropout draws from).
 
 - Noise: (z1 + z2) / sqrt(2) with z1, z2 ~ N(0, std^2) from the two generators,

@@ -2,9 +2,10 @@
 
 The file (checkpoint.py writes it atomically and owner-only) holds the model, optimizer, EMA, ledger, the
 log's length and wall time, and the generators of every rank; a run resumes it only with the same
-configuration and number of processes, so the resumed steps draw the same samples and noise the
-uninterrupted run would have. In the private mode the generators are re-keyed at each save (secure_rng):
-the checkpoint reproduces the steps after it, never one before it.
+configuration and number of processes, so the resumed steps draw the same samples and noise the run that
+wrote it did. In the private mode the generators are re-keyed at each save (secure_rng): the checkpoint
+reproduces the steps after it up to the next save, never one before it, and a resumed run is identical in
+distribution to an uninterrupted one; in the seeded mode it is identical bit for bit.
 """
 
 from __future__ import annotations

@@ -70,16 +70,24 @@ class DPConfig:
     # a Dataset (or DataLoader) whose images take at most this many bytes is read once into tensors on the
     # device; a larger one is streamed (each step reads its sampled examples through the Dataset)
     data_in_memory_bytes: int = 2**30
-    seed: int = 0  # initial weights (set by the caller), augmentation and data order; never the noise or sampling
+    # initial weights (set by the caller), augmentation (a private run's until its first checkpoint re-keys it) and
+    # data order; never the noise or sampling
+    seed: int = 0
     # NOT private: seed the noise and the Poisson sampling from `seed` (tests, debugging); the default draws them from
     # the operating system's CSPRNG (secure_rng), and anyone with the seed could subtract the noise
     insecure_seeded_noise: bool = False
     eval_every: int | None = None
     eval_batch_size: int = 1024
-    checkpoint_every: int | None = None
+    # with out_dir, a checkpoint every this many steps, besides those at each evaluation, a time-limit stop and the
+    # end: what a killed run resumes from
+    checkpoint_every: int | None = 100
     # NOT private: log each step's noise-free mean training loss and actual Poisson batch size (and count of
     # non-finite per-example gradients), statistics of the private data released without noise
     log_nonprivate_stats: bool = False
+    # NOT covered by the guarantee: each step's record carries the run's elapsed time, so a step's duration, which
+    # grows with its secret Poisson batch size, can be read off the log; by default only evaluations, stops and the
+    # end carry it
+    log_step_times: bool = False
     epsilon_every: int = 10  # log epsilon every this many steps (PRV's get_epsilon is slow)
     # "bookkeeping": fastest and leanest measured (benchmarks/throughput.py, H200); "vmap": torch.func, for any
     # model; "auto": bookkeeping unless the model fails its checks (static, then a probe at the first step), then vmap

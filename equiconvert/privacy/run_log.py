@@ -2,11 +2,16 @@
 
 A step's record may hold device tensors (batch size, training loss): they become numbers only when the log is
 written, all at once, so the loop waits for the device at the steps that write and nowhere else.
+
+A resumed run continues the log of its checkpoint: lines written after the checkpoint (by a run killed
+later) are dropped, so each step has one record, and RunClock's time goes on from the checkpoint's.
 """
 
 from __future__ import annotations
 
 import json
+import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +20,15 @@ import torch
 from .callbacks import MetricsLogger, flat_metrics
 
 INTEGER_FIELDS = ("batch_size", "nonfinite_gradients")  # record fields that are counts
+STEP_TIMES_WARNING = (
+    "log_step_times: each step's record carries its wall time, which grows with the step's secret Poisson batch "
+    "size; these times are NOT covered by the differential privacy guarantee"
+)
+
+
+def warn_step_times(stacklevel: int = 3) -> None:
+    """The warning a run that logs each step's time gives once."""
+    warnings.warn(STEP_TIMES_WARNING, stacklevel=stacklevel)
 
 
 class RunLog:
@@ -24,6 +38,7 @@ class RunLog:
         self.out_dir, self.metrics_logger, self.writes = out_dir, metrics_logger, writes
         self.records: list[dict[str, Any]] = []
         self._written = 0  # records[:_written] are in the log
+        self.lines = 0  # lines of log.jsonl this run's log goes on from (a checkpoint stores it)
 
     def append(self, record: dict[str, Any], defer: bool = False) -> None:
         """Append `record`; unless deferred, write every record not yet written (rank 0 only)."""
@@ -42,8 +57,39 @@ class RunLog:
                     self.metrics_logger.log_metrics(values, int(record["step"]))
         if self.out_dir is not None and self.writes and pending:
             self.out_dir.mkdir(parents=True, exist_ok=True)
-            with open(self.out_dir / "log.jsonl", "a") as handle:
+            with open(self.path, "a") as handle:
                 handle.writelines(json.dumps(record) + "\n" for record in pending)
+            self.lines += len(pending)
+
+    @property
+    def path(self) -> Path | None:
+        return self.out_dir / "log.jsonl" if self.out_dir is not None else None
+
+    def resume(self, lines: int | None) -> None:
+        """Go on from a checkpoint that stored `lines` lines of the log (None: one that did not count them):
+        later lines, records of steps the resumed run takes again, are cut from the file (rank 0)."""
+        if lines is None or self.path is None:
+            return
+        self.lines = lines
+        if self.writes and self.path.is_file():
+            kept = self.path.read_text().splitlines(keepends=True)[:lines]
+            self.path.write_text("".join(line if line.endswith("\n") else line + "\n" for line in kept))
+
+
+class RunClock:
+    """A run's wall time across resumes: the checkpoint's (`before`) plus this process's since `start()`."""
+
+    def __init__(self) -> None:
+        self.before = 0.0
+        self._started: float | None = None
+
+    def start(self) -> None:
+        self._started = time.perf_counter()
+
+    def elapsed(self) -> float:
+        """Seconds the run has trained, the stopped runs it resumes included."""
+        running = time.perf_counter() - self._started if self._started is not None else 0.0
+        return self.before + running
 
 
 def materialize(records: list[dict[str, Any]]) -> list[dict[str, Any]]:

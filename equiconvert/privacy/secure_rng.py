@@ -5,8 +5,14 @@ who can subtract the noise from a released update recovers the sum of clipped
 gradients. Each purpose therefore owns two torch generators seeded from the
 operating system's CSPRNG (`secrets`, 64 bits each, 128 secret bits together;
 a torch generator takes a 64-bit seed), and every draw combines one draw of each,
-so the result stays secret while either seed is. The seeds are never stored; only
-the generators' states, in checkpoints, which are as secret as the training data.
+so the result stays secret while either seed is. The seeds are never stored.
+
+Forward security: a torch generator's state holds its seed (and MT19937 runs backwards), so a state written
+after some draws would let its holder replay them. `state_dict()` of a secret source therefore re-keys it
+first with fresh CSPRNG seeds: the states it returns (what checkpoints hold) derive the draws after it and
+nothing before, and the live run goes on from exactly those states, so a resumed run draws what the
+run that wrote the checkpoint does, up to the next save (each save re-keys afresh). `rekey_generators` does the same for the generators whose position counts the
+secret batch sizes (augmentation, and torch's global ones that dropout draws from).
 
 - Noise: (z1 + z2) / sqrt(2) with z1, z2 ~ N(0, std^2) from the two generators,
   drawn in at least float32. Besides combining both seeds, the sum of two samples
@@ -32,6 +38,7 @@ import math
 import secrets
 import warnings
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -92,15 +99,43 @@ class RandomSource:
         )
         return torch.bitwise_xor(first, second) < math.floor(probability * 2**_BITS)
 
+    def rekey(self) -> None:
+        """A secret source takes fresh CSPRNG seeds for every draw from now on; a seeded one keeps its stream."""
+        if self.private:
+            rekey_generators(*self._generators)
+
     def state_dict(self) -> list[torch.Tensor]:
-        """The generators' states (uint8 tensors: loadable with torch.load(weights_only=True))."""
+        """The generators' states (uint8 tensors: loadable with torch.load(weights_only=True)), forward-secure:
+        a secret source re-keys first, so they derive no draw made before this call."""
+        self.rekey()
         return [g.get_state() for g in self._generators]
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickling and copying go through `state_dict()`: a saved optimizer or loader replays no earlier draw."""
+        return (_restored, (str(self.device), self.private, self.state_dict()))
 
     def load_state_dict(self, states: list[torch.Tensor]) -> None:
         if not isinstance(states, (list, tuple)) or len(states) != _STREAMS:
             raise ValueError(f"a random source state is a list of {_STREAMS} generator states")
         for generator, state in zip(self._generators, states):
             generator.set_state(state.to(device="cpu", dtype=torch.uint8))
+
+
+def _restored(device: str, private: bool, states: list[torch.Tensor]) -> RandomSource:
+    source = RandomSource([0] * _STREAMS, device, private=private)
+    source.load_state_dict(states)
+    return source
+
+
+def rekey_generators(*generators: torch.Generator) -> None:
+    """Fresh CSPRNG seeds for `generators`: their states then derive only the draws after this call."""
+    for generator in generators:
+        generator.manual_seed(secrets.randbits(64))
+
+
+def rekey_global_generators() -> None:
+    """Fresh CSPRNG seeds for torch's global generators of every device (what dropout draws from)."""
+    torch.manual_seed(secrets.randbits(64))
 
 
 def make_source(purpose: str, insecure_seed: int | None, device: str | torch.device = "cpu") -> RandomSource:

@@ -37,7 +37,7 @@ from .nonfinite import zero_nonfinite_examples
 from .normalization import Normalize
 from .per_sample import clip_and_sum
 from .per_sample_method import PerSampleGradients
-from .run_log import RunLog, materialize
+from .run_log import RunClock, RunLog, materialize, warn_step_times
 from .train_data import StreamedData, TensorData as TensorSource, TrainData, as_train_data
 from .sampling import PoissonSampler, physical_chunks
 from .secure_rng import NOISE, SAMPLING, make_source, warn_not_private
@@ -98,6 +98,8 @@ class DPTrainer(TrainerCheckpoint):
         validate_dp_safe(model)
         if self.config.insecure_seeded_noise:
             warn_not_private("insecure_seeded_noise")
+        if self.config.log_step_times:
+            warn_step_times()
         self._per_sample_gradients = PerSampleGradients(model, self.config, self.loss_fn)
         self.device = resolve_device(device)
         self.model = model.to(self.device)
@@ -116,6 +118,8 @@ class DPTrainer(TrainerCheckpoint):
         self.step = 0
         self.stopped_reason: str | None = None  # "budget" or "time_limit" when fit ended before `steps`
         self._log = RunLog(self.out_dir, metrics_logger, self.dist.is_main)
+        self._clock = RunClock()
+        self._checkpoint_step: int | None = None  # the step of the last checkpoint this trainer wrote
         self.ledger: PrivacyLedger | None = None
         self.sampler: PoissonSampler | None = None
         self.noise_multiplier: float | None = None
@@ -252,10 +256,12 @@ class DPTrainer(TrainerCheckpoint):
     ) -> list[dict[str, Any]]:
         """Train until `steps`, until one more step would exceed the budget, or until `time_limit_s`.
 
-        A run stopped by the time limit writes a checkpoint (with out_dir), so
-        `fit(..., resume=True)` continues it to the same end as an uninterrupted run. The data moves to the
+        With out_dir, a checkpoint is written at each evaluation, every `checkpoint_every` steps, when the time
+        limit stops the run and at the end, so `fit(..., resume=True)` continues it to the same end as an
+        uninterrupted run. Evaluations, stops and the final record carry the run's elapsed `time_s`; step
+        records carry it only under `log_step_times` (it times the secret batches). The data moves to the
         device once; a step waits for the device only where its record is written (every `epsilon_every` steps,
-        evaluations, checkpoints), so `time_s` of the steps between is the time they were queued.
+        evaluations, checkpoints), so a step's `time_s` between those is the time it was queued.
         """
         train_source = self._source(train_set, "the training data")
         check_dp_safe(self.model, self._first_example(train_source, "the training data"))
@@ -277,15 +283,15 @@ class DPTrainer(TrainerCheckpoint):
             )
         bar = _progress_bar(self.config.steps, self.step, self.progress)
         start = time.perf_counter()
+        self._clock.start()
         while self.step < self.config.steps:
             if self.step >= budget_steps:  # one more step would exceed target_epsilon
                 self.stopped_reason = "budget"
-                self._log.append(
-                    {"event": "stopped", "reason": "budget", "step": self.step, "epsilon": self.ledger.epsilon}
-                )
+                self._log.append({"event": "stopped", "reason": "budget", **self._progress_fields()})
                 break
             record = self._train_step(data)
-            record["time_s"] = time.perf_counter() - start
+            if self.config.log_step_times:
+                record["time_s"] = self._clock.elapsed()
             self._log.append(record, defer=not self._logs_epsilon(self.step))
             for callback in self.callbacks:
                 callback.on_step_end(self, record)
@@ -293,23 +299,32 @@ class DPTrainer(TrainerCheckpoint):
             if "epsilon" in record:
                 bar.set_postfix(eps=f"{record['epsilon']:.3f}")
             if eval_set is not None and self.config.eval_every and self.step % self.config.eval_every == 0:
-                self._log.append({"step": self.step, "eval": self._evaluate_with_callbacks(eval_set)})
+                evaluation = self._evaluate_with_callbacks(eval_set)
+                self._log.append({"step": self.step, "eval": evaluation, "time_s": self._clock.elapsed()})
+                self._checkpoint_if_out()
             if self.config.checkpoint_every and self.step % self.config.checkpoint_every == 0:
-                self.save_checkpoint()
+                self._checkpoint_if_out()
             if time_limit_s is not None and self.step < self.config.steps and self._time_is_up(start, time_limit_s):
                 self.stopped_reason = "time_limit"
-                self._log.append(
-                    {"event": "stopped", "reason": "time_limit", "step": self.step, "epsilon": self.ledger.epsilon}
-                )
-                if self.out_dir is not None:
-                    self.save_checkpoint()
+                self._log.append({"event": "stopped", "reason": "time_limit", **self._progress_fields()})
+                self._checkpoint_if_out()
                 break
         bar.close()
-        final = {"step": self.step, "epsilon": self.ledger.epsilon}
+        final = self._progress_fields()
         if eval_set is not None:
             final["final_eval"] = self._evaluate_with_callbacks(eval_set)
         self._log.append(final)
+        self._checkpoint_if_out()
         return self.history
+
+    def _progress_fields(self) -> dict[str, Any]:
+        """Where the run stands: its step, epsilon spent and elapsed wall time (one total, no step's own time)."""
+        return {"step": self.step, "epsilon": self.ledger.epsilon, "time_s": self._clock.elapsed()}
+
+    def _checkpoint_if_out(self) -> None:
+        """Write a checkpoint (with out_dir) unless one of this step was written already."""
+        if self.out_dir is not None and self._checkpoint_step != self.step:
+            self.save_checkpoint()
 
     def _logs_epsilon(self, step: int) -> bool:
         """Whether step `step`'s record carries epsilon and is written at once (the loop's only waits)."""

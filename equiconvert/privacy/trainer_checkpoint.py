@@ -1,8 +1,11 @@
 """DPTrainer's checkpoint: everything a stopped run needs to continue as if it had never stopped.
 
-The file (checkpoint.py writes it atomically and owner-only) holds the model, optimizer, EMA, ledger and
-the generators of every rank; a run resumes it only with the same configuration and number of processes,
-so the resumed steps draw the same samples and noise the uninterrupted run would have.
+The file (checkpoint.py writes it atomically and owner-only) holds the model, optimizer, EMA, ledger, the
+log's length and wall time, and the generators of every rank; a run resumes it only with the same
+configuration and number of processes, so the resumed steps draw the same samples and noise the run that
+wrote it did. In the private mode the generators are re-keyed at each save (secure_rng): the checkpoint
+reproduces the steps after it up to the next save, never one before it, and a resumed run is identical in
+distribution to an uninterrupted one; in the seeded mode it is identical bit for bit.
 """
 
 from __future__ import annotations
@@ -20,12 +23,13 @@ from .distributed import DistributedContext
 from .dp_config import DPConfig
 from .ema import ExponentialMovingAverage
 from .run_folder import CHECKPOINT
-from .run_log import RunLog
+from .run_log import RunClock, RunLog
 from .sampling import PoissonSampler
-from .secure_rng import RandomSource
+from .secure_rng import RandomSource, rekey_generators, rekey_global_generators
 
 METHOD_ONLY_OPTIONS = ("per_sample_method", "data_in_memory_bytes")  # how gradients are computed, not what they are
 EVALUATION_ONLY_OPTIONS = ("test_shifts",)  # what evaluations also report, not what is trained
+RECORD_ONLY_OPTIONS = ("checkpoint_every", "log_step_times")  # what is written along the way, not what is trained
 
 
 class TrainerCheckpoint:
@@ -45,6 +49,9 @@ class TrainerCheckpoint:
     _augment_rng: torch.Generator
     _noise_source: RandomSource
     _log: RunLog
+    _clock: RunClock
+    _checkpoint_step: int | None
+    private: bool
 
     def checkpoint_path(self) -> Path:
         """Where save_checkpoint writes and resume reads: the run folder's checkpoint file."""
@@ -56,6 +63,7 @@ class TrainerCheckpoint:
         """Rank 0 writes the job's state: the shared one once, each rank's own generators (all ranks call this)."""
         self._log.flush()
         ranks = self.dist.all_gather_object(self._rank_state())  # [distributed]
+        self._checkpoint_step = self.step
         if not self.dist.is_main:
             return
         state = {
@@ -68,13 +76,22 @@ class TrainerCheckpoint:
             "noise_multiplier": self.noise_multiplier,
             "nonfinite_gradients": int(self._nonfinite),
             "world_size": self.dist.world_size,
+            "log_lines": self._log.lines,
+            "elapsed_s": self._clock.elapsed(),
             **ranks[0],
             "other_ranks": ranks[1:],
         }
         save_atomic(state, self.checkpoint_path())
 
     def _rank_state(self) -> dict[str, Any]:
-        """What differs between the ranks of a job: the sampler of its shard and its generators."""
+        """What differs between the ranks of a job: the sampler of its shard and its generators.
+
+        Private mode: every generator is re-keyed first (the sources re-key in their state_dict), since the
+        augmentation's and the global ones' positions count the examples drawn, i.e. the secret batch sizes.
+        """
+        if self.private:
+            rekey_generators(self._augment_rng)
+            rekey_global_generators()
         return {
             "sampler": self.sampler.state_dict(),
             "rng": {
@@ -127,7 +144,9 @@ class TrainerCheckpoint:
         torch.set_rng_state(own["rng"]["torch"])
         if own["rng"]["cuda"] is not None and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(own["rng"]["cuda"])
-        self.step = state["step"]
+        self.step = self._checkpoint_step = state["step"]
+        self._log.resume(state.get("log_lines"))
+        self._clock.before = float(state.get("elapsed_s", 0.0))
 
 
 def resume_identity(config: dict[str, Any]) -> dict[str, Any]:
@@ -138,4 +157,8 @@ def resume_identity(config: dict[str, Any]) -> dict[str, Any]:
     known = {f.name for f in fields(DPConfig)}
     as_read = asdict(DPConfig(**{**asdict(DPConfig()), **{k: v for k, v in config.items() if k in known}}))
     full = {**config, **as_read}  # DPConfig's reading of its own options (0 as off: None), other keys as stored
-    return {key: value for key, value in full.items() if key not in METHOD_ONLY_OPTIONS + EVALUATION_ONLY_OPTIONS}
+    return {
+        key: value
+        for key, value in full.items()
+        if key not in METHOD_ONLY_OPTIONS + EVALUATION_ONLY_OPTIONS + RECORD_ONLY_OPTIONS
+    }

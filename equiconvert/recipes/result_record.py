@@ -59,6 +59,7 @@ def trainer_record(trainer: DPTrainer, log: Path | None) -> dict[str, Any]:
         **final_metrics(trainer.history[-1]["final_eval"]),
         "private": trainer.private,
         "log_nonprivate_stats": c.log_nonprivate_stats,
+        "log_step_times": c.log_step_times,
         "epsilon": trainer.epsilon,
         "delta": trainer.delta,
         "target_epsilon": c.target_epsilon,
@@ -86,7 +87,8 @@ def trainer_record(trainer: DPTrainer, log: Path | None) -> dict[str, Any]:
         "augment_flip": c.augment_flip,
         "test_shifts": c.test_shifts,
         "evals": eval_history(log),
-        "train_time_s": max((r["time_s"] for r in trainer.history if "time_s" in r), default=0.0),  # this call's
+        # the run's, the stopped runs it resumes included
+        "train_time_s": max((r["time_s"] for r in trainer.history if "time_s" in r), default=0.0),
     }
     if c.log_nonprivate_stats:
         record["nonfinite_gradients"] = trainer.nonfinite_gradients

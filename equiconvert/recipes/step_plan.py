@@ -3,11 +3,13 @@ then calibrate the noise for the steps that fit (run.plan_steps)."""
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
 from torch import nn
 
+from ..privacy.callbacks import Callback
 from ..privacy.dp_config import DPConfig
 from ..privacy.trainer import DPTrainer
 
@@ -43,10 +45,20 @@ def probe_seconds_per_step(
         "delta": None,
         "ema_decay": None,
     }
-    trainer = DPTrainer(copy.deepcopy(model), device=device, out_dir=None, progress=False, **timing)
+    clock = _StepClock()
+    trainer = DPTrainer(copy.deepcopy(model), device=device, out_dir=None, progress=False, callbacks=[clock], **timing)
     trainer.fit((images, labels))
-    times = [r["time_s"] for r in trainer.history if "time_s" in r]
-    return (times[-1] - times[0]) / steps
+    return (clock.times[-1] - clock.times[0]) / steps
+
+
+class _StepClock(Callback):
+    """The time at the end of each step (the probe's epsilon_every=1 makes each step wait for the device)."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+
+    def on_step_end(self, trainer: Any, record: dict[str, Any]) -> None:
+        self.times.append(time.perf_counter())
 
 
 def plan_steps(

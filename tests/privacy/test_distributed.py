@@ -25,6 +25,7 @@ from equiconvert.privacy.sampling import PoissonSampler
 from equiconvert.privacy.secure_rng import SAMPLING, make_source
 from equiconvert.privacy.trainer import DPTrainer
 from tests.support.paths import REPO_ROOT
+from tests.support.rng import freshly_keyed
 from tests.support.train_args import tiny_train_args
 
 WORLD = 2
@@ -142,6 +143,10 @@ def _worker(rank: int, root: str) -> None:
     resumed = _trainer(context, root_path / "resumed")
     resumed.fit(data, eval_set=eval_set, resume=True)
     saved["resumed"] = _states(resumed)
+
+    # a private run: the checkpoint holds every rank's generators re-keyed at the save
+    torch.manual_seed(0)
+    _trainer(context, root_path / "private", steps=2, insecure_seeded_noise=False, log_nonprivate_stats=False).fit(data)
     torch.save(saved, root_path / f"rank{rank}.pt")
     dist.destroy_process_group()
 
@@ -229,6 +234,18 @@ def test_only_rank_zero_writes_and_the_log_has_each_step_once(job):
     state = torch.load(root / "straight" / "checkpoint.pt", weights_only=True)
     assert state["world_size"] == WORLD and len(state["other_ranks"]) == WORLD - 1
     assert state["other_ranks"][0]["sampler"]["shard"] == (1, WORLD)
+
+
+def test_a_private_checkpoint_holds_only_freshly_keyed_generators_of_every_rank(job):
+    """Forward security on every rank: no stored state (noise, sampling of its shard, augmentation, torch's global
+    generator) derives a draw made before the save."""
+    root, _ = job
+    state = torch.load(root / "private" / "checkpoint.pt", weights_only=True)
+    assert len(state["other_ranks"]) == WORLD - 1
+    for rank in [state, *state["other_ranks"]]:
+        rng = rank["rng"]
+        states = [*rng["noise"], *rank["sampler"]["generator_states"], rng["augment"], rng["torch"]]
+        assert len(states) == 6 and all(freshly_keyed(s) for s in states)
 
 
 def test_sharded_evaluation_reports_the_whole_set(job):

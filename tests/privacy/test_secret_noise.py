@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import math
 import secrets
-import shutil
 import stat
 
 import pytest
@@ -16,6 +15,7 @@ from equiconvert.privacy.checkpoint import load
 from equiconvert.privacy.per_sample import clip_and_sum, per_sample_gradients
 from equiconvert.privacy.secure_rng import NOISE, SAMPLING, RandomSource
 from equiconvert.privacy.trainer import DPTrainer
+from tests.support.crash import CopyOutAfter
 from tests.support.tiny import N, linear_classifier, tiny_images
 from tests.support.train_args import tiny_train_args
 
@@ -165,19 +165,15 @@ def test_a_saved_generator_state_list_loads_and_continues_both_streams():
 
 
 def test_secret_run_resumes_bit_identically_from_its_checkpoint(tmp_path):
-    """Kill after step 2, resume from the copy of its checkpoint: the same weights as the run that went on."""
+    """Kill after step 2, resume from the copy of its checkpoint: up to the next checkpoint, the same weights as
+    the run that went on (it continued from the re-keyed states it wrote; each later save re-keys afresh)."""
     images, labels = tiny_images()
-    options = {**OPTIONS, "steps": 4, "checkpoint_every": 1}
+    options = {**OPTIONS, "steps": 4, "checkpoint_every": 2}
     torch.manual_seed(SEED)
-    initial = linear_classifier()
-    going_on = DPTrainer(initial, out_dir=tmp_path / "a", **options)
-    going_on._prepare_privacy(N)
-    for _ in range(2):
-        going_on.train_step(images, labels)
-    going_on.save_checkpoint()
-    shutil.copytree(tmp_path / "a", tmp_path / "b")
-    for _ in range(2):
-        going_on.train_step(images, labels)
+    copy_out = CopyOutAfter(3, tmp_path / "a", tmp_path / "b")
+    going_on = DPTrainer(linear_classifier(), out_dir=tmp_path / "a", callbacks=[copy_out], **options)
+    going_on.fit((images, labels))
+    assert load(tmp_path / "b" / "checkpoint.pt")["step"] == 2
     torch.manual_seed(SEED)
     resumed = DPTrainer(linear_classifier(), out_dir=tmp_path / "b", **options)
     resumed.fit((images, labels), resume=True)
@@ -206,12 +202,17 @@ def _train(tmp_path, *flags: str) -> tuple[dict, list[dict]]:
     return json.loads((out / "result.json").read_text()), log
 
 
-def test_train_is_private_by_default_and_logs_no_noise_free_statistics(tmp_path, capsys):
+def test_default_train_is_private_logs_no_step_statistics_or_times_and_writes_an_owner_only_checkpoint(
+    tmp_path, capsys
+):
     result, log = _train(tmp_path)
     assert result["private"] is True and result["log_nonprivate_stats"] is False
+    assert result["log_step_times"] is False
     assert "nonfinite_gradients" not in result  # a noise-free count of training examples
     steps = [record for record in log if "lr" in record]
-    assert len(steps) == 2 and not any({"train_loss", "batch_size"} & set(record) for record in steps)
+    assert len(steps) == 2 and not any({"train_loss", "batch_size", "time_s"} & set(record) for record in steps)
+    checkpoint = tmp_path / "run" / "checkpoint.pt"  # the README's resumable checkpoint, written by default
+    assert stat.S_IMODE(checkpoint.stat().st_mode) == 0o600 and load(checkpoint)["step"] == 2
     text = json.dumps(result) + capsys.readouterr().out
     assert "generator" not in text and "secret" not in text
 

@@ -23,6 +23,7 @@ from torch import nn
 
 from .accounting import PrivacyBudgetError, PrivacyLedger, calibrate_noise_multiplier, check_delta_for, default_delta
 from .augment import augment_views, shift_set
+from .buffer_guard import BufferGuard
 from .callbacks import Callback, MetricsLogger
 from .checkpoint import remove_stale_temporaries
 from .distributed import SINGLE_PROCESS, DistributedContext
@@ -99,6 +100,7 @@ class DPTrainer(TrainerCheckpoint):
         if self.config.insecure_seeded_noise:
             warn_not_private("insecure_seeded_noise")
         self._per_sample_gradients = PerSampleGradients(model, self.config, self.loss_fn)
+        self._buffer_guard: BufferGuard | None = None  # set by the DP-safety probe (_probe_once)
         self.device = resolve_device(device)
         self.model = model.to(self.device)
         self.dist = distributed or SINGLE_PROCESS  # [distributed] every rank starts from rank 0's weights
@@ -185,6 +187,7 @@ class DPTrainer(TrainerCheckpoint):
         c = self.config
         if labels is not None:
             data = TensorSource(data, labels)
+        self._probe_once(data)
         indices = self.sampler.sample()
         count = torch.full((), float(len(indices)), device=self.device)
         indices = _to_device(indices, data.device)  # where the data are (fit moves them to the device)
@@ -197,7 +200,8 @@ class DPTrainer(TrainerCheckpoint):
             chunk_images, chunk_labels = data.gather(chunk)
             views = self.augment(self._normalize(chunk_images), c.aug_mult, self._augment_rng)
             chunk_labels = chunk_labels.to(self.device)
-            grads, losses = self._per_sample_gradients(params, buffers, views, chunk_labels)
+            with self._buffer_guard.watch(views.flatten(0, 1)):
+                grads, losses = self._per_sample_gradients(params, buffers, views, chunk_labels)
             loss_sum += losses.detach().sum()
             grads, bad = zero_nonfinite_examples(grads)
             nonfinite += bad
@@ -258,7 +262,7 @@ class DPTrainer(TrainerCheckpoint):
         evaluations, checkpoints), so `time_s` of the steps between is the time they were queued.
         """
         train_source = self._source(train_set, "the training data")
-        check_dp_safe(self.model, self._first_example(train_source, "the training data"))
+        self._probe_once(train_source)
         data = self._checked(train_source, "the training data")
         if eval_set is not None:
             eval_set = self._checked(self._source(eval_set, "the evaluation data"), "the evaluation data")
@@ -310,6 +314,14 @@ class DPTrainer(TrainerCheckpoint):
             final["final_eval"] = self._evaluate_with_callbacks(eval_set)
         self._log.append(final)
         return self.history
+
+    def _probe_once(self, source: TrainData) -> None:
+        """The DP-safety probe (dp_safety.py), once, before the model sees data, at the largest batch a forward
+        takes; every per-sample gradient computation after it is guarded (buffer_guard.py)."""
+        if self._buffer_guard is None:
+            rows = min(self.config.physical_batch_size, len(source)) * self.config.aug_mult
+            set_once = check_dp_safe(self.model, self._first_example(source, "the training data"), rows)
+            self._buffer_guard = BufferGuard(self.model, set_once)
 
     def _logs_epsilon(self, step: int) -> bool:
         """Whether step `step`'s record carries epsilon and is written at once (the loop's only waits)."""

@@ -12,7 +12,8 @@ being trained, so such a module cannot pass:
   shadow's: a buffer may change in training only as it would on an input that is not the private batch.
 A buffer found different is set back to the expected value before the error (so the model never holds
 it) and PrivacyValidationError names the module, the buffer and what to do. Costs: one comparison of the
-buffers per forward; with a shadow, a copy of the model and a forward of one example per forward.
+buffers per forward (one wait for the device); with a shadow, a copy of the model and a forward of one example
+per forward.
 """
 
 from __future__ import annotations
@@ -89,22 +90,35 @@ class BufferGuard:
     def _check(self, when: str) -> None:
         expected = self._expected
         current = dict(self._model.named_buffers())
-        changed = [name for name in {**expected, **current} if not _same(expected.get(name), current.get(name))]
-        if changed:
-            _assign(self._model, expected)
-            raise PrivacyValidationError(_message(changed, when, self._shadow is not None))
+        if _all_same(expected, current):
+            return
+        changed = [name for name in {**expected, **current} if not _all_same(_one(expected, name), _one(current, name))]
+        _assign(self._model, expected)
+        raise PrivacyValidationError(_message(changed, when, self._shadow is not None))
 
 
 def _copied(model: nn.Module) -> Buffers:
     return {name: buffer.detach().clone() for name, buffer in model.named_buffers()}
 
 
-def _same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
-    if a is None or b is None:
-        return a is b
-    if a.shape != b.shape or a.dtype != b.dtype or a.device != b.device:
+def _one(buffers: Buffers, name: str) -> Buffers:
+    return {name: buffers[name]} if name in buffers else {}
+
+
+def _all_same(expected: Buffers, current: Buffers) -> bool:
+    """Whether the two sets of buffers are equal (NaN equal to NaN), waiting for each device once, not per buffer."""
+    if expected.keys() != current.keys():
         return False
-    return torch.equal(a, b) or (a.is_floating_point() and bool(torch.isclose(a, b, 0.0, 0.0, equal_nan=True).all()))
+    flags: dict[torch.device, list[torch.Tensor]] = {}
+    for name, a in expected.items():
+        b = current[name]
+        if a.shape != b.shape or a.dtype != b.dtype or a.device != b.device:
+            return False
+        same = a == b
+        if a.is_floating_point() or a.is_complex():
+            same |= a.isnan() & b.isnan()
+        flags.setdefault(a.device, []).append(same.all())
+    return all(bool(torch.stack(device_flags).all()) for device_flags in flags.values())
 
 
 def _assign(model: nn.Module, buffers: Buffers) -> None:

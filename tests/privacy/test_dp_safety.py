@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -233,3 +235,37 @@ def test_mixing_in_either_direction_is_refused_naming_the_examples(mixer):
 
 def test_a_group_norm_model_passes_the_probe_at_a_large_batch():
     check_dp_safe(_model(nn.ReLU()), EXAMPLE, batch_size=256)
+
+
+def test_the_probe_runs_once_per_front_end(monkeypatch):
+    from equiconvert.privacy import dp_safety, make_private, private_module
+    from equiconvert.privacy import trainer as trainer_module
+
+    calls: list[int] = []
+
+    def counted(probe):
+        def run(*args, **kwargs):
+            calls.append(1)
+            return probe(*args, **kwargs)
+
+        return run
+
+    monkeypatch.setattr(trainer_module, "check_dp_safe", counted(dp_safety.check_dp_safe))
+    monkeypatch.setattr(private_module, "probe_dp_safety", counted(dp_safety.probe_dp_safety))
+    images, labels = _images()
+    options = dict(noise_multiplier=1.0, target_epsilon=None, batch_size=4, aug_mult=1, augment_padding=0)
+    trainer = DPTrainer(_model(nn.ReLU()), steps=3, progress=False, ema_decay=None, **options)
+    trainer.fit((images, labels))
+    trainer.train_step(images, labels)
+    assert len(calls) == 1
+    model = _model(nn.ReLU())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(images, labels), batch_size=4)
+    private, optimizer, loader = make_private(
+        module=model, optimizer=optimizer, data_loader=loader, noise_multiplier=1.0, max_grad_norm=1.0
+    )
+    for batch, targets in itertools.islice(loader, 3):
+        F.cross_entropy(private(batch), targets).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    assert len(calls) == 2

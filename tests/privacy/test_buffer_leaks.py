@@ -360,3 +360,17 @@ def test_train_step_without_fit_probes_the_model_too():
     with pytest.raises(PrivacyValidationError, match=r"module '2' changes its buffer 'count' from its input"):
         trainer.train_step(images, labels)
     assert trainer.step == 0 and int(model[2].count) == 0
+
+
+def test_attack_a_trained_example_counter_does_not_reveal_the_secret_batch_sizes():
+    """The attack: train with the user's own loop, then read the released buffer: the sum of the Poisson batch
+    sizes. The first training forward is refused instead, and the buffer holds nothing of the batches."""
+    model = _model(ExampleCounter())
+    images, labels = _data(16)
+    private, optimizer, loader = _make_private(model, images, labels)
+    sizes: list[int] = []
+    with pytest.raises(PrivacyValidationError, match="'count'"):
+        for batch, targets in itertools.islice(loader, 4):
+            sizes.append(len(batch))
+            _one_private_step(private, optimizer, batch, targets)
+    assert sum(sizes) > 0 and int(model[2].count) == 0

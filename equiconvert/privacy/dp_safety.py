@@ -114,7 +114,8 @@ def _summary_dtype(device: torch.device) -> torch.dtype:
     return torch.float32 if device.type == "mps" else torch.float64  # MPS has no float64
 
 
-Record = tuple[str, torch.Tensor | None, torch.Tensor]  # module path, fingerprints of its batched input (if any), output
+# module path, fingerprints of its batched input (if any) and of its output
+Record = tuple[str, torch.Tensor | None, torch.Tensor]
 
 
 def _forward(model: nn.Module, inputs: torch.Tensor, prints: _Fingerprints) -> list[Record]:
@@ -206,9 +207,7 @@ def _ends(rows: int) -> list[int]:
     return sorted({0, rows - 1} | ({rows // 2} if rows >= 5 else set()))
 
 
-def probe_dp_safety(
-    model: nn.Module, example_input: torch.Tensor, batch_size: int | None = None
-) -> frozenset[str]:
+def probe_dp_safety(model: nn.Module, example_input: torch.Tensor, batch_size: int | None = None) -> frozenset[str]:
     """Refuse (PrivacyValidationError) buffers written from the input or on every forward, and mixed examples.
 
     example_input: a batch (B, ...) of inputs as the model takes them (only its per-example shape, dtype
@@ -252,7 +251,9 @@ def probe_dp_safety(
     tolerance = _ULPS * torch.finfo(dtype).eps
     _refuse_mixing(outputs[0], outputs[1], others, ends, tolerance)
     _refuse_mixing(outputs[0], outputs[2], ends, others, tolerance)
-    return frozenset(name for name, entry in initial.items() if entry[0] == "buffer" and _differs(initial, after_one[0], name))
+    return frozenset(
+        name for name, entry in initial.items() if entry[0] == "buffer" and _differs(initial, after_one[0], name)
+    )
 
 
 def _refuse_input_dependent(pairs: Sequence[tuple[State, State]], history: list[State]) -> None:

@@ -374,3 +374,26 @@ def test_attack_a_trained_example_counter_does_not_reveal_the_secret_batch_sizes
             sizes.append(len(batch))
             _one_private_step(private, optimizer, batch, targets)
     assert sum(sizes) > 0 and int(model[2].count) == 0
+
+
+def test_opacus_make_private_guards_the_training_forwards():
+    pytest.importorskip("opacus")
+    from opacus import PrivacyEngine
+
+    from equiconvert.privacy.opacus_interop import make_private as opacus_make_private
+
+    model = nn.Sequential(CountsImageBatches(), _model(nn.ReLU()))
+    images, labels = _data()
+    loader = DataLoader(TensorDataset(images - 1.0, labels), batch_size=4)
+    with pytest.warns(UserWarning, match="secure_mode=False"):
+        private, _, _ = opacus_make_private(
+            PrivacyEngine(),
+            module=model,
+            optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+            data_loader=loader,
+            noise_multiplier=1.0,
+            max_grad_norm=1.0,
+        )
+    with pytest.raises(PrivacyValidationError, match=r"module '0' changed its buffer 'count' in a training forward"):
+        private(images[:4] - 1.0)
+    assert int(model[0].count) == 0

@@ -141,7 +141,7 @@ class PrivateModule(nn.Module):
         self._guard = BufferGuard(self._module, set_once)
 
     def _verify_once(self, x: torch.Tensor) -> None:
-        """bookkeeping.verify_bookkeeping on the first input shape: refuse models that mix examples."""
+        """bookkeeping.verify_bookkeeping on the first input shape: refuse models book-keeping gets wrong."""
         self._verify = False
         if not x.is_floating_point():
             warnings.warn(

@@ -132,7 +132,7 @@ class PrivateModule(nn.Module):
                 set_once = probe_dp_safety(self._module, x, max(x.shape[0], self._probe_rows))
             except PrivacyValidationError:
                 raise
-            except Exception as error:  # noqa: BLE001  (a forward that needs more than one tensor: say so, do not refuse)
+            except Exception as error:  # noqa: BLE001  (a forward needing several tensors: warn, do not refuse)
                 warnings.warn(
                     f"make_private: the probe of the model's buffers and of how it keeps examples apart could not "
                     f"run ({error}); a training forward that changes any buffer is refused",

@@ -1,19 +1,37 @@
 """Behavioural DP-safety probes: what a model does in a train-mode forward, not what its layers are called.
 
-Two ways a model breaks DP-SGD's per-example analysis whatever its layers' names:
-- a buffer (or parameter) that a forward pass writes from its input (running statistics
-  under any name, data-dependent initialisation such as ActNorm's) holds statistics of
+Three ways a model breaks DP-SGD's per-example analysis whatever its layers' names:
+- a buffer (or parameter) that a forward writes from its input (running statistics under any name,
+  a count of the examples seen, data-dependent initialisation such as ActNorm's) holds statistics of
   private data without clipping or noise, then released;
-- a forward that mixes examples (`x - x.mean(0)`, `F.batch_norm(training=True)`)
-  makes an example's output, hence its "per-example" gradient, depend on others.
-Both probes run on float64 CPU copies of the model with random inputs shaped like
-the example; the caller's model and RNG state are left as they were.
+- a buffer that every forward changes, even the same way for any input (a count of forwards): the
+  number of forwards per step follows the secret batch size (physical chunks, empty batches);
+- a forward that mixes examples (`x - x.mean(0)`, `F.batch_norm(training=True)`, `x + x.cumsum(0)`)
+  makes an example's output, hence its "per-example" gradient, depend on others; the per-example
+  back-ends (vmap, book-keeping, Opacus' grad samplers) would compute gradients of another function.
+
+The probe runs once per front-end on ONE copy of the model (on its device, in train mode, without
+gradients, with fixed dropout masks), with random inputs drawn from a secret seed so that a module
+cannot recognise them, its tensors set back to their initial values before each run:
+- three forwards of `batch_size` rows, the largest batch training runs: a base batch, the base with
+  its first, middle and last examples replaced, and the base with all the others replaced. At every
+  module, the examples not replaced must keep their outputs: mixing in either direction (an example
+  depending on earlier or on later ones) at the size that runs is refused;
+- after each of those forwards the buffers must equal those left by a forward of 1 example: what a
+  buffer holds may depend neither on the examples nor on their number; and a second forward (of 3)
+  must leave them as the first did.
+The caller's model and RNG state are left as they were. A buffer written only on batches the probe did
+not draw is refused at run time by the guard on the model being trained (buffer_guard.py).
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
-from typing import Any, Iterator
+import itertools
+import secrets
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -21,12 +39,33 @@ from torch.nn.parameter import is_lazy
 
 from .validate import PrivacyValidationError, validate_dp_safe
 
-PROBE_BATCH = 3
-_RTOL, _ATOL = 1e-9, 1e-12
+PROBE_BATCH = 3  # the fewest rows with a first, a middle and a last example
+_WHOLE_WIDTH = 1 << 16  # elements per projection of a whole buffer or parameter (bounds the random vectors kept)
+_ULPS = 64  # an example's output may move by this many units in the last place of its norm (kernel rounding)
 
 
-def _probe_copy(model: nn.Module) -> nn.Module:
-    return copy.deepcopy(model).to(device="cpu", dtype=torch.float64).train()
+def device_of(model: nn.Module) -> torch.device:
+    """Where the model's tensors are (cpu for a model without any)."""
+    for tensor in itertools.chain(model.parameters(), model.buffers()):
+        return tensor.device
+    return torch.device("cpu")
+
+
+@contextlib.contextmanager
+def fixed_rng(device: torch.device) -> Iterator[None]:
+    """The caller's CPU (and this CUDA device's) RNG state untouched; inside, seeded to the same value each time."""
+    cuda = [device.index if device.index is not None else torch.cuda.current_device()] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=cuda):
+        torch.default_generator.manual_seed(0)
+        if cuda:
+            with torch.cuda.device(cuda[0]):
+                torch.cuda.manual_seed(0)
+        yield
+
+
+def secret_generator() -> torch.Generator:
+    """A CPU generator from a secret seed: inputs a module cannot predict and so cannot recognise."""
+    return torch.Generator().manual_seed(secrets.randbits(63))
 
 
 def _tensor_of(output: Any) -> torch.Tensor | None:
@@ -37,111 +76,199 @@ def _tensor_of(output: Any) -> torch.Tensor | None:
     return inner if isinstance(inner, torch.Tensor) else None
 
 
-Record = tuple[str, torch.Tensor | None, torch.Tensor]  # module path, its batched input (if any), its output
+class _Fingerprints:
+    """Small summaries of tensors, equal for equal values and different otherwise (with probability one):
+    a projection on a random unit vector and the norm, per example (rows) or of a whole tensor."""
+
+    def __init__(self, generator: torch.Generator) -> None:
+        self._generator = generator
+        self._directions: dict[tuple[int, torch.device], torch.Tensor] = {}
+
+    def _direction(self, width: int, device: torch.device) -> torch.Tensor:
+        key = (width, device)
+        if key not in self._directions:
+            vector = torch.randn(width, generator=self._generator, dtype=torch.float64)
+            self._directions[key] = (vector / vector.norm().clamp_min(1e-300)).to(device, _summary_dtype(device))
+        return self._directions[key]
+
+    def rows(self, value: Any, rows: int) -> torch.Tensor | None:
+        """(2, rows) of a batched float tensor with `rows` examples, else None."""
+        tensor = _tensor_of(value)
+        if tensor is None or tensor.dim() == 0 or tensor.shape[0] != rows or not tensor.is_floating_point():
+            return None
+        flat = tensor.detach().reshape(rows, -1).to(_summary_dtype(tensor.device))
+        return torch.stack((flat @ self._direction(flat.shape[1], flat.device), flat.norm(dim=1)))
+
+    def whole(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Of a whole tensor: one projection per _WHOLE_WIDTH elements, and the norm (on the CPU)."""
+        flat = tensor.detach().reshape(-1)
+        if flat.is_complex():
+            flat = torch.view_as_real(flat).reshape(-1)
+        flat = flat.to(_summary_dtype(flat.device))
+        width = min(max(flat.numel(), 1), _WHOLE_WIDTH)
+        pieces = torch.nn.functional.pad(flat, (0, -flat.numel() % width)).reshape(-1, width)
+        return torch.cat((pieces @ self._direction(width, flat.device), flat.norm().reshape(1))).cpu()
 
 
-def _batched(value: Any, batch: int) -> torch.Tensor | None:
-    tensor = _tensor_of(value)
-    return tensor.detach().clone() if tensor is not None and tensor.dim() > 0 and tensor.shape[0] == batch else None
+def _summary_dtype(device: torch.device) -> torch.dtype:
+    return torch.float32 if device.type == "mps" else torch.float64  # MPS has no float64
 
 
-def _forward(model: nn.Module, inputs: torch.Tensor) -> list[Record]:
-    """Train-mode forward with fixed dropout masks; every module's batched input and output, in completion order."""
-    outputs: list[Record] = []
+# module path, fingerprints of its batched input (if any) and of its output
+Record = tuple[str, torch.Tensor | None, torch.Tensor]
+
+
+def _forward(model: nn.Module, inputs: torch.Tensor, prints: _Fingerprints) -> list[Record]:
+    """Train-mode forward with fixed dropout masks; every module's batched input and output fingerprints, in
+    completion order."""
+    rows = inputs.shape[0]
+    records: list[Record] = []
 
     def hook(name: str):
         def record(module: nn.Module, args: tuple, output: Any) -> None:
-            tensor = _batched(output, inputs.shape[0])
-            if tensor is not None:
-                outputs.append((name, _batched(args[0], inputs.shape[0]) if args else None, tensor))
+            summary = prints.rows(output, rows)
+            if summary is not None:
+                records.append((name, prints.rows(args[0], rows) if args else None, summary))
 
         return record
 
     handles = [m.register_forward_hook(hook(name or "<root>")) for name, m in model.named_modules()]
     try:
-        with torch.random.fork_rng(devices=[]), torch.no_grad():
-            torch.manual_seed(0)
+        with fixed_rng(inputs.device), torch.no_grad():
             model(inputs)
     finally:
         for handle in handles:
             handle.remove()
-    return outputs
+    return records
 
 
-def _random_batch(example_input: torch.Tensor) -> Iterator[torch.Tensor]:
-    """Two batches of PROBE_BATCH random inputs shaped like one example, equal in example 0 only."""
-    shape = tuple(example_input.shape[1:])
-    generator = torch.Generator().manual_seed(0)
-    first = torch.randn(PROBE_BATCH, *shape, generator=generator, dtype=torch.float64)
-    second = first.clone()
-    second[1:] = torch.randn(PROBE_BATCH - 1, *shape, generator=generator, dtype=torch.float64)
-    yield first
-    yield second
+State = dict[str, tuple[str, torch.Tensor, tuple[int, ...], torch.dtype]]  # path -> (kind, fingerprint, shape, dtype)
 
 
-def _same_example(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether example 0 of two batches is the same (the probe runs in float64)."""
-    return a.shape == b.shape and torch.allclose(a[0], b[0], rtol=_RTOL, atol=_ATOL)
-
-
-def _independent_batches(example_input: torch.Tensor, count: int) -> list[torch.Tensor]:
-    """`count` batches of PROBE_BATCH random inputs shaped like one example, no two examples alike."""
-    generator = torch.Generator().manual_seed(1)
-    shape = (PROBE_BATCH, *example_input.shape[1:])
-    return [torch.randn(shape, generator=generator, dtype=torch.float64) for _ in range(count)]
-
-
-State = dict[str, tuple[str, torch.Tensor]]  # path -> ("buffer" or "parameter", its value)
-
-
-def _state(model: nn.Module) -> State:
-    """Every buffer and parameter of `model` by path, with its kind, as it is now."""
-    buffers = {name: ("buffer", b.detach().clone()) for name, b in model.named_buffers()}
-    return buffers | {name: ("parameter", p.detach().clone()) for name, p in model.named_parameters()}
+def _state(model: nn.Module, prints: _Fingerprints) -> State:
+    """Every buffer and parameter of `model` by path, as it is now (fingerprints, not copies)."""
+    tensors = itertools.chain(
+        (("buffer", n, b) for n, b in model.named_buffers()), (("parameter", n, p) for n, p in model.named_parameters())
+    )
+    return {name: (kind, prints.whole(t), tuple(t.shape), t.dtype) for kind, name, t in tensors}
 
 
 def _differs(a: State, b: State, name: str) -> bool:
     x, y = a.get(name), b.get(name)
-    if x is None or y is None or x[1].shape != y[1].shape:
+    if x is None or y is None or x[2:] != y[2:]:
         return True
-    same_nan = x[1].is_floating_point() and torch.allclose(x[1], y[1], rtol=0.0, atol=0.0, equal_nan=True)
-    return not (torch.equal(x[1], y[1]) or same_nan)
+    return not torch.equal(x[1], y[1]) and not torch.allclose(x[1], y[1], rtol=0.0, atol=0.0, equal_nan=True)
 
 
-def check_buffers_unchanged(model: nn.Module, example_input: torch.Tensor) -> None:
-    """Refuse any buffer (or parameter) whose value after train-mode forwards depends on the inputs.
+class _Snapshot:
+    """The copy's tensors as it was made, to set it back before each probe run (no second copy of the model)."""
 
-    Two copies of the model, fresh as given, each run two forwards on their own random batches; whatever
-    ends up different between the copies was written from the inputs: running statistics under any name,
-    and data-dependent initialisation on the first forward (ActNorm). State that forward changes the same
-    way for any input (a step counter, a cache built from parameters) is allowed.
-    """
+    def __init__(self, model: nn.Module) -> None:
+        self._buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
+        self._parameters = {name: p.detach().clone() for name, p in model.named_parameters()}
+
+    def restore(self, model: nn.Module) -> None:
+        with torch.no_grad():
+            for name, _ in list(model.named_buffers()):
+                if name not in self._buffers:  # registered by a forward: gone again
+                    owner, _, attribute = name.rpartition(".")
+                    del model.get_submodule(owner)._buffers[attribute]
+            for table, saved in ((model.get_buffer, self._buffers), (model.get_parameter, self._parameters)):
+                for name, value in saved.items():
+                    _set(model, name, table, value)
+
+
+def _set(model: nn.Module, name: str, get: Any, value: torch.Tensor) -> None:
+    owner, _, attribute = name.rpartition(".")
+    module = model.get_submodule(owner)
+    try:
+        current = get(name)
+    except AttributeError:
+        current = None
+    if isinstance(current, torch.Tensor) and current.shape == value.shape and current.dtype == value.dtype:
+        current.copy_(value)
+    elif attribute in module._parameters:
+        module._parameters[attribute] = nn.Parameter(value.clone(), requires_grad=value.requires_grad)
+    else:
+        module._buffers[attribute] = value.clone()
+
+
+def _refuse_lazy(model: nn.Module) -> None:
     lazy = [name for name, p in model.named_parameters() if is_lazy(p)]
-    if lazy:  # materialised by the first forward with a fresh random init, which the copies would not share
+    if lazy:  # materialised by the first forward with a fresh random init, which probe runs would not share
         raise PrivacyValidationError(
             f"parameter {lazy[0]!r} is uninitialised (a lazy module): run the model once on a zero input of the "
             "data's shape before DP training, so that its shapes and initial values are fixed"
         )
-    copies = (_probe_copy(model), _probe_copy(model))
-    initial = _state(copies[0])
-    batches = iter(_independent_batches(example_input, 2 * len(copies)))
-    pairs: list[tuple[State, State]] = []  # the two copies' states after one forward, after two
-    for _ in range(2):
-        for probe in copies:
-            _forward(probe, next(batches))
-        pairs.append((_state(copies[0]), _state(copies[1])))
-    for first, second in pairs:
-        either = {**second, **first}
-        dependent = [name for name in either if _differs(first, second, name)]
-        if dependent:
-            history = [initial, pairs[0][0], pairs[1][0]]
-            raise PrivacyValidationError(_input_dependent_message(dependent, either[dependent[0]][0], history))
+
+
+def _ends(rows: int) -> list[int]:
+    """The first and last rows, and the middle one where at least two others remain."""
+    return sorted({0, rows - 1} | ({rows // 2} if rows >= 5 else set()))
+
+
+def probe_dp_safety(model: nn.Module, example_input: torch.Tensor, batch_size: int | None = None) -> frozenset[str]:
+    """Refuse (PrivacyValidationError) buffers written from the input or on every forward, and mixed examples.
+
+    example_input: a batch (B, ...) of inputs as the model takes them (only its per-example shape, dtype
+    and device are used). batch_size: rows of the largest batch the model takes in one training forward
+    (physical batch times views per example); default B, at least PROBE_BATCH. See the module docstring.
+    Returns the buffers that forward sets once, the same way for any input (a cache built from constants
+    or parameters): the run-time guard (buffer_guard.BufferGuard) replays their updates.
+    """
+    _refuse_lazy(model)
+    rows = max(batch_size or example_input.shape[0], PROBE_BATCH)
+    probe = copy.deepcopy(model).train()
+    device = device_of(probe)
+    dtype = example_input.dtype if example_input.is_floating_point() else torch.get_default_dtype()
+    generator = secret_generator()
+    prints = _Fingerprints(generator)
+
+    def draw(count: int) -> torch.Tensor:
+        return torch.randn((count, *example_input.shape[1:]), generator=generator, dtype=dtype).to(device)
+
+    snapshot, initial = _Snapshot(probe), _state(probe, prints)
+    ends = _ends(rows)
+    others = [row for row in range(rows) if row not in ends]
+    base = draw(rows)
+    few, rest = base.clone(), base.clone()
+    few[ends] = draw(len(ends))
+    rest[others] = draw(len(others))
+    outputs: list[list[Record]] = []
+    after_one: list[State] = []
+    for batch in (base, few, rest):
+        snapshot.restore(probe)
+        outputs.append(_forward(probe, batch, prints))
+        after_one.append(_state(probe, prints))
+    snapshot.restore(probe)
+    _forward(probe, draw(1), prints)
+    small_one = _state(probe, prints)
+    _forward(probe, draw(PROBE_BATCH), prints)
+    history = [initial, small_one, _state(probe, prints)]  # as given, after one forward, after two
+
+    _refuse_input_dependent([(state, small_one) for state in after_one], history)
+    _refuse_forward_counters(history[1], history[2])
+    tolerance = _ULPS * torch.finfo(dtype).eps
+    _refuse_mixing(outputs[0], outputs[1], others, ends, tolerance)
+    _refuse_mixing(outputs[0], outputs[2], ends, others, tolerance)
+    return frozenset(
+        name for name, entry in initial.items() if entry[0] == "buffer" and _differs(initial, after_one[0], name)
+    )
+
+
+def _refuse_input_dependent(pairs: Sequence[tuple[State, State]], history: list[State]) -> None:
+    """Refuse what differs between runs on batches of other examples and sizes."""
+    names = list({name: None for a, b in pairs for name in {**a, **b}})
+    dependent = [name for name in names if any(_differs(a, b, name) for a, b in pairs)]
+    if dependent:
+        kind = next(state[dependent[0]][0] for state in history if dependent[0] in state)
+        raise PrivacyValidationError(_input_dependent_message(dependent, kind, history))
 
 
 def _input_dependent_message(names: list[str], kind: str, history: list[State]) -> str:
     """The refusal of the first of `names` (a `kind`), saying whether forward initialises it or updates it.
 
-    history: the first copy's state as given, after one forward, after two.
+    history: the state as given, after one forward, after two.
     """
     name = names[0]
     owner, _, attribute = name.rpartition(".")
@@ -149,7 +276,8 @@ def _input_dependent_message(names: list[str], kind: str, history: list[State]) 
     how = (
         "it is set from the input of the first forward (data-dependent initialisation, e.g. ActNorm)"
         if set_once
-        else "it is updated from the input of every forward (running statistics)"
+        else "it is updated from the input of every forward (running statistics), its values or its number of "
+        "examples (a count)"
     )
     return (
         f"module {owner or '<root>'!r} changes its {kind} {attribute!r} from its input in a forward pass: {how} "
@@ -160,33 +288,66 @@ def _input_dependent_message(names: list[str], kind: str, history: list[State]) 
     )
 
 
-def check_examples_independent(model: nn.Module, example_input: torch.Tensor) -> None:
-    """Refuse a model whose train-mode output for one example changes when another example of the batch does.
+def _refuse_forward_counters(after_one: State, after_two: State) -> None:
+    """Refuse state that every forward changes: it counts forwards, whose number per step follows the batch size."""
+    counters = [name for name in after_one if _differs(after_one, after_two, name)]
+    if counters:
+        kind, name = after_one[counters[0]][0], counters[0]
+        owner, _, attribute = name.rpartition(".")
+        raise PrivacyValidationError(
+            f"module {owner or '<root>'!r} changes its {kind} {attribute!r} in every forward (of {len(counters)}: "
+            f"{counters[:5]}): it counts forwards, and the number of forwards in a step follows the secret batch "
+            "size (physical batches, empty batches), so it would be released without noise. Keep counts outside "
+            "the model (e.g. the training loop's step), or stop forward writing it."
+        )
 
-    Names the first module (in the order modules finish their forward) whose output for example 0 changes or,
-    where its input changed already, the module whose own forward code mixed them before calling it.
+
+def _moved(before: torch.Tensor, after: torch.Tensor, rows: list[int], tolerance: float) -> int | None:
+    """The first of `rows` whose fingerprint moved between two runs, else None."""
+    if before.shape != after.shape:
+        return None
+    scale = torch.maximum(before[1, rows], after[1, rows]) * tolerance
+    moved = ((before[:, rows] - after[:, rows]).abs() > scale).any(0)
+    return rows[int(moved.nonzero()[0])] if bool(moved.any()) else None
+
+
+def _refuse_mixing(
+    before: list[Record], after: list[Record], kept: list[int], replaced: list[int], tolerance: float
+) -> None:
+    """Refuse the first module whose output for a kept example moved when the `replaced` examples changed.
+
+    Names the first module (in the order modules finish their forward) whose output moved or, where its input
+    moved already, the module whose own forward code mixed them before calling it.
     """
-    probe = _probe_copy(model)
-    first, second = _random_batch(example_input)
-    before, after = _forward(probe, first), _forward(probe, second)
-    for (name, input_a, a), (_, input_b, b) in zip(before, after):
-        if a.shape == b.shape and not _same_example(a, b):
-            if input_a is not None and input_b is not None and not _same_example(input_a, input_b):
-                name = (name.rpartition(".")[0] or "<root>") if name != "<root>" else name
-            raise PrivacyValidationError(
-                f"module {name!r} mixes examples: its output for one example changes when another example of the "
-                "batch changes (batch statistics, e.g. x - x.mean(0) or F.batch_norm(training=True)), so per-example "
-                "gradients are not per-example. Normalise each example on its own (GroupNorm, LayerNorm)."
-            )
+    if not kept:
+        return
+    for (name, input_a, a), (other, input_b, b) in zip(before, after):
+        if name != other:
+            return  # the two forwards ran different modules: nothing more lines up
+        row = _moved(a, b, kept, tolerance)
+        if row is None:
+            continue
+        if input_a is not None and input_b is not None and _moved(input_a, input_b, kept, tolerance) is not None:
+            name = (name.rpartition(".")[0] or "<root>") if name != "<root>" else name
+        raise PrivacyValidationError(
+            f"module {name!r} mixes examples: in a batch of {len(kept) + len(replaced)}, its output for example "
+            f"{row} changes when examples {_listing(replaced)} change (batch statistics, e.g. x - x.mean(0), "
+            "F.batch_norm(training=True), or x.cumsum(0)), so per-example gradients are not per-example. "
+            "Normalise each example on its own (GroupNorm, LayerNorm) and compute nothing across the batch."
+        )
 
 
-def check_dp_safe(model: nn.Module, example_input: torch.Tensor) -> None:
+def _listing(rows: list[int]) -> str:
+    return ", ".join(map(str, rows)) if len(rows) <= 3 else f"{rows[0]}..{rows[-1]} (all but the first, middle, last)"
+
+
+def check_dp_safe(model: nn.Module, example_input: torch.Tensor, batch_size: int | None = None) -> frozenset[str]:
     """Raise PrivacyValidationError unless DP-SGD can train `model` privately.
 
-    example_input: a batch (B, ...) of inputs as the model takes them (values do not matter; only
-    the shape of one example is used). Runs the name-based check (validate_dp_safe: batch norms,
-    running-statistics buffers), then the two behavioural probes of this module.
+    example_input: a batch (B, ...) of inputs as the model takes them (values do not matter; only the
+    shape of one example, its dtype and device are used). batch_size: rows of the largest batch training
+    runs through the model at once (default B). Runs the name-based check (validate_dp_safe: batch norms,
+    running-statistics buffers), then the behavioural probe (probe_dp_safety), and returns its result.
     """
     validate_dp_safe(model)
-    check_buffers_unchanged(model, example_input)
-    check_examples_independent(model, example_input)
+    return probe_dp_safety(model, example_input, batch_size)

@@ -102,8 +102,10 @@ def make_private(
     calibrated and a step past the target is refused). aug_mult K: the module takes
     (B, K, ...) views and each example's gradient is the mean over its views, clipped.
     debug_seed: reproducible sampling and noise for tests (secure_rng.py); the run is then NOT private.
-    verify: probe the model once (first forward) for layers that mix examples. Buffers written from the input
-    are refused at the first forward whatever `verify` says (dp_safety.check_buffers_unchanged, on copies).
+    verify: check once (first training forward) that book-keeping's gradients are exact on this model
+    (bookkeeping.verify_bookkeeping). Whatever it says, the first forward probes a copy of the model at the
+    loader's batch size (dp_safety.probe_dp_safety: buffers written from the input or by every forward, examples
+    mixed), and every training forward is guarded against buffer writes (buffer_guard.py).
     """
     if accountant not in ACCOUNTANTS:
         raise ValueError(f"accountant must be one of {ACCOUNTANTS}, got {accountant!r}")
@@ -120,8 +122,8 @@ def make_private(
         refuse_delta(target_delta, len(data_loader.dataset), flag="target_delta")
         check_delta_for(target_delta, len(data_loader.dataset))
     planned = _planned_steps(epochs, steps, len(data_loader))
-    # the DP-safety check that needs no input (batch statistics, running-statistics buffers, by name); the check of
-    # buffers written from the input runs at the module's first forward (private_module.py)
+    # the DP-safety check that needs no input (batch statistics, running-statistics buffers, by name); the
+    # behavioural probe runs at the module's first forward (private_module.py)
     validate_dp_safe(module)
     _check_optimizer_params(module, optimizer)
     if debug_seed is not None:
@@ -136,7 +138,9 @@ def make_private(
             target_epsilon, target_delta, loader.sample_rate, planned, accountant
         )
         budget = PrivacyLedger(accountant, target_delta, target_epsilon, loader.sample_rate, noise_multiplier)
-    private = PrivateModule(module, aug_mult=aug_mult, loss_reduction=loss_reduction, verify=verify)
+    private = PrivateModule(
+        module, aug_mult=aug_mult, loss_reduction=loss_reduction, verify=verify, probe_batch=data_loader.batch_size
+    )
     device = next(module.parameters()).device
     dp_optimizer = DPOptimizer(
         optimizer,

@@ -71,6 +71,7 @@ from torch.func import vjp, vmap  # noqa: E402
 from ..nn.conv import SteerableConv2d  # noqa: E402
 from ..nn.irrep_fields import GroupStandardization  # noqa: E402
 from ..nn.norm import FieldGroupNorm  # noqa: E402
+from .buffer_guard import BufferGuard  # noqa: E402
 from .dp_safety import check_dp_safe  # noqa: E402
 from .filter_gradients import per_example_filter_gradients, steerable_weight_gradients  # noqa: E402
 
@@ -243,7 +244,8 @@ def make_private(
     example_input: torch.Tensor | None = None,
     **kwargs: Any,
 ) -> Any:
-    """``privacy_engine.make_private(...)`` after ``check_dp_safe(module, example_input)``.
+    """``privacy_engine.make_private(...)`` after ``check_dp_safe(module, example_input, data_loader.batch_size)``,
+    with every training forward of ``module`` guarded against buffer writes (buffer_guard.py).
 
     example_input defaults to random values of the shape and dtype of the first example of
     ``data_loader.dataset`` (its values are not used: the check sees no training data; no batch is drawn).
@@ -254,7 +256,8 @@ def make_private(
         example = torch.as_tensor(data_loader.dataset[0][0])
         shaped = torch.rand_like(example) if example.is_floating_point() else torch.zeros_like(example)
         example_input = shaped.unsqueeze(0)
-    check_dp_safe(module, example_input)
+    set_once = check_dp_safe(module, example_input, getattr(data_loader, "batch_size", None))
+    BufferGuard(module, set_once).attach()  # each training forward: no buffer may keep anything of the batch
     if not getattr(privacy_engine, "secure_mode", False):
         warnings.warn(OPACUS_NOT_SECURE, UserWarning, stacklevel=2)
     return privacy_engine.make_private(module=module, optimizer=optimizer, data_loader=data_loader, **kwargs)

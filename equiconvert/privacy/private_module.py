@@ -32,7 +32,8 @@ from .bookkeeping import (
     parametrised_layers,
     verify_bookkeeping,
 )
-from .dp_safety import check_buffers_unchanged
+from .buffer_guard import BufferGuard
+from .dp_safety import probe_dp_safety
 from .validate import PrivacyValidationError
 
 LOSS_REDUCTIONS = ("mean", "sum")
@@ -52,7 +53,16 @@ class _Record:
 class PrivateModule(nn.Module):
     """Wraps `module` (as `_module`, like Opacus' GradSampleModule); see the module docstring."""
 
-    def __init__(self, module: nn.Module, aug_mult: int = 1, loss_reduction: str = "mean", verify: bool = True) -> None:
+    def __init__(
+        self,
+        module: nn.Module,
+        aug_mult: int = 1,
+        loss_reduction: str = "mean",
+        verify: bool = True,
+        probe_batch: int | None = None,
+    ) -> None:
+        """probe_batch: the examples of a batch the data loader draws (the DP-safety probe runs at that size
+        times aug_mult rows, or at the first input's rows where more)."""
         super().__init__()
         if aug_mult < 1:
             raise ValueError(f"aug_mult must be >= 1, got {aug_mult}")
@@ -63,14 +73,21 @@ class PrivateModule(nn.Module):
         self.aug_mult = aug_mult
         self.loss_reduction = loss_reduction
         self._verify = verify
-        self._state_checked = False
+        self._probe_rows = (probe_batch or 0) * aug_mult
+        self._guard: BufferGuard | None = None  # set by the DP-safety probe, at the first forward
         self._record: _Record | None = None
 
     def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         x = self._flatten_views(x)
-        if not self._state_checked:
-            self._check_state_once(x)
-        if not (self.training and torch.is_grad_enabled()):
+        if self._guard is None:
+            self._probe_once(x)
+        if not self.training:
+            return self._module(x, *args, **kwargs)
+        with self._guard.watch(x):  # a training forward sees private data: buffers may not keep anything of it
+            return self._training_forward(x, *args, **kwargs)
+
+    def _training_forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        if not torch.is_grad_enabled():
             return self._module(x, *args, **kwargs)
         if self._record is not None and self._record.grads:
             raise RuntimeError(
@@ -98,32 +115,33 @@ class PrivateModule(nn.Module):
             )
         return x.flatten(0, 1)
 
-    def _check_state_once(self, x: torch.Tensor) -> None:
-        """dp_safety.check_buffers_unchanged on copies, with random inputs shaped like the first input, before the
-        module itself runs: refuse buffers written from the input (running statistics under any name, data-dependent
-        initialisation)."""
+    def _probe_once(self, x: torch.Tensor) -> None:
+        """dp_safety.probe_dp_safety on a copy, with random inputs shaped like `x` and at least as many rows as a
+        batch of the data loader, before the module itself runs: refuse buffers written from the input or on every
+        forward, and layers that mix examples. Then every training forward is guarded (buffer_guard.py)."""
+        set_once: frozenset[str] = frozenset()
         if not x.is_floating_point():
-            self._state_checked = True
             warnings.warn(
-                "make_private: the model takes non-float inputs, so the check that its forward writes no statistics "
-                "of its input into buffers (dp_safety.check_buffers_unchanged, random inputs) was not run",
+                "make_private: the model takes non-float inputs, so the probe of its buffers and of how it keeps "
+                "examples apart (dp_safety.probe_dp_safety, random inputs) was not run; a training forward that "
+                "changes any buffer is refused",
                 stacklevel=3,
             )
-            return
-        try:
-            check_buffers_unchanged(self._module, x)
-        except PrivacyValidationError:
-            raise
-        except Exception as error:  # noqa: BLE001  (a forward that needs more than one tensor: say so, do not refuse)
-            warnings.warn(
-                f"make_private: the check that the model writes no statistics of its input into buffers could not "
-                f"run ({error})",
-                stacklevel=3,
-            )
-        self._state_checked = True
+        else:
+            try:
+                set_once = probe_dp_safety(self._module, x, max(x.shape[0], self._probe_rows))
+            except PrivacyValidationError:
+                raise
+            except Exception as error:  # noqa: BLE001  (a forward needing several tensors: warn, do not refuse)
+                warnings.warn(
+                    f"make_private: the probe of the model's buffers and of how it keeps examples apart could not "
+                    f"run ({error}); a training forward that changes any buffer is refused",
+                    stacklevel=3,
+                )
+        self._guard = BufferGuard(self._module, set_once)
 
     def _verify_once(self, x: torch.Tensor) -> None:
-        """bookkeeping.verify_bookkeeping on the first input shape: refuse models that mix examples."""
+        """bookkeeping.verify_bookkeeping on the first input shape: refuse models book-keeping gets wrong."""
         self._verify = False
         if not x.is_floating_point():
             warnings.warn(

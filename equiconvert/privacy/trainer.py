@@ -23,6 +23,7 @@ from torch import nn
 
 from .accounting import PrivacyBudgetError, PrivacyLedger, calibrate_noise_multiplier, check_delta_for, default_delta
 from .augment import augment_views, shift_set
+from .buffer_guard import BufferGuard
 from .callbacks import Callback, MetricsLogger
 from .checkpoint import remove_stale_temporaries
 from .distributed import SINGLE_PROCESS, DistributedContext
@@ -101,6 +102,7 @@ class DPTrainer(TrainerCheckpoint):
         if self.config.log_step_times:
             warn_step_times()
         self._per_sample_gradients = PerSampleGradients(model, self.config, self.loss_fn)
+        self._buffer_guard: BufferGuard | None = None  # set by the DP-safety probe (_probe_once)
         self.device = resolve_device(device)
         self.model = model.to(self.device)
         self.dist = distributed or SINGLE_PROCESS  # [distributed] every rank starts from rank 0's weights
@@ -189,6 +191,7 @@ class DPTrainer(TrainerCheckpoint):
         c = self.config
         if labels is not None:
             data = TensorSource(data, labels)
+        self._probe_once(data)
         indices = self.sampler.sample()
         count = torch.full((), float(len(indices)), device=self.device)
         indices = _to_device(indices, data.device)  # where the data are (fit moves them to the device)
@@ -201,7 +204,8 @@ class DPTrainer(TrainerCheckpoint):
             chunk_images, chunk_labels = data.gather(chunk)
             views = self.augment(self._normalize(chunk_images), c.aug_mult, self._augment_rng)
             chunk_labels = chunk_labels.to(self.device)
-            grads, losses = self._per_sample_gradients(params, buffers, views, chunk_labels)
+            with self._buffer_guard.watch(views.flatten(0, 1)):
+                grads, losses = self._per_sample_gradients(params, buffers, views, chunk_labels)
             loss_sum += losses.detach().sum()
             grads, bad = zero_nonfinite_examples(grads)
             nonfinite += bad
@@ -220,7 +224,9 @@ class DPTrainer(TrainerCheckpoint):
 
     def train_step(self, images: torch.Tensor, labels: torch.Tensor) -> dict[str, Any]:
         """One DP-SGD step on the private data (images, labels); returns its log record."""
-        return materialize([self._train_step(TensorSource(images, labels))])[0]
+        record = self._train_step(TensorSource(images, labels))
+        self._verify_buffers()
+        return materialize([record])[0]
 
     def _train_step(self, data: TrainData) -> dict[str, Any]:
         """One DP-SGD step whose record keeps device tensors (batch_size, train_loss): no host synchronisation."""
@@ -240,7 +246,8 @@ class DPTrainer(TrainerCheckpoint):
         if self.ema is not None:
             self.ema.update(self.model, self.step)
         record = {"step": self.step, "lr": self.optimizer.param_groups[0]["lr"]}
-        if self._logs_epsilon(self.step):
+        if self._logs_epsilon(self.step):  # a step that waits for the device anyway: the buffer checks are read
+            self._verify_buffers()
             record["epsilon"] = self.ledger.epsilon
         if self.config.log_nonprivate_stats:
             record.update(batch_size=batch, train_loss=train_loss, nonfinite_gradients=nonfinite)
@@ -264,7 +271,7 @@ class DPTrainer(TrainerCheckpoint):
         evaluations, checkpoints), so a step's `time_s` between those is the time it was queued.
         """
         train_source = self._source(train_set, "the training data")
-        check_dp_safe(self.model, self._first_example(train_source, "the training data"))
+        self._probe_once(train_source)
         data = self._checked(train_source, "the training data")
         if eval_set is not None:
             eval_set = self._checked(self._source(eval_set, "the evaluation data"), "the evaluation data")
@@ -310,6 +317,7 @@ class DPTrainer(TrainerCheckpoint):
                 self._checkpoint_if_out()
                 break
         bar.close()
+        self._verify_buffers()
         final = self._progress_fields()
         if eval_set is not None:
             final["final_eval"] = self._evaluate_with_callbacks(eval_set)
@@ -325,6 +333,14 @@ class DPTrainer(TrainerCheckpoint):
         """Write a checkpoint (with out_dir) unless one of this step was written already."""
         if self.out_dir is not None and self._checkpoint_step != self.step:
             self.save_checkpoint()
+
+    def _probe_once(self, source: TrainData) -> None:
+        """The DP-safety probe (dp_safety.py), once, before the model sees data, at the largest batch a forward
+        takes; every per-sample gradient computation after it is guarded (buffer_guard.py)."""
+        if self._buffer_guard is None:
+            rows = min(self.config.physical_batch_size, len(source)) * self.config.aug_mult
+            set_once = check_dp_safe(self.model, self._first_example(source, "the training data"), rows)
+            self._buffer_guard = BufferGuard(self.model, set_once, deferred=True)
 
     def _logs_epsilon(self, step: int) -> bool:
         """Whether step `step`'s record carries epsilon and is written at once (the loop's only waits)."""
@@ -364,7 +380,13 @@ class DPTrainer(TrainerCheckpoint):
         with torch.no_grad():
             return probe(torch.zeros_like(example[:1], device=self.device)).shape[-1]
 
+    def _verify_buffers(self) -> None:
+        """Read the buffer guard's queued checks (a wait for the device) before anything leaves the trainer."""
+        if self._buffer_guard is not None:
+            self._buffer_guard.verify()
+
     def _evaluate_with_callbacks(self, data: TrainData) -> dict[str, float]:
+        self._verify_buffers()
         metrics = self.evaluate(data)
         for callback in self.callbacks:
             callback.on_eval_end(self, metrics)

@@ -61,6 +61,7 @@ class TrainerCheckpoint:
 
     def save_checkpoint(self) -> None:
         """Rank 0 writes the job's state: the shared one once, each rank's own generators (all ranks call this)."""
+        self._verify_buffers()  # no buffer a private batch changed is ever written
         self._log.flush()
         ranks = self.dist.all_gather_object(self._rank_state())  # [distributed]
         self._checkpoint_step = self.step

@@ -1,7 +1,10 @@
-"""Buffers written from the input are refused before the model being trained sees any data (DPTrainer and
-make_private); state that forward changes the same way for any input is allowed."""
+"""Buffers written from the input, or by every forward, are refused before the model being trained sees any data
+(DPTrainer and make_private), and any other buffer write in a training forward at run time; state that forward sets
+once, the same way for any input, is allowed."""
 
 from __future__ import annotations
+
+import itertools
 
 import pytest
 import torch
@@ -73,6 +76,48 @@ class StepCounter(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self.steps.add_(1)
         return x
+
+
+class ExampleCounter(nn.Module):
+    """Adds each batch's number of examples to a buffer: trained, it holds the sum of the secret batch sizes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("count", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.count += x.shape[0]
+        return x
+
+
+class CountsImageBatches(ExampleCounter):
+    """Counts only training batches whose values all lie in [-1, 1] (images as the front-ends feed them), which a
+    random normal probe batch never is: a buffer the one-off probe cannot see written."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training and bool((x.abs() <= 1).all()):
+            self.count += x.shape[0]
+        return x
+
+
+class ParameterCache(nn.Module):
+    """A buffer rewritten in every forward from another layer's weight (it changes after each step, never with the
+    data); the layer is referenced, not registered, so its parameters have one owner."""
+
+    def __init__(self, source: nn.Module) -> None:
+        super().__init__()
+        object.__setattr__(self, "source", source)
+        self.register_buffer("cached", torch.zeros(()), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.cached.copy_(self.source.weight.detach().norm())
+        return x
+
+
+def _cached_model() -> nn.Sequential:
+    model = _model(nn.Identity())
+    model[2] = ParameterCache(model[0])
+    return model
 
 
 class LazyConstant(nn.Module):
@@ -174,24 +219,111 @@ def test_a_running_mean_named_feature_avg_is_refused_by_make_private_before_the_
     assert torch.equal(model[2].feature_avg, torch.zeros(CHANNELS))
 
 
-@pytest.mark.parametrize("middle", [StepCounter, lambda: LazyConstant(CHANNELS)], ids=["step counter", "lazy cache"])
-def test_state_that_changes_the_same_way_for_any_input_is_allowed(middle):
+def test_state_that_forward_sets_once_the_same_way_for_any_input_is_allowed():
     images, labels = _data()
-    check_dp_safe(_model(middle()), images)  # DPTrainer's check
-    model = _model(middle())
+    check_dp_safe(_model(LazyConstant(CHANNELS)), images)  # DPTrainer's check
+    model = _model(LazyConstant(CHANNELS))
     private, optimizer, _ = _make_private(model, images, labels, verify=False)
     _one_private_step(private, optimizer, images[:4], labels[:4])
-    reference = _model(middle())
+    reference = _model(LazyConstant(CHANNELS))
     reference(images[:4])  # the probes ran on copies: the module's state is that of one forward
     for name, value in reference[2].named_buffers():
         assert torch.equal(model[2].get_buffer(name), value)
 
 
+def test_a_lazy_cache_passes_the_trainers_run_time_guard():
+    """A buffer that forward sets from constants: the guard's shadow forward agrees at every step."""
+    images, labels = _data(16)
+    trainer = _trainer(_model(LazyConstant(CHANNELS)), steps=3)
+    trainer.fit((images, labels))
+    assert trainer.step == 3
+
+
+@pytest.mark.parametrize("build", [lambda: _model(LazyConstant(CHANNELS)), _cached_model], ids=["lazy", "of weights"])
+def test_caches_pass_the_run_time_guard_of_make_private(build):
+    """Buffers that forward sets from constants or parameters only: the guard's shadow forward agrees every step
+    (verify off: torch.func, which the book-keeping check compares with, cannot write buffers)."""
+    images, labels = _data(16)
+    model = build()
+    private, optimizer, loader = _make_private(model, images, labels, verify=False)
+    for batch, targets in itertools.islice(itertools.cycle(loader), 3):
+        _one_private_step(private, optimizer, batch, targets)
+    if isinstance(model[2], ParameterCache):
+        before = float(model[2].cached)
+        _one_private_step(private, optimizer, images[:4], labels[:4])
+        assert float(model[2].cached) != before  # rewritten from the stepped weights, and accepted
+
+
+def test_a_forward_counter_is_refused_by_both_front_ends():
+    """The number of forwards in a step follows the secret batch size (the trainer's physical chunks, an empty
+    batch, BatchMemoryManager): a count of forwards is a count of batch sizes."""
+    images, labels = _data(16)
+    trainer = _trainer(_model(StepCounter()), physical_batch_size=1)
+    with pytest.raises(PrivacyValidationError, match=r"module '2' changes its buffer 'steps' in every forward"):
+        trainer.fit((images, labels))
+    private, _, _ = _make_private(_model(StepCounter()), images, labels)
+    with pytest.raises(PrivacyValidationError, match=r"module '2' changes its buffer 'steps' in every forward"):
+        private(images[:4])
+
+
+class _CallCounter(nn.Module):
+    """Counts its forwards in a plain attribute (each deep copy counts its own)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return x
+
+
 def test_the_trainer_runs_no_forward_of_its_model_outside_training_steps():
-    counter = StepCounter()
+    counter = _CallCounter()
     trainer = _trainer(_model(counter), steps=0)
     trainer.fit(_data())
-    assert int(counter.steps) == 0  # num_classes and the DP-safety probes ran on copies
+    assert counter.calls == 0  # num_classes and the DP-safety probes ran on copies
+
+
+@pytest.mark.parametrize("verify", [True, False])
+def test_a_buffer_counting_examples_is_refused_by_make_private_naming_it(verify):
+    model = _model(ExampleCounter())
+    images, labels = _data()
+    private, _, _ = _make_private(model, images, labels, verify=verify)
+    with pytest.raises(
+        PrivacyValidationError, match=r"module '2' changes its buffer 'count' from its input .*number of examples"
+    ):
+        private(images[:4])
+    assert int(model[2].count) == 0  # the released model holds no batch size
+
+
+def test_a_buffer_counting_examples_is_refused_by_the_trainer_naming_it():
+    model = _model(ExampleCounter())
+    trainer = _trainer(model, steps=2)
+    with pytest.raises(
+        PrivacyValidationError, match=r"module '2' changes its buffer 'count' from its input .*number of examples"
+    ):
+        trainer.fit(_data())
+    assert trainer.step == 0 and int(model[2].count) == 0
+
+
+def test_a_buffer_written_on_batches_the_probe_does_not_draw_is_refused_at_run_time_by_make_private():
+    model = nn.Sequential(CountsImageBatches(), _model(nn.ReLU()))
+    images, labels = _data()
+    images = images - 1.0  # in [0, 1]
+    private, _, _ = _make_private(model, images, labels)
+    with pytest.raises(PrivacyValidationError, match=r"module '0' changed its buffer 'count' in a training forward"):
+        private(images[:4])
+    assert int(model[0].count) == 0  # set back before the error: the model never holds the batch size
+
+
+def test_a_buffer_written_on_batches_the_probe_does_not_draw_is_refused_at_run_time_by_the_trainer():
+    model = nn.Sequential(CountsImageBatches(), _model(nn.ReLU()))
+    images, labels = _data(16)
+    trainer = _trainer(model, steps=2)
+    with pytest.raises(PrivacyValidationError, match=r"module '0' changed its buffer 'count' in a training forward"):
+        trainer.fit((images - 1.0, labels))  # images in [0, 1], normalised to [-1, 1]
+    assert trainer.step == 0 and int(model[0].count) == 0
 
 
 def _converted_resnet9() -> nn.Module:
@@ -218,3 +350,50 @@ def test_a_lazy_module_is_refused_with_what_to_do_and_accepted_once_materialised
         check_dp_safe(model, example)
     model(example)
     check_dp_safe(model, example)
+
+
+def test_train_step_without_fit_probes_the_model_too():
+    model = _model(ExampleCounter())
+    images, labels = _data(16)
+    trainer = _trainer(model)
+    trainer._prepare_privacy(len(images))
+    with pytest.raises(PrivacyValidationError, match=r"module '2' changes its buffer 'count' from its input"):
+        trainer.train_step(images, labels)
+    assert trainer.step == 0 and int(model[2].count) == 0
+
+
+def test_attack_a_trained_example_counter_does_not_reveal_the_secret_batch_sizes():
+    """The attack: train with the user's own loop, then read the released buffer: the sum of the Poisson batch
+    sizes. The first training forward is refused instead, and the buffer holds nothing of the batches."""
+    model = _model(ExampleCounter())
+    images, labels = _data(16)
+    private, optimizer, loader = _make_private(model, images, labels)
+    sizes: list[int] = []
+    with pytest.raises(PrivacyValidationError, match="'count'"):
+        for batch, targets in itertools.islice(loader, 4):
+            sizes.append(len(batch))
+            _one_private_step(private, optimizer, batch, targets)
+    assert sum(sizes) > 0 and int(model[2].count) == 0
+
+
+def test_opacus_make_private_guards_the_training_forwards():
+    pytest.importorskip("opacus")
+    from opacus import PrivacyEngine
+
+    from equiconvert.privacy.opacus_interop import make_private as opacus_make_private
+
+    model = nn.Sequential(CountsImageBatches(), _model(nn.ReLU()))
+    images, labels = _data()
+    loader = DataLoader(TensorDataset(images - 1.0, labels), batch_size=4)
+    with pytest.warns(UserWarning, match="secure_mode=False"):
+        private, _, _ = opacus_make_private(
+            PrivacyEngine(),
+            module=model,
+            optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+            data_loader=loader,
+            noise_multiplier=1.0,
+            max_grad_norm=1.0,
+        )
+    with pytest.raises(PrivacyValidationError, match=r"module '0' changed its buffer 'count' in a training forward"):
+        private(images[:4] - 1.0)
+    assert int(model[0].count) == 0

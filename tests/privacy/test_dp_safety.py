@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -145,3 +147,125 @@ def test_opacus_make_private_checks_the_model_on_random_inputs_and_is_quiet_in_s
         torch.isclose(seen.float(), torch.tensor(0.25)).all() for seen in recorder.seen
     )  # no training example
     assert not [w for w in recwarn if "secure_mode" in str(w.message)]
+
+
+class MixesFrom(nn.Module):
+    """Subtracts the batch mean only in batches of at least `rows` examples: a probe of fewer never sees it mix."""
+
+    def __init__(self, rows: int) -> None:
+        super().__init__()
+        self.rows = rows
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x - x.mean(0) if x.shape[0] >= self.rows else x
+
+
+class ForwardCumsum(nn.Module):
+    """Example i depends on examples before it only: example 0 (all the old probe looked at) never changes."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + x.cumsum(0)
+
+
+class LastTwoMixed(nn.Module):
+    """Only the last example depends on another one (the one before it)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat((x[:-1], x[-1:] + x[-2:-1]))
+
+
+PHYSICAL = 8  # the physical batch the trainer runs in these tests, and the loader's batch size for make_private
+MIXERS = [lambda: MixesFrom(4), lambda: MixesFrom(PHYSICAL), ForwardCumsum]
+MIXER_IDS = ["batch>=4", "batch>=physical", "cumsum"]
+
+
+def _images(count: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(0)
+    return torch.rand(count, 2, 6, 6, generator=generator), torch.arange(count) % 4
+
+
+@pytest.mark.parametrize("mixer", MIXERS, ids=MIXER_IDS)
+def test_the_trainer_refuses_mixing_at_the_physical_batch_size_or_forward_in_the_batch(mixer):
+    options = dict(noise_multiplier=1.0, target_epsilon=None, batch_size=4, aug_mult=1, augment_padding=0)
+    trainer = DPTrainer(
+        _model(mixer()), physical_batch_size=PHYSICAL, steps=2, progress=False, ema_decay=None, **options
+    )
+    with pytest.raises(PrivacyValidationError, match=r"module '2' mixes examples: in a batch of 8"):
+        trainer.fit(_images())
+    assert trainer.step == 0
+
+
+@pytest.mark.parametrize("verify", [True, False])
+@pytest.mark.parametrize("mixer", MIXERS, ids=MIXER_IDS)
+def test_make_private_refuses_mixing_at_the_loaders_batch_size_or_forward_in_the_batch(mixer, verify):
+    from equiconvert.privacy import make_private
+
+    model = _model(mixer())
+    images, labels = _images()
+    private, _, _ = make_private(
+        module=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        data_loader=torch.utils.data.DataLoader(torch.utils.data.TensorDataset(images, labels), batch_size=PHYSICAL),
+        noise_multiplier=1.0,
+        max_grad_norm=1.0,
+        verify=verify,
+    )
+    with pytest.raises(PrivacyValidationError, match=r"module '2' mixes examples: in a batch of 8"):
+        private(images[:3])  # a first batch smaller than the loader's: the probe runs at the loader's size
+
+
+def test_opacus_make_private_refuses_mixing_at_the_loaders_batch_size():
+    pytest.importorskip("opacus")
+    from equiconvert.privacy.opacus_interop import make_private
+
+    model = _model(MixesFrom(4))
+    images, labels = _images()
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(images, labels), batch_size=PHYSICAL)
+    with pytest.raises(PrivacyValidationError, match=r"module '2' mixes examples: in a batch of 8"):
+        make_private(
+            _RecordingEngine(), module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), data_loader=loader
+        )
+
+
+@pytest.mark.parametrize("mixer", [ForwardCumsum, LastTwoMixed], ids=["cumsum", "last two"])
+def test_mixing_in_either_direction_is_refused_naming_the_examples(mixer):
+    with pytest.raises(PrivacyValidationError, match=r"module '2' mixes examples: in a batch of 6, its output for "):
+        check_dp_safe(_model(mixer()), EXAMPLE, batch_size=6)
+
+
+def test_a_group_norm_model_passes_the_probe_at_a_large_batch():
+    check_dp_safe(_model(nn.ReLU()), EXAMPLE, batch_size=256)
+
+
+def test_the_probe_runs_once_per_front_end(monkeypatch):
+    from equiconvert.privacy import dp_safety, make_private, private_module
+    from equiconvert.privacy import trainer as trainer_module
+
+    calls: list[int] = []
+
+    def counted(probe):
+        def run(*args, **kwargs):
+            calls.append(1)
+            return probe(*args, **kwargs)
+
+        return run
+
+    monkeypatch.setattr(trainer_module, "check_dp_safe", counted(dp_safety.check_dp_safe))
+    monkeypatch.setattr(private_module, "probe_dp_safety", counted(dp_safety.probe_dp_safety))
+    images, labels = _images()
+    options = dict(noise_multiplier=1.0, target_epsilon=None, batch_size=4, aug_mult=1, augment_padding=0)
+    trainer = DPTrainer(_model(nn.ReLU()), steps=3, progress=False, ema_decay=None, **options)
+    trainer.fit((images, labels))
+    trainer.train_step(images, labels)
+    assert len(calls) == 1
+    model = _model(nn.ReLU())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(images, labels), batch_size=4)
+    private, optimizer, loader = make_private(
+        module=model, optimizer=optimizer, data_loader=loader, noise_multiplier=1.0, max_grad_norm=1.0
+    )
+    for batch, targets in itertools.islice(loader, 3):
+        F.cross_entropy(private(batch), targets).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    assert len(calls) == 2

@@ -45,16 +45,21 @@ def _cell(value: Any) -> str:
     if isinstance(value, float):
         return f"{value:.10g}"
     if isinstance(value, list):
-        return ", ".join(_cell(v) for v in value) if not any(isinstance(v, list) for v in value) else \
-            "; ".join(f"({_cell(v)})" for v in value)  # fmt: skip
+        return (
+            ", ".join(_cell(v) for v in value)
+            if not any(isinstance(v, list) for v in value)
+            else "; ".join(f"({_cell(v)})" for v in value)
+        )
     return str(value).replace("|", "\\|")
 
 
 def render_table(summary: dict[str, Any]) -> str:
     """The Markdown table of every setting in which the released code and ours differ, as docs/fidelity.md shows
     it."""
-    lines = ["| aspect | released (file:line) | ours, paper preset (where) | ours, released recipe | note |",
-             "| --- | --- | --- | --- | --- |"]  # fmt: skip
+    lines = [
+        "| aspect | released (file:line) | ours, paper preset (where) | ours, released recipe | note |",
+        "| --- | --- | --- | --- | --- |",
+    ]
     for row in summary["settings"]:
         if row.get("equal", True) and row.get("equal_in_released_recipe", True):
             continue
@@ -65,8 +70,10 @@ def render_table(summary: dict[str, Any]) -> str:
             recipe = "same"
         else:
             recipe = "differs (as the preset)" if theirs == mine["value"] else "differs: " + _cell(theirs)
-        lines.append(f"| {row['aspect']} | {_cell(rel['value'])} (`{rel['where']}`) | {_cell(mine['value'])} "
-                     f"(`{mine['where']}`) | {recipe} | {_cell(row['note'])} |")  # fmt: skip
+        lines.append(
+            f"| {row['aspect']} | {_cell(rel['value'])} (`{rel['where']}`) | {_cell(mine['value'])} "
+            f"(`{mine['where']}`) | {recipe} | {_cell(row['note'])} |"
+        )
     return "\n".join(lines) + "\n"
 
 

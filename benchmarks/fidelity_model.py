@@ -116,8 +116,10 @@ def map_released(released: nn.Module, ours: nn.Module) -> Mapping:
         expanded = [conv.expand_parameters() for conv in rel_convs]
         filters = [f.detach() for f, _ in expanded]
         biases = [b.detach() for _, b in expanded]
-        disentangle = _probe(lambda x: released.restrict(_group_tensor(x, released.restrict.in_type)).tensor,
-                             released.restrict.in_type.size)  # fmt: skip
+        disentangle = _probe(
+            lambda x: released.restrict(_group_tensor(x, released.restrict.in_type)).tensor,
+            released.restrict.in_type.size,
+        )
         restriction = next(m for n, m in ours.named_modules() if type(m).__name__ == "FieldRestriction")
         ours_restrict = _probe(restriction, len(restriction.index))
     filters[5] = torch.einsum("ojhw,ji->oihw", filters[5], disentangle)  # conv4 on conv3's channels
@@ -185,6 +187,21 @@ def load_mapping(ours: nn.Module, released: nn.Module, mapping: Mapping) -> list
     return rows
 
 
+def randomize_biases(released: nn.Module, seed: int) -> nn.Module:
+    """The released convs start with zero biases; random ones let the comparison see how each code adds them."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for conv in released_convs(released):
+            conv.bias.copy_(torch.randn(conv.bias.shape, generator=generator))
+    return refreshed(released)
+
+
+def refreshed(released: nn.Module) -> nn.Module:
+    """The released model in eval mode with its convs' cached filters and biases rebuilt from its parameters (its
+    convs rebuild them only on a switch from train to eval mode)."""
+    return released.train().eval()
+
+
 def _stage_outputs(model: nn.Module, names: list[str], x: torch.Tensor, released: bool) -> dict[str, torch.Tensor]:
     outputs: dict[str, torch.Tensor] = {}
     hooks = []
@@ -213,8 +230,17 @@ def parameter_counts(model: nn.Module, prefixes: list[str]) -> list[int]:
     return [sum(p.numel() for n, p in model.named_parameters() if n.startswith(prefix + ".")) for prefix in prefixes]
 
 
-OUR_LAYERS = ["network.stem", "network.layer1", "network.res1.body.0", "network.res1.body.1", "network.layer2",
-              "network.layer3", "network.res2.body.0", "network.res2.body.1", "network.head"]  # fmt: skip
+OUR_LAYERS = [
+    "network.stem",
+    "network.layer1",
+    "network.res1.body.0",
+    "network.res1.body.1",
+    "network.layer2",
+    "network.layer3",
+    "network.res2.body.0",
+    "network.res2.body.1",
+    "network.head",
+]
 
 
 def our_parameter_counts() -> dict[str, int]:
@@ -226,7 +252,7 @@ def our_parameter_counts() -> dict[str, int]:
 def compare_models(root: Path, batch: int = 4, seed: int = 0) -> tuple[dict[str, Any], nn.Module, nn.Module]:
     """The released model against ours with its weights mapped: per-layer counts, mapping residuals, each stage's
     activations and the logits; then what our weight standardization does to the mapped coefficients."""
-    released = released_model(root, seed)
+    released = randomize_biases(released_model(root, seed), seed)
     ours = our_released_settings_model(standardize=False)
     mapping = map_released(released, ours)
     layers = load_mapping(ours, released, mapping)
@@ -250,8 +276,10 @@ def compare_models(root: Path, batch: int = 4, seed: int = 0) -> tuple[dict[str,
     standardized.load_state_dict(ours.state_dict())
     with torch.no_grad():
         ws_logits = standardized(x)
-    ws_layers = [{"layer": name, "relative_change": relative_difference(conv.coefficients(), conv.weight)}
-                 for name, conv in zip(RELEASED_CONVS, our_convs(standardized))]  # fmt: skip
+    ws_layers = [
+        {"layer": name, "relative_change": relative_difference(conv.coefficients().detach(), conv.weight.detach())}
+        for name, conv in zip(RELEASED_CONVS, our_convs(standardized))
+    ]
     summary = {
         "released_params": sum(p.numel() for p in released.parameters()),
         "our_params": sum(p.numel() for p in ours.parameters()),

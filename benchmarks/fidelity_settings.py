@@ -24,6 +24,7 @@ from equiconvert.recipes.recipe import load_recipe  # noqa: E402
 from equiconvert.recipes.run_spec import spec_of, trainer_options  # noqa: E402
 
 PRESET = "cifar10_paper_d4_eps8"
+SETUP = "conf/setup/eqresnet9-cifar10.yaml"  # the released CIFAR-10 setup
 TRAIN_SIZE = 50_000  # CIFAR-10's training set, the whole of it in both (the released config: train_subset 1.0)
 STAGE_FIELDS = (6, 13, 39, 39)  # the D4 model's fields: stem, res1 stage, conv3 stage, restricted last stage
 
@@ -46,11 +47,13 @@ class Released:
     def at(self, relpath: str, pattern: str) -> tuple[re.Match, str]:
         return locate(self.root, relpath, pattern)
 
-    def yaml(self, relpath: str, key: str) -> Side:
-        match, where = self.at(relpath, rf"^\s*{key}:\s*([^#]+)")
-        return Side(ast.literal_eval(match.group(1).strip().replace("1e-5", "1e-05"))
-                    if re.fullmatch(r"[-\d.e+\[\], ]+", match.group(1).strip()) else match.group(1).strip().strip('"'),
-                    where)  # fmt: skip
+    def setting(self, *path: str) -> Side:
+        """A value of the composed config (keys from its root), at the line of the setup file that sets it."""
+        value: Any = self.config
+        for key in path:
+            value = value[key]
+        _, where = self.at(SETUP, rf"^\s*{path[-1]}:")
+        return Side(value, where)
 
     @property
     def full_batches(self) -> int:
@@ -64,9 +67,13 @@ class Released:
         from opacus.accountants.utils import get_noise_multiplier
 
         dp = self.config["dp"]
-        return get_noise_multiplier(target_epsilon=dp["target_epsilon"], target_delta=float(dp["target_delta"]),
-                                    sample_rate=self.config["params"]["bs"] / TRAIN_SIZE, epochs=self.epochs,
-                                    accountant="rdp")  # fmt: skip
+        return get_noise_multiplier(
+            target_epsilon=dp["target_epsilon"],
+            target_delta=float(dp["target_delta"]),
+            sample_rate=self.config["params"]["bs"] / TRAIN_SIZE,
+            epochs=self.epochs,
+            accountant=self.at("train.py", r'accountant="(\w+)"')[0].group(1),
+        )
 
 
 @dataclass(frozen=True)
@@ -205,10 +212,12 @@ def _data(r: Released) -> Side:
     return Side(f"{match.group(1)} (the original images)", where)
 
 
-def _yaml(relpath: str, key: str, cast: Callable[[Any], Any] = lambda v: v) -> Callable[[Released], Side]:
+def _setting(*path: str) -> Callable[[Released], Side]:
+    """A number of the released setup, as a float (YAML reads 1e-5 as a string)."""
+
     def read(r: Released) -> Side:
-        side = r.yaml(relpath, key)
-        return Side(cast(side.value), side.where)
+        side = r.setting(*path)
+        return Side(float(side.value), side.where)
 
     return read
 
@@ -233,7 +242,6 @@ def _same_rate(released: float, ours: float) -> bool:
     return math.isclose(released, ours, rel_tol=1e-4)
 
 
-SETUP = "conf/setup/eqresnet9-cifar10.yaml"
 TRAINER = "equiconvert.privacy.trainer.DPTrainer"
 ASPECTS: tuple[Aspect, ...] = (
     Aspect(
@@ -276,7 +284,7 @@ ASPECTS: tuple[Aspect, ...] = (
     ),
     Aspect(
         "expected batch",
-        lambda r: r.yaml(SETUP, "bs"),
+        _setting("params", "bs"),
         lambda o: o.options["batch_size"],
         "dp.batch_size",
         "the released loader's expected batch is N q = 8333.3",
@@ -308,15 +316,15 @@ ASPECTS: tuple[Aspect, ...] = (
     Aspect("accountant", _accountant, lambda o: o.options["accountant"], "dp.accountant"),
     Aspect(
         "target epsilon",
-        lambda r: r.yaml(SETUP, "target_epsilon"),
+        _setting("dp", "target_epsilon"),
         lambda o: o.options["target_epsilon"],
         "dp.epsilon",
         "the released recipe states the 8.08 its schedule spends",
     ),
-    Aspect("delta", _yaml(SETUP, "target_delta", float), lambda o: o.options["delta"], "dp.delta"),
+    Aspect("delta", _setting("dp", "target_delta"), lambda o: o.options["delta"], "dp.delta"),
     Aspect(
         "clipping norm C (of the view reduction above)",
-        _yaml(SETUP, "clip_norm", float),
+        _setting("dp", "clip_norm"),
         lambda o: o.options["max_grad_norm"],
         "dp.max_grad_norm",
         "the released recipe's C/K = 0.5 on the mean is the released C = 2 on the sum",
@@ -343,7 +351,7 @@ ASPECTS: tuple[Aspect, ...] = (
     ),
     Aspect(
         "learning rate",
-        lambda r: r.yaml(SETUP, "lr"),
+        _setting("optim", "optimizer", "lr"),
         lambda o: o.options["lr"],
         "schedule.lr",
         "the released recipe's 8.1377 = 2 x K x 8333/8192 is the same step (rows above)",
@@ -437,8 +445,11 @@ def settings_rows(root: Path | None) -> list[dict[str, Any]]:
     rows = []
     for aspect in ASPECTS:
         mine, theirs = aspect.ours(preset), aspect.ours(recipe)
-        row: dict[str, Any] = {"aspect": aspect.name, "ours": {"value": mine, "where": aspect.ours_where},
-                               "ours_released_recipe": {"value": theirs, "where": aspect.ours_where}}  # fmt: skip
+        row: dict[str, Any] = {
+            "aspect": aspect.name,
+            "ours": {"value": mine, "where": aspect.ours_where},
+            "ours_released_recipe": {"value": theirs, "where": aspect.ours_where},
+        }
         if released is not None:
             side = aspect.released(released)
             same = aspect.equal or _close

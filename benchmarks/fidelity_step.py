@@ -22,6 +22,7 @@ from fidelity_model import (  # noqa: E402
     map_released,
     our_convs,
     our_released_settings_model,
+    refreshed,
     relative_difference,
 )
 from released_code import released_config  # noqa: E402
@@ -84,10 +85,23 @@ def trainer_step(model: nn.Module, images, labels, views: int, clip: float, lr: 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         trainer = DPTrainer(
-            model, device="cpu", progress=False, augment=fixed_views, aug_mult=views, batch_size=len(images),
-            max_grad_norm=clip, noise_multiplier=1.0, target_epsilon=None, lr=lr, ema_decay=ema_decay, steps=1,
-            normalize_mean=0.0, normalize_std=1.0, insecure_seeded_noise=True, per_sample_method="vmap",
-        )  # fmt: skip
+            model,
+            device="cpu",
+            progress=False,
+            augment=fixed_views,
+            aug_mult=views,
+            batch_size=len(images),
+            max_grad_norm=clip,
+            noise_multiplier=1.0,
+            target_epsilon=None,
+            lr=lr,
+            ema_decay=ema_decay,
+            steps=1,
+            normalize_mean=0.0,
+            normalize_std=1.0,
+            insecure_seeded_noise=True,
+            per_sample_method="vmap",
+        )
         trainer._prepare_privacy(len(images))
     trainer._noise_source = _ZeroNoise()
     params = {n: p.detach() for n, p in trainer.model.named_parameters()}
@@ -128,22 +142,32 @@ def dp_step_ours(batch: int = 3, views: int = 2, clip: float = 0.05, lr: float =
     released = naive_step(model, images, labels, views, clip * views, lr / views, batch, "sum")
     restore(model, start)
     grads, after, ema = trainer_step(model, images, labels, views, clip, lr, 0.999)
-    per_example = max(relative_difference(grads[n][i], naive["clipped"][i][n] / min(1.0, clip / (naive["norms"][i] + 1e-6)))
-                      for i in range(batch) for n in start)  # fmt: skip
+    per_example = max(
+        relative_difference(grads[n][i], naive["clipped"][i][n] / min(1.0, clip / (naive["norms"][i] + 1e-6)))
+        for i in range(batch)
+        for n in start
+    )
     update = {n: after[n] - start[n] for n in start}
     return {
         "model": "C4 Equivariant-ResNet9, layout (8, 8, 8), 16x16 inputs",
-        "batch": batch, "views": views, "clip": clip, "lr": lr,
+        "batch": batch,
+        "views": views,
+        "clip": clip,
+        "lr": lr,
         "per_example_norms": naive["norms"],
         "clipped": sum(n > clip for n in naive["norms"]),
         "per_example_gradients_relative_difference": per_example,
-        "clipped_sum_relative_difference": max_relative_difference({n: -u * batch / lr for n, u in update.items()}, naive["sum"]),
+        "clipped_sum_relative_difference": max_relative_difference(
+            {n: -u * batch / lr for n, u in update.items()}, naive["sum"]
+        ),
         "update_relative_difference": max_relative_difference(update, {n: naive["after"][n] - start[n] for n in start}),
-        "ema_relative_difference": max_relative_difference({n: ema[n] - start[n] for n in start},
-                                                 {n: naive["ema"][n] - start[n] for n in start}),
+        "ema_relative_difference": max_relative_difference(
+            {n: ema[n] - start[n] for n in start}, {n: naive["ema"][n] - start[n] for n in start}
+        ),
         "released_formula_update_relative_difference": max_relative_difference(
-            update, {n: released["after"][n] - start[n] for n in start}),
-    }  # fmt: skip
+            update, {n: released["after"][n] - start[n] for n in start}
+        ),
+    }
 
 
 def dp_step_released(root: Path, released: nn.Module, ours: nn.Module, batch: int = 3, views: int = 2) -> dict:
@@ -161,11 +185,11 @@ def dp_step_released(root: Path, released: nn.Module, ours: nn.Module, batch: in
     naive = naive_step(released, images, labels, views, clip, lr, batch, "sum")
     restore(released, naive["after"])
     after_rel = map_released(released, ours).targets
-    released.eval()  # the released convs cache their filters when put in eval mode
+    refreshed(released)
     with torch.no_grad():
         rel_logits = released(probe)
     restore(released, naive["start"])
-    released.eval()
+    refreshed(released)
     convs = dict((n, m) for n, m in ours.named_modules() if isinstance(m, SteerableConv2d))
     with torch.no_grad():
         before_ours = [c.expand_filter() for c in convs.values()]
@@ -182,12 +206,22 @@ def dp_step_released(root: Path, released: nn.Module, ours: nn.Module, batch: in
     for name, rel_b, rel_a, mine, own in zip(RELEASED_CONVS, before_rel, after_rel, our_moved, own_init):
         moved = rel_a - rel_b
         cosine = float((moved * mine).sum() / (moved.norm() * mine.norm()).clamp_min(1e-30))
-        rows.append({"layer": name, "released_filter_change": float(moved.norm()),
-                     "our_filter_change": float(mine.norm()), "relative_difference": relative_difference(mine, moved),
-                     "cosine": cosine, "released_relative_step": float(moved.norm() / rel_b.norm()),
-                     "our_released_recipe_relative_step": own})  # fmt: skip
+        rows.append(
+            {
+                "layer": name,
+                "released_filter_change": float(moved.norm()),
+                "our_filter_change": float(mine.norm()),
+                "relative_difference": relative_difference(mine, moved),
+                "cosine": cosine,
+                "released_relative_step": float(moved.norm() / rel_b.norm()),
+                "our_released_recipe_relative_step": own,
+            }
+        )
     return {
-        "batch": batch, "views": views, "clip": clip, "lr": lr,
+        "batch": batch,
+        "views": views,
+        "clip": clip,
+        "lr": lr,
         "released_per_example_norms": naive["norms"],
         "our_per_example_norms_times_views": our_norms.tolist(),
         "logits_after_step_relative_difference": relative_difference(our_logits, rel_logits),
@@ -197,7 +231,7 @@ def dp_step_released(root: Path, released: nn.Module, ours: nn.Module, batch: in
         "without standardization (the only way its function equals the released one), so one step from the same "
         "function moves it differently",
         "layers": rows,
-    }  # fmt: skip
+    }
 
 
 def _relative_steps_from_our_init(images, labels, views: int, clip: float, lr: float) -> list[float]:

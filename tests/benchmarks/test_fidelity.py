@@ -13,6 +13,7 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.support.benchmark_scripts import load_benchmark
 from tests.support.paths import REPO_ROOT
@@ -61,8 +62,6 @@ def test_our_dp_step_with_the_noise_off_equals_naive_per_example_loops(ours_only
 def test_the_step_comparison_fails_when_the_views_are_summed_without_the_recipes_translation():
     """The released formula (sum of views, clip K C, lr / K) is our step; without the translation it is not where
     an example is left unclipped (a clipped one has norm C either way)."""
-    import torch
-
     model = fidelity_step.tiny_model()
     images, labels = torch.randn(3, 3, 16, 16, generator=torch.Generator().manual_seed(1)), torch.arange(3)
     start = {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -141,7 +140,12 @@ def test_the_released_settings_are_read_from_the_checkout_as_recorded(released_r
 
 
 def test_the_released_model_is_ours_with_its_weights_mapped(released_root, summary):
-    model, _, _ = fidelity_model.compare_models(released_root)
+    model, released, ours = fidelity_model.compare_models(released_root)
     assert model["equal"] and model["logits_relative_difference"] < 1e-4
     assert [layer["released_params"] for layer in model["layers"]] == [layer["our_params"] for layer in model["layers"]]
     assert model["channel_permutation_d4"] == summary["model"]["channel_permutation_d4"]
+    x = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        assert fidelity_model.relative_difference(ours(x), released(x)) < 1e-4
+        fidelity_model.our_convs(ours)[0].bias_scale = 1.0  # escnn's bias / sqrt(field size) left out: seen
+        assert fidelity_model.relative_difference(ours(x), released(x)) > 1e-2

@@ -270,6 +270,12 @@ def _scaling(s: Summary) -> list[str]:
     )
 
 
+@renderer("fidelity")
+def _fidelity(s: Summary) -> list[str]:
+    link = "Every difference, with its place in both codes: [Fidelity to the released code](fidelity.md)."
+    return [*_table(["check", "result"], [[r["check"], r["result"]] for r in s["rows"]]), "", link]
+
+
 @renderer("main_job")
 def _main_job(s: Summary) -> list[str]:
     columns = [

@@ -31,7 +31,7 @@ from .dp_safety import check_dp_safe
 from .ema import ExponentialMovingAverage
 from .metrics import classification_metrics, predict
 from .hooks import Augment, OptimizerFactory, PerExampleLoss, check_hooks, cross_entropy
-from .inputs import InvalidDataError, check_images, check_labels
+from .inputs import InvalidDataError, check_images, check_labels, check_model_input
 from .devices import resolve_device
 from .nonfinite import zero_nonfinite_examples
 from .normalization import Normalize
@@ -57,6 +57,7 @@ class DPTrainer(TrainerCheckpoint):
     augment: images, K, generator -> K views per image on the device (default: reflect-pad crop and flip).
     callbacks: Callback objects (on_step_end, on_eval_end); metrics_logger: a MetricsLogger fed each log record.
     distributed: this process's rank in a data-parallel job (distributed.py); None for a single process.
+    Images are (N, C, H, W): uint8 pixels, or floats that are pixels in [0, 1] or already normalised (inputs.py).
     """
 
     def __init__(
@@ -332,7 +333,10 @@ class DPTrainer(TrainerCheckpoint):
         images = source.gather(torch.zeros(1, dtype=torch.long))[0]
         if images.dim() < 2:  # as check_images: one dimension per example at least; the probes need its shape
             raise InvalidDataError(f"{what} images must be a tensor (N, C, H, W), got shape {tuple(images.shape)}")
-        return self._normalize(images)
+        check_images(images, what)
+        example = self._normalize(images)
+        check_model_input(self.model, example, (len(source), *images.shape[1:]), what)
+        return example
 
     def _checked(self, source: TrainData, what: str) -> TrainData:
         """`source` checked (a streamed set: its examples as they are read) and, in memory, on the device."""

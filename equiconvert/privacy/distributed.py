@@ -30,6 +30,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .worker_lifetime import die_with_parent, launcher_environment
+
 BACKENDS = {"cuda": "nccl", "cpu": "gloo"}  # device type -> torch.distributed backend
 
 
@@ -136,11 +138,13 @@ def launched_world_size() -> int:
 def from_environment(device: str | None) -> tuple[DistributedContext, str | None]:
     """Join the process group torchrun describes (if WORLD_SIZE > 1) and pick this rank's device.
 
-    "cuda" (or no device, with CUDA present) becomes cuda:LOCAL_RANK; the backend follows the device type.
+    "cuda" (or no device, with CUDA present) becomes cuda:LOCAL_RANK; the backend follows the device type. A worker
+    is killed when its launcher dies (worker_lifetime.py).
     """
     world_size = launched_world_size()
     if world_size == 1:
         return SINGLE_PROCESS, device
+    die_with_parent()  # a launcher killed with SIGKILL takes its workers with it
     rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -174,4 +178,10 @@ def launch(nproc_per_node: int, module: str, argv: Sequence[str]) -> None:
     """
     from torch.distributed.run import parse_args, run
 
-    run(parse_args(["--standalone", "--nproc-per-node", str(nproc_per_node), "--module", module, *argv]))
+    added = launcher_environment()  # the workers copy this process's environment when they start
+    os.environ.update(added)
+    try:
+        run(parse_args(["--standalone", "--nproc-per-node", str(nproc_per_node), "--module", module, *argv]))
+    finally:
+        for name in added:
+            os.environ.pop(name, None)

@@ -37,6 +37,7 @@ from .nonfinite import zero_nonfinite_examples
 from .normalization import Normalize
 from .per_sample import clip_and_sum
 from .per_sample_method import PerSampleGradients
+from .run_lock import hold_run_folder
 from .run_log import RunLog, materialize
 from .train_data import StreamedData, TensorData as TensorSource, TrainData, as_train_data
 from .sampling import PoissonSampler, physical_chunks
@@ -256,8 +257,15 @@ class DPTrainer(TrainerCheckpoint):
         A run stopped by the time limit writes a checkpoint (with out_dir), so
         `fit(..., resume=True)` continues it to the same end as an uninterrupted run. The data moves to the
         device once; a step waits for the device only where its record is written (every `epsilon_every` steps,
-        evaluations, checkpoints), so `time_s` of the steps between is the time they were queued.
+        evaluations, checkpoints), so `time_s` of the steps between is the time they were queued. While it writes
+        there, the run holds out_dir's lock: another job training into it is refused (run_lock.py).
         """
+        with contextlib.ExitStack() as self._run_folder:
+            return self._fit(train_set, eval_set, resume, time_limit_s)
+
+    def _fit(
+        self, train_set: Any, eval_set: Any | None, resume: bool, time_limit_s: float | None
+    ) -> list[dict[str, Any]]:
         train_source = self._source(train_set, "the training data")
         check_dp_safe(self.model, self._first_example(train_source, "the training data"))
         data = self._checked(train_source, "the training data")
@@ -266,6 +274,7 @@ class DPTrainer(TrainerCheckpoint):
         if self.sampler is None:
             self._prepare_privacy(len(data))
         if self.out_dir is not None:
+            self._run_folder.enter_context(hold_run_folder(self.out_dir if self.dist.is_main else None))
             remove_stale_temporaries(self.checkpoint_path())
         if resume:
             self._resume()

@@ -9,8 +9,10 @@ from __future__ import annotations
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -21,9 +23,11 @@ from torch import nn
 
 from equiconvert.privacy.distributed import SINGLE_PROCESS, DistributedContext
 from equiconvert.privacy.metrics import evaluate
+from equiconvert.privacy.run_lock import LOCK_FILE, hold_run_folder
 from equiconvert.privacy.sampling import PoissonSampler
 from equiconvert.privacy.secure_rng import SAMPLING, make_source
 from equiconvert.privacy.trainer import DPTrainer
+from tests.privacy.test_run_lock import _gone
 from tests.support.paths import REPO_ROOT
 from tests.support.train_args import tiny_train_args
 
@@ -299,3 +303,34 @@ def test_a_job_refuses_one_card_for_all_ranks(monkeypatch):
     monkeypatch.setenv("RANK", "1")
     with pytest.raises(ValueError, match="give --device cuda"):
         from_environment("cuda:1")
+
+
+def _children(pid: int) -> list[int]:
+    """The processes `pid` started that are still its children (Linux /proc)."""
+    tasks = Path(f"/proc/{pid}/task")
+    return [int(c) for task in tasks.iterdir() for c in (task / "children").read_text().split()]
+
+
+def test_a_launcher_killed_with_sigkill_takes_its_workers_and_the_lock_with_it(tmp_path):
+    out = tmp_path / "run"
+    train = tiny_train_args(out, nproc_per_node=2, steps=100000, batch_size=16, physical_batch_size=16)
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "equiconvert", *train],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    lock, deadline = out / LOCK_FILE, time.monotonic() + 240
+    while not (lock.exists() and lock.read_text()) and launcher.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)  # until rank 0 holds OUT's lock: both workers run
+    workers = _children(launcher.pid)
+    launcher.kill()
+    launcher.wait()
+    assert len(workers) == 2 and int(lock.read_text()) in workers
+    survivors = [pid for pid in workers if not _gone(pid, within_s=10)]
+    for pid in survivors:
+        os.kill(pid, signal.SIGKILL)
+    assert not survivors, "workers outlived their launcher"
+    with hold_run_folder(out):  # the dead job holds the folder no more
+        pass

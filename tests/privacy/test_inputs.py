@@ -317,3 +317,18 @@ def test_an_equivariant_model_called_on_channels_last_images_says_what_to_pass()
     with pytest.raises(ImageShapeError, match=r"^images have shape \(2, 9, 9, 3\) .* images.permute\(0, 3, 1, 2\)$"):
         model(torch.rand(2, 9, 9, 3))
     assert model(torch.rand(2, 3, 9, 9)).shape == (2, CLASSES)
+
+
+def test_make_equivariant_of_a_name_says_to_pass_a_module():
+    """A string used to fail as AttributeError: 'str' object has no attribute 'modules'."""
+    import equiconvert
+    from equiconvert.errors import NotAModuleError
+
+    with pytest.raises(NotAModuleError) as err:
+        equiconvert.make_equivariant("resnet18", "C4")
+    assert str(err.value) == (
+        "make_equivariant takes a module, got 'resnet18': pass one, e.g. torchvision.models.resnet18(); names are "
+        "for the command line's --model (torchvision:resnet18)"
+    )
+    with pytest.raises(NotAModuleError, match="takes a torch.nn.Module, got dict"):
+        equiconvert.make_equivariant({"weight": torch.zeros(1)}, "C4")

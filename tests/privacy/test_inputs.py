@@ -17,6 +17,7 @@ from equiconvert.image_shape import ImageShapeError
 from equiconvert.privacy.accounting import PrivacyBudgetError, default_delta
 from equiconvert.privacy.inputs import InvalidDataError
 from equiconvert.privacy.trainer import DPTrainer
+from equiconvert.privacy.validate import PrivacyValidationError
 from tests.support.cli_errors import run_error
 from tests.support.tiny import CLASSES, N, SIZE, linear_classifier, tiny_images
 from tests.support.train_args import tiny_train_args
@@ -332,3 +333,26 @@ def test_make_equivariant_of_a_name_says_to_pass_a_module():
     )
     with pytest.raises(NotAModuleError, match="takes a torch.nn.Module, got dict"):
         equiconvert.make_equivariant({"weight": torch.zeros(1)}, "C4")
+
+
+class _CallCounter(nn.Module):
+    """Counts its forwards in a buffer, in place: the count would follow the private batch sizes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return x
+
+
+@pytest.mark.parametrize("method", ["vmap", "bookkeeping"])
+def test_an_in_place_buffer_update_is_one_line_naming_the_module(method):
+    """torch.func used to raise its RuntimeError "... would mutate a captured Tensor", naming no module."""
+    model = nn.Sequential(nn.Flatten(), _CallCounter(), nn.Linear(SIZE * SIZE, CLASSES))
+    with pytest.raises(PrivacyValidationError) as err:
+        DPTrainer(model, per_sample_method=method, **OPTIONS).fit(tiny_images())
+    message = str(err.value)
+    assert re.match(r"module '1' writes its buffer 'calls' in place in its forward \(_CallCounter\)", message)
+    assert "\n" not in message and "keep that state out of the forward" in message

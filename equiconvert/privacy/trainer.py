@@ -31,6 +31,7 @@ from .dp_safety import check_dp_safe
 from .ema import ExponentialMovingAverage
 from .metrics import classification_metrics, predict
 from .hooks import Augment, OptimizerFactory, PerExampleLoss, check_hooks, cross_entropy
+from .interrupt import DeferredInterrupt, TrainingInterrupted
 from .inputs import InvalidDataError, check_images, check_labels, check_model_input
 from .devices import resolve_device
 from .nonfinite import zero_nonfinite_examples
@@ -116,7 +117,7 @@ class DPTrainer(TrainerCheckpoint):
         if self.ema is not None and (unreached := self.ema.unreached_warning(self.config.steps)):
             warnings.warn(unreached)
         self.step = 0
-        self.stopped_reason: str | None = None  # "budget" or "time_limit" when fit ended before `steps`
+        self.stopped_reason: str | None = None  # "budget", "time_limit" or "interrupted": fit ended before `steps`
         self._log = RunLog(self.out_dir, metrics_logger, self.dist.is_main)
         self.ledger: PrivacyLedger | None = None
         self.sampler: PoissonSampler | None = None
@@ -258,9 +259,10 @@ class DPTrainer(TrainerCheckpoint):
         `fit(..., resume=True)` continues it to the same end as an uninterrupted run. The data moves to the
         device once; a step waits for the device only where its record is written (every `epsilon_every` steps,
         evaluations, checkpoints), so `time_s` of the steps between is the time they were queued. While it writes
-        there, the run holds out_dir's lock: another job training into it is refused (run_lock.py).
+        there, the run holds out_dir's lock: another job training into it is refused (run_lock.py). Ctrl-C stops a
+        single-process run after the step under way with a checkpoint and raises TrainingInterrupted (interrupt.py).
         """
-        with contextlib.ExitStack() as self._run_folder:
+        with contextlib.ExitStack() as self._run_folder, DeferredInterrupt(not self.dist.enabled) as self._interrupt:
             return self._fit(train_set, eval_set, resume, time_limit_s)
 
     def _fit(
@@ -288,6 +290,8 @@ class DPTrainer(TrainerCheckpoint):
         bar = _progress_bar(self.config.steps, self.step, self.progress)
         start = time.perf_counter()
         while self.step < self.config.steps:
+            if self._interrupt.requested:  # Ctrl-C: stop here, between two steps
+                raise self._interrupted()
             if self.step >= budget_steps:  # one more step would exceed target_epsilon
                 self.stopped_reason = "budget"
                 self._log.append(
@@ -320,6 +324,17 @@ class DPTrainer(TrainerCheckpoint):
             final["final_eval"] = self._evaluate_with_callbacks(eval_set)
         self._log.append(final)
         return self.history
+
+    def _interrupted(self) -> TrainingInterrupted:
+        """The stop by Ctrl-C, logged and (with out_dir) checkpointed, as the exception fit raises."""
+        self.stopped_reason = "interrupted"
+        self._log.append(
+            {"event": "stopped", "reason": "interrupted", "step": self.step, "epsilon": self.ledger.epsilon}
+        )
+        if self.out_dir is None:
+            return TrainingInterrupted(self.step, None)
+        self.save_checkpoint()
+        return TrainingInterrupted(self.step, self.checkpoint_path())
 
     def _logs_epsilon(self, step: int) -> bool:
         """Whether step `step`'s record carries epsilon and is written at once (the loop's only waits)."""

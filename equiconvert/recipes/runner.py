@@ -98,6 +98,11 @@ def run_training(spec: RunSpec, **trainer_options: Any) -> dict[str, Any]:
     try:
         with hold_run_folder(out, create=not spec.resume):  # one job per output folder
             return _run_training(spec, context, device, trainer_options)
+    except RuntimeError as error:
+        lost = distributed.lost_worker(error) if context.enabled else None
+        if lost is None:
+            raise
+        raise lost from None
     finally:
         if context.enabled:
             distributed.shutdown()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -334,3 +335,28 @@ def test_a_launcher_killed_with_sigkill_takes_its_workers_and_the_lock_with_it(t
     assert not survivors, "workers outlived their launcher"
     with hold_run_folder(out):  # the dead job holds the folder no more
         pass
+
+
+def test_a_worker_killed_mid_run_is_one_line_naming_it_and_its_log(tmp_path):
+    """A dead worker used to show as gloo's traceback ("Connection closed by peer") from the others, then torchrun's."""
+    out = tmp_path / "run"
+    train = tiny_train_args(out, nproc_per_node=2, steps=100000, batch_size=16, physical_batch_size=16)
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "equiconvert", *train],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    lock, deadline = out / LOCK_FILE, time.monotonic() + 240
+    while not (lock.exists() and lock.read_text()) and launcher.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    time.sleep(2)  # into the training loop's collectives
+    rank_one = next(pid for pid in _children(launcher.pid) if pid != int(lock.read_text()))
+    os.kill(rank_one, signal.SIGKILL)
+    stderr = launcher.communicate(timeout=120)[1]
+    assert launcher.returncode == 2
+    lines = stderr.strip().splitlines()
+    assert re.fullmatch(r"error: worker 1 died \(signal SIGKILL\), see /\S+/attempt_0/1/stderr\.log", lines[-1])
+    assert "Traceback" not in stderr and "ChildFailedError" not in stderr, stderr[-3000:]

@@ -312,23 +312,26 @@ def _children(pid: int) -> list[int]:
     return [int(c) for task in tasks.iterdir() for c in (task / "children").read_text().split()]
 
 
-def test_a_launcher_killed_with_sigkill_takes_its_workers_and_the_lock_with_it(tmp_path):
-    out = tmp_path / "run"
+def _training_job(out: Path, stderr: int) -> tuple[subprocess.Popen, int]:
+    """A `train --nproc-per-node 2` launcher of a long tiny run, once rank 0 holds OUT's lock, and rank 0's pid."""
     train = tiny_train_args(out, nproc_per_node=2, steps=100000, batch_size=16, physical_batch_size=16)
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}
     launcher = subprocess.Popen(
-        [sys.executable, "-m", "equiconvert", *train],
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
+        [sys.executable, "-m", "equiconvert", *train], env=env, stdout=subprocess.DEVNULL, stderr=stderr, text=True
     )
     lock, deadline = out / LOCK_FILE, time.monotonic() + 240
     while not (lock.exists() and lock.read_text()) and launcher.poll() is None and time.monotonic() < deadline:
         time.sleep(0.2)  # until rank 0 holds OUT's lock: both workers run
+    return launcher, int(lock.read_text())
+
+
+def test_a_launcher_killed_with_sigkill_takes_its_workers_and_the_lock_with_it(tmp_path):
+    out = tmp_path / "run"
+    launcher, rank_zero = _training_job(out, subprocess.DEVNULL)
     workers = _children(launcher.pid)
     launcher.kill()
     launcher.wait()
-    assert len(workers) == 2 and int(lock.read_text()) in workers
+    assert len(workers) == 2 and rank_zero in workers
     survivors = [pid for pid in workers if not _gone(pid, within_s=10)]
     for pid in survivors:
         os.kill(pid, signal.SIGKILL)
@@ -339,22 +342,9 @@ def test_a_launcher_killed_with_sigkill_takes_its_workers_and_the_lock_with_it(t
 
 def test_a_worker_killed_mid_run_is_one_line_naming_it_and_its_log(tmp_path):
     """A dead worker used to show as gloo's traceback ("Connection closed by peer") from the others, then torchrun's."""
-    out = tmp_path / "run"
-    train = tiny_train_args(out, nproc_per_node=2, steps=100000, batch_size=16, physical_batch_size=16)
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}
-    launcher = subprocess.Popen(
-        [sys.executable, "-m", "equiconvert", *train],
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    lock, deadline = out / LOCK_FILE, time.monotonic() + 240
-    while not (lock.exists() and lock.read_text()) and launcher.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.2)
+    launcher, rank_zero = _training_job(tmp_path / "run", subprocess.PIPE)
     time.sleep(2)  # into the training loop's collectives
-    rank_one = next(pid for pid in _children(launcher.pid) if pid != int(lock.read_text()))
-    os.kill(rank_one, signal.SIGKILL)
+    os.kill(next(pid for pid in _children(launcher.pid) if pid != rank_zero), signal.SIGKILL)
     stderr = launcher.communicate(timeout=120)[1]
     assert launcher.returncode == 2
     lines = stderr.strip().splitlines()

@@ -27,3 +27,7 @@ class ModelNameError(EquiconvertError, ValueError):
 
 class InvalidInputSizeError(EquiconvertError, ValueError):
     """A requested input size does not keep exact equivariance; the message lists the nearest sizes that do."""
+
+
+class NotAModuleError(EquiconvertError, TypeError):
+    """A model argument that is not a torch.nn.Module (a name, a class, a state dict)."""

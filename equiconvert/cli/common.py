@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report a command stopped by Ctrl-C
 
 
 class CLIError(Exception):

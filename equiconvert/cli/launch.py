@@ -3,7 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import logging
 import os
+import signal
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Sequence
 
 import torch
@@ -24,12 +30,36 @@ def launch_train(args: argparse.Namespace, device: str | None = None) -> int:
     _refuse_more_workers_than_devices(args.nproc_per_node, device)
     if distributed.launched_world_size() > 1:
         raise CLIError("--nproc-per-node starts its own workers: drop it when launching with torchrun")
+    log_dir = Path(tempfile.mkdtemp(prefix="equiconvert-workers-"))  # owner-only
     try:
-        distributed.launch(args.nproc_per_node, "equiconvert", _without_option(args.argv, "--nproc-per-node"))
+        with _quiet(logging.getLogger("torch.distributed.elastic")):  # its own report of the failure: ours below
+            distributed.launch(
+                args.nproc_per_node, "equiconvert", _without_option(args.argv, "--nproc-per-node"), log_dir
+            )
     except ChildFailedError as exc:
-        rank, failure = exc.get_first_failure()
-        raise CLIError(f"training worker {rank} exited with code {failure.exitcode}; its error is above") from exc
+        raise CLIError(_failure_line(exc.failures, log_dir)) from None
     return 0
+
+
+def _failure_line(failures: dict, log_dir: Path) -> str:
+    """One line for a failed job: the worker that died first, by a signal if one did (the others then lose it)."""
+    rank, failure = min(failures.items(), key=lambda item: (item[1].exitcode >= 0, item[1].timestamp))
+    code = failure.exitcode
+    how = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+    from ..privacy.distributed import worker_log
+
+    log = worker_log(log_dir, rank)
+    return f"worker {rank} died ({how}), see {log if log is not None else 'its messages above'}"
+
+
+@contextlib.contextmanager
+def _quiet(logger: logging.Logger) -> Iterator[None]:
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 def _refuse_more_workers_than_devices(workers: int, device: str | None) -> None:

@@ -13,7 +13,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from ..errors import UnsupportedLayerError
+from ..errors import NotAModuleError, UnsupportedLayerError
 from ..groups import GroupSpec, parse_group
 from ..nn.conv import standardization_scope
 from ..recipe import conversion_recipe, remember_recipe
@@ -190,6 +190,20 @@ def _solve_params_width(template, in_channels, group, config, target: int) -> tu
     return multiplier_width(best), f"{PARAMS} (multiplier {best:.4f} fields per channel)"
 
 
+def _refuse_non_module(model: object) -> None:
+    """make_equivariant converts a module instance; a name or a class is one step short of it."""
+    if isinstance(model, nn.Module):
+        return
+    name = model if isinstance(model, str) else getattr(model, "__name__", None)
+    if name is not None:
+        name = name.split(":")[-1]
+        raise NotAModuleError(
+            f"make_equivariant takes a module, got {model!r}: pass one, e.g. torchvision.models.{name}(); names are "
+            f"for the command line's --model (torchvision:{name})"
+        )
+    raise NotAModuleError(f"make_equivariant takes a torch.nn.Module, got {type(model).__name__}")
+
+
 def make_equivariant(
     model: nn.Module,
     group: str | GroupSpec,
@@ -233,6 +247,7 @@ def make_equivariant(
     nodes that break it; allow_non_equivariant=True keeps it (approximately equivariant) with a warning.
     Every report warning is also issued as a Python warning (an EquivarianceWarning).
     """
+    _refuse_non_module(model)
     if pad_to_valid and crop_to_valid:
         raise ValueError("give pad_to_valid or crop_to_valid, not both")
     if (pad_to_valid or crop_to_valid) and input_size is None:

@@ -7,6 +7,7 @@ import torch.fx as fx
 from torch import nn
 
 from ..groups import GroupSpec
+from ..image_shape import check_image_shape
 from .fields import FieldType
 from .report import ConversionReport
 from .verify import preferred_valid_size
@@ -31,6 +32,7 @@ class EquivariantModel(nn.Module):
         self.report = report
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        _check_input(x, self.in_channels)
         return self.network(x)
 
     def default_input_size(self) -> int:
@@ -42,3 +44,11 @@ class EquivariantModel(nn.Module):
         if size is None:
             raise ValueError("this model has no input size that keeps exact equivariance; see model.report")
         return size
+
+
+def _check_input(x: torch.Tensor, channels: int) -> None:
+    """(N, channels, H, W) images, or one clear error (a leaf call in a torch.fx trace of a wrapping module)."""
+    check_image_shape(tuple(x.shape), channels)
+
+
+torch.fx.wrap("_check_input")

@@ -8,6 +8,8 @@ Looked for in ``data_dir`` itself, torchvision's layout (``data_dir/MNIST/raw``,
 from __future__ import annotations
 
 import gzip
+import hashlib
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -32,6 +34,36 @@ FASHION_MNIST_CLASSES = [
     "Ankle boot",
 ]
 DEBIAN_FASHION_MNIST = "/usr/share/datasets/fashion-mnist"
+
+
+@dataclass(frozen=True)
+class PublishedLabels:
+    """A published split's labels: examples per class, and the SHA-256 of the label bytes where known.
+
+    MNIST and Fashion-MNIST have the same file names and sizes; their labels tell them apart (MNIST's classes are
+    unbalanced, Fashion-MNIST's hold 6,000 / 1,000 each), whatever the compression."""
+
+    counts: tuple[int, ...]
+    sha256: str | None = None
+
+    def matches(self, labels: np.ndarray) -> bool:
+        counts = tuple(int(c) for c in np.bincount(labels, minlength=len(self.counts)))
+        if counts != self.counts:
+            return False
+        return self.sha256 is None or hashlib.sha256(labels.tobytes()).hexdigest() == self.sha256
+
+
+# the label content of each IDX data set's published files, by data set and split (read_idx's labels)
+PUBLISHED_LABELS: dict[str, dict[str, PublishedLabels]] = {
+    "mnist": {
+        "train": PublishedLabels((5923, 6742, 5958, 6131, 5842, 5421, 5918, 6265, 5851, 5949)),
+        "test": PublishedLabels((980, 1135, 1032, 1010, 982, 892, 958, 1028, 974, 1009)),
+    },
+    "fashion_mnist": {
+        "train": PublishedLabels((6000,) * 10, "657fbd221bfc9f4198cc14b5619cc33ec57c58dd0e47af4d99d6650759e869a7"),
+        "test": PublishedLabels((1000,) * 10, "3d0e6c6ea990b53b6f8f500a41cac93881d981b315f84578b7d915342ade01e9"),
+    },
+}
 
 # IDX type byte -> numpy big-endian dtype
 _IDX_TYPES = {
@@ -97,19 +129,45 @@ def find_idx_file(d: Path, stem: str) -> Path | None:
 
 
 def load_idx_pair(d: Path, split: str, classes: list[str], name: str) -> ImageData:
+    """The split's images and labels in `d`; the labels are read (and checked) first, being 1/784 of the bytes."""
     img_stem, lbl_stem = IDX_FILES[split]
     img_path, lbl_path = find_idx_file(d, img_stem), find_idx_file(d, lbl_stem)
-    images = read_idx(img_path, expect_ndim=3)
     labels = read_idx(lbl_path, expect_ndim=1)
-    if images.dtype != np.uint8 or labels.dtype != np.uint8:
-        raise DatasetFormatError(f"{img_path}, {lbl_path}: expected unsigned-byte IDX data (type 0x08)")
+    if labels.dtype != np.uint8:
+        raise DatasetFormatError(f"{lbl_path}: expected unsigned-byte IDX data (type 0x08)")
+    if labels.size and labels.max() >= len(classes):
+        raise DatasetFormatError(f"{lbl_path}: label {labels.max()} out of range for {len(classes)} classes")
+    check_published(labels, name, split, d)
+    images = read_idx(img_path, expect_ndim=3)
+    if images.dtype != np.uint8:
+        raise DatasetFormatError(f"{img_path}: expected unsigned-byte IDX data (type 0x08)")
     if images.shape[0] != labels.shape[0]:
         raise DatasetFormatError(
             f"{img_path} holds {images.shape[0]} images but {lbl_path} holds {labels.shape[0]} labels"
         )
-    if labels.size and labels.max() >= len(classes):
-        raise DatasetFormatError(f"{lbl_path}: label {labels.max()} out of range for {len(classes)} classes")
     return make_image_data(images[:, None], labels, classes, name, source=str(d))
+
+
+def check_published(labels: np.ndarray, name: str, split: str, folder: Path) -> None:
+    """A split as long as `name`'s published one must hold its labels: another data set in the same format
+    (Fashion-MNIST given as MNIST) would train on one and be recorded as the other. Shorter or longer files (a
+    subset, your own data in IDX format) are not the published ones and are not checked."""
+    published = PUBLISHED_LABELS.get(name, {}).get(split)
+    if published is None or len(labels) != sum(published.counts) or published.matches(labels):
+        return
+    other = next(
+        (other for other, splits in PUBLISHED_LABELS.items() if other != name and splits[split].matches(labels)),
+        None,
+    )
+    if other is not None:
+        found, what_to_do = f"they hold {other}'s labels", f"load them as {other!r}, or "
+    else:
+        counts = np.bincount(labels, minlength=len(published.counts)).tolist()
+        found, what_to_do = f"examples per class {counts}, published {list(published.counts)}", ""
+    raise DatasetFormatError(
+        f"{folder}: the {split} files there are not {name}'s ({found}); {what_to_do}point data_dir at "
+        f"{name}'s IDX files"
+    )
 
 
 def _idx_dirs(d: Path, torchvision_name: str, extra: tuple[str, ...]) -> list[Path]:

@@ -29,16 +29,21 @@ _MAX_SIGMA = 1e6  # the same ceiling Opacus' get_noise_multiplier gives up at
 _MAX_SEARCH_STEPS = 2**40  # max_steps() gives up (raises) beyond this many steps
 _MAX_REFINEMENTS = 100  # bracketing / bisection rounds in calibrate_noise_multiplier
 _CACHE_SIZE = 4096
-_LARGEST_ORDER_WARNING = "Optimal order is the largest alpha"
+_OPACUS_ORDER_WARNING = "Optimal order is the (largest|smallest) alpha"
 # warnings.catch_warnings swaps process-global state: two threads interleaving it can leave a filter behind.
 _WARNINGS_LOCK = threading.RLock()
 
 
+class LooseBoundWarning(UserWarning):
+    """An RDP epsilon whose best order is the first or last one evaluated: a tighter bound exists."""
+
+
 @contextlib.contextmanager
-def _largest_order_warning_silenced() -> Iterator[None]:
-    """Opacus' "largest alpha" warning off, for epsilons that are not the one reported."""
+def _opacus_order_warning_silenced() -> Iterator[None]:
+    """Opacus' "optimal order is the largest/smallest alpha" warning off: it fires at every one of the many epsilons
+    a calibration or a step search computes; the reported epsilon gets one LooseBoundWarning of ours instead."""
     with _WARNINGS_LOCK, warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=_LARGEST_ORDER_WARNING)
+        warnings.filterwarnings("ignore", message=_OPACUS_ORDER_WARNING)
         yield
 
 
@@ -114,24 +119,48 @@ def _epsilon_of_history(kind: str, history: History, delta: float) -> float:
         return 0.0
     accountant = make_accountant(kind)
     accountant.history = [tuple(entry) for entry in history]
-    # Opacus' PRV sizes its discretisation domain with an RDP bound at a tiny delta, whose
-    # "largest alpha" warning concerns that domain only, not the epsilon returned.
-    with _largest_order_warning_silenced() if kind == "prv" else contextlib.nullcontext():
+    # (Opacus' PRV sizes its discretisation domain with an RDP bound at a tiny delta: its order warning concerns
+    # that domain only, not the epsilon returned.)
+    with _opacus_order_warning_silenced():
         epsilon = float(accountant.get_epsilon(delta=delta))
     # Opacus' RDP conversion goes slightly negative for large delta at high orders (about -6e-4 at
     # delta=1e-3); raising a bound to 0 keeps it valid and a reported epsilon meaningful.
     return max(epsilon, 0.0)
 
 
+def warn_if_loose(kind: str, history: History, delta: float) -> bool:
+    """One LooseBoundWarning when RDP's best order for `history` is the first or last of its orders; whether so."""
+    if kind != "rdp" or not history:
+        return False
+    accountant = make_accountant(kind)
+    accountant.history = [tuple(entry) for entry in history]
+    with _opacus_order_warning_silenced():
+        epsilon, order = accountant.get_privacy_spent(delta=delta)
+    orders = WideRangeRDPAccountant.DEFAULT_ALPHAS
+    if order not in (orders[0], orders[-1]):
+        return False
+    end = "largest" if order == orders[-1] else "smallest"
+    warnings.warn(
+        f"RDP's epsilon {epsilon:.4g} at delta {delta:g} is tightest at its {end} order ({order:g}): the bound is "
+        "loose there; accountant='prv' gives a tighter epsilon",
+        LooseBoundWarning,
+        stacklevel=3,
+    )
+    return True
+
+
 def compute_epsilon(kind: str, noise_multiplier: float, sample_rate: float, steps: int, delta: float) -> float:
-    """Epsilon after `steps` identical DP-SGD steps, as the Opacus accountant `kind` reports it."""
+    """Epsilon after `steps` identical DP-SGD steps, as the Opacus accountant `kind` reports it (with a
+    LooseBoundWarning where RDP's best order is an end of its orders)."""
     _check_kind(kind)
     history = (
         (_check_positive("noise_multiplier", noise_multiplier), _check_sample_rate(sample_rate), _check_steps(steps)),
     )
     if history[0][2] == 0:
         return 0.0
-    return _epsilon_of_history(kind, history, _check_delta(delta))
+    epsilon = _epsilon_of_history(kind, history, _check_delta(delta))
+    warn_if_loose(kind, history, delta)
+    return epsilon
 
 
 def calibrate_noise_multiplier(
@@ -156,13 +185,13 @@ def calibrate_noise_multiplier(
     sample_rate = _check_sample_rate(sample_rate)
     steps = _check_steps(steps, minimum=1)
 
-    def eps(sigma: float) -> float:
-        return compute_epsilon(kind, sigma, sample_rate, steps, delta)
+    def eps(sigma: float) -> float:  # a candidate's epsilon: no warning (the ledger warns about the one chosen)
+        return _epsilon_of_history(kind, ((sigma, sample_rate, steps),), delta)
 
     def unreachable() -> PrivacyBudgetError:
         floor = ""
         if kind == "rdp":
-            with _largest_order_warning_silenced():
+            with _opacus_order_warning_silenced():
                 smallest = eps(_MAX_SIGMA)
             floor = f" (the smallest epsilon RDP certifies here is {smallest:.4f}; the PRV accountant goes lower)"
         return PrivacyBudgetError(
@@ -174,7 +203,7 @@ def calibrate_noise_multiplier(
     orders = {"alphas": WideRangeRDPAccountant.DEFAULT_ALPHAS} if kind == "rdp" else {}
     # Candidates far above the answer have their optimum at the largest order; only the final
     # sigma's epsilon, computed again by the caller's ledger, should warn about that.
-    with _largest_order_warning_silenced():
+    with _opacus_order_warning_silenced():
         try:
             sigma = float(
                 get_noise_multiplier(
@@ -255,6 +284,7 @@ class PrivacyLedger:
         self.noise_multiplier = _check_positive("noise_multiplier", noise_multiplier)
         self._epsilons: dict[History, float] = {}
         self._max_steps: dict[History, int] = {}
+        self._warned_loose = False
 
     def _history(self, extra_steps: int = 0) -> History:
         """The accountant's history after `extra_steps` more steps, merged as Opacus' step() merges."""
@@ -284,8 +314,12 @@ class PrivacyLedger:
 
     @property
     def epsilon(self) -> float:
-        """Epsilon spent so far at this ledger's delta; 0.0 before the first step."""
-        return self._epsilon(self._history())
+        """Epsilon spent so far at this ledger's delta; 0.0 before the first step. The first one that RDP bounds
+        at an end of its orders gives one LooseBoundWarning."""
+        history = self._history()
+        if not self._warned_loose:
+            self._warned_loose = warn_if_loose(self.kind, history, self.delta)
+        return self._epsilon(history)
 
     def epsilon_after(self, extra_steps: int) -> float:
         """Epsilon after `extra_steps` more steps, without recording them."""

@@ -24,11 +24,15 @@ import hashlib
 import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from ..errors import EquiconvertError
+from .worker_lifetime import die_with_parent, launcher_environment
 
 BACKENDS = {"cuda": "nccl", "cpu": "gloo"}  # device type -> torch.distributed backend
 
@@ -136,11 +140,13 @@ def launched_world_size() -> int:
 def from_environment(device: str | None) -> tuple[DistributedContext, str | None]:
     """Join the process group torchrun describes (if WORLD_SIZE > 1) and pick this rank's device.
 
-    "cuda" (or no device, with CUDA present) becomes cuda:LOCAL_RANK; the backend follows the device type.
+    "cuda" (or no device, with CUDA present) becomes cuda:LOCAL_RANK; the backend follows the device type. A worker
+    is killed when its launcher dies (worker_lifetime.py).
     """
     world_size = launched_world_size()
     if world_size == 1:
         return SINGLE_PROCESS, device
+    die_with_parent()  # a launcher killed with SIGKILL takes its workers with it
     rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -167,11 +173,41 @@ def shutdown() -> None:
         dist.destroy_process_group()
 
 
-def launch(nproc_per_node: int, module: str, argv: Sequence[str]) -> None:
+class WorkerLostError(EquiconvertError):
+    """A collective failed because another worker of the job is gone (gloo's "Connection closed by peer")."""
+
+
+def lost_worker(error: RuntimeError) -> WorkerLostError | None:
+    """The one-line error for gloo's failure of a collective (its C++ location dropped), or None for another one."""
+    text = str(error)
+    if "/gloo/" not in text:
+        return None
+    detail = text.split("] ", 1)[-1].split(". ")[0]
+    return WorkerLostError(f"another worker of this job stopped ({detail}); the launcher's last line names it")
+
+
+def launch(nproc_per_node: int, module: str, argv: Sequence[str], log_dir: Path) -> None:
     """Run `python -m module argv...` on `nproc_per_node` local workers through torchrun's own entry point.
 
-    Raises torch's ChildFailedError if a worker fails.
+    Workers other than rank 0 write their stderr under `log_dir` (worker_log finds it); rank 0 keeps the console
+    (its progress bar and errors). Raises torch's ChildFailedError if a worker fails.
     """
     from torch.distributed.run import parse_args, run
 
-    run(parse_args(["--standalone", "--nproc-per-node", str(nproc_per_node), "--module", module, *argv]))
+    redirects = ["--redirects", ",".join(f"{rank}:2" for rank in range(1, nproc_per_node))]
+    options = ["--log-dir", str(log_dir), *(redirects if nproc_per_node > 1 else [])]
+
+    added = launcher_environment()  # the workers copy this process's environment when they start
+    os.environ.update(added)
+    try:
+        run(parse_args(["--standalone", "--nproc-per-node", str(nproc_per_node), *options, "--module", module, *argv]))
+    finally:
+        for name in added:
+            os.environ.pop(name, None)
+
+
+def worker_log(log_dir: Path, rank: int) -> Path | None:
+    """The stderr file torchrun wrote for local worker `rank` of the last attempt under `log_dir` (None for rank 0,
+    which writes to the console)."""
+    logs = sorted(log_dir.glob(f"*/attempt_*/{rank}/stderr.log"), key=lambda path: path.stat().st_mtime)
+    return logs[-1] if logs else None

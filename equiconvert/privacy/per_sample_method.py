@@ -21,6 +21,7 @@ from .bookkeeping import (
 from .dp_config import PRECISIONS, DPConfig
 from .filter_gradients import filter_gradient_method
 from .hooks import PerExampleLoss
+from .inplace_buffers import TORCH_FUNC_MUTATION, in_place_buffer_error
 from .per_sample import per_sample_gradients
 
 Tensors = dict[str, torch.Tensor]
@@ -57,6 +58,17 @@ class PerSampleGradients:
         )
 
     def __call__(
+        self, params: Tensors, buffers: Tensors, views: torch.Tensor, labels: torch.Tensor
+    ) -> tuple[Tensors, torch.Tensor]:
+        """Per-example gradients and losses; torch.func's refusal of an in-place buffer write names the module."""
+        try:
+            return self._compute(params, buffers, views, labels)
+        except RuntimeError as error:
+            if TORCH_FUNC_MUTATION not in str(error):
+                raise
+            raise in_place_buffer_error(self.model, views[:1, 0], error) from None
+
+    def _compute(
         self, params: Tensors, buffers: Tensors, views: torch.Tensor, labels: torch.Tensor
     ) -> tuple[Tensors, torch.Tensor]:
         with filter_gradient_method(self.config.filter_gradients):  # the probe checks the kernel the run uses

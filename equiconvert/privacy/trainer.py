@@ -32,12 +32,14 @@ from .dp_safety import check_dp_safe
 from .ema import ExponentialMovingAverage
 from .metrics import classification_metrics, predict
 from .hooks import Augment, OptimizerFactory, PerExampleLoss, check_hooks, cross_entropy
-from .inputs import InvalidDataError, check_images, check_labels
+from .interrupt import DeferredInterrupt, TrainingInterrupted
+from .inputs import InvalidDataError, check_images, check_labels, check_model_input
 from .devices import resolve_device
 from .nonfinite import zero_nonfinite_examples
 from .normalization import Normalize
 from .per_sample import clip_and_sum
 from .per_sample_method import PerSampleGradients
+from .run_lock import hold_run_folder
 from .run_log import RunClock, RunLog, materialize, warn_step_times
 from .train_data import StreamedData, TensorData as TensorSource, TrainData, as_train_data
 from .sampling import PoissonSampler, physical_chunks
@@ -58,6 +60,7 @@ class DPTrainer(TrainerCheckpoint):
     augment: images, K, generator -> K views per image on the device (default: reflect-pad crop and flip).
     callbacks: Callback objects (on_step_end, on_eval_end); metrics_logger: a MetricsLogger fed each log record.
     distributed: this process's rank in a data-parallel job (distributed.py); None for a single process.
+    Images are (N, C, H, W): uint8 pixels, or floats that are pixels in [0, 1] or already normalised (inputs.py).
     """
 
     def __init__(
@@ -118,7 +121,7 @@ class DPTrainer(TrainerCheckpoint):
         if self.ema is not None and (unreached := self.ema.unreached_warning(self.config.steps)):
             warnings.warn(unreached)
         self.step = 0
-        self.stopped_reason: str | None = None  # "budget" or "time_limit" when fit ended before `steps`
+        self.stopped_reason: str | None = None  # "budget", "time_limit" or "interrupted": fit ended before `steps`
         self._log = RunLog(self.out_dir, metrics_logger, self.dist.is_main)
         self._clock = RunClock()
         self._checkpoint_step: int | None = None  # the step of the last checkpoint this trainer wrote
@@ -268,8 +271,16 @@ class DPTrainer(TrainerCheckpoint):
         uninterrupted run. Evaluations, stops and the final record carry the run's elapsed `time_s`; step
         records carry it only under `log_step_times` (it times the secret batches). The data moves to the
         device once; a step waits for the device only where its record is written (every `epsilon_every` steps,
-        evaluations, checkpoints), so a step's `time_s` between those is the time it was queued.
+        evaluations, checkpoints), so a step's `time_s` between those is the time it was queued. While it writes
+        there, the run holds out_dir's lock: another job training into it is refused (run_lock.py). Ctrl-C stops a
+        single-process run after the step under way with a checkpoint and raises TrainingInterrupted (interrupt.py).
         """
+        with contextlib.ExitStack() as self._run_folder, DeferredInterrupt(not self.dist.enabled) as self._interrupt:
+            return self._fit(train_set, eval_set, resume, time_limit_s)
+
+    def _fit(
+        self, train_set: Any, eval_set: Any | None, resume: bool, time_limit_s: float | None
+    ) -> list[dict[str, Any]]:
         train_source = self._source(train_set, "the training data")
         self._probe_once(train_source)
         data = self._checked(train_source, "the training data")
@@ -278,6 +289,7 @@ class DPTrainer(TrainerCheckpoint):
         if self.sampler is None:
             self._prepare_privacy(len(data))
         if self.out_dir is not None:
+            self._run_folder.enter_context(hold_run_folder(self.out_dir if self.dist.is_main else None))
             remove_stale_temporaries(self.checkpoint_path())
         if resume:
             self._resume()
@@ -292,6 +304,8 @@ class DPTrainer(TrainerCheckpoint):
         start = time.perf_counter()
         self._clock.start()
         while self.step < self.config.steps:
+            if self._interrupt.requested:  # Ctrl-C: stop here, between two steps
+                raise self._interrupted()
             if self.step >= budget_steps:  # one more step would exceed target_epsilon
                 self.stopped_reason = "budget"
                 self._log.append({"event": "stopped", "reason": "budget", **self._progress_fields()})
@@ -342,6 +356,15 @@ class DPTrainer(TrainerCheckpoint):
             set_once = check_dp_safe(self.model, self._first_example(source, "the training data"), rows)
             self._buffer_guard = BufferGuard(self.model, set_once, deferred=True)
 
+    def _interrupted(self) -> TrainingInterrupted:
+        """The stop by Ctrl-C, logged and (with out_dir) checkpointed, as the exception fit raises."""
+        self.stopped_reason = "interrupted"
+        self._log.append({"event": "stopped", "reason": "interrupted", **self._progress_fields()})
+        if self.out_dir is None:
+            return TrainingInterrupted(self.step, None)
+        self.save_checkpoint()
+        return TrainingInterrupted(self.step, self.checkpoint_path())
+
     def _logs_epsilon(self, step: int) -> bool:
         """Whether step `step`'s record carries epsilon and is written at once (the loop's only waits)."""
         return step % self.config.epsilon_every == 0 or step == self.config.steps
@@ -363,7 +386,10 @@ class DPTrainer(TrainerCheckpoint):
         images = source.gather(torch.zeros(1, dtype=torch.long))[0]
         if images.dim() < 2:  # as check_images: one dimension per example at least; the probes need its shape
             raise InvalidDataError(f"{what} images must be a tensor (N, C, H, W), got shape {tuple(images.shape)}")
-        return self._normalize(images)
+        check_images(images, what)
+        example = self._normalize(images)
+        check_model_input(self.model, example, (len(source), *images.shape[1:]), what)
+        return example
 
     def _checked(self, source: TrainData, what: str) -> TrainData:
         """`source` checked (a streamed set: its examples as they are read) and, in memory, on the device."""

@@ -22,6 +22,7 @@ from ..privacy import distributed
 from ..privacy.accounting import refuse_delta
 from ..privacy.dp_config import DPConfig, check_config
 from ..privacy.run_folder import prepare_out
+from ..privacy.run_lock import hold_run_folder
 from ..privacy.trainer import DPTrainer
 from ..saved_model import library_versions, save_trained
 from . import step_plan
@@ -93,8 +94,15 @@ def run_training(spec: RunSpec, **trainer_options: Any) -> dict[str, Any]:
     refuse_conversion_options_for_baseline(spec)
     refuse_preset_options_for_other_models(spec)
     context, device = distributed.from_environment(spec.device)
+    out = Path(spec.out) if context.is_main else None  # rank 0 alone writes the outputs
     try:
-        return _run_training(spec, context, device, trainer_options)
+        with hold_run_folder(out, create=not spec.resume):  # one job per output folder
+            return _run_training(spec, context, device, trainer_options)
+    except RuntimeError as error:
+        lost = distributed.lost_worker(error) if context.enabled else None
+        if lost is None:
+            raise
+        raise lost from None
     finally:
         if context.enabled:
             distributed.shutdown()

@@ -16,7 +16,7 @@ from tests.support.train_args import tiny_train_args
 def launched(monkeypatch):
     """The worker counts that reached the launcher (which starts nothing here)."""
     calls: list[int] = []
-    monkeypatch.setattr(distributed, "launch", lambda n, module, argv: calls.append(n))
+    monkeypatch.setattr(distributed, "launch", lambda n, module, argv, log_dir: calls.append(n))
     monkeypatch.setattr(os, "cpu_count", lambda: 2)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # one visible card
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)

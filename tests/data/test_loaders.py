@@ -25,7 +25,7 @@ from equiconvert.data import (
     rotate_images,
 )
 from equiconvert.data._base import resolve_name
-from equiconvert.data.mnist import FASHION_MNIST_CLASSES
+from equiconvert.data.mnist import FASHION_MNIST_CLASSES, PUBLISHED_LABELS
 from tests.support.paths import REPO_ROOT
 
 # torchvision 0.29 deprecates its image decoders (the loader falls back to PIL when they go away)
@@ -193,6 +193,49 @@ def test_idx_image_label_count_mismatch(tmp_path) -> None:
     write_idx(tmp_path / "t10k-labels-idx1-ubyte", np.zeros(4, np.uint8))
     with pytest.raises(DatasetFormatError, match="holds 5 images but .* holds 4 labels"):
         load_dataset("mnist", tmp_path, "test")
+
+
+def _write_test_split(d: Path, labels: np.ndarray) -> None:
+    d.mkdir(parents=True, exist_ok=True)
+    write_idx(d / "t10k-images-idx3-ubyte", np.zeros((len(labels), 28, 28), np.uint8), compress=False)
+    write_idx(d / "t10k-labels-idx1-ubyte", labels, compress=False)
+
+
+def test_a_published_size_split_must_hold_the_published_labels(tmp_path) -> None:
+    mnist_counts = PUBLISHED_LABELS["mnist"]["test"].counts
+    mnist_like = np.repeat(np.arange(10, dtype=np.uint8), mnist_counts)
+    _write_test_split(tmp_path / "m", mnist_like)
+    assert len(load_dataset("mnist", tmp_path / "m", "test")) == 10000
+    with pytest.raises(DatasetFormatError) as err:
+        load_dataset("fashion_mnist", tmp_path / "m", "test")
+    message = str(err.value)
+    assert str(tmp_path / "m") in message and "not fashion_mnist's (they hold mnist's labels)" in message
+    assert "load them as 'mnist'" in message and "\n" not in message
+
+    balanced = np.repeat(np.arange(10, dtype=np.uint8), 1000)  # Fashion-MNIST's counts, not its labels
+    _write_test_split(tmp_path / "b", balanced)
+    with pytest.raises(DatasetFormatError, match=r"b: the test files there are not mnist's \(examples per class"):
+        load_dataset("mnist", tmp_path / "b", "test")
+    with pytest.raises(DatasetFormatError, match="not fashion_mnist's"):
+        load_dataset("fashion_mnist", tmp_path / "b", "test")
+
+
+@pytest.mark.skipif(
+    not (DEBIAN_FMNIST / "train-labels-idx1-ubyte.gz").is_file(),
+    reason="Debian package dataset-fashion-mnist not installed (/usr/share/datasets/fashion-mnist)",
+)
+def test_fashion_mnist_files_given_as_mnist_are_refused(tmp_path) -> None:
+    raw = tmp_path / "MNIST" / "raw"
+    raw.mkdir(parents=True)
+    for path in DEBIAN_FMNIST.glob("*.gz"):
+        (raw / path.name).symlink_to(path)
+    for split in ("train", "test"):
+        with pytest.raises(DatasetFormatError) as err:
+            load_dataset("mnist", tmp_path, split)
+        assert str(err.value) == (
+            f"{raw}: the {split} files there are not mnist's (they hold fashion_mnist's labels); load them as "
+            "'fashion_mnist', or point data_dir at mnist's IDX files"
+        )
 
 
 @pytest.mark.skipif(

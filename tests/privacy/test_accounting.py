@@ -8,6 +8,7 @@ get_noise_multiplier for epsilon=8 over 2000 steps; and, for full-batch
 from __future__ import annotations
 
 import math
+import re
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 
@@ -23,6 +24,7 @@ from equiconvert.errors import EquiconvertError
 from equiconvert.privacy import accounting
 from equiconvert.privacy.accounting import (
     ACCOUNTANTS,
+    LooseBoundWarning,
     PrivacyBudgetError,
     PrivacyLedger,
     calibrate_noise_multiplier,
@@ -157,7 +159,7 @@ def test_prv_small_budgets_do_not_warn_about_its_internal_domain_bound() -> None
         assert 0.0 < compute_epsilon("prv", 20.0, 0.01, 100, DELTA) < 0.05  # measured 0.0228
 
 
-@pytest.mark.filterwarnings("ignore:Optimal order is the smallest alpha")  # true of 1e12 full-batch steps
+@pytest.mark.filterwarnings("ignore:RDP.s epsilon .* smallest order")  # true of 1e12 full-batch steps
 def test_a_target_reachable_only_near_the_noise_ceiling_is_calibrated() -> None:
     # Opacus' proposal gives up once its doubling passes sigma 1e6 (here 1.28e6), although 7.9e5 suffices.
     steps = 10**12
@@ -174,13 +176,31 @@ def test_silencing_from_threads_leaves_no_warning_filter_behind() -> None:
 
 def test_epsilon_is_never_reported_below_zero() -> None:
     # Opacus' conversion gives -0.000645 here (a valid but meaningless bound).
-    with pytest.warns(UserWarning, match="largest alpha"):  # and RDP says its bound is loose
+    with pytest.warns(LooseBoundWarning, match="largest order"):  # and RDP says its bound is loose
         assert compute_epsilon("rdp", 1e6, 1e-4, 10**7, 1e-3) == 0.0
 
 
 def test_a_final_epsilon_at_the_largest_order_still_warns() -> None:
-    with pytest.warns(UserWarning, match="largest alpha"):
+    with pytest.warns(LooseBoundWarning, match="largest order"):
         compute_epsilon("rdp", 50.0, 0.01, 10, DELTA)
+
+
+def test_a_run_at_a_tiny_epsilon_gives_one_warning_of_ours_and_none_of_opacus() -> None:
+    """Opacus warned "Optimal order is the largest alpha" at each epsilon the calibration and the ledger computed."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        sigma = calibrate_noise_multiplier(0.03, DELTA, 0.25, 3, "rdp")
+        ledger = PrivacyLedger("rdp", DELTA, 0.03, 0.25, sigma)
+        for _ in range(ledger.max_steps()):
+            ledger.step()
+            assert 0 < ledger.epsilon <= 0.03
+    messages = [str(w.message) for w in caught]
+    assert len(messages) == 1 and caught[0].category is LooseBoundWarning, messages
+    assert re.fullmatch(
+        r"RDP's epsilon 0\.0\d+ at delta 1e-05 is tightest at its largest order \(512\): the bound is loose "
+        r"there; accountant='prv' gives a tighter epsilon",
+        messages[0],
+    )
 
 
 # --- ledger --------------------------------------------------------------------

@@ -9,8 +9,11 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -21,9 +24,11 @@ from torch import nn
 
 from equiconvert.privacy.distributed import SINGLE_PROCESS, DistributedContext
 from equiconvert.privacy.metrics import evaluate
+from equiconvert.privacy.run_lock import LOCK_FILE, hold_run_folder
 from equiconvert.privacy.sampling import PoissonSampler
 from equiconvert.privacy.secure_rng import SAMPLING, make_source
 from equiconvert.privacy.trainer import DPTrainer
+from tests.privacy.test_run_lock import _gone
 from tests.support.paths import REPO_ROOT
 from tests.support.rng import freshly_keyed
 from tests.support.train_args import tiny_train_args
@@ -316,3 +321,49 @@ def test_a_job_refuses_one_card_for_all_ranks(monkeypatch):
     monkeypatch.setenv("RANK", "1")
     with pytest.raises(ValueError, match="give --device cuda"):
         from_environment("cuda:1")
+
+
+def _children(pid: int) -> list[int]:
+    """The processes `pid` started that are still its children (Linux /proc)."""
+    tasks = Path(f"/proc/{pid}/task")
+    return [int(c) for task in tasks.iterdir() for c in (task / "children").read_text().split()]
+
+
+def _training_job(out: Path, stderr: int) -> tuple[subprocess.Popen, int]:
+    """A `train --nproc-per-node 2` launcher of a long tiny run, once rank 0 holds OUT's lock, and rank 0's pid."""
+    train = tiny_train_args(out, nproc_per_node=2, steps=100000, batch_size=16, physical_batch_size=16)
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "equiconvert", *train], env=env, stdout=subprocess.DEVNULL, stderr=stderr, text=True
+    )
+    lock, deadline = out / LOCK_FILE, time.monotonic() + 240
+    while not (lock.exists() and lock.read_text()) and launcher.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)  # until rank 0 holds OUT's lock: both workers run
+    return launcher, int(lock.read_text())
+
+
+def test_a_launcher_killed_with_sigkill_takes_its_workers_and_the_lock_with_it(tmp_path):
+    out = tmp_path / "run"
+    launcher, rank_zero = _training_job(out, subprocess.DEVNULL)
+    workers = _children(launcher.pid)
+    launcher.kill()
+    launcher.wait()
+    assert len(workers) == 2 and rank_zero in workers
+    survivors = [pid for pid in workers if not _gone(pid, within_s=10)]
+    for pid in survivors:
+        os.kill(pid, signal.SIGKILL)
+    assert not survivors, "workers outlived their launcher"
+    with hold_run_folder(out):  # the dead job holds the folder no more
+        pass
+
+
+def test_a_worker_killed_mid_run_is_one_line_naming_it_and_its_log(tmp_path):
+    """A dead worker used to show as gloo's traceback ("Connection closed by peer") from the others, then torchrun's."""
+    launcher, rank_zero = _training_job(tmp_path / "run", subprocess.PIPE)
+    time.sleep(2)  # into the training loop's collectives
+    os.kill(next(pid for pid in _children(launcher.pid) if pid != rank_zero), signal.SIGKILL)
+    stderr = launcher.communicate(timeout=120)[1]
+    assert launcher.returncode == 2
+    lines = stderr.strip().splitlines()
+    assert re.fullmatch(r"error: worker 1 died \(signal SIGKILL\), see /\S+/attempt_0/1/stderr\.log", lines[-1])
+    assert "Traceback" not in stderr and "ChildFailedError" not in stderr, stderr[-3000:]

@@ -13,9 +13,11 @@ from torch import nn
 from equiconvert.data import DatasetFormatError, UnknownDatasetError, load_dataset
 from equiconvert.data._base import make_image_data
 from equiconvert.data.rotated_mnist import NPZ_NAMES
+from equiconvert.image_shape import ImageShapeError
 from equiconvert.privacy.accounting import PrivacyBudgetError, default_delta
 from equiconvert.privacy.inputs import InvalidDataError
 from equiconvert.privacy.trainer import DPTrainer
+from equiconvert.privacy.validate import PrivacyValidationError
 from tests.support.cli_errors import run_error
 from tests.support.tiny import CLASSES, N, SIZE, linear_classifier, tiny_images
 from tests.support.train_args import tiny_train_args
@@ -240,3 +242,117 @@ def test_an_out_dir_that_is_a_file_is_refused_when_the_trainer_is_built(tmp_path
     path.write_text("not a folder")
     with pytest.raises(ValueError, match=r"out_dir .*run is a file: give a folder"):
         DPTrainer(linear_classifier(), out_dir=path, **OPTIONS)
+
+
+# --- pixel scale, dtype and layout of the images ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "images, message",
+    [
+        (
+            tiny_images()[0] * 255,
+            r"images hold values in \[[\d.]+, [\d.]+\] \(images\[0\] exceeds 1\).* 255, or give uint8",
+        ),
+        ((tiny_images()[0] * 255).long(), r"images have dtype torch.int64: give uint8 pixels \(0-255\) or floats"),
+        ((tiny_images()[0] * 255).int(), r"images have dtype torch.int32"),
+    ],
+    ids=["float 0-255", "int64", "int32"],
+)
+def test_images_on_the_pixel_scale_or_of_an_integer_dtype_are_refused(images, message):
+    labels = tiny_images()[1]
+    trainer = DPTrainer(linear_classifier(), **OPTIONS)
+    with pytest.raises(InvalidDataError, match=message) as err:
+        trainer.fit((images, labels))
+    assert "\n" not in str(err.value) and trainer.step == 0
+    with pytest.raises(InvalidDataError, match=message):  # a Dataset streamed example by example too
+        DPTrainer(linear_classifier(), data_in_memory_bytes=0, **OPTIONS).fit(
+            torch.utils.data.TensorDataset(images, labels)
+        )
+
+
+def test_the_whole_set_is_checked_not_only_its_first_example():
+    images, labels = tiny_images()
+    images[5] *= 255
+    with pytest.raises(InvalidDataError, match=r"images\[5\] exceeds 1"):
+        DPTrainer(linear_classifier(), **OPTIONS).fit((images, labels))
+
+
+def test_pixels_in_unit_range_uint8_and_normalised_floats_train():
+    images, labels = tiny_images()
+    for accepted in (images, (images * 255).to(torch.uint8), (images - 0.5) / 0.25, images * (1 + 1e-4)):
+        assert DPTrainer(linear_classifier(), **OPTIONS).fit((accepted, labels))[-1]["step"] == 1
+
+
+def _conv_net(channels: int = 3) -> nn.Module:
+    return nn.Sequential(
+        nn.Conv2d(channels, 4, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, CLASSES)
+    )
+
+
+@pytest.mark.parametrize(
+    "shape, fix",
+    [
+        ((N, 5, 5, 3), r"they look channels-last \(N, H, W, C\): give images.permute\(0, 3, 1, 2\)"),
+        ((N, 1, 5, 5), r"give \(N, 3, H, W\) images with the channels the model's first layer takes"),
+        ((N, 5, 5), r"give \(N, 3, H, W\) images"),
+    ],
+    ids=["channels-last", "wrong channels", "N H W"],
+)
+def test_images_of_another_layout_are_one_line_naming_the_fix(shape, fix):
+    """These used to fail inside the first convolution (or the DP probes) with torch's RuntimeError."""
+    labels = torch.arange(N) % CLASSES
+    with pytest.raises(ImageShapeError, match=rf"^the training data images have shape \({shape[0]}, .*: {fix}$"):
+        DPTrainer(_conv_net(), **OPTIONS).fit((torch.rand(shape), labels))
+
+
+def test_one_channel_images_without_a_channel_dimension_are_told_to_unsqueeze():
+    with pytest.raises(ImageShapeError, match=r"\(N, 1, H, W\): add the channel dimension, images.unsqueeze\(1\)$"):
+        DPTrainer(_conv_net(1), **OPTIONS).fit((torch.rand(N, 5, 5), torch.arange(N) % CLASSES))
+
+
+def test_an_equivariant_model_called_on_channels_last_images_says_what_to_pass():
+    import equiconvert
+
+    model = equiconvert.make_equivariant(_conv_net(), "C4", head="invariant")
+    with pytest.raises(ImageShapeError, match=r"^images have shape \(2, 9, 9, 3\) .* images.permute\(0, 3, 1, 2\)$"):
+        model(torch.rand(2, 9, 9, 3))
+    assert model(torch.rand(2, 3, 9, 9)).shape == (2, CLASSES)
+
+
+def test_make_equivariant_of_a_name_says_to_pass_a_module():
+    """A string used to fail as AttributeError: 'str' object has no attribute 'modules'."""
+    import equiconvert
+    from equiconvert.errors import NotAModuleError
+
+    with pytest.raises(NotAModuleError) as err:
+        equiconvert.make_equivariant("resnet18", "C4")
+    assert str(err.value) == (
+        "make_equivariant takes a module, got 'resnet18': pass one, e.g. torchvision.models.resnet18(); names are "
+        "for the command line's --model (torchvision:resnet18)"
+    )
+    with pytest.raises(NotAModuleError, match="takes a torch.nn.Module, got dict"):
+        equiconvert.make_equivariant({"weight": torch.zeros(1)}, "C4")
+
+
+class _CallCounter(nn.Module):
+    """Counts its forwards in a buffer, in place: the count would follow the private batch sizes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return x
+
+
+@pytest.mark.parametrize("method", ["vmap", "bookkeeping"])
+def test_an_in_place_buffer_update_is_one_line_naming_the_module(method):
+    """torch.func used to raise its RuntimeError "... would mutate a captured Tensor", naming no module."""
+    model = nn.Sequential(nn.Flatten(), _CallCounter(), nn.Linear(SIZE * SIZE, CLASSES))
+    with pytest.raises(PrivacyValidationError) as err:
+        DPTrainer(model, per_sample_method=method, **OPTIONS).fit(tiny_images())
+    message = str(err.value)
+    assert re.match(r"module '1' writes its buffer 'calls' in place in its forward \(_CallCounter\)", message)
+    assert "\n" not in message and "keep that state out of the forward" in message

@@ -1,0 +1,80 @@
+"""Ctrl-C during training: the step under way finishes, a checkpoint is written, and the run says how to resume."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+
+import pytest
+import torch
+
+from equiconvert.cli import EXIT_INTERRUPTED, main
+from equiconvert.privacy.callbacks import Callback
+from equiconvert.privacy.interrupt import TrainingInterrupted
+from equiconvert.privacy.trainer import DPTrainer
+from tests.support.tiny import linear_classifier, tiny_images
+from tests.support.train_args import tiny_train_args
+
+OPTIONS = dict(noise_multiplier=1.0, target_epsilon=None, batch_size=8, steps=4, aug_mult=1, ema_decay=None)
+OPTIONS.update(augment_padding=0, augment_flip=False, progress=False, insecure_seeded_noise=True)
+
+
+class CtrlCAt(Callback):
+    """Sends this process SIGINT (as Ctrl-C does) at the end of step `step`, inside the training loop."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_step_end(self, trainer, record) -> None:
+        if record["step"] == self.step:
+            os.kill(os.getpid(), signal.SIGINT)
+
+
+@pytest.mark.filterwarnings("ignore:insecure_seeded_noise")
+def test_ctrl_c_stops_between_steps_with_a_checkpoint_that_resumes_to_the_same_end(tmp_path, capsys):
+    """Ctrl-C used to raise KeyboardInterrupt wherever the step was, with a traceback and no checkpoint."""
+    torch.manual_seed(0)
+    trainer = DPTrainer(linear_classifier(), out_dir=tmp_path / "run", callbacks=[CtrlCAt(2)], **OPTIONS)
+    with pytest.raises(TrainingInterrupted) as err:
+        trainer.fit(tiny_images())
+    assert str(err.value) == (
+        f"training stopped by Ctrl-C after step 2; its checkpoint is {tmp_path / 'run' / 'checkpoint.pt'}: "
+        "continue with fit(..., resume=True)"
+    )
+    assert trainer.step == 2 and trainer.stopped_reason == "interrupted"
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # Python's handler is back
+    assert "Ctrl-C again to abort now" in capsys.readouterr().err
+
+    torch.manual_seed(0)
+    resumed = DPTrainer(linear_classifier(), out_dir=tmp_path / "run", **OPTIONS)
+    resumed.fit(tiny_images(), resume=True)
+    torch.manual_seed(0)
+    whole = DPTrainer(linear_classifier(), **OPTIONS)
+    whole.fit(tiny_images())
+    assert resumed.step == 4
+    for a, b in zip(resumed.model.parameters(), whole.model.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_the_command_line_exits_130_with_one_line_saying_to_resume(tmp_path, capsys, monkeypatch):
+    original = DPTrainer._train_step
+
+    def step_then_ctrl_c(self, data):
+        record = original(self, data)
+        if self.step == 1:
+            os.kill(os.getpid(), signal.SIGINT)
+        return record
+
+    monkeypatch.setattr(DPTrainer, "_train_step", step_then_ctrl_c)
+    out = tmp_path / "run"
+    small = dict(steps=3, model="equiconvert:resnet9", model_kwargs="widths=4,8,8", group="none")
+    assert main(tiny_train_args(out, **small)) == EXIT_INTERRUPTED == 130
+    error = capsys.readouterr().err
+    assert error.endswith(
+        "interrupted: training stopped by Ctrl-C after step 1; run the same command with --resume to continue\n"
+    )
+    assert "Traceback" not in error and (out / "checkpoint.pt").exists() and not (out / "result.json").exists()
+    monkeypatch.undo()
+    assert main(tiny_train_args(out, "--resume", **small)) == 0
+    assert json.loads((out / "result.json").read_text())["steps"] == 3

@@ -310,7 +310,7 @@ def test_a_buffer_counting_examples_is_refused_by_the_trainer_naming_it():
 def test_a_buffer_written_on_batches_the_probe_does_not_draw_is_refused_at_run_time_by_make_private():
     model = nn.Sequential(CountsImageBatches(), _model(nn.ReLU()))
     images, labels = _data()
-    images = images - 1.0  # in [0, 1]
+    images = images + 2.0  # in [0, 1]
     private, _, _ = _make_private(model, images, labels)
     with pytest.raises(PrivacyValidationError, match=r"module '0' changed its buffer 'count' in a training forward"):
         private(images[:4])
@@ -322,7 +322,7 @@ def test_a_buffer_written_on_batches_the_probe_does_not_draw_is_refused_at_run_t
     images, labels = _data(16)
     trainer = _trainer(model, steps=2)
     with pytest.raises(PrivacyValidationError, match=r"module '0' changed its buffer 'count' in a training forward"):
-        trainer.fit((images - 1.0, labels))  # images in [0, 1], normalised to [-1, 1]
+        trainer.fit((images + 2.0, labels))  # images in [0, 1], normalised to [-1, 1]
     # the trainer reads its queued checks where it waits for the device anyway, before any record, evaluation or
     # checkpoint leaves it: the run stops there, with the buffer set back
     assert int(model[0].count) == 0
@@ -387,7 +387,7 @@ def test_opacus_make_private_guards_the_training_forwards():
 
     model = nn.Sequential(CountsImageBatches(), _model(nn.ReLU()))
     images, labels = _data()
-    loader = DataLoader(TensorDataset(images - 1.0, labels), batch_size=4)
+    loader = DataLoader(TensorDataset(images + 2.0, labels), batch_size=4)
     with pytest.warns(UserWarning, match="secure_mode=False"):
         private, _, _ = opacus_make_private(
             PrivacyEngine(),
@@ -398,7 +398,7 @@ def test_opacus_make_private_guards_the_training_forwards():
             max_grad_norm=1.0,
         )
     with pytest.raises(PrivacyValidationError, match=r"module '0' changed its buffer 'count' in a training forward"):
-        private(images[:4] - 1.0)
+        private(images[:4] + 2.0)
     assert int(model[0].count) == 0
 
 

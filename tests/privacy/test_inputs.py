@@ -335,24 +335,26 @@ def test_make_equivariant_of_a_name_says_to_pass_a_module():
         equiconvert.make_equivariant({"weight": torch.zeros(1)}, "C4")
 
 
-class _CallCounter(nn.Module):
-    """Counts its forwards in a buffer, in place: the count would follow the private batch sizes."""
+class _WeightCache(nn.Module):
+    """Copies its scale into a buffer, in place, in every forward: state set from a parameter, never from the
+    data (the DP-safety probe accepts it), that torch.func's per-example transforms cannot run."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.register_buffer("calls", torch.zeros(()))
+        self.scale = nn.Parameter(torch.ones(()))
+        self.register_buffer("cached", torch.zeros(()))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self.calls += 1
-        return x
+        self.cached.copy_(self.scale.detach())
+        return x * self.scale
 
 
 @pytest.mark.parametrize("method", ["vmap", "bookkeeping"])
 def test_an_in_place_buffer_update_is_one_line_naming_the_module(method):
     """torch.func used to raise its RuntimeError "... would mutate a captured Tensor", naming no module."""
-    model = nn.Sequential(nn.Flatten(), _CallCounter(), nn.Linear(SIZE * SIZE, CLASSES))
+    model = nn.Sequential(nn.Flatten(), _WeightCache(), nn.Linear(SIZE * SIZE, CLASSES))
     with pytest.raises(PrivacyValidationError) as err:
         DPTrainer(model, per_sample_method=method, **OPTIONS).fit(tiny_images())
     message = str(err.value)
-    assert re.match(r"module '1' writes its buffer 'calls' in place in its forward \(_CallCounter\)", message)
+    assert re.match(r"module '1' writes its buffer 'cached' in place in its forward \(_WeightCache\)", message)
     assert "\n" not in message and "keep that state out of the forward" in message

@@ -269,3 +269,38 @@ def test_the_probe_runs_once_per_front_end(monkeypatch):
         optimizer.step()
         optimizer.zero_grad()
     assert len(calls) == 2
+
+
+def _clipped_sum(model: nn.Module, images: torch.Tensor, labels: torch.Tensor, clip: float) -> torch.Tensor:
+    """The sum of per-example clipped gradients, example i's gradient being that of its own loss under the batched
+    forward (what DP-SGD's sensitivity bound is about)."""
+    losses = F.cross_entropy(model(images), labels, reduction="none")
+    params = [p for p in model.parameters() if p.requires_grad]
+    total = torch.zeros(sum(p.numel() for p in params))
+    for loss in losses:
+        grad = torch.cat([g.flatten() for g in torch.autograd.grad(loss, params, retain_graph=True)])
+        total += grad * min(1.0, clip / float(grad.norm()))
+    return total
+
+
+def test_attack_a_layer_mixing_only_in_larger_batches_breaks_the_sensitivity_bound_and_is_now_refused():
+    """Replacing one example changes the clipped sum by at most 2C when examples are independent. A layer that
+    mixes only in batches of 4 or more passes a probe at 3 rows (the former probe) and, at the physical batch,
+    moves the sum beyond 2C: the noise calibrated to C no longer hides one example. The trainer now probes at
+    the batch it runs and refuses the layer."""
+    torch.manual_seed(0)
+    model = nn.Sequential(MixesFrom(4), nn.Conv2d(2, 3, 3), nn.Flatten(), nn.Linear(3 * 16, 4))
+    images, labels = _images(PHYSICAL)
+    neighbour = images.clone()
+    neighbour[0] = 50.0  # one example replaced
+    clip = 0.01
+    shift = float((_clipped_sum(model, images, labels, clip) - _clipped_sum(model, neighbour, labels, clip)).norm())
+    assert shift > 3 * clip  # the bound 2C is broken: the other examples' clipped gradients moved too
+    check_dp_safe(model, images[:3])  # the former probe's batch of 3 sees no mixing
+    trainer = DPTrainer(
+        model, physical_batch_size=PHYSICAL, steps=1, progress=False, ema_decay=None, noise_multiplier=1.0,
+        target_epsilon=None, batch_size=4, aug_mult=1, augment_padding=0,
+    )
+    with pytest.raises(PrivacyValidationError, match=r"mixes examples"):
+        trainer.fit(_images())
+    assert trainer.step == 0

@@ -200,3 +200,58 @@ def test_the_default_log_has_no_step_time_only_run_totals(tmp_path):
     evaluations = [r for r in log if "eval" in r]
     assert [r["step"] for r in evaluations] == [2, 4] and all(r["time_s"] >= 0 for r in evaluations)
     assert log[-1]["time_s"] >= evaluations[-1]["time_s"]
+
+
+def _step_durations_and_batch_sizes(folder: Path) -> tuple[list[float], list[float]]:
+    steps = [r for r in _log(folder) if "lr" in r]
+    times = [r.get("time_s") for r in steps]
+    sizes = [float(r["batch_size"]) for r in steps]
+    if any(t is None for t in times):
+        return [], sizes
+    return [b - a for a, b in zip([0.0, *times[:-1]], times)], sizes
+
+
+class _WorkClock:
+    """A stand-in for the wall clock that advances with the work done (rows through the model), as a real one does
+    where compute dominates: the attack's premise without the noise of a shared machine."""
+
+    def __init__(self) -> None:
+        self.rows = 0
+
+    def model(self) -> torch.nn.Module:
+        clock, model = self, linear_classifier()
+
+        class Timed(torch.nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                self.inner = model
+
+            def forward(self, x: torch.Tensor) -> torch.Tensor:
+                clock.rows += x.shape[0]
+                return self.inner(x)
+
+        return Timed()
+
+    def __call__(self) -> float:
+        return float(self.rows)
+
+
+def test_attack_step_times_reveal_the_secret_batch_sizes_only_when_asked_for(tmp_path, monkeypatch):
+    """The attack on the former default log: a step's duration follows its Poisson batch size, so the logged step
+    times recover the secret sizes. The default log gives the attacker no step time at all; the opt-in log still
+    does, which is why it warns."""
+    from equiconvert.privacy import run_log
+
+    clock = _WorkClock()
+    monkeypatch.setattr(run_log.time, "perf_counter", clock)
+    images, labels = tiny_images()
+    options = {**OPTIONS, "batch_size": N // 2, "log_nonprivate_stats": True, "steps": 12}  # sizes: ground truth
+    with pytest.warns(UserWarning, match="guarantee"):
+        opted_in = DPTrainer(clock.model(), out_dir=tmp_path / "opted_in", log_step_times=True, **options)
+    opted_in.fit((images, labels))
+    durations, sizes = _step_durations_and_batch_sizes(tmp_path / "opted_in")
+    assert durations[1:] == pytest.approx(sizes[1:])  # the secret batch sizes, read off the log (step 1 also
+    # holds the per-example method's one-off set-up)
+    DPTrainer(clock.model(), out_dir=tmp_path / "default", **options).fit((images, labels))
+    durations, sizes = _step_durations_and_batch_sizes(tmp_path / "default")
+    assert durations == [] and len(sizes) == 12  # nothing to read: no step carries a time

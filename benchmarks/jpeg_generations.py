@@ -258,6 +258,12 @@ def write_summary(summary: dict, out: Path) -> None:
         for arm in arms
         if len({r["generation"] for r in runs if r["arm"] == arm}) > 1
     }
+    added = [0.0, *summary["added_mse_per_generation"]["train"]]
+    summary["rows"] = [
+        {"generation": g, "added_mse_train": added[g] if g < len(added) else None}
+        | {arm: summary["medians_percent"][arm].get(g) for arm in arms}
+        for g in sorted({r["generation"] for r in runs})
+    ]
     first_mse = summary["added_mse_per_generation"]["train"][0] if summary["added_mse_per_generation"]["train"] else None
     summary["cost_by_distortion_percent"] = {
         arm: mse_based_cost(

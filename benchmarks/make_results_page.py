@@ -212,17 +212,13 @@ def _paper_table(s: Summary) -> list[str]:
 
 @renderer("jpeg_generations")
 def _jpeg_generations(s: Summary) -> list[str]:
-    arms = list(s["medians_percent"])
+    arms = list(s["fit_percent"])
     columns = ["extra q75 generations", "added MSE (train)"] + [f"{arm}: median accuracy" for arm in arms]
-    generations = sorted({int(g) for arm in arms for g in s["medians_percent"][arm]})
-    mse = [0.0] + s["added_mse_per_generation"]["train"]
     rows = [
-        [g, f"{mse[g]:.1f}" if g else "-"]
-        + [_pct(s["medians_percent"][arm].get(str(g), s["medians_percent"][arm].get(g))) for arm in arms]
-        for g in generations
+        [r["generation"], f"{r['added_mse_train']:.1f}" if r["generation"] else "-"] + [_pct(r[arm]) for arm in arms]
+        for r in s["rows"]
     ]
-    fits = s["fit_percent"]
-    costs = s["cost_by_distortion_percent"]
+    fits, costs = s["fit_percent"], s["cost_by_distortion_percent"]
     rows.append(
         ["cost of the copy, per generation (SE)", ""]
         + [f"{fits[arm]['cost_of_copy']:.2f} ({fits[arm]['cost_of_copy_se']:.2f})" for arm in arms]

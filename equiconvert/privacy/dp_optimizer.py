@@ -3,7 +3,7 @@
 `step()` takes the per-example gradients of the last forward/backward from the
 PrivateModule, clips each example's whole gradient to `max_grad_norm` and adds the
 clipped sum to an accumulator; an example whose gradient has a NaN or inf entry
-counts as zero (nonfinite.py), so one bad input cannot make the step NaN. Unless
+counts as zero, so one bad input cannot make the step NaN (dp_step.py, as DPTrainer). Unless
 BatchMemoryManager signalled that more physical batches of the same logical batch
 follow, it then adds N(0, (sigma C)^2) to each trainable parameter's sum once,
 divides by the expected batch size (loss_reduction "mean"), writes the result to

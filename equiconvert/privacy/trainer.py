@@ -3,7 +3,7 @@
 One logical step: draw a Poisson batch (rate q = batch_size / N), split it into
 physical chunks that fit memory, compute each example's gradient averaged over
 its K augmented views, clip it to `max_grad_norm`, sum, add N(0, (sigma C)^2)
-once, divide by the expected batch size, and step the optimizer. The EMA and
+once, divide by the expected batch size (dp_step.py), and step the optimizer. The EMA and
 the accountant advance once per logical step, and training stops before the
 budget would be exceeded.
 """
@@ -217,7 +217,7 @@ class DPTrainer(TrainerCheckpoint):
             self._noise_source,
             divisor=c.batch_size,
             add_noise=self.dist.is_main,  # [distributed] rank 0's noise source is the job's only one
-            all_reduce=self.dist.all_reduce_sum if self.dist.enabled else None,
+            all_reduce=self.dist.all_reduce_sum,
         )
         nonfinite = torch.as_tensor(nonfinite, device=self.device, dtype=torch.float32)
         loss_sum, count, nonfinite = self.dist.all_reduce_sum([loss_sum, count, nonfinite])  # [distributed]

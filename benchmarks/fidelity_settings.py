@@ -333,7 +333,7 @@ ASPECTS: tuple[Aspect, ...] = (
         "clip factor",
         lambda r: Side("min(1, C / (norm + 1e-6)) (Opacus)", r.at("train.py", r"optim = DPOptimizer\(")[1]),
         lambda o: "min(1, C / (norm + 1e-6)) (Opacus)",
-        "equiconvert.privacy.per_sample.clip_factors",
+        "equiconvert.privacy.dp_step.clip_factors",
     ),
     Aspect(
         "noisy sum divided by",

@@ -47,7 +47,8 @@ from equiconvert.privacy.augment import augment_views  # noqa: E402
 from equiconvert.privacy.bookkeeping import per_sample_gradients_bookkeeping  # noqa: E402
 from equiconvert.privacy.engine import make_private  # noqa: E402
 from equiconvert.privacy.filter_gradients import fastest_choices, filter_gradient_method  # noqa: E402
-from equiconvert.privacy.per_sample import clip_and_sum, per_sample_gradients  # noqa: E402
+from equiconvert.privacy.dp_step import clip_and_sum  # noqa: E402
+from equiconvert.privacy.per_sample import per_sample_gradients  # noqa: E402
 from equiconvert.privacy.dp_config import PRECISIONS  # noqa: E402
 
 MAX_GRAD_NORM, NOISE = 2.0, 1.0

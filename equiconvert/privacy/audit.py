@@ -29,6 +29,7 @@ from torch import nn
 from torch.func import functional_call, grad, vmap
 
 from .audit_bound import epsilon_lower_bound
+from .dp_step import per_sample_norms
 from .trainer import DPTrainer, TensorData
 
 DEFAULT_BETA = 0.05
@@ -118,7 +119,7 @@ def gradient_alignment_score(
     gradients = _example_gradients(model, initial, images, labels)
     moved = {name: param.detach() - initial[name] for name, param in model.named_parameters()}
     dots = sum((-g.flatten(1) * moved[name].flatten()).sum(1) for name, g in gradients.items())
-    norms = torch.sqrt(sum(g.flatten(1).pow(2).sum(1) for g in gradients.values()))
+    norms = per_sample_norms(gradients)
     return dots / norms.clamp_min(1e-12)
 
 

@@ -3,7 +3,7 @@
 `step()` takes the per-example gradients of the last forward/backward from the
 PrivateModule, clips each example's whole gradient to `max_grad_norm` and adds the
 clipped sum to an accumulator; an example whose gradient has a NaN or inf entry
-counts as zero (nonfinite.py), so one bad input cannot make the step NaN. Unless
+counts as zero, so one bad input cannot make the step NaN (dp_step.py, as DPTrainer). Unless
 BatchMemoryManager signalled that more physical batches of the same logical batch
 follow, it then adds N(0, (sigma C)^2) to each trainable parameter's sum once,
 divides by the expected batch size (loss_reduction "mean"), writes the result to
@@ -22,8 +22,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from .accounting import PrivacyBudgetError, PrivacyLedger, compute_epsilon
-from .nonfinite import zero_nonfinite_examples
-from .per_sample import clip_factors
+from .dp_step import clip_and_accumulate, privatize
 from .private_module import PrivateModule
 from .secure_rng import RandomSource
 
@@ -128,13 +127,7 @@ class DPOptimizer(Optimizer):
         """Add the last physical batch's clipped per-example gradients to the running sum."""
         examples = self.module.recorded_examples
         if examples:
-            grads, nonfinite = zero_nonfinite_examples(self.module.per_sample_gradients())
-            self._nonfinite += nonfinite
-            norms = torch.stack([g.reshape(g.shape[0], -1).pow(2).sum(1) for g in grads.values()]).sum(0).sqrt()
-            factors = clip_factors(norms, self.max_grad_norm)
-            for param, value in grads.items():
-                clipped = torch.einsum("b,b...->...", factors.to(value.dtype), value)
-                self._summed[param] = self._summed[param] + clipped if param in self._summed else clipped
+            self._nonfinite += clip_and_accumulate(self.module.per_sample_gradients(), self.max_grad_norm, self._summed)
             self._examples += examples
         self.module.clear_record()
 
@@ -159,14 +152,11 @@ class DPOptimizer(Optimizer):
             self._skip_next = False
             return loss
         self._check_budget()
-        std = self.noise_multiplier * self.max_grad_norm
         divisor = self.expected_batch_size if self.module.loss_reduction == "mean" else 1.0
-        for param in self._trainable():
-            summed = self._summed.get(param)
-            if summed is None:
-                summed = torch.zeros_like(param)
-            noise = self._noise.gaussian(param.shape, std, dtype=param.dtype).to(param.device)
-            param.grad = (summed + noise) / divisor
+        summed = {p: self._summed[p] if p in self._summed else torch.zeros_like(p) for p in self._trainable()}
+        noisy = privatize(summed, self.noise_multiplier, self.max_grad_norm, self._noise, divisor)
+        for param, grad in noisy.items():
+            param.grad = grad
         self.original_optimizer.step()
         if self.budget is not None:
             self.budget.step()

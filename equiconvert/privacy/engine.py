@@ -6,7 +6,7 @@
 or `PrivacyEngine().make_private(...)` with Opacus' signature, so that an Opacus script
 changes only its import. The loop stays the user's: forward, `loss.backward()`,
 `optimizer.step()`. Per-example gradients come from book-keeping (private_module.py)
-instead of Opacus' hooks; clipping, noise and the step from dp_optimizer.py; Poisson
+instead of Opacus' hooks; the step from dp_optimizer.py (its clipping and noise: dp_step.py); Poisson
 batches from dp_loader.py; epsilon from Opacus' accountants (accounting.py).
 """
 

@@ -2,8 +2,8 @@
 
 A NaN in one example's gradient would otherwise turn the clipped sum, and with it every
 weight, into NaN (NaN times a clip factor of 0 is still NaN). Zero is what clipping could
-have produced, so replacing it changes no sensitivity; the DP trainer and make_private's
-optimizer both zero such examples here and keep a count on the device. The count is a
+have produced, so replacing it changes no sensitivity; the DP step (dp_step.py), which both
+front-ends call, zeroes such examples here and keeps a count on the device. The count is a
 noise-free statistic of the training data: neither prints nor writes it by default.
 """
 

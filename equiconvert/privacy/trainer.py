@@ -3,7 +3,7 @@
 One logical step: draw a Poisson batch (rate q = batch_size / N), split it into
 physical chunks that fit memory, compute each example's gradient averaged over
 its K augmented views, clip it to `max_grad_norm`, sum, add N(0, (sigma C)^2)
-once, divide by the expected batch size, and step the optimizer. The EMA and
+once, divide by the expected batch size (dp_step.py), and step the optimizer. The EMA and
 the accountant advance once per logical step, and training stops before the
 budget would be exceeded.
 """
@@ -29,15 +29,14 @@ from .checkpoint import remove_stale_temporaries
 from .distributed import SINGLE_PROCESS, DistributedContext
 from .dp_config import CUSTOM, CUSTOM_SCHEDULE, OPTIMIZERS, DPConfig, check_config, named_schedule
 from .dp_safety import check_dp_safe
+from .dp_step import clip_and_accumulate, privatize
 from .ema import ExponentialMovingAverage
 from .metrics import classification_metrics, predict
 from .hooks import Augment, OptimizerFactory, PerExampleLoss, check_hooks, cross_entropy
 from .interrupt import DeferredInterrupt, TrainingInterrupted
 from .inputs import InvalidDataError, check_images, check_labels, check_model_input
 from .devices import resolve_device
-from .nonfinite import zero_nonfinite_examples
 from .normalization import Normalize
-from .per_sample import clip_and_sum
 from .per_sample_method import PerSampleGradients
 from .run_lock import hold_run_folder
 from .run_log import RunClock, RunLog, materialize, warn_step_times
@@ -210,19 +209,18 @@ class DPTrainer(TrainerCheckpoint):
             with self._buffer_guard.watch(views.flatten(0, 1)):
                 grads, losses = self._per_sample_gradients(params, buffers, views, chunk_labels)
             loss_sum += losses.detach().sum()
-            grads, bad = zero_nonfinite_examples(grads)
-            nonfinite += bad
-            clipped, _ = clip_and_sum(grads, c.max_grad_norm)
-            for name, value in clipped.items():
-                summed[name] += value
-        std = self.noise_multiplier * c.max_grad_norm
-        if self.dist.is_main:  # [distributed] rank 0's noise source is the job's only one: noise enters once
-            summed = {name: value + self._noise_source.gaussian(value.shape, std) for name, value in summed.items()}
-        nonfinite = torch.as_tensor(nonfinite, device=self.device, dtype=torch.float32)
-        *reduced, loss_sum, count, nonfinite = self.dist.all_reduce_sum(  # [distributed]
-            [*summed.values(), loss_sum, count, nonfinite]
+            nonfinite += clip_and_accumulate(grads, c.max_grad_norm, into=summed)
+        noisy = privatize(
+            summed,
+            self.noise_multiplier,
+            c.max_grad_norm,
+            self._noise_source,
+            divisor=c.batch_size,
+            add_noise=self.dist.is_main,  # [distributed] rank 0's noise source is the job's only one
+            all_reduce=self.dist.all_reduce_sum,
         )
-        noisy = {name: value / c.batch_size for name, value in zip(summed, reduced)}
+        nonfinite = torch.as_tensor(nonfinite, device=self.device, dtype=torch.float32)
+        loss_sum, count, nonfinite = self.dist.all_reduce_sum([loss_sum, count, nonfinite])  # [distributed]
         return noisy, count, loss_sum / count.clamp_min(1.0), nonfinite.round().long()
 
     def train_step(self, images: torch.Tensor, labels: torch.Tensor) -> dict[str, Any]:

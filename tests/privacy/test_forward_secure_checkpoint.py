@@ -19,7 +19,8 @@ import torch
 
 from equiconvert.privacy.checkpoint import load, save_atomic
 from equiconvert.privacy.dp_config import DPConfig
-from equiconvert.privacy.per_sample import clip_and_sum, per_sample_gradients
+from equiconvert.privacy.dp_step import clip_and_sum
+from equiconvert.privacy.per_sample import per_sample_gradients
 from equiconvert.privacy.secure_rng import RandomSource
 from equiconvert.privacy.trainer import DPTrainer
 from equiconvert.privacy.trainer_checkpoint import resume_identity

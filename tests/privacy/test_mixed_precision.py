@@ -12,7 +12,7 @@ from equiconvert.cli import main
 from equiconvert.models import equivariant_resnet9, resnet9
 from equiconvert.privacy.bookkeeping import BookkeepingUnsupportedError, per_sample_gradients_bookkeeping
 from equiconvert.privacy.checkpoint import load, save_atomic
-from equiconvert.privacy.per_sample import clip_and_sum, per_sample_norms
+from equiconvert.privacy.dp_step import clip_and_sum, per_sample_norms
 from equiconvert.privacy.trainer import DPTrainer
 from tests.support.train_args import tiny_train_args
 

@@ -12,7 +12,8 @@ import torch
 
 from equiconvert.cli import main
 from equiconvert.privacy.checkpoint import load
-from equiconvert.privacy.per_sample import clip_and_sum, per_sample_gradients
+from equiconvert.privacy.dp_step import clip_and_sum
+from equiconvert.privacy.per_sample import per_sample_gradients
 from equiconvert.privacy.secure_rng import NOISE, SAMPLING, RandomSource
 from equiconvert.privacy.trainer import DPTrainer
 from tests.support.crash import CopyOutAfter

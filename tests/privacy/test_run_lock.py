@@ -120,7 +120,7 @@ def test_a_worker_dies_with_its_launcher_killed_by_sigkill():
     assert state == "alive"
     launcher.send_signal(signal.SIGKILL)
     launcher.wait()
-    survived = not _gone(int(pid), within_s=5)
+    survived = not _gone(int(pid), within_s=30)  # at once, unless the machine is very busy
     if survived:
         os.kill(int(pid), signal.SIGKILL)
     assert not survived, "the worker outlived its launcher"

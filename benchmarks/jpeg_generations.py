@@ -85,7 +85,12 @@ def crop_flip(batch: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     dy, dx = (torch.randint(0, 9, (n,), generator=generator) for _ in range(2))
     rows = (torch.arange(h)[None, :] + dy[:, None]).to(batch.device)
     cols = (torch.arange(w)[None, :] + dx[:, None]).to(batch.device)
-    out = padded[torch.arange(n, device=batch.device)[:, None, None, None], torch.arange(batch.shape[1], device=batch.device)[None, :, None, None], rows[:, None, :, None], cols[:, None, None, :]]
+    out = padded[
+        torch.arange(n, device=batch.device)[:, None, None, None],
+        torch.arange(batch.shape[1], device=batch.device)[None, :, None, None],
+        rows[:, None, :, None],
+        cols[:, None, None, :],
+    ]
     flip = (torch.rand(n, generator=generator) < 0.5).to(batch.device)
     return torch.where(flip[:, None, None, None], out.flip(-1), out)
 
@@ -202,7 +207,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     train_x, train_y, test_x, test_y = train.images, train.labels, test.images, test.labels
     if args.tiny:
         every_train, every_test = torch.randperm(len(train_x))[:512], torch.randperm(len(test_x))[:256]
-        train_x, train_y, test_x, test_y = train_x[every_train], train_y[every_train], test_x[every_test], test_y[every_test]
+        train_x, train_y, test_x, test_y = (
+            train_x[every_train],
+            train_y[every_train],
+            test_x[every_test],
+            test_y[every_test],
+        )
         args.epochs, args.private_steps, args.private_batch = 1, 3, max(4, len(train_x) // 4)
     train_gens, train_mse = generations(train_x, max(wanted), args.workers)
     test_gens, test_mse = generations(test_x, max(wanted), args.workers)
@@ -264,7 +274,9 @@ def write_summary(summary: dict, out: Path) -> None:
         | {arm: summary["medians_percent"][arm].get(g) for arm in arms}
         for g in sorted({r["generation"] for r in runs})
     ]
-    first_mse = summary["added_mse_per_generation"]["train"][0] if summary["added_mse_per_generation"]["train"] else None
+    first_mse = (
+        summary["added_mse_per_generation"]["train"][0] if summary["added_mse_per_generation"]["train"] else None
+    )
     summary["cost_by_distortion_percent"] = {
         arm: mse_based_cost(
             [(r["generation"], 100 * r["accuracy"]) for r in runs if r["arm"] == arm],

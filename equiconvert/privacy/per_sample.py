@@ -38,4 +38,3 @@ def per_sample_gradients(
         return loss_fn(logits, label.expand(example_views.shape[0]))
 
     return vmap(grad_and_value(example_loss), in_dims=(None, 0, 0), randomness="different")(params, views, labels)
-

@@ -141,7 +141,9 @@ def _model(middle: nn.Module) -> nn.Sequential:
 
 def _data(count: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
     generator = torch.Generator().manual_seed(0)
-    return torch.rand(count, 2, 6, 6, generator=generator) - 2.0, torch.arange(count) % 4  # non-zero mean, normalised (negative) values
+    return torch.rand(count, 2, 6, 6, generator=generator) - 2.0, torch.arange(
+        count
+    ) % 4  # non-zero mean, normalised (negative) values
 
 
 def _trainer(model: nn.Module, **options) -> DPTrainer:

@@ -298,8 +298,16 @@ def test_attack_a_layer_mixing_only_in_larger_batches_breaks_the_sensitivity_bou
     assert shift > 3 * clip  # the bound 2C is broken: the other examples' clipped gradients moved too
     check_dp_safe(model, images[:3])  # the former probe's batch of 3 sees no mixing
     trainer = DPTrainer(
-        model, physical_batch_size=PHYSICAL, steps=1, progress=False, ema_decay=None, noise_multiplier=1.0,
-        target_epsilon=None, batch_size=4, aug_mult=1, augment_padding=0,
+        model,
+        physical_batch_size=PHYSICAL,
+        steps=1,
+        progress=False,
+        ema_decay=None,
+        noise_multiplier=1.0,
+        target_epsilon=None,
+        batch_size=4,
+        aug_mult=1,
+        augment_padding=0,
     )
     with pytest.raises(PrivacyValidationError, match=r"mixes examples"):
         trainer.fit(_images())

@@ -46,7 +46,9 @@ def test_converted_logits_are_invariant(name, group):
         assert model(x).shape == original(x).shape == (2, 10)
     result = equiconvert.check_equivariance(model, input_size=size)
     assert len(result.errors) == 8 if group == "D4" else 4
-    assert result.max_error <= 1e-5, result.errors
+    # float32 rounding through up to 50 layers: 1.01e-5 for mobilenet_v2 on a 2-thread CPU; a model that is not
+    # equivariant is off by 1e-2 or more
+    assert result.max_error <= 2e-5, result.errors
     _assert_plain_modules(model)
 
 

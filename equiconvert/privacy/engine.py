@@ -55,8 +55,6 @@ Made = tuple[PrivateModule, DPOptimizer, DPDataLoader] | tuple[PrivateModule, DP
 def _check_accountant(accountant: str) -> None:
     if accountant not in ENGINE_ACCOUNTANTS:
         raise ValueError(f"accountant must be one of {ENGINE_ACCOUNTANTS}, got {accountant!r}")
-    if accountant in APPROXIMATE_ACCOUNTANT_FACTORIES:
-        warnings.warn(GDP_WARNING, UserWarning, stacklevel=3)
 
 
 def _planned_steps(epochs: float | None, steps: int | None, steps_per_epoch: int) -> int | None:
@@ -141,6 +139,8 @@ def make_private(
         }
     )
     _check_accountant(accountant)
+    if accountant in APPROXIMATE_ACCOUNTANT_FACTORIES:
+        warnings.warn(GDP_WARNING, UserWarning, stacklevel=2)
     if not (math.isfinite(max_grad_norm) and max_grad_norm > 0):
         raise ValueError(f"max_grad_norm must be a finite number > 0, got {max_grad_norm}")
     if (noise_multiplier is None) == (target_epsilon is None):
@@ -203,8 +203,7 @@ class PrivacyEngine:
     """
 
     def __init__(self, *, accountant: str = DEFAULT_ACCOUNTANT, secure_mode: bool = True) -> None:
-        if accountant not in ENGINE_ACCOUNTANTS:
-            raise ValueError(f"accountant must be one of {ENGINE_ACCOUNTANTS}, got {accountant!r}")
+        _check_accountant(accountant)
         self.accountant = make_accountant(accountant)
         self.secure_mode = secure_mode
 

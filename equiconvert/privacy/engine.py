@@ -7,7 +7,8 @@ or `PrivacyEngine().make_private(...)` with Opacus' signature, so that an Opacus
 changes only its import. The loop stays the user's: forward, `loss.backward()`,
 `optimizer.step()`. Per-example gradients come from book-keeping (private_module.py)
 instead of Opacus' hooks; the step from dp_optimizer.py (its clipping and noise: dp_step.py); Poisson
-batches from dp_loader.py; epsilon from Opacus' accountants (accounting.py).
+batches from dp_loader.py; epsilon from Opacus' accountants (accounting.py). Opacus' other arguments are
+served or refused by name (opacus_parity.py); checkpoints: engine_checkpoint.py.
 """
 
 from __future__ import annotations

@@ -16,6 +16,7 @@ from equiconvert.privacy import PrivacyEngine, opacus_interop
 from equiconvert.privacy.dp_loss import DPLoss
 from equiconvert.privacy.opacus_parity import OpacusArgumentError
 from equiconvert.privacy.optimizer_params import ForeignParametersError
+from equiconvert.privacy.validate import PrivacyValidationError
 
 OURS = "from equiconvert.privacy import PrivacyEngine"
 THEIRS = "from opacus import PrivacyEngine"
@@ -296,3 +297,14 @@ def test_interop_optimizer_built_before_the_conversion_line_gets_our_message():
             noise_multiplier=1.0,
             max_grad_norm=1.0,
         )
+
+
+def test_validate_is_compatible_and_get_compatible_module():
+    engine = PrivacyEngine()
+    model = nn.Sequential(nn.Conv2d(1, 4, 3), nn.BatchNorm2d(4), nn.Flatten(), nn.LazyLinear(2))
+    assert not engine.is_compatible(module=model, optimizer=None, data_loader=None)
+    with pytest.raises(PrivacyValidationError, match="BatchNorm"):
+        engine.validate(module=model, optimizer=None, data_loader=None)
+    fixed = PrivacyEngine.get_compatible_module(model)
+    assert isinstance(fixed[1], nn.GroupNorm)
+    assert engine.is_compatible(module=fixed, optimizer=None, data_loader=None)

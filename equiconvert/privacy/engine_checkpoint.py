@@ -86,6 +86,13 @@ def load_engine_checkpoint(
     state = torch.load(path, weights_only=True, **load_kwargs)
     if not isinstance(state, dict) or MODULE not in state or ACCOUNTANT not in state:
         raise CheckpointError(f"{path} is not a PrivacyEngine checkpoint (no {MODULE!r} and {ACCOUNTANT!r})")
+    if optimizer is not None and optimizer.budget is not None and BUDGET not in state:  # before changing anything
+        raise CheckpointError(
+            f"{path} has no privacy budget state, and this optimizer enforces target_epsilon: its steps "
+            "would be uncounted against the budget; resume with make_private(noise_multiplier=...) instead"
+        )
+    if STEPS in state and (type(state[STEPS]) is not int or state[STEPS] < 0):
+        raise CheckpointError(f"{path}: {STEPS} must be an integer >= 0, got {state[STEPS]!r}")
     module.load_state_dict(state[MODULE], **(options.get("module_load_dict_kwargs") or {}))
     load_accountant_state(accountant, state[ACCOUNTANT])
     optimizer_state = state.pop(OPTIMIZER, {})
@@ -102,14 +109,7 @@ def load_engine_checkpoint(
         return state
     optimizer.load_state_dict(optimizer_state)
     if steps is not None:
-        if type(steps) is not int or steps < 0:
-            raise CheckpointError(f"{path}: {STEPS} must be an integer >= 0, got {steps!r}")
         optimizer.steps = steps
     if optimizer.budget is not None:
-        if budget is None:
-            raise CheckpointError(
-                f"{path} has no privacy budget state, and this optimizer enforces target_epsilon: its steps "
-                "would be uncounted against the budget; resume with make_private(noise_multiplier=...) instead"
-            )
         optimizer.budget.load_state_dict(budget)
     return state

@@ -12,7 +12,9 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import equiconvert
 from equiconvert.errors import EquiconvertError
+from equiconvert.privacy import engine as engine_module
 from equiconvert.privacy import PrivacyEngine, opacus_interop
+from equiconvert.privacy.checkpoint import CheckpointError
 from equiconvert.privacy.dp_loss import DPLoss
 from equiconvert.privacy.opacus_parity import OpacusArgumentError
 from equiconvert.privacy.optimizer_params import ForeignParametersError
@@ -188,7 +190,9 @@ def test_unsupported_opacus_arguments_are_refused_in_one_line(options, match):
     assert isinstance(error.value, (EquiconvertError, ValueError)) and "\n" not in str(error.value)
 
 
-def test_make_private_with_epsilon_takes_total_steps_and_refuses_opacus_calibration_options():
+def test_make_private_with_epsilon_takes_total_steps_and_refuses_opacus_calibration_options(monkeypatch):
+    planned = []
+    monkeypatch.setattr(engine_module, "calibrate_noise_multiplier", lambda *args: planned.append(args[3]) or 1.0)
     namespace = _setup()
     arguments = {
         "module": namespace["model"],
@@ -202,7 +206,7 @@ def test_make_private_with_epsilon_takes_total_steps_and_refuses_opacus_calibrat
         PrivacyEngine().make_private_with_epsilon(**arguments, epochs=1, epsilon_tolerance=0.1)
     engine = PrivacyEngine(accountant="rdp")
     _, optimizer, _ = engine.make_private_with_epsilon(**arguments, total_steps=6)
-    assert optimizer.planned_steps == 6 and optimizer.budget.target_epsilon == 5.0
+    assert planned == [6] and optimizer.planned_steps == 6 and optimizer.budget.target_epsilon == 5.0
 
 
 def _tensors(value):
@@ -308,3 +312,37 @@ def test_validate_is_compatible_and_get_compatible_module():
     fixed = PrivacyEngine.get_compatible_module(model)
     assert isinstance(fixed[1], nn.GroupNorm)
     assert engine.is_compatible(module=fixed, optimizer=None, data_loader=None)
+
+
+def _budgeted():
+    namespace = _setup()
+    engine = PrivacyEngine(accountant="rdp")
+    private, optimizer, loader = engine.make_private_with_epsilon(
+        module=namespace["model"],
+        optimizer=namespace["optimizer"],
+        data_loader=namespace["train_loader"],
+        target_epsilon=5.0,
+        target_delta=1e-5,
+        max_grad_norm=1.0,
+        total_steps=4,
+    )
+    return engine, private, optimizer, loader
+
+
+def test_a_resumed_budget_counts_the_steps_taken_before_the_checkpoint(tmp_path, monkeypatch):
+    monkeypatch.setattr(engine_module, "calibrate_noise_multiplier", lambda *args: 1.0)  # not under test: fast
+    engine, private, optimizer, loader = _budgeted()
+    images, target = next(iter(loader))
+    optimizer.zero_grad()
+    nn.functional.cross_entropy(private(images), target).backward()
+    optimizer.step()
+    engine.save_checkpoint(path=tmp_path / "budget.pt", module=private, optimizer=optimizer)
+    fresh_engine, fresh_private, fresh_optimizer, _ = _budgeted()
+    fresh_engine.load_checkpoint(path=tmp_path / "budget.pt", module=fresh_private, optimizer=fresh_optimizer)
+    assert fresh_optimizer.budget.steps == fresh_optimizer.steps == 1
+
+    unbudgeted, plain_private, plain_optimizer = _trained(steps=1)
+    unbudgeted.save_checkpoint(path=tmp_path / "plain.pt", module=plain_private, optimizer=plain_optimizer)
+    fresh_engine, fresh_private, fresh_optimizer, _ = _budgeted()
+    with pytest.raises(CheckpointError, match="no privacy budget state"):
+        fresh_engine.load_checkpoint(path=tmp_path / "plain.pt", module=fresh_private, optimizer=fresh_optimizer)

@@ -158,7 +158,7 @@ def make_private(
     validate_dp_safe(module)
     check_optimizer_params(module, optimizer, caller="make_private")
     ghost_criterion = (
-        DPLoss(criterion or nn.CrossEntropyLoss(reduction=loss_reduction), loss_reduction)
+        DPLoss(nn.CrossEntropyLoss(reduction=loss_reduction) if criterion is None else criterion, loss_reduction)
         if GRAD_SAMPLE_MODES[grad_sample_mode]
         else None
     )

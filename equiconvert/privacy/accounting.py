@@ -18,7 +18,7 @@ import warnings
 from collections.abc import Iterator
 from typing import Any, Callable
 
-from opacus.accountants import IAccountant, PRVAccountant, RDPAccountant
+from opacus.accountants import GaussianAccountant, IAccountant, PRVAccountant, RDPAccountant
 from opacus.accountants.utils import get_noise_multiplier
 
 from ..errors import EquiconvertError
@@ -30,6 +30,7 @@ _MAX_SEARCH_STEPS = 2**40  # max_steps() gives up (raises) beyond this many step
 _MAX_REFINEMENTS = 100  # bracketing / bisection rounds in calibrate_noise_multiplier
 _CACHE_SIZE = 4096
 _OPACUS_ORDER_WARNING = "Optimal order is the (largest|smallest) alpha"
+_OPACUS_GDP_WARNING = "GDP accounting is experimental"
 # warnings.catch_warnings swaps process-global state: two threads interleaving it can leave a filter behind.
 _WARNINGS_LOCK = threading.RLock()
 
@@ -41,9 +42,11 @@ class LooseBoundWarning(UserWarning):
 @contextlib.contextmanager
 def _opacus_order_warning_silenced() -> Iterator[None]:
     """Opacus' "optimal order is the largest/smallest alpha" warning off: it fires at every one of the many epsilons
-    a calibration or a step search computes; the reported epsilon gets one LooseBoundWarning of ours instead."""
+    a calibration or a step search computes; the reported epsilon gets one LooseBoundWarning of ours instead.
+    Likewise the GDP accountant's warning, which fires at every accountant made."""
     with _WARNINGS_LOCK, warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=_OPACUS_ORDER_WARNING)
+        warnings.filterwarnings("ignore", message=_OPACUS_GDP_WARNING)  # engine.py warns once per run instead
         yield
 
 
@@ -62,6 +65,10 @@ class WideRangeRDPAccountant(RDPAccountant):
 # the accountants by name (DPConfig.accountant, --accountant): the one list of those there are
 ACCOUNTANT_FACTORIES: dict[str, Callable[[], IAccountant]] = {"rdp": WideRangeRDPAccountant, "prv": PRVAccountant}
 ACCOUNTANTS = tuple(ACCOUNTANT_FACTORIES)
+# Opacus' GDP accountant, a central-limit approximation that can underestimate epsilon: accepted only by the
+# Opacus-style front-end (engine.py, which warns), so that a script asking for it runs
+APPROXIMATE_ACCOUNTANT_FACTORIES: dict[str, Callable[[], IAccountant]] = {"gdp": GaussianAccountant}
+_ANY_FACTORY = {**ACCOUNTANT_FACTORIES, **APPROXIMATE_ACCOUNTANT_FACTORIES}
 
 
 class PrivacyBudgetError(EquiconvertError, ValueError):
@@ -69,14 +76,15 @@ class PrivacyBudgetError(EquiconvertError, ValueError):
 
 
 def _check_kind(kind: str) -> None:
-    if kind not in ACCOUNTANT_FACTORIES:
+    if kind not in _ANY_FACTORY:
         raise ValueError(f"unknown accountant {kind!r}; choose one of {ACCOUNTANTS}")
 
 
 def make_accountant(kind: str) -> IAccountant:
-    """A fresh Opacus accountant of `kind` (a name in ACCOUNTANT_FACTORIES)."""
+    """A fresh Opacus accountant of `kind` (a name in ACCOUNTANT_FACTORIES or APPROXIMATE_ACCOUNTANT_FACTORIES)."""
     _check_kind(kind)
-    return ACCOUNTANT_FACTORIES[kind]()
+    with _opacus_order_warning_silenced():
+        return _ANY_FACTORY[kind]()
 
 
 def _check_positive(name: str, value: float) -> float:
@@ -158,6 +166,16 @@ def compute_epsilon(kind: str, noise_multiplier: float, sample_rate: float, step
     )
     if history[0][2] == 0:
         return 0.0
+    epsilon = _epsilon_of_history(kind, history, _check_delta(delta))
+    warn_if_loose(kind, history, delta)
+    return epsilon
+
+
+def accountant_epsilon(accountant: IAccountant, delta: float) -> float:
+    """Epsilon of an Opacus accountant's history at `delta`, as compute_epsilon reports it (0.0 before any step;
+    RDP over this module's wider range of orders, with a LooseBoundWarning where its best order is an end)."""
+    kind = accountant.mechanism()
+    history = tuple(tuple(entry) for entry in accountant.history)
     epsilon = _epsilon_of_history(kind, history, _check_delta(delta))
     warn_if_loose(kind, history, delta)
     return epsilon
@@ -262,6 +280,20 @@ def calibrate_noise_multiplier(
             f"({kind}); best sigma {hi} gives epsilon {eps_hi}; try a larger tolerance"
         )
     return hi
+
+
+def load_accountant_state(accountant: IAccountant, state: dict[str, Any]) -> None:
+    """Restore an Opacus accountant's `state_dict()` read from a file (untrusted): each history entry is checked,
+    Opacus checks the mechanism."""
+    if not isinstance(state, dict):
+        raise ValueError(f"an accountant state is a dict, got {type(state).__name__}")
+    state = copy.deepcopy(state)
+    for entry in state.get("history", ()):
+        sigma, rate, count = entry
+        _check_positive("noise_multiplier", sigma)
+        _check_sample_rate(rate)
+        _check_steps(count, minimum=1)
+    accountant.load_state_dict(state)
 
 
 class PrivacyLedger:
@@ -373,13 +405,7 @@ class PrivacyLedger:
                 raise ValueError(
                     f"ledger state has {name}={state.get(name)!r}, this ledger {getattr(self, name)!r}; refusing to load"
                 )
-        accountant_state = copy.deepcopy(state["accountant"])
-        for entry in accountant_state.get("history", ()):
-            sigma, rate, count = entry
-            _check_positive("noise_multiplier", sigma)
-            _check_sample_rate(rate)
-            _check_steps(count, minimum=1)
-        self._accountant.load_state_dict(accountant_state)  # Opacus checks the mechanism
+        load_accountant_state(self._accountant, state["accountant"])
 
 
 DEFAULT_DELTA = 1e-5  # the default for data sets of up to 10,000 examples

@@ -61,6 +61,7 @@ class DPOptimizer(Optimizer):
         device = optimizer.param_groups[0]["params"][0].device
         self._nonfinite = torch.zeros((), dtype=torch.int64, device=device)  # examples zeroed (nonfinite.py)
         self.steps = 0
+        self._step_hooks: list[Callable[[DPOptimizer], None]] = []
 
     # --- the wrapped optimizer's state --------------------------------------------------------
     @property
@@ -115,6 +116,10 @@ class DPOptimizer(Optimizer):
         """The next step() only accumulates: more physical batches of this logical batch follow."""
         self._skip_next = do_skip
 
+    def attach_step_hook(self, fn: Callable[[DPOptimizer], None]) -> None:
+        """Call `fn(self)` after each noisy step (Opacus' name; PrivacyEngine's accountant records steps so)."""
+        self._step_hooks.append(fn)
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop the last backward's gradients (as Opacus drops grad_sample); a logical batch's clipped sum is kept."""
         self.original_optimizer.zero_grad(set_to_none=set_to_none)
@@ -162,6 +167,8 @@ class DPOptimizer(Optimizer):
             self.budget.step()
         self.steps += 1
         self._summed, self._examples = {}, 0
+        for hook in self._step_hooks:
+            hook(self)
         return loss
 
     def get_epsilon(self, delta: float) -> float:

@@ -7,27 +7,55 @@ or `PrivacyEngine().make_private(...)` with Opacus' signature, so that an Opacus
 changes only its import. The loop stays the user's: forward, `loss.backward()`,
 `optimizer.step()`. Per-example gradients come from book-keeping (private_module.py)
 instead of Opacus' hooks; the step from dp_optimizer.py (its clipping and noise: dp_step.py); Poisson
-batches from dp_loader.py; epsilon from Opacus' accountants (accounting.py).
+batches from dp_loader.py; epsilon from Opacus' accountants (accounting.py). Opacus' other arguments are
+served or refused by name (opacus_parity.py); checkpoints: engine_checkpoint.py.
 """
 
 from __future__ import annotations
 
 import math
+import warnings
+from typing import Any, Callable
 
-from typing import Any
-
+import torch
+from opacus.validators import ModuleValidator
 from torch import nn
 from torch.optim import Optimizer
 from torch.utils.data import DataLoader, IterableDataset
 
-from .accounting import ACCOUNTANTS, PrivacyLedger, calibrate_noise_multiplier, check_delta_for, refuse_delta
+from .accounting import (
+    ACCOUNTANTS,
+    APPROXIMATE_ACCOUNTANT_FACTORIES,
+    PrivacyLedger,
+    accountant_epsilon,
+    calibrate_noise_multiplier,
+    check_delta_for,
+    make_accountant,
+    refuse_delta,
+)
 from .dp_loader import DPDataLoader
+from .dp_loss import DPLoss
 from .dp_optimizer import DPOptimizer
+from .engine_checkpoint import load_engine_checkpoint, save_engine_checkpoint
+from .opacus_parity import ACCEPTED, DEFAULT_GRAD_SAMPLE_MODE, GRAD_SAMPLE_MODES, check_opacus_arguments
+from .optimizer_params import check_optimizer_params
 from .private_module import PrivateModule
 from .secure_rng import NOISE, SAMPLING, make_source, warn_not_private
-from .validate import validate_dp_safe
+from .validate import PrivacyValidationError, validate_dp_safe
 
 DEFAULT_ACCOUNTANT = "prv"  # Opacus' PrivacyEngine default: a swapped import reports the same epsilon
+ENGINE_ACCOUNTANTS = ACCOUNTANTS + tuple(APPROXIMATE_ACCOUNTANT_FACTORIES)
+GDP_WARNING = (
+    "accountant='gdp' (Opacus' Gaussian DP accountant) is a central-limit approximation that can underestimate "
+    "epsilon; accountant='prv' (the default) gives an upper bound"
+)
+
+Made = tuple[PrivateModule, DPOptimizer, DPDataLoader] | tuple[PrivateModule, DPOptimizer, DPLoss, DPDataLoader]
+
+
+def _check_accountant(accountant: str) -> None:
+    if accountant not in ENGINE_ACCOUNTANTS:
+        raise ValueError(f"accountant must be one of {ENGINE_ACCOUNTANTS}, got {accountant!r}")
 
 
 def _planned_steps(epochs: float | None, steps: int | None, steps_per_epoch: int) -> int | None:
@@ -42,23 +70,6 @@ def _planned_steps(epochs: float | None, steps: int | None, steps_per_epoch: int
             raise ValueError(f"epochs must be > 0, got {epochs}")
         return int(epochs * steps_per_epoch)
     return None
-
-
-def _check_optimizer_params(module: nn.Module, optimizer: Optimizer) -> None:
-    """Every trainable parameter the optimizer updates must be the module's, or its update would not be private."""
-    owned = {id(p) for p in module.parameters()}
-    foreign = [
-        tuple(p.shape)
-        for group in optimizer.param_groups
-        for p in group["params"]
-        if p.requires_grad and id(p) not in owned
-    ]
-    if foreign:
-        raise ValueError(
-            f"the optimizer updates {len(foreign)} parameter(s) that are not the module's (shapes "
-            f"{foreign[:5]}); their gradients would not be clipped or noised: build the optimizer "
-            "from module.parameters()"
-        )
 
 
 def _check_loader(data_loader: DataLoader) -> None:
@@ -92,25 +103,45 @@ def make_private(
     aug_mult: int = 1,
     accountant: str = DEFAULT_ACCOUNTANT,
     loss_reduction: str = "mean",
-    poisson_sampling: bool = True,
+    criterion: Callable[..., torch.Tensor] | None = None,
+    grad_sample_mode: str = DEFAULT_GRAD_SAMPLE_MODE,
+    poisson_sampling: bool = ACCEPTED["poisson_sampling"],
+    clipping: str = ACCEPTED["clipping"],
+    batch_first: bool = ACCEPTED["batch_first"],
+    noise_generator: torch.Generator | None = ACCEPTED["noise_generator"],
+    wrap_model: bool = ACCEPTED["wrap_model"],
+    rand_on_empty: bool = ACCEPTED["rand_on_empty"],
     debug_seed: int | None = None,
     verify: bool = True,
-) -> tuple[PrivateModule, DPOptimizer, DPDataLoader]:
+) -> Made:
     """(module, optimizer, data_loader) for DP-SGD; see docs/make-private.md.
 
     noise_multiplier, or target_epsilon with target_delta and epochs or steps (sigma is then
     calibrated and a step past the target is refused). aug_mult K: the module takes
     (B, K, ...) views and each example's gradient is the mean over its views, clipped.
+    Opacus' arguments (criterion, grad_sample_mode, clipping, batch_first, ...) are served or refused as
+    opacus_parity.py says; grad_sample_mode="ghost" returns (module, optimizer, criterion, data_loader), as Opacus.
     debug_seed: reproducible sampling and noise for tests (secure_rng.py); the run is then NOT private.
     verify: check once (first training forward) that book-keeping's gradients are exact on this model
     (bookkeeping.verify_bookkeeping). Whatever it says, the first forward probes a copy of the model at the
     loader's batch size (dp_safety.probe_dp_safety: buffers written from the input or by every forward, examples
     mixed), and every training forward is guarded against buffer writes (buffer_guard.py).
     """
-    if accountant not in ACCOUNTANTS:
-        raise ValueError(f"accountant must be one of {ACCOUNTANTS}, got {accountant!r}")
-    if not poisson_sampling:
-        raise ValueError("make_private samples batches by Poisson sampling only: the accountants assume it")
+    check_opacus_arguments(
+        {
+            "max_grad_norm": max_grad_norm,
+            "grad_sample_mode": grad_sample_mode,
+            "poisson_sampling": poisson_sampling,
+            "clipping": clipping,
+            "batch_first": batch_first,
+            "noise_generator": noise_generator,
+            "wrap_model": wrap_model,
+            "rand_on_empty": rand_on_empty,
+        }
+    )
+    _check_accountant(accountant)
+    if accountant in APPROXIMATE_ACCOUNTANT_FACTORIES:
+        warnings.warn(GDP_WARNING, UserWarning, stacklevel=2)
     if not (math.isfinite(max_grad_norm) and max_grad_norm > 0):
         raise ValueError(f"max_grad_norm must be a finite number > 0, got {max_grad_norm}")
     if (noise_multiplier is None) == (target_epsilon is None):
@@ -125,7 +156,12 @@ def make_private(
     # the DP-safety check that needs no input (batch statistics, running-statistics buffers, by name); the
     # behavioural probe runs at the module's first forward (private_module.py)
     validate_dp_safe(module)
-    _check_optimizer_params(module, optimizer)
+    check_optimizer_params(module, optimizer, caller="make_private")
+    ghost_criterion = (
+        DPLoss(nn.CrossEntropyLoss(reduction=loss_reduction) if criterion is None else criterion, loss_reduction)
+        if GRAD_SAMPLE_MODES[grad_sample_mode]
+        else None
+    )
     if debug_seed is not None:
         warn_not_private("debug_seed")
 
@@ -154,21 +190,26 @@ def make_private(
         budget=budget,
         planned_steps=planned,
     )
+    if ghost_criterion is not None:
+        return private, dp_optimizer, ghost_criterion, loader
     return private, dp_optimizer, loader
 
 
 class PrivacyEngine:
     """Opacus' PrivacyEngine interface over make_private: `from equiconvert.privacy import PrivacyEngine`.
 
-    Sampling and noise randomness is always secret (secure_rng.py), whatever `secure_mode` says.
+    `accountant` is an Opacus accountant object (`privacy_engine.accountant.get_epsilon(delta)`), recording every
+    step of every optimizer this engine made, as Opacus'. Sampling and noise randomness is always secret
+    (secure_rng.py), whatever `secure_mode` says.
     """
 
     def __init__(self, *, accountant: str = DEFAULT_ACCOUNTANT, secure_mode: bool = True) -> None:
-        if accountant not in ACCOUNTANTS:
-            raise ValueError(f"accountant must be one of {ACCOUNTANTS}, got {accountant!r}")
-        self.accountant = accountant
+        _check_accountant(accountant)
+        self.accountant = make_accountant(accountant)
         self.secure_mode = secure_mode
-        self._optimizers: list[DPOptimizer] = []
+
+    def _record_step(self, optimizer: DPOptimizer) -> None:
+        self.accountant.step(noise_multiplier=optimizer.noise_multiplier, sample_rate=optimizer.sample_rate)
 
     def make_private(
         self,
@@ -179,18 +220,19 @@ class PrivacyEngine:
         noise_multiplier: float,
         max_grad_norm: float,
         **options: Any,
-    ) -> tuple[PrivateModule, DPOptimizer, DPDataLoader]:
-        """make_private at a given noise multiplier (options: make_private's keywords)."""
+    ) -> Made:
+        """make_private at a given noise multiplier (options: make_private's keywords, Opacus' included)."""
+        check_opacus_arguments(options)  # the keywords Opacus forwards to its optimizer or calibration
         made = make_private(
             module=module,
             optimizer=optimizer,
             data_loader=data_loader,
             noise_multiplier=noise_multiplier,
             max_grad_norm=max_grad_norm,
-            accountant=self.accountant,
+            accountant=self.accountant.mechanism(),
             **options,
         )
-        self._optimizers.append(made[1])
+        made[1].attach_step_hook(self._record_step)
         return made
 
     def make_private_with_epsilon(
@@ -201,11 +243,21 @@ class PrivacyEngine:
         data_loader: DataLoader,
         target_epsilon: float,
         target_delta: float,
-        epochs: float,
         max_grad_norm: float,
+        epochs: float | None = None,
+        total_steps: int | None = None,
         **options: Any,
-    ) -> tuple[PrivateModule, DPOptimizer, DPDataLoader]:
-        """make_private with the noise calibrated to (target_epsilon, target_delta) after `epochs`."""
+    ) -> Made:
+        """make_private with the noise calibrated to (target_epsilon, target_delta) after `epochs` (or
+        `total_steps`) and a step past the target refused."""
+        check_opacus_arguments(options)  # the keywords Opacus forwards to its optimizer or calibration
+        if len(self.accountant) > 0:
+            warnings.warn(
+                "make_private_with_epsilon on an engine that has already recorded steps: the noise is calibrated "
+                "from zero, so the engine's total epsilon will exceed target_epsilon",
+                UserWarning,
+                stacklevel=2,
+            )
         made = make_private(
             module=module,
             optimizer=optimizer,
@@ -213,17 +265,45 @@ class PrivacyEngine:
             target_epsilon=target_epsilon,
             target_delta=target_delta,
             epochs=epochs,
+            steps=total_steps,
             max_grad_norm=max_grad_norm,
-            accountant=self.accountant,
+            accountant=self.accountant.mechanism(),
             **options,
         )
-        self._optimizers.append(made[1])
+        made[1].attach_step_hook(self._record_step)
         return made
 
     def get_epsilon(self, delta: float) -> float:
-        """Epsilon spent so far at `delta` (one model made private per engine)."""
-        if len(self._optimizers) > 1:
-            raise ValueError(
-                "this engine made several models private; ask each optimizer: optimizer.get_epsilon(delta)"
-            )
-        return self._optimizers[0].get_epsilon(delta) if self._optimizers else 0.0
+        """Epsilon spent so far at `delta` by every step this engine's optimizers took (0.0 before the first)."""
+        return accountant_epsilon(self.accountant, delta)
+
+    def validate(self, *, module: nn.Module, optimizer: Optimizer | None = None, data_loader: Any = None) -> None:
+        """Raise PrivacyValidationError, naming the layer, for a module DP-SGD cannot train (by layer names)."""
+        validate_dp_safe(module)
+
+    def is_compatible(self, *, module: nn.Module, optimizer: Optimizer | None = None, data_loader: Any = None) -> bool:
+        """Whether `validate` passes."""
+        try:
+            validate_dp_safe(module)
+        except PrivacyValidationError:
+            return False
+        return True
+
+    @classmethod
+    def get_compatible_module(cls, module: nn.Module) -> nn.Module:
+        """Opacus' ModuleValidator fixes (batch norm to group norm, ...), then `validate`."""
+        fixed = ModuleValidator.fix(module)
+        validate_dp_safe(fixed)
+        return fixed
+
+    def save_checkpoint(self, *, path: Any, module: nn.Module, optimizer: DPOptimizer | None = None, **options: Any):
+        """Opacus' save_checkpoint: module, optimizer and accountant states; never the secret noise or sampling
+        generators (engine_checkpoint.py)."""
+        save_engine_checkpoint(self.accountant, path, module, optimizer, **options)
+
+    def load_checkpoint(
+        self, *, path: Any, module: nn.Module, optimizer: DPOptimizer | None = None, **options: Any
+    ) -> dict[str, Any]:
+        """Opacus' load_checkpoint, read with torch.load(weights_only=True), into an engine that has recorded no
+        step yet; returns the rest of the checkpoint (engine_checkpoint.py)."""
+        return load_engine_checkpoint(self.accountant, path, module, optimizer, **options)

@@ -74,6 +74,7 @@ from ..nn.norm import FieldGroupNorm  # noqa: E402
 from .buffer_guard import BufferGuard  # noqa: E402
 from .dp_safety import check_dp_safe  # noqa: E402
 from .filter_gradients import per_example_filter_gradients, steerable_weight_gradients  # noqa: E402
+from .optimizer_params import check_optimizer_params  # noqa: E402
 
 try:  # Opacus >= 1.5 (ghost clipping)
     from opacus.grad_sample import register_norm_sampler  # noqa: E402
@@ -249,9 +250,11 @@ def make_private(
 
     example_input defaults to random values of the shape and dtype of the first example of
     ``data_loader.dataset`` (its values are not used: the check sees no training data; no batch is drawn).
-    Raises PrivacyValidationError, naming the module, for a model DP-SGD cannot train, and warns when the
-    engine's randomness is not secure (Opacus' secure_mode off).
+    Raises ForeignParametersError when the optimizer holds parameters that are not the module's (an optimizer
+    built before the conversion line), PrivacyValidationError, naming the module, for a model DP-SGD cannot
+    train, and warns when the engine's randomness is not secure (Opacus' secure_mode off).
     """
+    check_optimizer_params(module, optimizer, caller="opacus_interop.make_private", frozen_too=True)
     if example_input is None:
         example = torch.as_tensor(data_loader.dataset[0][0])
         shaped = torch.rand_like(example) if example.is_floating_point() else torch.zeros_like(example)

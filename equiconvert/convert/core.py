@@ -234,7 +234,8 @@ def make_equivariant(
     norm_group_rule, unit_norm_bias, leaf_modules, even_kernels: "refuse" (default) or "grow", which replaces a k x k conv with k
     even by a (k+1) x (k+1) one with the same stride and padding, reported per layer).
     strict: turn every equivariance warning into an error. head: one of context.HEADS,
-    "keep" the head as it is or make the output "invariant" by group pooling before it.
+    "keep" the head as it is or make the output "invariant" by group pooling before it; None: the
+    model class's `equiconvert_head` if it declares one (ResNet9: "invariant"), else "keep".
     restrict: restrict the fields to a subgroup: "halved", "reflection", "invariant", a group
     name, a schedule "D8->D4->D1" (before the last stages) or {module name: step}; see
     convert/restrict.py. The model is then exactly equivariant to the last subgroup.
@@ -253,7 +254,7 @@ def make_equivariant(
     if (pad_to_valid or crop_to_valid) and input_size is None:
         raise ValueError("pad_to_valid/crop_to_valid need the input_size to fit")
     spec = parse_group(group, frequency)
-    cfg = _make_config(config, strict, head)
+    cfg = _make_config(config, strict, head if head is not None else declared_head(model, config))
     if cfg.strict and allow_non_equivariant:
         raise ValueError("give strict or allow_non_equivariant, not both: strict refuses what the other accepts")
     if restrict is not None:
@@ -305,6 +306,14 @@ def make_equivariant(
     for warning in report.warnings:
         warnings.warn(warning, stacklevel=2)
     return remember_recipe(converted, conversion_recipe(model, arguments))
+
+
+def declared_head(model: nn.Module, config: dict | ConversionConfig | None) -> str | None:
+    """The head a model class declares for its conversion (`equiconvert_head`, e.g. ResNet9's "invariant"), used
+    when neither `head=` nor `config` chooses one; None leaves ConversionConfig's default."""
+    if isinstance(config, ConversionConfig) or (config is not None and "head" in config):
+        return None
+    return getattr(model, "equiconvert_head", None)
 
 
 def _make_config(config: dict | ConversionConfig | None, strict: bool, head: str | None) -> ConversionConfig:

@@ -204,12 +204,22 @@ def _create_timm(name: str, kwargs: dict[str, Any]) -> nn.Module:
 
 def create_model(name: str, **kwargs: Any) -> nn.Module:
     """The model `name` (see the module docstring for names), built with `kwargs`; None values are dropped, so that
-    unset options keep the model's defaults. `num_classes` and `in_channels` work for every source; `pretrained`
-    (True, or a torchvision weights name) loads torchvision/timm weights, a classifier for another number of classes
-    keeping its fresh ones.
+    unset options keep the model's defaults. `num_classes` and `in_channels` (or timm's `in_chans`) work for every
+    source; `pretrained` (True, or a torchvision weights name) loads torchvision/timm weights, a classifier for
+    another number of classes keeping its fresh ones.
     """
-    kwargs = {key: value for key, value in kwargs.items() if value is not None}
+    kwargs = _in_channels_named_once({key: value for key, value in kwargs.items() if value is not None})
     return remember_recipe(_create_model(name, kwargs), registry_recipe(name, kwargs))
+
+
+def _in_channels_named_once(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """timm's `in_chans` is `in_channels` for every source, so a timm-style call builds any model."""
+    if "in_chans" not in kwargs:
+        return kwargs
+    if "in_channels" in kwargs:
+        raise ModelNameError("give in_channels or in_chans (timm's name for it), not both")
+    kwargs["in_channels"] = kwargs.pop("in_chans")
+    return kwargs
 
 
 def _create_model(name: str, kwargs: dict[str, Any]) -> nn.Module:

@@ -15,7 +15,7 @@ Configuration that reproduces the paper's parameter counts exactly
 from __future__ import annotations
 
 from numbers import Integral
-from typing import Callable, Sequence, Union
+from typing import Callable, ClassVar, Sequence, Union
 
 import torch
 from torch import nn
@@ -167,6 +167,10 @@ class ResNet9(nn.Module):
 
     Stage names are stable so the converter and tests can address them.
     """
+
+    # make_equivariant's head when none is asked for: the 2x2 grid the head flattens is permuted by rotations, so
+    # only group pooling before it gives an invariant classifier (convert.core.declared_head)
+    equiconvert_head: ClassVar[str] = "invariant"
 
     def __init__(
         self,

@@ -45,6 +45,14 @@ def test_create_model_drops_none_and_builds_the_same_model_under_every_name():
     assert small.head[-1].out_features == 5
 
 
+def test_timm_in_chans_names_the_input_channels_of_every_source():
+    one_channel = create_model("equiconvert:resnet9", widths=(4, 8, 8), in_chans=1)
+    assert one_channel.stem[0].in_channels == 1
+    assert create_model("timm:resnet10t", in_chans=1).conv1[0].in_channels == 1
+    with pytest.raises(ModelNameError, match="in_channels or in_chans"):
+        create_model("equiconvert:resnet9", in_channels=1, in_chans=1)
+
+
 def test_paper_preset_variants_are_keyword_arguments():
     plain = create_model("plain_paper_resnet9")
     assert _count(plain) == PAPER_PLAIN_PARAMS

@@ -100,3 +100,17 @@ def test_small_widths() -> None:
     assert isinstance(linear, nn.Linear)
     assert linear.in_features == 64 * 4
     assert small(torch.randn(2, 3, 32, 32)).shape == (2, 10)
+
+
+def test_a_converted_resnet9_is_invariant_unless_its_head_is_kept() -> None:
+    import equiconvert
+    from equiconvert.convert.context import ConversionConfig
+
+    def converted(**options):
+        return equiconvert.make_equivariant(resnet9(widths=(4, 8, 8)), group="C4", **options)
+
+    assert equiconvert.check_equivariance(converted(), input_size=32).max_error < 1e-5
+    for keep in ({"head": "keep"}, {"config": {"head": "keep"}}, {"config": ConversionConfig()}):
+        with pytest.warns(Warning, match="flattens a 2x2 grid"):
+            model = converted(**keep)
+        assert equiconvert.check_equivariance(model, input_size=32).max_error > 1e-3

@@ -14,23 +14,23 @@ import numpy as np
 import torch
 
 from equiconvert.cache import cache_root, disk_cache_enabled
-from equiconvert.errors import EquiconvertError
+from ..errors import DataError, UsageError
 
 SPLITS = ("train", "test")
 
 
-class DatasetNotFoundError(EquiconvertError, FileNotFoundError):
+class DatasetNotFoundError(DataError, FileNotFoundError):
     """The files of a data set are not where they were looked for; the message says where to put them."""
 
 
-class UnknownDatasetError(EquiconvertError, KeyError):
+class UnknownDatasetError(UsageError, KeyError):
     """No data set is registered under the name given."""
 
     def __str__(self) -> str:  # KeyError would quote the message
         return str(self.args[0]) if self.args else ""
 
 
-class DatasetFormatError(EquiconvertError, ValueError):
+class DatasetFormatError(DataError, ValueError):
     """A data file exists but is not in the expected format (bad header, wrong size, mixed image sizes...)."""
 
 

@@ -21,7 +21,7 @@ from typing import Any, Callable
 from opacus.accountants import IAccountant, PRVAccountant, RDPAccountant
 from opacus.accountants.utils import get_noise_multiplier
 
-from ..errors import EquiconvertError
+from ..errors import PrivacyError
 
 History = tuple[tuple[float, float, int], ...]
 
@@ -64,7 +64,7 @@ ACCOUNTANT_FACTORIES: dict[str, Callable[[], IAccountant]] = {"rdp": WideRangeRD
 ACCOUNTANTS = tuple(ACCOUNTANT_FACTORIES)
 
 
-class PrivacyBudgetError(EquiconvertError, ValueError):
+class PrivacyBudgetError(PrivacyError, ValueError):
     """A privacy target cannot be met (or has already been exceeded)."""
 
 

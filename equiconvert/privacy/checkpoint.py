@@ -18,13 +18,13 @@ from typing import Any
 
 import torch
 
-from ..errors import EquiconvertError
+from ..errors import DataError
 
 OWNER_ONLY = 0o600
 _TMP_SUFFIX = ".tmp"
 
 
-class CheckpointError(EquiconvertError, ValueError):
+class CheckpointError(DataError, ValueError):
     """A checkpoint file is empty, truncated, corrupt or not an equiconvert checkpoint."""
 
 

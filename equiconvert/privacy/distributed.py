@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..errors import EquiconvertError
+from ..errors import RunError
 from .worker_lifetime import die_with_parent, launcher_environment
 
 BACKENDS = {"cuda": "nccl", "cpu": "gloo"}  # device type -> torch.distributed backend
@@ -173,7 +173,7 @@ def shutdown() -> None:
         dist.destroy_process_group()
 
 
-class WorkerLostError(EquiconvertError):
+class WorkerLostError(RunError):
     """A collective failed because another worker of the job is gone (gloo's "Connection closed by peer")."""
 
 

@@ -16,6 +16,7 @@ from typing import Any, Callable
 
 import torch
 
+from ..errors import UsageError
 from .accounting import ACCOUNTANTS
 from .augment import shift_set
 from .filter_gradients import FILTER_GRADIENT_METHODS
@@ -178,7 +179,7 @@ FIELD_LIMITS: dict[str, Limit] = {
 _OPTIONAL = frozenset(f.name for f in dataclasses.fields(DPConfig) if "None" in str(f.type))
 
 
-class ConfigError(ValueError):
+class ConfigError(UsageError, ValueError):
     """A DPConfig field whose value breaks its rule; field, value and rule let a caller name its own flag."""
 
     def __init__(self, field: str, value: Any, rule: str) -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..errors import EquiconvertError
+from ..errors import UsageError
 from .checkpoint import remove_stale_temporaries
 
 CHECKPOINT = "checkpoint.pt"
@@ -17,7 +17,7 @@ RUN_RECORDS = ("log.jsonl", "result.json", CHECKPOINT)  # what a run that has st
 RUN_FILES = (*RUN_RECORDS, "model.txt")  # everything a run writes (and --overwrite removes)
 
 
-class OutputFolderError(EquiconvertError, ValueError):
+class OutputFolderError(UsageError, ValueError):
     """--out cannot be used as asked (it holds another run, or there is nothing to resume)."""
 
 

@@ -20,8 +20,8 @@ EXIT_OTHER = 1  # an EquiconvertError of no category
 EXIT_USAGE = EXIT_CODES[UsageError]
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report a command stopped by Ctrl-C
 
-# library parameter -> the flag that sets it; a message's `name=VALUE` is printed as `--flag VALUE` and `name=True`
-# as `--flag`
+# library parameter -> the flag that sets it; a message's `name=VALUE` is printed as `--flag VALUE`, and `name=True`
+# or a bare `name=` as `--flag`
 PARAMETER_FLAGS: dict[str, str] = {
     "out": "--out",
     "resume": "--resume",
@@ -35,7 +35,7 @@ PARAMETER_FLAGS: dict[str, str] = {
     "pad_to_valid": "--pad-to-valid",
     "crop_to_valid": "--crop-to-valid",
 }
-_PARAMETER = re.compile(r"(?<![\w.])(" + "|".join(PARAMETER_FLAGS) + r")=(True\b)?")
+_PARAMETER = re.compile(r"(?<![\w.])(" + "|".join(PARAMETER_FLAGS) + r")=(True\b|(?=[\s,;:.)]|$))?")
 
 
 class CLIError(UsageError):
@@ -50,4 +50,4 @@ def exit_code(error: EquiconvertError) -> int:
 def flag_message(error: BaseException) -> str:
     """`error`'s message on one line, each library parameter named by its flag (out=/tmp/x -> --out /tmp/x)."""
     message = " ".join(str(error).split()) or type(error).__name__
-    return _PARAMETER.sub(lambda m: PARAMETER_FLAGS[m[1]] + ("" if m[2] else " "), message)
+    return _PARAMETER.sub(lambda m: PARAMETER_FLAGS[m[1]] + ("" if m[2] is not None else " "), message)

@@ -199,7 +199,7 @@ def _refuse_non_module(model: object) -> None:
         name = name.split(":")[-1]
         raise NotAModuleError(
             f"make_equivariant takes a module, got {model!r}: pass one, e.g. torchvision.models.{name}(); names are "
-            f"for the command line's --model (torchvision:{name})"
+            f"for equiconvert.create_model('torchvision:{name}')"
         )
     raise NotAModuleError(f"make_equivariant takes a torch.nn.Module, got {type(model).__name__}")
 

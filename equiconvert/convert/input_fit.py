@@ -30,8 +30,8 @@ def invalid_size_error(size: int, grid: GridAnalysis) -> InvalidInputSizeError:
     nearest = ", ".join(str(s) for s in (below, above) if s is not None) or "none"
     return InvalidInputSizeError(
         f"input size {size} does not keep exact equivariance (valid: {grid.rule()}; nearest: {nearest}). Pass "
-        "pad_to_valid=True (CLI --pad-to-valid) to pad it symmetrically to the next valid size, crop_to_valid=True "
-        "(--crop-to-valid) to crop it to the previous one, or an input size that is valid"
+        "pad_to_valid=True to pad it symmetrically to the next valid size, crop_to_valid=True "
+        "to crop it to the previous one, or an input size that is valid"
     )
 
 

@@ -148,7 +148,7 @@ def register(name: str, *aliases: str) -> Callable[[Loader], Loader]:
 def resolve_name(name: str) -> str:
     key = _normalise_name(name)
     if key not in _ALIASES:
-        raise UnknownDatasetError(f"unknown data set {name!r} (--dataset); known: {', '.join(sorted(DATASETS))}")
+        raise UnknownDatasetError(f"dataset={name}: unknown data set; known: {', '.join(sorted(DATASETS))}")
     return _ALIASES[key]
 
 

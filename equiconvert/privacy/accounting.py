@@ -395,12 +395,12 @@ def default_delta(num_examples: int) -> float:
     return power if power <= ceiling else power / 10  # log10 rounding
 
 
-def refuse_delta(delta: float, num_examples: int, flag: str = "delta") -> float:
+def refuse_delta(delta: float, num_examples: int, name: str = "delta") -> float:
     """Refuse delta >= 1/N: a mechanism that publishes one example in full meets such a guarantee."""
     delta = _check_delta(delta)
     if delta >= 1.0 / num_examples:
         raise PrivacyBudgetError(
-            f"{flag} {delta:g} >= 1/N = 1/{num_examples}: a guarantee that allows releasing one "
+            f"{name}={delta:g} >= 1/N = 1/{num_examples}: a guarantee that allows releasing one "
             f"example in full; give a delta well below 1/N (default for N = {num_examples}: "
             f"{default_delta(num_examples):g})"
         )

@@ -119,7 +119,7 @@ def make_private(
         raise ValueError(f"noise_multiplier must be a finite number > 0 for a private run, got {noise_multiplier}")
     _check_loader(data_loader)
     if target_delta is not None:  # before any work: delta >= 1/N is refused, above 1/(10 N) warned about
-        refuse_delta(target_delta, len(data_loader.dataset), flag="target_delta")
+        refuse_delta(target_delta, len(data_loader.dataset), name="target_delta")
         check_delta_for(target_delta, len(data_loader.dataset))
     planned = _planned_steps(epochs, steps, len(data_loader))
     # the DP-safety check that needs no input (batch statistics, running-statistics buffers, by name); the

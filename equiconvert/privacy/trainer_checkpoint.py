@@ -112,15 +112,15 @@ class TrainerCheckpoint:
         if not all(found):
             raise FileNotFoundError(
                 f"{path} exists on ranks {[r for r, f in enumerate(found) if f]} only: a job "
-                "resumes from one checkpoint, so --out must be on a file system every node sees"
+                "resumes from one checkpoint, so out= must be on a file system every node sees"
             )
         state = load(path)
         saved_world_size = state.get("world_size", 1)
         if saved_world_size != self.dist.world_size:
-            raise ValueError(
+            raise CheckpointError(
                 f"checkpoint {path} was written by a job of {saved_world_size} process(es); this job "
                 f"has {self.dist.world_size}: resume it with {saved_world_size} (each rank continues "
-                "its own shard's sampler), or give a new --out"
+                "its own shard's sampler), or give another out="
             )
         saved, current = resume_identity(state["config"]), resume_identity(asdict(self.config))
         if saved != current:

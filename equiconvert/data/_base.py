@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from equiconvert.cache import cache_root, disk_cache_enabled
-from ..errors import DataError, UsageError
+from ..errors import DataError, ParameterError, UsageError
 
 SPLITS = ("train", "test")
 
@@ -136,7 +136,7 @@ def register(name: str, *aliases: str) -> Callable[[Loader], Loader]:
 
     def deco(fn: Loader) -> Loader:
         if name in DATASETS:
-            raise ValueError(f"data set {name!r} is registered twice")
+            raise ParameterError(f"data set {name!r} is registered twice")
         DATASETS[name] = fn
         for key in (name, *aliases):
             _ALIASES[_normalise_name(key)] = name
@@ -154,7 +154,7 @@ def resolve_name(name: str) -> str:
 
 def check_split(split: str) -> str:
     if split not in SPLITS:
-        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+        raise ParameterError(f"split must be one of {SPLITS}, got {split!r}")
     return split
 
 

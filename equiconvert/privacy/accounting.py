@@ -21,7 +21,7 @@ from typing import Any, Callable
 from opacus.accountants import IAccountant, PRVAccountant, RDPAccountant
 from opacus.accountants.utils import get_noise_multiplier
 
-from ..errors import PrivacyError
+from ..errors import ParameterError, PrivacyError
 
 History = tuple[tuple[float, float, int], ...]
 
@@ -70,7 +70,7 @@ class PrivacyBudgetError(PrivacyError, ValueError):
 
 def _check_kind(kind: str) -> None:
     if kind not in ACCOUNTANT_FACTORIES:
-        raise ValueError(f"unknown accountant {kind!r}; choose one of {ACCOUNTANTS}")
+        raise ParameterError(f"unknown accountant {kind!r}; choose one of {ACCOUNTANTS}")
 
 
 def make_accountant(kind: str) -> IAccountant:
@@ -82,21 +82,21 @@ def make_accountant(kind: str) -> IAccountant:
 def _check_positive(name: str, value: float) -> float:
     value = float(value)
     if not (math.isfinite(value) and value > 0):
-        raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+        raise ParameterError(f"{name} must be a finite number > 0, got {value!r}")
     return value
 
 
 def _check_delta(delta: float) -> float:
     delta = float(delta)
     if not 0.0 < delta < 1.0:
-        raise ValueError(f"delta must lie in (0, 1), got {delta!r}")
+        raise ParameterError(f"delta must lie in (0, 1), got {delta!r}")
     return delta
 
 
 def _check_sample_rate(sample_rate: float) -> float:
     sample_rate = float(sample_rate)
     if not 0.0 < sample_rate <= 1.0:
-        raise ValueError(f"sample_rate must lie in (0, 1], got {sample_rate!r}")
+        raise ParameterError(f"sample_rate must lie in (0, 1], got {sample_rate!r}")
     return sample_rate
 
 
@@ -105,7 +105,7 @@ def _check_steps(steps: int, minimum: int = 0) -> int:
         raise TypeError("steps must be an integer, got a bool")
     steps = operator.index(steps)  # rejects 2.5, accepts numpy integers
     if steps < minimum:
-        raise ValueError(f"steps must be >= {minimum}, got {steps}")
+        raise ParameterError(f"steps must be >= {minimum}, got {steps}")
     return steps
 
 
@@ -336,7 +336,7 @@ class PrivacyLedger:
         recorded steps already exceed the target, ValueError without a target.
         """
         if self.target_epsilon is None:
-            raise ValueError("max_steps() needs a target_epsilon")
+            raise ParameterError("max_steps() needs a target_epsilon")
         key = self._history()
         if key not in self._max_steps:
             target = self.target_epsilon
@@ -370,7 +370,7 @@ class PrivacyLedger:
         """Restore a `state_dict()`; refuses one recorded with other settings (its epsilon would not carry over)."""
         for name in ("kind", "delta", "sample_rate", "noise_multiplier"):
             if state.get(name) != getattr(self, name):
-                raise ValueError(
+                raise ParameterError(
                     f"ledger state has {name}={state.get(name)!r}, this ledger {getattr(self, name)!r}; refusing to load"
                 )
         accountant_state = copy.deepcopy(state["accountant"])

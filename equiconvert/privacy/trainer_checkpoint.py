@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..errors import ParameterError
 from .accounting import PrivacyLedger
 from .checkpoint import CheckpointError, load, save_atomic
 from .distributed import DistributedContext
@@ -56,7 +57,7 @@ class TrainerCheckpoint:
     def checkpoint_path(self) -> Path:
         """Where save_checkpoint writes and resume reads: the run folder's checkpoint file."""
         if self.out_dir is None:
-            raise ValueError("checkpoints need out_dir")
+            raise ParameterError("checkpoints need out_dir")
         return self.out_dir / CHECKPOINT
 
     def save_checkpoint(self) -> None:
@@ -127,7 +128,7 @@ class TrainerCheckpoint:
             differing = {
                 key: (saved.get(key), current.get(key)) for key in current if saved.get(key) != current.get(key)
             }
-            raise ValueError(
+            raise ParameterError(
                 f"checkpoint {path} was written with a different configuration ((checkpoint, now): "
                 f"{differing}); refusing to resume"
             )

@@ -8,7 +8,6 @@ import json
 import sys
 import time
 
-from .common import CLIError
 from .convert import convert_and_check
 from .recipe_flags import DEMO_FLAGS, add_recipe_options, apply_flags, check_recipe, recipe_flag
 from .commands import SUBCOMMANDS
@@ -114,7 +113,7 @@ def _demo_training(args: argparse.Namespace) -> int:
         with contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext():
             summary = run_main_job(r)
     except DatasetNotFoundError as exc:
-        raise CLIError(
+        raise DatasetNotFoundError(
             f"{exc} For the demo: pass --data-dir DIR, or install the Debian package "
             f"dataset-fashion-mnist (sudo apt-get install dataset-fashion-mnist)."
         ) from exc

@@ -226,7 +226,7 @@ def test_first_step_over_budget_fails_with_a_message(tmp_path, capsys):
         steps=2,
         epsilon=0.1,
     )
-    error = run_error(capsys, *args)
+    error = run_error(capsys, *args, code=4)  # a privacy error
     assert "spends epsilon" in error and not (tmp_path / "o" / "result.json").exists()
 
 

@@ -329,7 +329,7 @@ def test_make_equivariant_of_a_name_says_to_pass_a_module():
         equiconvert.make_equivariant("resnet18", "C4")
     assert str(err.value) == (
         "make_equivariant takes a module, got 'resnet18': pass one, e.g. torchvision.models.resnet18(); names are "
-        "for the command line's --model (torchvision:resnet18)"
+        "for equiconvert.create_model('torchvision:resnet18')"
     )
     with pytest.raises(NotAModuleError, match="takes a torch.nn.Module, got dict"):
         equiconvert.make_equivariant({"weight": torch.zeros(1)}, "C4")

@@ -319,7 +319,7 @@ def test_a_job_refuses_one_card_for_all_ranks(monkeypatch):
 
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", "1")
-    with pytest.raises(ValueError, match="give --device cuda"):
+    with pytest.raises(ValueError, match="device=cuda:1: in a job of 2 processes give device=cuda"):
         from_environment("cuda:1")
 
 

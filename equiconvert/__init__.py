@@ -1,22 +1,52 @@
-"""equiconvert: turn a CNN into a rotation/reflection-equivariant steerable CNN with one call."""
+"""equiconvert: turn a CNN into a rotation/reflection-equivariant steerable CNN with one call.
 
-from .check import EquivarianceResult, check_equivariance
-from .convert import (
-    ConversionConfig,
-    ConversionReport,
-    EquivarianceWarning,
-    EquivariantModel,
-    make_equivariant,
-    register_function_rule,
-    register_module_rule,
-)
-from .errors import EquivarianceBreakError, EquiconvertError, TracingError, UnsupportedLayerError
-from .export import export
-from .groups import GroupSpec, parse_group
-from .models import create_model, list_models, register_model
-from .saved_model import load, save
+The public names load on first use: `import equiconvert` (and `equiconvert --help`) imports neither torch nor
+escnn until a function or class that needs them is asked for."""
+
+import sys
+from importlib import import_module
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
 
 from ._version import __version__ as __version__
+from .errors import EquivarianceBreakError, EquiconvertError, TracingError, UnsupportedLayerError
+
+if TYPE_CHECKING:
+    from .check import EquivarianceResult, check_equivariance
+    from .convert import (
+        ConversionConfig,
+        ConversionReport,
+        EquivarianceWarning,
+        EquivariantModel,
+        make_equivariant,
+        register_function_rule,
+        register_module_rule,
+    )
+    from .export import export
+    from .groups import GroupSpec, parse_group
+    from .models import create_model, list_models, register_model
+    from .saved_model import load, save
+
+# public name -> the submodule defining it
+_EXPORTS = {
+    **dict.fromkeys(("EquivarianceResult", "check_equivariance"), "check"),
+    **dict.fromkeys(
+        (
+            "ConversionConfig",
+            "ConversionReport",
+            "EquivarianceWarning",
+            "EquivariantModel",
+            "make_equivariant",
+            "register_function_rule",
+            "register_module_rule",
+        ),
+        "convert",
+    ),
+    "export": "export",
+    **dict.fromkeys(("GroupSpec", "parse_group"), "groups"),
+    **dict.fromkeys(("create_model", "list_models", "register_model"), "models"),
+    **dict.fromkeys(("load", "save"), "saved_model"),
+}
 
 __all__ = [
     "ConversionConfig",
@@ -41,3 +71,24 @@ __all__ = [
     "register_module_rule",
     "save",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        value = getattr(import_module(f".{_EXPORTS[name]}", __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+class _Package(ModuleType):
+    """Importing the submodule `equiconvert.export` binds it as the package's attribute `export`, over the
+    function of that name: a public name keeps its function."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if isinstance(value, ModuleType) and name in _EXPORTS and _EXPORTS[name] == name:
+            return
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package

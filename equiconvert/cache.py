@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from .errors import ParameterError
+
 NO_CACHE_VARIABLE = "EQUICONVERT_NO_CACHE"
 _SWITCH = {"": False, "0": False, "false": False, "no": False, "1": True, "true": True, "yes": True}
 
@@ -23,5 +25,7 @@ def disk_cache_enabled() -> bool:
     built in memory, never read from or written to cache_root() (read-only or shared machines, cold-start checks)."""
     value = os.environ.get(NO_CACHE_VARIABLE, "").strip().lower()
     if value not in _SWITCH:
-        raise ValueError(f"${NO_CACHE_VARIABLE} must be 1/true/yes (no disk cache) or 0/false/no/empty, got {value!r}")
+        raise ParameterError(
+            f"${NO_CACHE_VARIABLE} must be 1/true/yes (no disk cache) or 0/false/no/empty, got {value!r}"
+        )
     return not _SWITCH[value]

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from .errors import ParameterError
 from .convert.core import GRID_SEARCH
 from .convert.fields import FieldType
 from .convert.model import EquivariantModel
@@ -54,7 +55,7 @@ def _disk(size: int) -> torch.Tensor:
 def _require_positive(name: str, value: object) -> None:
     """Refuse a size or count that is not an int >= 1 (0 would otherwise mean "the default", < 0 a torch error)."""
     if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-        raise ValueError(f"check_equivariance: {name} must be an int >= 1, got {value!r}")
+        raise ParameterError(f"check_equivariance: {name} must be an int >= 1, got {value!r}")
 
 
 def _warn_if_not_exact(report: ConversionReport, size: int) -> None:
@@ -102,7 +103,7 @@ def check_equivariance(
         in_channels = model.in_channels if in_channels is None else in_channels
         output_type = model.output_type
     if group is None or input_size is None or in_channels is None:
-        raise ValueError("pass group, input_size and in_channels for a model that equiconvert did not convert")
+        raise ParameterError("pass group, input_size and in_channels for a model that equiconvert did not convert")
     report = getattr(model, "report", None)
     if isinstance(report, ConversionReport):
         _warn_if_not_exact(report, input_size)
@@ -132,7 +133,7 @@ def _angle_errors(model: nn.Module, x: torch.Tensor, angles: tuple[float, ...]) 
     masked = x * _disk(x.shape[-1]).to(x.device)
     reference = model(masked)
     if reference.ndim != 2:
-        raise ValueError("angle errors are defined for invariant (batch, classes) outputs only")
+        raise ParameterError("angle errors are defined for invariant (batch, classes) outputs only")
     return {
         float(angle): _relative(model(rotate(masked, angle, InterpolationMode.BILINEAR)), reference) for angle in angles
     }

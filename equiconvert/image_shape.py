@@ -10,12 +10,12 @@ from collections.abc import Sequence
 
 from torch import nn
 
-from .errors import EquiconvertError
+from .errors import DataError
 
 CHANNEL_COUNTS = (1, 3, 4)  # grey, RGB, RGBA: a last dimension of these sizes looks like channels-last
 
 
-class ImageShapeError(EquiconvertError, ValueError):
+class ImageShapeError(DataError, ValueError):
     """Images whose shape is not the (N, C, H, W) a model takes."""
 
 

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from ._version import __version__
-from .errors import EquiconvertError
+from .errors import DataError
 from .recipe import Recipe, is_plain, recipe_of, remember_recipe
 
 FORMAT = "equiconvert-model"
@@ -28,7 +28,7 @@ VERSIONED_PACKAGES = ("equiconvert", "torch", "escnn", "opacus")
 BATCH_NORM_TO_GROUP_NORM = "batch_norm_to_group_norm"
 
 
-class SavedModelError(EquiconvertError, ValueError):
+class SavedModelError(DataError, ValueError):
     """A saved model that cannot be written or read back (no recipe, corrupt, unknown format, other weights)."""
 
 

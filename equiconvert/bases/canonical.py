@@ -14,10 +14,10 @@ import hashlib
 import numpy as np
 import torch
 
-from ..errors import EquiconvertError
+from ..errors import ConversionError
 
 
-class BasisMismatchError(EquiconvertError, RuntimeError):
+class BasisMismatchError(ConversionError, RuntimeError):
     """A state_dict's coefficients belong to another kernel basis than the layer loading them."""
 
 

@@ -1,44 +1,52 @@
-"""Command line: `equiconvert convert|demo|train|recipes|audit`, each subcommand a module of this package."""
+"""Command line: `equiconvert convert|demo|train|recipes|audit`, each subcommand a module of this package.
+
+Only the subcommand being run is imported (each loads torch), so `equiconvert --help` and `--version` stay fast."""
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
+from collections.abc import Collection
 from typing import Sequence
 
-from . import audit, convert, demo, recipes, train
-from .common import EXIT_INTERRUPTED, EXIT_USAGE, CLIError
+from .._version import __version__
+from ..errors import EquiconvertError
+from .commands import SUBCOMMANDS
+from .common import EXIT_CODES, EXIT_INTERRUPTED, EXIT_USAGE, CLIError, exit_code, flag_message
 
-# the subcommands, in the order `--help` lists them; each module's add_parser sets the parser's `func`
-SUBCOMMANDS = (convert, demo, train, recipes, audit)
-
-__all__ = ["CLIError", "EXIT_INTERRUPTED", "EXIT_USAGE", "SUBCOMMANDS", "main"]
+__all__ = ["CLIError", "EXIT_CODES", "EXIT_INTERRUPTED", "EXIT_USAGE", "SUBCOMMANDS", "main"]
 
 
-def _parser() -> argparse.ArgumentParser:
+def _parser(commands: Collection[str] = tuple(SUBCOMMANDS)) -> argparse.ArgumentParser:
+    """The parser, with the full options of `commands` (each module's add_parser sets `func`); the others are
+    listed by name and help only."""
     parser = argparse.ArgumentParser(
         prog="equiconvert", description="Turn CNNs into rotation/reflection-equivariant steerable CNNs."
     )
+    parser.add_argument("--version", action="version", version=f"equiconvert {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
-    for command in SUBCOMMANDS:
-        command.add_parser(sub)
+    for name, help in SUBCOMMANDS.items():
+        if name in commands:
+            importlib.import_module(f".{name}", __name__).add_parser(sub)
+        else:
+            sub.add_parser(name, help=help)
     sub.metavar = "{" + ",".join(sub.choices) + "}"  # usage and errors name the subcommands, not `command`
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from ..errors import EquiconvertError
-
-    args = _parser().parse_args(argv)
-    args.argv = list(sys.argv[1:] if argv is None else argv)  # what --nproc-per-node passes on to its workers
+    argv = list(sys.argv[1:] if argv is None else argv)
+    command = next((item for item in argv if not item.startswith("-")), None)  # the top level has no valued option
+    args = _parser({command} & set(SUBCOMMANDS)).parse_args(argv)
+    args.argv = argv  # what --nproc-per-node passes on to its workers
     from ..privacy.interrupt import TrainingInterrupted
 
     try:
         return args.func(args)
-    except (CLIError, EquiconvertError, ValueError) as exc:
-        message = " ".join(str(exc).split()) or type(exc).__name__
-        print(f"error: {message}", file=sys.stderr)
-        return EXIT_USAGE
+    except EquiconvertError as exc:
+        print(f"error: {flag_message(exc)}", file=sys.stderr)
+        return exit_code(exc)
     except TrainingInterrupted as exc:
         resume = "run the same command with --resume to continue" if exc.checkpoint else "nothing was saved"
         print(f"interrupted: training stopped by Ctrl-C after step {exc.step}; {resume}", file=sys.stderr)

@@ -11,6 +11,7 @@ from typing import Any, Callable
 import torch
 
 from .common import CLIError
+from .commands import SUBCOMMANDS
 
 
 def _positive(value: float) -> bool:
@@ -95,7 +96,7 @@ def add_parser(sub) -> None:
 
     audit = sub.add_parser(
         "audit",
-        help="empirical lower bound on epsilon from one DP-SGD run with canaries",
+        help=SUBCOMMANDS["audit"],
         description="Train a small model once with DP-SGD on DATASET plus a random half of --canaries random-pixel, "
         "random-label canaries, guess which canaries were trained on, and turn the correct guesses into "
         "a lower bound on epsilon (Steinke, Nasr, Jagielski 2023), printed beside the accountant's "

@@ -13,6 +13,7 @@ from ..convert.context import HEADS
 from ..groups import GROUP_NAMES
 from ..convert.width import DEFAULT_WIDTH, PAPER_KAPPA, WIDTHS, resolve_width
 from .common import CLIError
+from .commands import SUBCOMMANDS
 
 JSON_VALID_SIZES = 16  # how many valid input sizes the JSON output lists
 CHECK_BATCH_SIZE = 1  # the equivariance check's batch; the error does not depend on it
@@ -168,7 +169,7 @@ def _cmd_convert(args: argparse.Namespace) -> int:
 
 
 def add_parser(sub) -> None:
-    convert = sub.add_parser("convert", help="convert a model and report what changed")
+    convert = sub.add_parser("convert", help=SUBCOMMANDS["convert"])
     convert.add_argument(
         "model",
         help="a registry name (equiconvert.models.list_models()): resnet9, "

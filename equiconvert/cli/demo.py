@@ -8,9 +8,9 @@ import json
 import sys
 import time
 
-from .common import CLIError
 from .convert import convert_and_check
 from .recipe_flags import DEMO_FLAGS, add_recipe_options, apply_flags, check_recipe, recipe_flag
+from .commands import SUBCOMMANDS
 
 DEMO_MODELS: tuple[tuple[str, dict], ...] = (
     ("torchvision:resnet18", {"num_classes": 10}),
@@ -113,7 +113,7 @@ def _demo_training(args: argparse.Namespace) -> int:
         with contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext():
             summary = run_main_job(r)
     except DatasetNotFoundError as exc:
-        raise CLIError(
+        raise DatasetNotFoundError(
             f"{exc} For the demo: pass --data-dir DIR, or install the Debian package "
             f"dataset-fashion-mnist (sudo apt-get install dataset-fashion-mnist)."
         ) from exc
@@ -127,7 +127,7 @@ def add_parser(sub) -> None:
 
     demo = sub.add_parser(
         "demo",
-        help="the main job: convert ResNet9 to D4 and train it with DP-SGD on Fashion-MNIST",
+        help=SUBCOMMANDS["demo"],
         description="Train the cpu_main_job recipe (equiconvert recipes cpu_main_job): ResNet9 converted to D4, "
         "DP-SGD on Fashion-MNIST (Poisson sampling, RDP accounting); a timing probe plans the steps "
         "that fit --time-limit before the noise is calibrated, so the whole epsilon is spent. Prints and "

@@ -14,7 +14,12 @@ from typing import Sequence
 
 import torch
 
+from ..errors import RunError
 from .common import CLIError
+
+
+class JobFailedError(RunError):
+    """A worker of a `train --nproc-per-node` job died; the message names it and its log."""
 
 
 def launch_train(args: argparse.Namespace, device: str | None = None) -> int:
@@ -37,7 +42,7 @@ def launch_train(args: argparse.Namespace, device: str | None = None) -> int:
                 args.nproc_per_node, "equiconvert", _without_option(args.argv, "--nproc-per-node"), log_dir
             )
     except ChildFailedError as exc:
-        raise CLIError(_failure_line(exc.failures, log_dir)) from None
+        raise JobFailedError(_failure_line(exc.failures, log_dir)) from None
     return 0
 
 

@@ -86,10 +86,7 @@ def check_recipe(recipe: Any) -> None:
     dataset = resolve_name(recipe.data.dataset) if recipe.data.dataset is not None else None
     if dataset == "synthetic" and recipe.data.data_dir is not None:
         raise CLIError(f"--data-dir {recipe.data.data_dir}: the synthetic data set is generated, not read; drop it")
-    try:
-        resolve_device(recipe.run.device, flag="--device")
-    except ValueError as exc:
-        raise CLIError(str(exc)) from None
+    resolve_device(recipe.run.device)
 
 
 def apply_flags(recipe: Any, args: argparse.Namespace, flags: dict[str, str]) -> None:

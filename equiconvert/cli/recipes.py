@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from .commands import SUBCOMMANDS
 
 
 def _cmd_recipes(args: argparse.Namespace) -> int:
@@ -18,6 +19,6 @@ def _cmd_recipes(args: argparse.Namespace) -> int:
 
 
 def add_parser(sub) -> None:
-    recipes = sub.add_parser("recipes", help="list the shipped recipes, or print one")
+    recipes = sub.add_parser("recipes", help=SUBCOMMANDS["recipes"])
     recipes.add_argument("name", nargs="?", help="print this recipe's TOML")
     recipes.set_defaults(func=_cmd_recipes)

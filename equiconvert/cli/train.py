@@ -12,6 +12,7 @@ import torch
 from ..groups import GROUP_NAMES
 from .launch import launch_train
 from .recipe_flags import TRAIN_FLAGS, add_recipe_options, apply_flags, check_recipe, recipe_flag
+from .commands import SUBCOMMANDS
 
 
 def train_recipe(args: argparse.Namespace):
@@ -45,7 +46,7 @@ def add_parser(sub) -> None:
 
     train = sub.add_parser(
         "train",
-        help="train a (converted) model with DP-SGD and write OUT/result.json",
+        help=SUBCOMMANDS["train"],
         description="Train as a recipe says (equiconvert/recipes/files/*.toml, or your own TOML file), changed by "
         "the flags given and then by --set KEY=VALUE. Defaults: privacy.dp_config.DPConfig and the recipe "
         "dataclasses (equiconvert.recipes.recipe).",

@@ -13,7 +13,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from ..errors import NotAModuleError, UnsupportedLayerError
+from ..errors import NotAModuleError, ParameterError, UnsupportedLayerError
 from ..groups import GroupSpec, parse_group
 from ..nn.conv import standardization_scope
 from ..recipe import conversion_recipe, remember_recipe
@@ -59,7 +59,7 @@ def _traced_with_shapes(
     model: nn.Module, input_size: int | None, in_channels: int, leaves: tuple
 ) -> tuple[fx.GraphModule, int]:
     if input_size is not None and (isinstance(input_size, bool) or not isinstance(input_size, int) or input_size < 1):
-        raise ValueError(f"input_size must be a positive int (the side of a square input), got {input_size!r}")
+        raise ParameterError(f"input_size must be a positive int (the side of a square input), got {input_size!r}")
     sizes = (input_size,) if input_size else PROBE_SIZES
     errors = []
     for size in sizes:
@@ -199,7 +199,7 @@ def _refuse_non_module(model: object) -> None:
         name = name.split(":")[-1]
         raise NotAModuleError(
             f"make_equivariant takes a module, got {model!r}: pass one, e.g. torchvision.models.{name}(); names are "
-            f"for the command line's --model (torchvision:{name})"
+            f"for equiconvert.create_model('torchvision:{name}')"
         )
     raise NotAModuleError(f"make_equivariant takes a torch.nn.Module, got {type(model).__name__}")
 
@@ -250,13 +250,13 @@ def make_equivariant(
     """
     _refuse_non_module(model)
     if pad_to_valid and crop_to_valid:
-        raise ValueError("give pad_to_valid or crop_to_valid, not both")
+        raise ParameterError("give pad_to_valid or crop_to_valid, not both")
     if (pad_to_valid or crop_to_valid) and input_size is None:
-        raise ValueError("pad_to_valid/crop_to_valid need the input_size to fit")
+        raise ParameterError("pad_to_valid/crop_to_valid need the input_size to fit")
     spec = parse_group(group, frequency)
     cfg = _make_config(config, strict, head if head is not None else declared_head(model, config))
     if cfg.strict and allow_non_equivariant:
-        raise ValueError("give strict or allow_non_equivariant, not both: strict refuses what the other accepts")
+        raise ParameterError("give strict or allow_non_equivariant, not both: strict refuses what the other accepts")
     if restrict is not None:
         cfg.restrict = restrict
     template, in_channels = _prepare(copy.deepcopy(model), input_size, cfg.leaf_modules)
@@ -323,7 +323,7 @@ def _make_config(config: dict | ConversionConfig | None, strict: bool, head: str
         options = dict(config or {})
         unknown = set(options) - set(ConversionConfig.__dataclass_fields__)
         if unknown:
-            raise ValueError(
+            raise ParameterError(
                 f"unknown config keys {sorted(unknown)}; known: {sorted(ConversionConfig.__dataclass_fields__)}"
             )
         if "leaf_modules" in options:
@@ -333,7 +333,7 @@ def _make_config(config: dict | ConversionConfig | None, strict: bool, head: str
     if head is not None:
         cfg.head = head
     if cfg.head not in HEADS:
-        raise ValueError(f"head must be one of {HEADS}, got {cfg.head!r}")
+        raise ParameterError(f"head must be one of {HEADS}, got {cfg.head!r}")
     norm_group_rule(cfg.norm_group_rule)  # refused by name before any layer converts, with or without norms
     standardization_scope(cfg.weight_standardization)
     return cfg

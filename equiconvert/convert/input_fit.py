@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from torch import fx
 
-from ..errors import InvalidInputSizeError
+from ..errors import InvalidInputSizeError, ParameterError
 from ..nn.input_fit import FIT_MODES, InputFit
 from .context import TYPE_KEY
 from .grid import GridAnalysis
@@ -30,21 +30,21 @@ def invalid_size_error(size: int, grid: GridAnalysis) -> InvalidInputSizeError:
     nearest = ", ".join(str(s) for s in (below, above) if s is not None) or "none"
     return InvalidInputSizeError(
         f"input size {size} does not keep exact equivariance (valid: {grid.rule()}; nearest: {nearest}). Pass "
-        "pad_to_valid=True (CLI --pad-to-valid) to pad it symmetrically to the next valid size, crop_to_valid=True "
-        "(--crop-to-valid) to crop it to the previous one, or an input size that is valid"
+        "pad_to_valid=True to pad it symmetrically to the next valid size, crop_to_valid=True "
+        "to crop it to the previous one, or an input size that is valid"
     )
 
 
 def fit_input(gm: fx.GraphModule, report: ConversionReport, size: int, grid: GridAnalysis, mode: str) -> None:
     """Insert InputFit(size -> nearest valid size in direction `mode`) before the network; record it in `report`."""
     if mode not in FIT_MODES:
-        raise ValueError(f"input fit must be one of {FIT_MODES}, got {mode!r}")
+        raise ParameterError(f"input fit must be one of {FIT_MODES}, got {mode!r}")
     below, above = nearest_valid_sizes(size, grid)
     target = above if mode == "pad" else below
     if target is None:
         raise invalid_size_error(size, grid)
     if hasattr(gm, FIT_MODULE):
-        raise ValueError(f"the model already has a submodule named {FIT_MODULE!r}; cannot insert the input fit")
+        raise ParameterError(f"the model already has a submodule named {FIT_MODULE!r}; cannot insert the input fit")
     module = InputFit(size, target)
     gm.add_submodule(FIT_MODULE, module)
     placeholder = next(node for node in gm.graph.nodes if node.op == "placeholder")

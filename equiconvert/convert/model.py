@@ -6,6 +6,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
+from ..errors import ParameterError
 from ..groups import GroupSpec
 from ..image_shape import check_image_shape
 from .fields import FieldType
@@ -42,7 +43,7 @@ class EquivariantModel(nn.Module):
             return report.input_size
         size = preferred_valid_size(report.valid_input_sizes)
         if size is None:
-            raise ValueError("this model has no input size that keeps exact equivariance; see model.report")
+            raise ParameterError("this model has no input size that keeps exact equivariance; see model.report")
         return size
 
 

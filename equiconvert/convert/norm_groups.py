@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from typing import Callable
 
+from ..errors import ParameterError
+
 NormGroupRule = Callable[[int, int], int]
 
 
@@ -38,5 +40,5 @@ NORM_GROUP_RULES: dict[str, NormGroupRule] = {"at_most": at_most, "released": re
 def norm_group_rule(name: str) -> NormGroupRule:
     """The rule of ConversionConfig.norm_group_rule, with a clear error for an unknown name."""
     if name not in NORM_GROUP_RULES:
-        raise ValueError(f"norm_group_rule must be one of {sorted(NORM_GROUP_RULES)}, got {name!r}")
+        raise ParameterError(f"norm_group_rule must be one of {sorted(NORM_GROUP_RULES)}, got {name!r}")
     return NORM_GROUP_RULES[name]

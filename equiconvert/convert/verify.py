@@ -134,7 +134,7 @@ def require_an_exact_size(
     if not allow_non_equivariant:
         raise EquivarianceBreakError(
             f"{message}. Give those layers strides, paddings and pool sizes that agree on some input size (or replace "
-            "them) before converting, or pass allow_non_equivariant=True (CLI --allow-non-equivariant) to keep a model that is equivariant only "
+            "them) before converting, or pass allow_non_equivariant=True to keep a model that is equivariant only "
             "approximately at every size"
         )
     message += ": the converted model is equivariant only approximately at every size"

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from typing import Callable, Union
 
+from ..errors import ParameterError
 from ..groups import GroupSpec
 
 PAPER_KAPPA = 1.75  # Hölzl et al.: "divide the channels by sqrt(1.75 N)"
@@ -64,11 +65,11 @@ def resolve_width(width: WidthSpec) -> WidthFn | str:
         return WIDTHS[width]
     if isinstance(width, (int, float)) and not isinstance(width, bool):
         if not (math.isfinite(width) and width > 0):
-            raise ValueError(f"width kappa must be a finite number > 0, got {width}")
+            raise ParameterError(f"width kappa must be a finite number > 0, got {width}")
         return kappa_width(float(width))
     if callable(width):
         return width
-    raise ValueError(
+    raise ParameterError(
         f"unknown width policy {width!r}: use a float kappa, one of {sorted(WIDTHS)} "
         f"({DEFAULT_WIDTH!r}, the default, is kappa {PAPER_KAPPA}), or a callable (channels, group) -> number of fields"
     )

@@ -14,23 +14,23 @@ import numpy as np
 import torch
 
 from equiconvert.cache import cache_root, disk_cache_enabled
-from equiconvert.errors import EquiconvertError
+from ..errors import DataError, ParameterError, UsageError
 
 SPLITS = ("train", "test")
 
 
-class DatasetNotFoundError(EquiconvertError, FileNotFoundError):
+class DatasetNotFoundError(DataError, FileNotFoundError):
     """The files of a data set are not where they were looked for; the message says where to put them."""
 
 
-class UnknownDatasetError(EquiconvertError, KeyError):
+class UnknownDatasetError(UsageError, KeyError):
     """No data set is registered under the name given."""
 
     def __str__(self) -> str:  # KeyError would quote the message
         return str(self.args[0]) if self.args else ""
 
 
-class DatasetFormatError(EquiconvertError, ValueError):
+class DatasetFormatError(DataError, ValueError):
     """A data file exists but is not in the expected format (bad header, wrong size, mixed image sizes...)."""
 
 
@@ -136,7 +136,7 @@ def register(name: str, *aliases: str) -> Callable[[Loader], Loader]:
 
     def deco(fn: Loader) -> Loader:
         if name in DATASETS:
-            raise ValueError(f"data set {name!r} is registered twice")
+            raise ParameterError(f"data set {name!r} is registered twice")
         DATASETS[name] = fn
         for key in (name, *aliases):
             _ALIASES[_normalise_name(key)] = name
@@ -148,13 +148,13 @@ def register(name: str, *aliases: str) -> Callable[[Loader], Loader]:
 def resolve_name(name: str) -> str:
     key = _normalise_name(name)
     if key not in _ALIASES:
-        raise UnknownDatasetError(f"unknown data set {name!r} (--dataset); known: {', '.join(sorted(DATASETS))}")
+        raise UnknownDatasetError(f"dataset={name}: unknown data set; known: {', '.join(sorted(DATASETS))}")
     return _ALIASES[key]
 
 
 def check_split(split: str) -> str:
     if split not in SPLITS:
-        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+        raise ParameterError(f"split must be one of {SPLITS}, got {split!r}")
     return split
 
 

@@ -27,6 +27,7 @@ try:  # torchvision >= 0.19 decodes lists of JPEGs in C++; optional, PIL is the 
 except ImportError:  # pragma: no cover
     decode_jpeg = None
 
+from ..errors import ParameterError
 from ._base import (
     DatasetFormatError,
     ImageData,
@@ -152,7 +153,7 @@ def decode_images(
         if size_hw is None:
             size_hw = (first.size[1], first.size[0])
     if channels not in (1, 3):
-        raise ValueError(f"channels must be 1 or 3, got {channels}")
+        raise ParameterError(f"channels must be 1 or 3, got {channels}")
     resize = image_size is not None
     out = np.empty((len(files), channels, size_hw[0], size_hw[1]), dtype=np.uint8)
     workers = max(1, num_workers if num_workers is not None else (os.cpu_count() or 1))
@@ -227,7 +228,7 @@ def find_split_dir(root: Path, split: str) -> Path | None:
 def stratified_split(labels: np.ndarray, test_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
     """Indices (train, test): each class's examples shuffled with ``seed``, ``test_fraction`` of them to test."""
     if not 0.0 < test_fraction < 1.0:
-        raise ValueError(f"test_fraction must lie in (0, 1), got {test_fraction}")
+        raise ParameterError(f"test_fraction must lie in (0, 1), got {test_fraction}")
     rng = np.random.default_rng(seed)
     train, test = [], []
     for c in np.unique(labels):

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from ..errors import ParameterError
 from ._base import (
     DatasetFormatError,
     ImageData,
@@ -48,7 +49,7 @@ def rotate_images(
     x = torch.as_tensor(images)
     a = torch.as_tensor(np.asarray(angles_deg), dtype=torch.float64) * (math.pi / 180.0)
     if x.dim() != 4 or a.shape != (x.shape[0],):
-        raise ValueError(f"expected images (N, C, H, W) and angles (N,), got {tuple(x.shape)} and {tuple(a.shape)}")
+        raise ParameterError(f"expected images (N, C, H, W) and angles (N,), got {tuple(x.shape)} and {tuple(a.shape)}")
     out = torch.empty_like(x, dtype=torch.uint8)
     for s in range(0, x.shape[0], chunk):
         xs, t = x[s : s + chunk].float(), a[s : s + chunk]
@@ -79,7 +80,7 @@ def _npz_digits(path: Path, split: str, test_fraction: float, split_seed: int) -
         images, labels = z[img_key], z[lbl_key]
     refuse_non_finite(images, f"{path} ({img_key})")
     if not 0.0 < test_fraction < 1.0:
-        raise ValueError(f"test_fraction must lie in (0, 1), got {test_fraction}")
+        raise ParameterError(f"test_fraction must lie in (0, 1), got {test_fraction}")
     perm = np.random.default_rng(split_seed).permutation(len(labels))
     n_test = int(round(len(labels) * test_fraction))
     idx = perm[n_test:] if split == "train" else perm[:n_test]

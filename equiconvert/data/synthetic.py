@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..errors import ParameterError
 from ._base import ImageData, check_split, make_image_data, register
 
 
@@ -28,7 +29,7 @@ def synthetic(
     check_split(split)
     n = num_examples if num_examples is not None else (512 if split == "train" else 128)
     if n < 0 or image_size < 1 or channels < 1 or num_classes < 1:
-        raise ValueError("num_examples >= 0, image_size >= 1, channels >= 1 and num_classes >= 1 are required")
+        raise ParameterError("num_examples >= 0, image_size >= 1, channels >= 1 and num_classes >= 1 are required")
     templates = np.random.default_rng([seed, 0]).uniform(32, 224, size=(num_classes, channels, image_size, image_size))
     rng = np.random.default_rng([seed, 1 if split == "train" else 2])
     labels = rng.permutation(np.arange(n) % num_classes)

@@ -23,6 +23,7 @@ from typing import Any
 
 from torch import nn
 
+from ..errors import ParameterError
 from ..convert import make_equivariant
 from ..convert.context import KEEP_HEAD, ConversionConfig
 from ..convert.model import EquivariantModel
@@ -113,7 +114,7 @@ def plain_paper_resnet9(
     res2=False leaves out the last residual block (the 4x4 stage), pool_after_res2 runs it at 8x8.
     act: a module class or a PAPER_ACTIVATIONS name."""
     if norm_groups < 1 or any(channels % norm_groups for channels in layout):
-        raise ValueError(
+        raise ParameterError(
             f"norm_groups={norm_groups} must divide every width of the layout {tuple(layout)} "
             "(GroupNorm splits channels evenly), e.g. 1, 2, 4, 8 or 16 for (16, 32, 64)"
         )

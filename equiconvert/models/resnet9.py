@@ -20,6 +20,7 @@ from typing import Callable, ClassVar, Sequence, Union
 import torch
 from torch import nn
 
+from ..errors import ParameterError
 from ._registry import ModelNameError, register_model
 
 __all__ = ["ResNet9", "resnet9", "make_norm", "NORMS", "ACTIVATIONS", "activation_class", "check_widths"]
@@ -61,9 +62,9 @@ def activation_class(act: ActivationSpec) -> Callable[[], nn.Module]:
 def check_widths(widths: Sequence[int]) -> tuple[int, int, int]:
     """The three stage widths, each an int >= 1 (a zero or negative width fails deep inside torch otherwise)."""
     if isinstance(widths, (str, bytes)) or not isinstance(widths, Sequence) or len(widths) != 3:
-        raise ValueError(f"widths must have 3 entries, got {widths!r}")
+        raise ParameterError(f"widths must have 3 entries, got {widths!r}")
     if any(isinstance(w, bool) or not isinstance(w, Integral) or w < 1 for w in widths):
-        raise ValueError(
+        raise ParameterError(
             f"widths must be 3 ints >= 1 (channels per stage), got {tuple(widths)!r}; e.g. widths=(16, 32, 64)"
         )
     w0, w1, w2 = (int(w) for w in widths)
@@ -85,7 +86,7 @@ def make_norm(norm: str, channels: int, affine: bool = True, groups: int | None 
         return nn.InstanceNorm2d(channels, affine=affine)
     if norm == "none":
         return nn.Identity()
-    raise ValueError(f"unknown norm {norm!r}; allowed values are {', '.join(map(repr, NORMS))}")
+    raise ParameterError(f"unknown norm {norm!r}; allowed values are {', '.join(map(repr, NORMS))}")
 
 
 def conv_block(
@@ -124,7 +125,7 @@ class BlockOptions:
         norm_groups: int | None = None,
     ) -> None:
         if block_order not in BLOCK_ORDERS:
-            raise ValueError(
+            raise ParameterError(
                 f"unknown block_order {block_order!r}; allowed values are {', '.join(map(repr, BLOCK_ORDERS))}"
             )
         self.block_order, self.conv_bias = block_order, conv_bias
@@ -187,11 +188,13 @@ class ResNet9(nn.Module):
     ) -> None:
         super().__init__()
         if norm not in NORMS:
-            raise ValueError(f"unknown norm {norm!r}; allowed values are {', '.join(map(repr, NORMS))}")
+            raise ParameterError(f"unknown norm {norm!r}; allowed values are {', '.join(map(repr, NORMS))}")
         w0, w1, w2 = check_widths(widths)
         act = activation_class(act)
         if head_pool not in HEAD_POOLS:
-            raise ValueError(f"unknown head_pool {head_pool!r}; allowed values are {', '.join(map(repr, HEAD_POOLS))}")
+            raise ParameterError(
+                f"unknown head_pool {head_pool!r}; allowed values are {', '.join(map(repr, HEAD_POOLS))}"
+            )
         self.stem = conv_block(in_channels, w0, norm, act, options=options)
         self.layer1 = conv_block(w0, w1, norm, act, pool=True, options=options)
         self.res1 = Residual(w1, norm, act, scale_norm, options)

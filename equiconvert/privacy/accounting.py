@@ -21,7 +21,7 @@ from typing import Any, Callable
 from opacus.accountants import GaussianAccountant, IAccountant, PRVAccountant, RDPAccountant
 from opacus.accountants.utils import get_noise_multiplier
 
-from ..errors import EquiconvertError
+from ..errors import ParameterError, PrivacyError
 
 History = tuple[tuple[float, float, int], ...]
 
@@ -71,13 +71,13 @@ APPROXIMATE_ACCOUNTANT_FACTORIES: dict[str, Callable[[], IAccountant]] = {"gdp":
 _ANY_FACTORY = {**ACCOUNTANT_FACTORIES, **APPROXIMATE_ACCOUNTANT_FACTORIES}
 
 
-class PrivacyBudgetError(EquiconvertError, ValueError):
+class PrivacyBudgetError(PrivacyError, ValueError):
     """A privacy target cannot be met (or has already been exceeded)."""
 
 
 def _check_kind(kind: str) -> None:
     if kind not in _ANY_FACTORY:
-        raise ValueError(f"unknown accountant {kind!r}; choose one of {ACCOUNTANTS}")
+        raise ParameterError(f"unknown accountant {kind!r}; choose one of {ACCOUNTANTS}")
 
 
 def make_accountant(kind: str) -> IAccountant:
@@ -90,21 +90,21 @@ def make_accountant(kind: str) -> IAccountant:
 def _check_positive(name: str, value: float) -> float:
     value = float(value)
     if not (math.isfinite(value) and value > 0):
-        raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+        raise ParameterError(f"{name} must be a finite number > 0, got {value!r}")
     return value
 
 
 def _check_delta(delta: float) -> float:
     delta = float(delta)
     if not 0.0 < delta < 1.0:
-        raise ValueError(f"delta must lie in (0, 1), got {delta!r}")
+        raise ParameterError(f"delta must lie in (0, 1), got {delta!r}")
     return delta
 
 
 def _check_sample_rate(sample_rate: float) -> float:
     sample_rate = float(sample_rate)
     if not 0.0 < sample_rate <= 1.0:
-        raise ValueError(f"sample_rate must lie in (0, 1], got {sample_rate!r}")
+        raise ParameterError(f"sample_rate must lie in (0, 1], got {sample_rate!r}")
     return sample_rate
 
 
@@ -113,7 +113,7 @@ def _check_steps(steps: int, minimum: int = 0) -> int:
         raise TypeError("steps must be an integer, got a bool")
     steps = operator.index(steps)  # rejects 2.5, accepts numpy integers
     if steps < minimum:
-        raise ValueError(f"steps must be >= {minimum}, got {steps}")
+        raise ParameterError(f"steps must be >= {minimum}, got {steps}")
     return steps
 
 
@@ -368,7 +368,7 @@ class PrivacyLedger:
         recorded steps already exceed the target, ValueError without a target.
         """
         if self.target_epsilon is None:
-            raise ValueError("max_steps() needs a target_epsilon")
+            raise ParameterError("max_steps() needs a target_epsilon")
         key = self._history()
         if key not in self._max_steps:
             target = self.target_epsilon
@@ -402,7 +402,7 @@ class PrivacyLedger:
         """Restore a `state_dict()`; refuses one recorded with other settings (its epsilon would not carry over)."""
         for name in ("kind", "delta", "sample_rate", "noise_multiplier"):
             if state.get(name) != getattr(self, name):
-                raise ValueError(
+                raise ParameterError(
                     f"ledger state has {name}={state.get(name)!r}, this ledger {getattr(self, name)!r}; refusing to load"
                 )
         load_accountant_state(self._accountant, state["accountant"])
@@ -421,12 +421,12 @@ def default_delta(num_examples: int) -> float:
     return power if power <= ceiling else power / 10  # log10 rounding
 
 
-def refuse_delta(delta: float, num_examples: int, flag: str = "delta") -> float:
+def refuse_delta(delta: float, num_examples: int, name: str = "delta") -> float:
     """Refuse delta >= 1/N: a mechanism that publishes one example in full meets such a guarantee."""
     delta = _check_delta(delta)
     if delta >= 1.0 / num_examples:
         raise PrivacyBudgetError(
-            f"{flag} {delta:g} >= 1/N = 1/{num_examples}: a guarantee that allows releasing one "
+            f"{name}={delta:g} >= 1/N = 1/{num_examples}: a guarantee that allows releasing one "
             f"example in full; give a delta well below 1/N (default for N = {num_examples}: "
             f"{default_delta(num_examples):g})"
         )

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call, grad, vmap
 
+from ..errors import ParameterError
 from .audit_bound import epsilon_lower_bound
 from .dp_step import per_sample_norms
 from .trainer import DPTrainer, TensorData
@@ -78,7 +79,7 @@ class AuditResult:
 def make_canaries(image_shape: tuple[int, ...], num_classes: int, count: int, seed: int) -> TensorData:
     """`count` uint8 images of uniform random pixels with uniform random labels."""
     if count < 2 or num_classes < 2:
-        raise ValueError(f"an audit needs at least 2 canaries and 2 classes, got {count} and {num_classes}")
+        raise ParameterError(f"an audit needs at least 2 canaries and 2 classes, got {count} and {num_classes}")
     generator = torch.Generator().manual_seed(seed)
     images = torch.randint(0, 256, (count, *image_shape), dtype=torch.uint8, generator=generator)
     labels = torch.randint(0, num_classes, (count,), generator=generator)
@@ -155,7 +156,7 @@ SMALL_MODELS: dict[str, Callable[[tuple[int, int, int], int], nn.Module]] = {"li
 
 def _check_guesses(guesses_included: int, guesses_excluded: int, num_canaries: int) -> None:
     if guesses_included < 0 or guesses_excluded < 0 or guesses_included + guesses_excluded > num_canaries:
-        raise ValueError(
+        raise ParameterError(
             f"k+ ({guesses_included}) and k- ({guesses_excluded}) must be >= 0 and together at most "
             f"the number of canaries ({num_canaries})"
         )
@@ -189,13 +190,13 @@ def run_audit(
     `inclusion_seed` draws which canaries are included. Nothing is written to disk.
     """
     if score not in SCORES:
-        raise ValueError(f"unknown audit score {score!r}; known: {', '.join(SCORES)}")
+        raise ParameterError(f"unknown audit score {score!r}; known: {', '.join(SCORES)}")
     if not 0.0 < beta < 1.0:
-        raise ValueError(f"beta (1 - confidence) must lie in (0, 1), got {beta}")
+        raise ParameterError(f"beta (1 - confidence) must lie in (0, 1), got {beta}")
     images, labels = _tensors(train_set)
     canary_images, canary_labels = _tensors(canaries)
     if canary_images.shape[1:] != images.shape[1:] or canary_images.dtype != images.dtype:
-        raise ValueError(
+        raise ParameterError(
             f"canaries must match the training images' shape and dtype: {tuple(canary_images.shape[1:])} "
             f"{canary_images.dtype} vs {tuple(images.shape[1:])} {images.dtype}"
         )

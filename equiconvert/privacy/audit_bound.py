@@ -20,6 +20,8 @@ import numpy as np
 from scipy.special import expit
 from scipy.stats import binom
 
+from ..errors import ParameterError
+
 BISECTION_STEPS = 80  # halvings of the search interval: far below float resolution of eps
 EPSILON_CEILING = 64.0  # expit(64) == 1.0 in float64: the tail bound is 1 there whenever correct >= 0
 
@@ -39,11 +41,11 @@ def guess_tail_bound(epsilon: float, correct: int, guesses: int, num_canaries: i
 
 def _check_counts(correct: int, guesses: int, num_canaries: int, delta: float, beta: float) -> None:
     if not 0 <= correct <= guesses <= num_canaries:
-        raise ValueError(f"need 0 <= correct ({correct}) <= guesses ({guesses}) <= canaries ({num_canaries})")
+        raise ParameterError(f"need 0 <= correct ({correct}) <= guesses ({guesses}) <= canaries ({num_canaries})")
     if not 0.0 <= delta < 1.0:
-        raise ValueError(f"delta must lie in [0, 1), got {delta}")
+        raise ParameterError(f"delta must lie in [0, 1), got {delta}")
     if not 0.0 < beta < 1.0:
-        raise ValueError(f"beta (1 - confidence) must lie in (0, 1), got {beta}")
+        raise ParameterError(f"beta (1 - confidence) must lie in (0, 1), got {beta}")
 
 
 def epsilon_lower_bound(correct: int, guesses: int, num_canaries: int, delta: float = 0.0, beta: float = 0.05) -> float:

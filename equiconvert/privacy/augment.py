@@ -14,6 +14,8 @@ from collections.abc import Sequence
 
 import torch
 
+from ..errors import ParameterError
+
 # Test-time shift sets (dy, dx): the identity first, then crops of the reflect-padded image as in training.
 # "cross1" (the identity and the four 1-pixel shifts) was chosen on one Fashion-MNIST checkpoint (89.67 -> 90.04%)
 # before the runs that report it; "grid1" adds the four diagonal 1-pixel shifts.
@@ -93,16 +95,16 @@ def augment_views(
     device). Offsets and flips are independent per sample and per view.
     """
     if images.dim() != 4:
-        raise ValueError(f"images must be (B, C, H, W), got shape {tuple(images.shape)}")
+        raise ParameterError(f"images must be (B, C, H, W), got shape {tuple(images.shape)}")
     if num_views < 1:
-        raise ValueError(f"num_views must be >= 1, got {num_views}")
+        raise ParameterError(f"num_views must be >= 1, got {num_views}")
     height, width = images.shape[-2:]
     if padding < 0 or padding >= min(height, width):
-        raise ValueError(
+        raise ParameterError(
             f"reflection padding must be in [0, min(H, W) - 1] = [0, {min(height, width) - 1}], got {padding}"
         )
     if generator is not None and generator.device.type != images.device.type:
-        raise ValueError(f"generator is on {generator.device}, images on {images.device}; they must match")
+        raise ParameterError(f"generator is on {generator.device}, images on {images.device}; they must match")
     original = images.unsqueeze(1)
     if num_views == 1:
         return original
@@ -113,7 +115,7 @@ def augment_views(
 def shift_set(name: str) -> tuple[tuple[int, int], ...]:
     """The (dy, dx) shifts of a named test-time set (TEST_SHIFTS), with a clear error for an unknown name."""
     if name not in TEST_SHIFTS:
-        raise ValueError(f"unknown test-time shift set {name!r}; known: {sorted(TEST_SHIFTS)}")
+        raise ParameterError(f"unknown test-time shift set {name!r}; known: {sorted(TEST_SHIFTS)}")
     return TEST_SHIFTS[name]
 
 
@@ -125,12 +127,12 @@ def shifted_views(images: torch.Tensor, shifts: Sequence[tuple[int, int]]) -> to
     averaging a model over these views (test-time augmentation) stays post-processing of the trained weights.
     """
     if images.dim() != 4:
-        raise ValueError(f"images must be (B, C, H, W), got shape {tuple(images.shape)}")
+        raise ParameterError(f"images must be (B, C, H, W), got shape {tuple(images.shape)}")
     if not shifts:
-        raise ValueError("shifts must name at least one (dy, dx) shift")
+        raise ParameterError("shifts must name at least one (dy, dx) shift")
     padding = max(max(abs(dy), abs(dx)) for dy, dx in shifts)
     if padding >= min(images.shape[-2:]):
-        raise ValueError(
+        raise ParameterError(
             f"shifts of {padding} pixels need images larger than {padding}x{padding}, got {tuple(images.shape[-2:])}"
         )
     offsets = torch.tensor(shifts, device=images.device) + padding  # (S, 2) crop corners in the padded image

@@ -36,6 +36,7 @@ from torch import nn
 from torch.func import functional_call, vjp, vmap
 from torch.profiler import record_function
 
+from ..errors import UsageError
 from ..nn.conv import SteerableConv2d
 from .filter_gradients import per_example_filter_gradients, steerable_weight_gradients
 from .per_sample import Gradients, LossFn, per_sample_gradients
@@ -43,7 +44,7 @@ from .per_sample import Gradients, LossFn, per_sample_gradients
 PerSampleRule = Callable[[nn.Module, torch.Tensor, torch.Tensor, int], dict[str, torch.Tensor]]
 
 
-class BookkeepingUnsupportedError(ValueError):
+class BookkeepingUnsupportedError(UsageError, ValueError):
     """The model cannot use book-keeping; the message names the layer and says why."""
 
 

@@ -18,13 +18,13 @@ from typing import Any
 
 import torch
 
-from ..errors import EquiconvertError
+from ..errors import DataError
 
 OWNER_ONLY = 0o600
 _TMP_SUFFIX = ".tmp"
 
 
-class CheckpointError(EquiconvertError, ValueError):
+class CheckpointError(DataError, ValueError):
     """A checkpoint file is empty, truncated, corrupt or not an equiconvert checkpoint."""
 
 
@@ -76,7 +76,7 @@ def load(path: str | Path) -> dict[str, Any]:
         raise CheckpointError(f"no checkpoint at {path}")
     if path.stat().st_size == 0:
         raise CheckpointError(
-            f"checkpoint {path} is empty (a save was interrupted?): delete it and start again, or give another --out"
+            f"checkpoint {path} is empty (a save was interrupted?): delete it and start again, or give another out="
         )
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
@@ -84,7 +84,7 @@ def load(path: str | Path) -> dict[str, Any]:
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise CheckpointError(
             f"checkpoint {path} cannot be read safely ({first_line}): it is truncated, corrupt "
-            "or not an equiconvert checkpoint; delete it and start again, or give another --out"
+            "or not an equiconvert checkpoint; delete it and start again, or give another out="
         ) from exc
     if not isinstance(state, dict):
         raise CheckpointError(f"checkpoint {path} holds a {type(state).__name__}, not an equiconvert checkpoint")

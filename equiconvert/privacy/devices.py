@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from ..errors import ParameterError
+
 
 def _device_count(kind: str) -> int | None:
     """How many `kind` devices this machine has, by torch's module of that name (torch.cuda, torch.xpu, torch.mps);
@@ -17,21 +19,21 @@ def _device_count(kind: str) -> int | None:
     return int(module.device_count()) if available() else 0
 
 
-def resolve_device(device: str | torch.device | None, flag: str = "device") -> torch.device:
-    """`device` as a torch.device (None: cuda if available, else cpu); ValueError naming `flag` for a device this
+def resolve_device(device: str | torch.device | None, name: str = "device") -> torch.device:
+    """`device` as a torch.device (None: cuda if available, else cpu); ParameterError naming parameter `name` for a device this
     machine does not have or a name torch does not know."""
     if device is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
         resolved = torch.device(device)
     except (RuntimeError, TypeError) as exc:
-        raise ValueError(f"{flag} {device}: not a device name (cpu, cuda, cuda:N, mps, ...)") from exc
+        raise ParameterError(f"{name}={device}: not a device name (cpu, cuda, cuda:N, mps, ...)") from exc
     count = _device_count(resolved.type)
     if count == 0:
-        raise ValueError(f"{flag} {device}: this machine has no {resolved.type} device; give {flag} cpu")
+        raise ParameterError(f"{name}={device}: this machine has no {resolved.type} device; give {name}=cpu")
     if count is not None and resolved.index is not None and resolved.index >= count:
-        raise ValueError(
-            f"{flag} {device}: this machine has {count} {resolved.type} device(s), "
+        raise ParameterError(
+            f"{name}={device}: this machine has {count} {resolved.type} device(s), "
             f"{resolved.type}:0..{resolved.type}:{count - 1}"
         )
     return resolved

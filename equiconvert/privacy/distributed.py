@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..errors import EquiconvertError
+from ..errors import ParameterError, RunError
 from .worker_lifetime import die_with_parent, launcher_environment
 
 BACKENDS = {"cuda": "nccl", "cpu": "gloo"}  # device type -> torch.distributed backend
@@ -153,13 +153,13 @@ def from_environment(device: str | None) -> tuple[DistributedContext, str | None
     if device == "cuda":
         device = f"cuda:{local_rank}"
     elif device.startswith("cuda:"):
-        raise ValueError(
-            f"--device {device}: in a job of {world_size} processes give --device cuda, and each rank "
+        raise ParameterError(
+            f"device={device}: in a job of {world_size} processes give device=cuda, and each rank "
             "takes cuda:LOCAL_RANK (choose the cards with CUDA_VISIBLE_DEVICES)"
         )
     kind = torch.device(device).type
     if kind not in BACKENDS:
-        raise ValueError(f"--device {device}: distributed training runs on {sorted(BACKENDS)} devices")
+        raise ParameterError(f"device={device}: distributed training runs on {sorted(BACKENDS)} devices")
     if kind == "cuda":
         torch.cuda.set_device(torch.device(device))
     if not dist.is_initialized():
@@ -173,7 +173,7 @@ def shutdown() -> None:
         dist.destroy_process_group()
 
 
-class WorkerLostError(EquiconvertError):
+class WorkerLostError(RunError):
     """A collective failed because another worker of the job is gone (gloo's "Connection closed by peer")."""
 
 

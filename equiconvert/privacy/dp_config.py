@@ -16,6 +16,7 @@ from typing import Any, Callable
 
 import torch
 
+from ..errors import ParameterError, UsageError
 from .accounting import ACCOUNTANTS
 from .augment import shift_set
 from .filter_gradients import FILTER_GRADIENT_METHODS
@@ -178,7 +179,7 @@ FIELD_LIMITS: dict[str, Limit] = {
 _OPTIONAL = frozenset(f.name for f in dataclasses.fields(DPConfig) if "None" in str(f.type))
 
 
-class ConfigError(ValueError):
+class ConfigError(UsageError, ValueError):
     """A DPConfig field whose value breaks its rule; field, value and rule let a caller name its own flag."""
 
     def __init__(self, field: str, value: Any, rule: str) -> None:
@@ -194,11 +195,11 @@ def check_config(c: DPConfig) -> None:
         if not (value is None and field in _OPTIONAL or valid(value)):
             raise ConfigError(field, value, rule)
     if c.target_epsilon is None and c.noise_multiplier is None:
-        raise ValueError("give target_epsilon (sigma is calibrated) or noise_multiplier")
+        raise ParameterError("give target_epsilon (sigma is calibrated) or noise_multiplier")
     if c.noise_multiplier is None and c.steps < 1:
         raise ConfigError("steps", c.steps, "must be >= 1 for the noise to be calibrated to the epsilon target")
     if c.precision != "fp32" and c.per_sample_method == "vmap":
-        raise ValueError(
+        raise ParameterError(
             f"precision {c.precision!r} needs book-keeping per-sample gradients "
             "(per_sample_method 'bookkeeping' or 'auto'); vmap runs in fp32 only"
         )

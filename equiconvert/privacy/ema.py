@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..errors import ParameterError
 from .dp_config import DEFAULT_EMA_DECAY
 
 Target = nn.Module | Mapping[str, torch.Tensor]
@@ -49,7 +50,7 @@ class ExponentialMovingAverage:
 
     def __init__(self, model: Target, decay: float = DEFAULT_EMA_DECAY) -> None:
         if not 0.0 <= decay <= 1.0:
-            raise ValueError(f"decay must be in [0, 1], got {decay}")
+            raise ParameterError(f"decay must be in [0, 1], got {decay}")
         self.decay = float(decay)
         self.num_updates = 0
         params, buffers = _tensors(model)

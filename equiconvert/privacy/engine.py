@@ -23,6 +23,7 @@ from torch import nn
 from torch.optim import Optimizer
 from torch.utils.data import DataLoader, IterableDataset
 
+from ..errors import ParameterError
 from .accounting import (
     ACCOUNTANTS,
     APPROXIMATE_ACCOUNTANT_FACTORIES,
@@ -55,19 +56,19 @@ Made = tuple[PrivateModule, DPOptimizer, DPDataLoader] | tuple[PrivateModule, DP
 
 def _check_accountant(accountant: str) -> None:
     if accountant not in ENGINE_ACCOUNTANTS:
-        raise ValueError(f"accountant must be one of {ENGINE_ACCOUNTANTS}, got {accountant!r}")
+        raise ParameterError(f"accountant must be one of {ENGINE_ACCOUNTANTS}, got {accountant!r}")
 
 
 def _planned_steps(epochs: float | None, steps: int | None, steps_per_epoch: int) -> int | None:
     if epochs is not None and steps is not None:
-        raise ValueError("give epochs or steps, not both")
+        raise ParameterError("give epochs or steps, not both")
     if steps is not None:
         if steps < 1:
-            raise ValueError(f"steps must be >= 1, got {steps}")
+            raise ParameterError(f"steps must be >= 1, got {steps}")
         return int(steps)
     if epochs is not None:
         if not epochs > 0:
-            raise ValueError(f"epochs must be > 0, got {epochs}")
+            raise ParameterError(f"epochs must be > 0, got {epochs}")
         return int(epochs * steps_per_epoch)
     return None
 
@@ -76,14 +77,14 @@ def _check_loader(data_loader: DataLoader) -> None:
     """Poisson sampling draws indices of a map-style data set of known size, in batches of the loader's size."""
     dataset = data_loader.dataset
     if isinstance(dataset, IterableDataset) or not hasattr(dataset, "__len__"):
-        raise ValueError(
+        raise ParameterError(
             "make_private needs a map-style dataset (len() and indexing) for Poisson sampling; the data loader's "
             f"dataset is {type(dataset).__name__}: load it into a Dataset with __len__ and __getitem__"
         )
     if len(dataset) == 0:
-        raise ValueError("make_private: the data loader's dataset is empty")
+        raise ParameterError("make_private: the data loader's dataset is empty")
     if data_loader.batch_sampler is None:
-        raise ValueError(
+        raise ParameterError(
             "make_private: the data loader does not batch (batch_size=None); give it the expected batch size, "
             "DataLoader(dataset, batch_size=B): Poisson batches are drawn at rate B / len(dataset)"
         )
@@ -143,14 +144,16 @@ def make_private(
     if accountant in APPROXIMATE_ACCOUNTANT_FACTORIES:
         warnings.warn(GDP_WARNING, UserWarning, stacklevel=2)
     if not (math.isfinite(max_grad_norm) and max_grad_norm > 0):
-        raise ValueError(f"max_grad_norm must be a finite number > 0, got {max_grad_norm}")
+        raise ParameterError(f"max_grad_norm must be a finite number > 0, got {max_grad_norm}")
     if (noise_multiplier is None) == (target_epsilon is None):
-        raise ValueError("give noise_multiplier, or target_epsilon (with target_delta and epochs or steps), not both")
+        raise ParameterError(
+            "give noise_multiplier, or target_epsilon (with target_delta and epochs or steps), not both"
+        )
     if noise_multiplier is not None and not (math.isfinite(noise_multiplier) and noise_multiplier > 0):
-        raise ValueError(f"noise_multiplier must be a finite number > 0 for a private run, got {noise_multiplier}")
+        raise ParameterError(f"noise_multiplier must be a finite number > 0 for a private run, got {noise_multiplier}")
     _check_loader(data_loader)
     if target_delta is not None:  # before any work: delta >= 1/N is refused, above 1/(10 N) warned about
-        refuse_delta(target_delta, len(data_loader.dataset), flag="target_delta")
+        refuse_delta(target_delta, len(data_loader.dataset), name="target_delta")
         check_delta_for(target_delta, len(data_loader.dataset))
     planned = _planned_steps(epochs, steps, len(data_loader))
     # the DP-safety check that needs no input (batch statistics, running-statistics buffers, by name); the
@@ -169,7 +172,7 @@ def make_private(
     budget = None
     if target_epsilon is not None:
         if target_delta is None or planned is None:
-            raise ValueError("target_epsilon needs target_delta and epochs or steps (to calibrate the noise)")
+            raise ParameterError("target_epsilon needs target_delta and epochs or steps (to calibrate the noise)")
         noise_multiplier = calibrate_noise_multiplier(
             target_epsilon, target_delta, loader.sample_rate, planned, accountant
         )

@@ -36,6 +36,7 @@ from typing import Callable, Iterator
 import torch
 import torch.nn.functional as F
 
+from ..errors import ParameterError
 from ..nn.conv import SteerableConv2d
 
 IntPair = int | tuple[int, int]
@@ -62,7 +63,7 @@ class ConvGeometry:
             for size, pad, dil, k, step in zip(inputs.shape[-2:], self.padding, self.dilation, self.kernel, self.stride)
         )
         if tuple(grad_out.shape[-2:]) != expected:
-            raise ValueError(
+            raise ParameterError(
                 f"output gradient of size {tuple(grad_out.shape[-2:])} does not fit a {self.kernel[0]}x{self.kernel[1]} "
                 f"conv (stride {self.stride}, padding {self.padding}, dilation {self.dilation}) of a "
                 f"{tuple(inputs.shape[-2:])} input, whose output is {expected}"
@@ -174,7 +175,7 @@ TIMING_REPEATS = 3
 def filter_gradient_method(method: str) -> Iterator[None]:
     """Inside the block, per-example filter gradients use `method` (one of FILTER_GRADIENT_METHODS)."""
     if method not in FILTER_GRADIENT_METHODS:
-        raise ValueError(f"filter gradient method must be one of {FILTER_GRADIENT_METHODS}, got {method!r}")
+        raise ParameterError(f"filter gradient method must be one of {FILTER_GRADIENT_METHODS}, got {method!r}")
     token = _method.set(method)
     try:
         yield

@@ -12,11 +12,11 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from ..errors import EquiconvertError
+from ..errors import DataError
 from ..image_shape import ImageShapeError, first_conv_channels, image_shape_message
 
 
-class InvalidDataError(EquiconvertError, ValueError):
+class InvalidDataError(DataError, ValueError):
     """Images or labels given for training or evaluation cannot be used."""
 
 

@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 
+from ..errors import ParameterError
+
 
 def _channel_values(value: float | Sequence[float]) -> tuple[float, ...]:
     return tuple(float(v) for v in value) if isinstance(value, (tuple, list)) else (float(value),)
@@ -24,16 +26,16 @@ def check_normalization(mean: Any, std: Any) -> None:
         try:
             values[name] = _channel_values(value)
         except (TypeError, ValueError):
-            raise ValueError(
+            raise ParameterError(
                 f"{name} must be a number or a tuple of numbers (one per channel), got {value!r}"
             ) from None
         if not values[name] or not all(math.isfinite(v) for v in values[name]):
-            raise ValueError(f"{name} must be finite numbers, one or one per channel, got {value!r}")
+            raise ParameterError(f"{name} must be finite numbers, one or one per channel, got {value!r}")
     if not all(v > 0 for v in values["normalize_std"]):
-        raise ValueError(f"normalize_std must be > 0 in every channel, got {std!r}")
+        raise ParameterError(f"normalize_std must be > 0 in every channel, got {std!r}")
     lengths = {len(v) for v in values.values()} - {1}
     if len(lengths) > 1:
-        raise ValueError(f"normalize_mean {mean!r} and normalize_std {std!r} give different channel counts")
+        raise ParameterError(f"normalize_mean {mean!r} and normalize_std {std!r} give different channel counts")
 
 
 class Normalize:
@@ -50,7 +52,7 @@ class Normalize:
             images = images.float().div_(255.0)
         mean, std = self.mean, self.std
         if isinstance(mean, torch.Tensor) and images.dim() >= 3 and images.shape[-3] != mean.shape[0]:
-            raise ValueError(
+            raise ParameterError(
                 f"normalize_mean/normalize_std give {mean.shape[0]} channels; the images have "
                 f"{images.shape[-3]}: give one value per image channel, or one value"
             )

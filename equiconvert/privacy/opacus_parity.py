@@ -10,10 +10,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from ..errors import EquiconvertError
+from ..errors import UsageError
 
 
-class OpacusArgumentError(EquiconvertError, ValueError):
+class OpacusArgumentError(UsageError, ValueError):
     """An Opacus PrivacyEngine argument equiconvert does not support; the message says why and what to do."""
 
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 from torch import nn
 from torch.optim import Optimizer
 
-from ..errors import EquiconvertError
+from ..errors import UsageError
 
 
-class ForeignParametersError(EquiconvertError, ValueError):
+class ForeignParametersError(UsageError, ValueError):
     """An optimizer updates parameters that are not the module's (commonly: built before the model was converted)."""
 
 

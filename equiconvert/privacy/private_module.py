@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..errors import ParameterError
 from .bookkeeping import (
     BookkeepingUnsupportedError,
     check_bookkeeping_supported,
@@ -65,9 +66,9 @@ class PrivateModule(nn.Module):
         times aug_mult rows, or at the first input's rows where more)."""
         super().__init__()
         if aug_mult < 1:
-            raise ValueError(f"aug_mult must be >= 1, got {aug_mult}")
+            raise ParameterError(f"aug_mult must be >= 1, got {aug_mult}")
         if loss_reduction not in LOSS_REDUCTIONS:
-            raise ValueError(f"loss_reduction must be one of {LOSS_REDUCTIONS}, got {loss_reduction!r}")
+            raise ParameterError(f"loss_reduction must be one of {LOSS_REDUCTIONS}, got {loss_reduction!r}")
         check_bookkeeping_supported(module)  # refuses shared parameters and parametrised containers, by name
         self._module = module
         self.aug_mult = aug_mult
@@ -98,7 +99,7 @@ class PrivateModule(nn.Module):
             self._verify_once(x)
         record = _Record(parametrised_layers(self._module), examples=x.shape[0] // self.aug_mult)
         if not record.layers:
-            raise ValueError("the model has no trainable parameters")
+            raise ParameterError("the model has no trainable parameters")
         with self._recording(record), _trainable_detached(self._module):
             output = self._module(x, *args, **kwargs)
         self._record = record
@@ -109,7 +110,7 @@ class PrivateModule(nn.Module):
             return x
         if not isinstance(x, torch.Tensor) or x.dim() < 3 or x.shape[1] != self.aug_mult:
             shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
-            raise ValueError(
+            raise ParameterError(
                 f"with aug_mult={self.aug_mult} the input must be (B, {self.aug_mult}, ...) views of each "
                 f"example, got {shape}"
             )

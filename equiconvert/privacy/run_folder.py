@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..errors import EquiconvertError
+from ..errors import UsageError
 from .checkpoint import remove_stale_temporaries
 
 CHECKPOINT = "checkpoint.pt"
@@ -17,8 +17,8 @@ RUN_RECORDS = ("log.jsonl", "result.json", CHECKPOINT)  # what a run that has st
 RUN_FILES = (*RUN_RECORDS, "model.txt")  # everything a run writes (and --overwrite removes)
 
 
-class OutputFolderError(EquiconvertError, ValueError):
-    """--out cannot be used as asked (it holds another run, or there is nothing to resume)."""
+class OutputFolderError(UsageError, ValueError):
+    """`out` cannot be used as asked (it holds another run, or there is nothing to resume)."""
 
 
 def prepare_out(out: Path, *, resume: bool, overwrite: bool) -> None:
@@ -27,17 +27,19 @@ def prepare_out(out: Path, *, resume: bool, overwrite: bool) -> None:
     Other files (a benchmark's own notes beside the run) neither count nor are removed.
     """
     if resume and overwrite:
-        raise OutputFolderError("--resume and --overwrite exclude each other: resume the run in --out, or replace it")
+        raise OutputFolderError(
+            "resume=True and overwrite=True exclude each other: resume the run in out, or replace it"
+        )
     if resume:
         if not (out / CHECKPOINT).is_file():
             raise OutputFolderError(
-                f"--resume: there is no checkpoint at {out / CHECKPOINT}; drop --resume to start a new run"
+                f"resume=True: there is no checkpoint at {out / CHECKPOINT}; drop resume=True to start a new run"
             )
         return
     if not out.exists():
         return
     if not out.is_dir():
-        raise OutputFolderError(f"--out {out} is a file, not a folder")
+        raise OutputFolderError(f"out={out} is a file, not a folder")
     if overwrite:
         for name in RUN_FILES:
             (out / name).unlink(missing_ok=True)
@@ -46,6 +48,6 @@ def prepare_out(out: Path, *, resume: bool, overwrite: bool) -> None:
     earlier = [name for name in RUN_RECORDS if (out / name).exists()]
     if earlier:
         raise OutputFolderError(
-            f"--out {out} is not empty: it holds an earlier run ({', '.join(earlier)}); give "
-            "--resume to continue it, --overwrite to replace it, or a new --out"
+            f"out={out} is not empty: it holds an earlier run ({', '.join(earlier)}); give "
+            "resume=True to continue it, overwrite=True to replace it, or another out="
         )

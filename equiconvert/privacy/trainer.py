@@ -21,6 +21,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from ..errors import ParameterError
 from .accounting import PrivacyBudgetError, PrivacyLedger, calibrate_noise_multiplier, check_delta_for, default_delta
 from .augment import augment_views, shift_set
 from .buffer_guard import BufferGuard
@@ -85,14 +86,14 @@ class DPTrainer(TrainerCheckpoint):
         check_hooks(loss_fn, augment, callbacks, metrics_logger)
         unknown = set(options) - set(DPConfig.__dataclass_fields__)
         if unknown:
-            raise ValueError(
+            raise ParameterError(
                 f"unknown DPTrainer options {sorted(unknown)}; known: {sorted(DPConfig.__dataclass_fields__)}"
             )
         custom_schedule = None if isinstance(lr_schedule, str) else lr_schedule
         self.config = DPConfig(lr_schedule=CUSTOM_SCHEDULE if custom_schedule else lr_schedule, **options)
         check_config(self.config)
         if self.config.optimizer == CUSTOM and optimizer_factory is None:
-            raise ValueError(f"optimizer {CUSTOM!r} means a factory: pass optimizer=<callable params -> Optimizer>")
+            raise ParameterError(f"optimizer {CUSTOM!r} means a factory: pass optimizer=<callable params -> Optimizer>")
         self.optimizer_factory = optimizer_factory
         self.loss_fn = loss_fn or cross_entropy
         self.augment = augment or self._crop_flip
@@ -111,7 +112,7 @@ class DPTrainer(TrainerCheckpoint):
         self.dist.broadcast_module(self.model)
         self.out_dir = Path(out_dir) if out_dir is not None else None
         if self.out_dir is not None and self.out_dir.exists() and not self.out_dir.is_dir():
-            raise ValueError(f"out_dir {self.out_dir} is a file: give a folder for the run's log and checkpoints")
+            raise ParameterError(f"out_dir {self.out_dir} is a file: give a folder for the run's log and checkpoints")
         self.lr_schedule = custom_schedule or named_schedule(self.config)
         self.progress = progress and self.dist.is_main
         self.optimizer = self._make_optimizer()
@@ -380,7 +381,7 @@ class DPTrainer(TrainerCheckpoint):
     def _first_example(self, source: TrainData, what: str) -> torch.Tensor:
         """Example 0 of `source`, normalised (its shape is all the DP-safety probes use)."""
         if len(source) == 0:
-            raise ValueError(f"{what} is empty")
+            raise ParameterError(f"{what} is empty")
         images = source.gather(torch.zeros(1, dtype=torch.long))[0]
         if images.dim() < 2:  # as check_images: one dimension per example at least; the probes need its shape
             raise InvalidDataError(f"{what} images must be a tensor (N, C, H, W), got shape {tuple(images.shape)}")
@@ -420,7 +421,7 @@ class DPTrainer(TrainerCheckpoint):
         """Refuse non-finite images and labels that are not class indices of this model (inputs.py)."""
         check_images(images, what)
         if len(images) == 0:
-            raise ValueError(f"{what} is empty")
+            raise ParameterError(f"{what} is empty")
         check_labels(labels, len(images), self._num_classes(self._normalize(images[:1])), what)
 
     def evaluate(self, data: TensorData | Any) -> dict[str, float]:

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..errors import ParameterError
 from .accounting import PrivacyLedger
 from .checkpoint import CheckpointError, load, save_atomic
 from .distributed import DistributedContext
@@ -56,7 +57,7 @@ class TrainerCheckpoint:
     def checkpoint_path(self) -> Path:
         """Where save_checkpoint writes and resume reads: the run folder's checkpoint file."""
         if self.out_dir is None:
-            raise ValueError("checkpoints need out_dir")
+            raise ParameterError("checkpoints need out_dir")
         return self.out_dir / CHECKPOINT
 
     def save_checkpoint(self) -> None:
@@ -112,22 +113,22 @@ class TrainerCheckpoint:
         if not all(found):
             raise FileNotFoundError(
                 f"{path} exists on ranks {[r for r, f in enumerate(found) if f]} only: a job "
-                "resumes from one checkpoint, so --out must be on a file system every node sees"
+                "resumes from one checkpoint, so out= must be on a file system every node sees"
             )
         state = load(path)
         saved_world_size = state.get("world_size", 1)
         if saved_world_size != self.dist.world_size:
-            raise ValueError(
+            raise CheckpointError(
                 f"checkpoint {path} was written by a job of {saved_world_size} process(es); this job "
                 f"has {self.dist.world_size}: resume it with {saved_world_size} (each rank continues "
-                "its own shard's sampler), or give a new --out"
+                "its own shard's sampler), or give another out="
             )
         saved, current = resume_identity(state["config"]), resume_identity(asdict(self.config))
         if saved != current:
             differing = {
                 key: (saved.get(key), current.get(key)) for key in current if saved.get(key) != current.get(key)
             }
-            raise ValueError(
+            raise ParameterError(
                 f"checkpoint {path} was written with a different configuration ((checkpoint, now): "
                 f"{differing}); refusing to resume"
             )

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from ..errors import EquiconvertError
+from ..errors import PrivacyError
 
 _TORCH_BATCH_NORMS: tuple[type[nn.Module], ...] = (
     nn.BatchNorm1d,
@@ -38,7 +38,7 @@ _FIX = (
 )
 
 
-class PrivacyValidationError(EquiconvertError):
+class PrivacyValidationError(PrivacyError):
     """The model contains layers that DP-SGD cannot train privately."""
 
 

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..errors import ParameterError
 from ..convert import make_equivariant
 from ..convert.context import INVARIANT_HEAD, KEEP_HEAD
 from ..models.equivariant_resnet9 import PresetOptions
@@ -42,7 +43,7 @@ def paper_model(spec: RunSpec, activation: str, num_classes: int, channels: int)
     from ..models import create_model
 
     if "widths" in spec.model_kwargs:
-        raise ValueError(
+        raise ParameterError(
             f"{PAPER_MODEL} has the paper's layout (16, 32, 64); the keyword widths does not apply to "
             "it (conversion.width / --set conversion.width=... changes its conversion's width rule)"
         )
@@ -58,7 +59,7 @@ def paper_model(spec: RunSpec, activation: str, num_classes: int, channels: int)
             **{k: v for k, v in spec.passed_kwargs().items() if k not in spec.conversion_kwargs()},
         )
     except ValueError as exc:
-        raise ValueError(f"norm_groups {spec.preset('norm_groups')}: {exc}") from exc
+        raise ParameterError(f"norm_groups {spec.preset('norm_groups')}: {exc}") from exc
     if spec.group.lower() == BASELINE_GROUP:
         return plain, count_parameters(plain)
     width = {} if spec.width is None else {"width": spec.width}
@@ -123,7 +124,7 @@ def refuse_preset_options_for_other_models(spec: RunSpec) -> None:
         return
     for key in PRESET_KEYS:
         if spec.preset(key) is not None:
-            raise ValueError(
+            raise ParameterError(
                 f"the model keyword {key} applies to {PAPER_MODEL} only (its conv -> activation -> norm "
                 f"blocks), not {spec.model!r}: drop it, or train {PAPER_MODEL}"
             )
@@ -133,13 +134,13 @@ def refuse_conversion_options_for_baseline(spec: RunSpec) -> None:
     if spec.group.lower() != BASELINE_GROUP:
         return
     if is_paper_model(spec) and spec.conversion_kwargs():  # its plain network is built without them
-        raise ValueError(
+        raise ParameterError(
             f"model.kwargs {sorted(spec.conversion_kwargs())} are conversion options; the unconverted baseline "
             "(--group none) has no conversion: drop them, or pick a group"
         )
     for name, (flag, what) in _CONVERSION_FLAGS.items():
         if getattr(spec, name) is not None:
-            raise ValueError(
+            raise ParameterError(
                 f"{flag} sets {what}; the unconverted baseline (--group none) has none: drop {flag}, or pick a group"
             )
 
@@ -170,7 +171,7 @@ def padded_size(model: Any, size: int) -> int:
     for candidate in model.report.valid_input_sizes:
         if candidate >= size and (candidate - size) % 2 == 0:
             return candidate
-    raise ValueError(f"no valid input size >= {size} with the parity of {size}: {model.report.valid_input_rule}")
+    raise ParameterError(f"no valid input size >= {size} with the parity of {size}: {model.report.valid_input_rule}")
 
 
 def pad_images(images: torch.Tensor, size: int) -> torch.Tensor:

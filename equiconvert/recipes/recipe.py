@@ -18,6 +18,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from ..errors import UsageError
 from ..privacy.dp_config import DPConfig
 from .value_types import describe, matches
 
@@ -29,7 +30,7 @@ else:  # pragma: no cover - Python 3.10
 RECIPE_DIR = "files"
 
 
-class RecipeError(ValueError):
+class RecipeError(UsageError, ValueError):
     """A recipe file or a --set override that cannot be applied; the message names the key or file."""
 
 

@@ -16,11 +16,13 @@ import torch
 from torch import nn
 
 from ..check import check_equivariance
+from ..errors import ParameterError
 from ..convert.context import INVARIANT_HEAD
 from ..nn.conv import SteerableConv2d
 from ..privacy import distributed
 from ..privacy.accounting import refuse_delta
 from ..privacy.dp_config import DPConfig, check_config
+from ..privacy.inputs import InvalidDataError
 from ..privacy.run_folder import prepare_out
 from ..privacy.run_lock import hold_run_folder
 from ..privacy.trainer import DPTrainer
@@ -54,10 +56,10 @@ def _refuse_resuming_another_model(out: Path, model: nn.Module, resume: bool, wr
                 (pair for pair in zip(saved.splitlines(), description.splitlines()) if pair[0] != pair[1]),
                 ("...", "..."),
             )
-            raise ValueError(
+            raise ParameterError(
                 f"{out} holds a run of another network (its {record.name} has {first[0].strip()!r} where "
                 f"this one has {first[1].strip()!r}); refusing to resume: repeat the run's own options, "
-                "or give a new --out"
+                "or give another out="
             )
         return
     if writes:
@@ -69,12 +71,12 @@ def _refuse_impossible_sizes(options: dict[str, Any], num_examples: int) -> None
     """Options that depend on the training set's size, checked before the model is built."""
     batch_size = options.get("batch_size", DPConfig.batch_size)
     if batch_size > num_examples:
-        raise ValueError(
-            f"--batch-size {batch_size} exceeds the {num_examples} training examples: the Poisson "
+        raise ParameterError(
+            f"batch_size={batch_size} exceeds the {num_examples} training examples: the Poisson "
             "sample rate batch_size / N must be <= 1"
         )
     if options.get("delta") is not None:
-        refuse_delta(options["delta"], num_examples, flag="--delta")
+        refuse_delta(options["delta"], num_examples)
 
 
 def run_recipe(recipe: Recipe) -> dict[str, Any]:
@@ -122,9 +124,9 @@ def _run_training(
         _refuse_impossible_sizes(trainer_options, len(train))
         test = load_dataset(spec.dataset, spec.data_dir, split="test")
     if len(test) == 0:
-        raise ValueError(
+        raise InvalidDataError(
             f"the test split of {spec.dataset!r} is empty: the run could not be evaluated; give a data "
-            "set (or --data-dir) with test examples"
+            "set (or data_dir=) with test examples"
         )
     channels, size = train.images.shape[1], train.images.shape[-1]
     result: dict[str, Any] = {
@@ -151,7 +153,7 @@ def _run_training(
     result["step_probe"] = None
     if spec.plan_steps and spec.time_limit_s is not None and not spec.resume:
         if context.world_size > 1:
-            raise ValueError("run.plan_steps times one process; drop it for a multi-process run")
+            raise ParameterError("run.plan_steps times one process; drop it for a multi-process run")
         probe = step_plan.plan_steps(
             model, tuple(images_train.shape[1:]), len(train.classes), device, trainer_options, spec.time_limit_s
         )

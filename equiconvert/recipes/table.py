@@ -14,6 +14,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from ..errors import UsageError
 from .recipe import RecipeError, apply_overrides, load_recipe
 
 if sys.version_info >= (3, 11):
@@ -25,7 +26,7 @@ TABLE_DIR = "tables"
 NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 
 
-class TableError(ValueError):
+class TableError(UsageError, ValueError):
     """A table file that cannot be used; the message names the file and the key."""
 
 

@@ -93,7 +93,7 @@ def registered_no_exact_size():
 
 
 def test_cli_refuses_it_in_one_line_and_keeps_it_with_the_flag(registered_no_exact_size, capsys):
-    assert main(["convert", registered_no_exact_size, "--group", "C4", "--head", "invariant", "--no-check"]) == 2
+    assert main(["convert", registered_no_exact_size, "--group", "C4", "--head", "invariant", "--no-check"]) == 5
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "node 'conv'" in err[0] and "--allow-non-equivariant" in err[0]
     argv = ["convert", registered_no_exact_size, "--group", "C4", "--head", "invariant", "--no-check", "--json"]

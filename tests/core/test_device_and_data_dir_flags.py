@@ -30,11 +30,11 @@ def test_a_device_this_machine_lacks_is_refused_before_the_run(tmp_path, capsys,
 def test_resolve_device_counts_the_cards(monkeypatch):
     _cards(monkeypatch, 2)
     assert resolve_device(None) == torch.device("cuda") and resolve_device("cuda:1") == torch.device("cuda:1")
-    with pytest.raises(ValueError, match=r"device cuda:5: this machine has 2 cuda device\(s\), cuda:0..cuda:1"):
+    with pytest.raises(ValueError, match=r"device=cuda:5: this machine has 2 cuda device\(s\), cuda:0..cuda:1"):
         resolve_device("cuda:5")
     _cards(monkeypatch, 0)
     assert resolve_device(None) == torch.device("cpu")
-    with pytest.raises(ValueError, match=r"device cuda: this machine has no cuda device"):
+    with pytest.raises(ValueError, match=r"device=cuda: this machine has no cuda device"):
         resolve_device("cuda")
 
 

@@ -74,7 +74,7 @@ def test_bad_checkpoint_is_one_clear_line(tmp_path, capsys, content):
     assert main(tiny_train_args(out, **MODEL)) == 0
     (out / "checkpoint.pt").write_bytes(content)
     capsys.readouterr()
-    error = run_error(capsys, *tiny_train_args(out, "--resume", steps=2, **MODEL))
+    error = run_error(capsys, *tiny_train_args(out, "--resume", steps=2, **MODEL), code=3)  # a data error
     assert str(out / "checkpoint.pt") in error and re.search("empty|cannot be read safely", error)
 
 

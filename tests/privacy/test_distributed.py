@@ -319,7 +319,7 @@ def test_a_job_refuses_one_card_for_all_ranks(monkeypatch):
 
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", "1")
-    with pytest.raises(ValueError, match="give --device cuda"):
+    with pytest.raises(ValueError, match="device=cuda:1: in a job of 2 processes give device=cuda"):
         from_environment("cuda:1")
 
 
@@ -365,7 +365,7 @@ def test_a_worker_killed_mid_run_is_one_line_naming_it_and_its_log(tmp_path):
     time.sleep(2)  # into the training loop's collectives
     os.kill(next(pid for pid in _children(launcher.pid) if pid != rank_zero), signal.SIGKILL)
     stderr = launcher.communicate(timeout=120)[1]
-    assert launcher.returncode == 2
+    assert launcher.returncode == 6  # a run error (equiconvert.cli.common.EXIT_CODES)
     lines = stderr.strip().splitlines()
     assert re.fullmatch(r"error: worker 1 died \(signal SIGKILL\), see /\S+/attempt_0/1/stderr\.log", lines[-1])
     assert "Traceback" not in stderr and "ChildFailedError" not in stderr, stderr[-3000:]

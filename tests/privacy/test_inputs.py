@@ -91,7 +91,7 @@ def test_non_finite_per_example_gradient_counts_as_zero(method):
 
 
 def test_delta_is_checked_against_the_data_set_size():
-    with pytest.raises(PrivacyBudgetError, match=r"delta 0.5 >= 1/N = 1/32"):
+    with pytest.raises(PrivacyBudgetError, match=r"delta=0.5 >= 1/N = 1/32"):
         DPTrainer(linear_classifier(), **{**OPTIONS, "delta": 0.5}).fit(tiny_images())
     with pytest.warns(UserWarning, match=r"delta 0.01 > 1/\(10 N\)"):
         DPTrainer(linear_classifier(), **{**OPTIONS, "delta": 0.01}).fit(tiny_images())
@@ -177,7 +177,7 @@ def test_cli_errors_name_the_flag_before_any_data_is_loaded(tmp_path, capsys):
 
 def test_unknown_dataset_is_one_clear_line(tmp_path, capsys):
     error = run_error(capsys, "train", "--dataset", "imagenet9000", "--out", str(tmp_path / "o"))
-    assert "unknown data set 'imagenet9000' (--dataset); known:" in error
+    assert "--dataset imagenet9000: unknown data set; known:" in error
     with pytest.raises(UnknownDatasetError):
         load_dataset("imagenet9000")
 
@@ -226,7 +226,7 @@ def test_first_step_over_budget_fails_with_a_message(tmp_path, capsys):
         steps=2,
         epsilon=0.1,
     )
-    error = run_error(capsys, *args)
+    error = run_error(capsys, *args, code=4)  # a privacy error
     assert "spends epsilon" in error and not (tmp_path / "o" / "result.json").exists()
 
 
@@ -329,7 +329,7 @@ def test_make_equivariant_of_a_name_says_to_pass_a_module():
         equiconvert.make_equivariant("resnet18", "C4")
     assert str(err.value) == (
         "make_equivariant takes a module, got 'resnet18': pass one, e.g. torchvision.models.resnet18(); names are "
-        "for the command line's --model (torchvision:resnet18)"
+        "for equiconvert.create_model('torchvision:resnet18')"
     )
     with pytest.raises(NotAModuleError, match="takes a torch.nn.Module, got dict"):
         equiconvert.make_equivariant({"weight": torch.zeros(1)}, "C4")

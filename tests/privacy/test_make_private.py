@@ -397,7 +397,7 @@ def test_target_delta_of_one_over_n_or_more_is_refused_and_a_weak_one_warned_abo
             steps=4,
         )
 
-    with pytest.raises(PrivacyBudgetError, match=r"target_delta 0.1 >= 1/N = 1/16"):
+    with pytest.raises(PrivacyBudgetError, match=r"target_delta=0.1 >= 1/N = 1/16"):
         private(0.1)
     with pytest.warns(UserWarning, match=r"delta 0.01 > 1/\(10 N\).*weak guarantee for 16 examples"):
         private(0.01)

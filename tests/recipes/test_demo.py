@@ -141,7 +141,8 @@ def test_demo_defaults_live_in_one_place():
 def test_missing_fashion_mnist_says_where_to_put_it(tmp_path, capsys):
     missing = tmp_path / "no-such-dir"
     assert (
-        main(["demo", "--data-dir", str(missing), "--out", str(tmp_path / "out"), "--set", "run.progress=false"]) == 2
+        main(["demo", "--data-dir", str(missing), "--out", str(tmp_path / "out"), "--set", "run.progress=false"])
+        == 3  # a data error
     )
     captured = capsys.readouterr()
     lines = captured.err.strip().splitlines()

@@ -7,6 +7,7 @@ import math
 import torch.fx as fx
 from torch import nn
 
+from ...errors import ParameterError
 from ...basis import steerable_basis
 from ...groups import GroupSpec
 from ...nn import SteerableConv2d
@@ -59,7 +60,7 @@ def _grown_kernel(ctx: ConversionContext, node: fx.Node, kernel: int) -> int:
     """
     policy = ctx.config.even_kernels
     if policy not in EVEN_KERNEL_POLICIES:
-        raise ValueError(f"even_kernels must be one of {EVEN_KERNEL_POLICIES}, got {policy!r}")
+        raise ParameterError(f"even_kernels must be one of {EVEN_KERNEL_POLICIES}, got {policy!r}")
     if policy == "refuse":
         raise ctx.unsupported(
             node,

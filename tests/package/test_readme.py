@@ -52,7 +52,9 @@ def small(text: str) -> str:
 
 def readers_pipeline() -> dict:
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 10))
+    model = nn.Sequential(
+        nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 10)
+    )
     data = TensorDataset(torch.randn(64, 3, 16, 16), torch.randint(0, 10, (64,)))
     return {"torch": torch, "model": model, "loader": DataLoader(data, batch_size=16)}
 
@@ -66,7 +68,9 @@ def test_every_substitution_matches_the_readme():
 def test_python_block_runs(index, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     block = small(python_blocks()[index])
-    namespace = readers_pipeline() if any(re.search(rf"\b{n}\b\s*=\s*[^=].*\b{n}\b", block) for n in READERS_PIPELINE) else {}
+    namespace = (
+        readers_pipeline() if any(re.search(rf"\b{n}\b\s*=\s*[^=].*\b{n}\b", block) for n in READERS_PIPELINE) else {}
+    )
     exec(compile(block, f"README.md python block {index}", "exec"), namespace)  # noqa: S102 - the README's own code
 
 

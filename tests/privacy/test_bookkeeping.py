@@ -205,7 +205,7 @@ def test_auto_falls_back_to_vmap_where_bookkeeping_fails_its_probe(model, reason
     data = (torch.randint(0, 256, (32, 3, 8, 8), dtype=torch.uint8), torch.randint(0, 2, (32,)))
     with pytest.raises(BookkeepingUnsupportedError, match=reason):
         verify_bookkeeping(model, (2, 3, 8, 8))
-    with pytest.warns(UserWarning, match="book-keeping cannot run this model.*using vmap"):
+    with pytest.warns(UserWarning, match="bookkeeping cannot run this model.*using vmap"):
         auto = _fit(model, "auto", data)
     assert auto.per_sample_method == "vmap"
     reference = _fit(model, "vmap", data)  # the probe used no RNG of the run: bit-identical to plain vmap

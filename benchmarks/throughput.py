@@ -49,7 +49,7 @@ from equiconvert.privacy.engine import make_private  # noqa: E402
 from equiconvert.privacy.filter_gradients import fastest_choices, filter_gradient_method  # noqa: E402
 from equiconvert.privacy.dp_step import clip_and_sum  # noqa: E402
 from equiconvert.privacy.per_sample import per_sample_gradients  # noqa: E402
-from equiconvert.privacy.dp_config import PRECISIONS  # noqa: E402
+from equiconvert.privacy.backends import PRECISIONS  # noqa: E402
 
 MAX_GRAD_NORM, NOISE = 2.0, 1.0
 

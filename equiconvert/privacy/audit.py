@@ -31,7 +31,7 @@ from torch.func import functional_call, grad, vmap
 from ..errors import ParameterError
 from .audit_bound import epsilon_lower_bound
 from .dp_step import per_sample_norms
-from .trainer import DPTrainer, TensorData
+from .trainer import DPTrainer, ImagesAndLabels
 
 DEFAULT_BETA = 0.05
 SCORE_CHUNK = 256  # canaries scored at once
@@ -76,7 +76,7 @@ class AuditResult:
         return asdict(self)
 
 
-def make_canaries(image_shape: tuple[int, ...], num_classes: int, count: int, seed: int) -> TensorData:
+def make_canaries(image_shape: tuple[int, ...], num_classes: int, count: int, seed: int) -> ImagesAndLabels:
     """`count` uint8 images of uniform random pixels with uniform random labels."""
     if count < 2 or num_classes < 2:
         raise ParameterError(f"an audit needs at least 2 canaries and 2 classes, got {count} and {num_classes}")
@@ -172,8 +172,8 @@ def count_correct(scores: torch.Tensor, included: torch.Tensor, guesses_included
 
 def run_audit(
     model: nn.Module,
-    train_set: TensorData,
-    canaries: TensorData,
+    train_set: ImagesAndLabels,
+    canaries: ImagesAndLabels,
     *,
     guesses_included: int,
     guesses_excluded: int,
@@ -231,7 +231,7 @@ def run_audit(
     )
 
 
-def _tensors(data: TensorData | Any) -> TensorData:
+def _tensors(data: ImagesAndLabels | Any) -> ImagesAndLabels:
     """(images, labels) of tensors or a TensorDataset (the audit's canary sets)."""
     if isinstance(data, (tuple, list)) and len(data) == 2:
         return data[0], data[1]

@@ -28,7 +28,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from typing import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -173,39 +174,53 @@ def check_bookkeeping_supported(model: nn.Module) -> None:
             )
 
 
-class _Recorder:
-    """Forward hooks that keep each layer's input and the gradient of its output."""
+@dataclass
+class LayerRecord:
+    """One forward's layer inputs and (after backward) output gradients, by layer path: what the per-layer rules
+    take. `twice` says what to do where a layer runs more than once in a forward (its caller's remedy)."""
 
-    def __init__(self, layers: dict[str, nn.Module]) -> None:
-        self.layers = layers
-        self.inputs: dict[str, torch.Tensor] = {}
-        self.grads: dict[str, torch.Tensor] = {}
-
-    def _hook(self, name: str):
-        def hook(module: nn.Module, args: tuple, output: torch.Tensor) -> None:
-            if name in self.inputs:
-                raise BookkeepingUnsupportedError(
-                    f"layer {name!r} runs more than once per forward; use the vmap method"
-                )
-            if len(args) != 1 or not isinstance(output, torch.Tensor):
-                raise BookkeepingUnsupportedError(f"layer {name!r} must take and return one tensor")
-            self.inputs[name] = args[0].detach()
-            output.register_hook(lambda grad: self.grads.__setitem__(name, grad))
-
-        return hook
+    layers: dict[str, nn.Module]
+    twice: str
+    inputs: dict[str, torch.Tensor] = field(default_factory=dict)
+    grads: dict[str, torch.Tensor] = field(default_factory=dict)
+    versions: dict[str, int] = field(default_factory=dict)  # of each kept input: an in-place change shows
 
     @contextlib.contextmanager
-    def attached(self) -> Iterator["_Recorder"]:
-        handles = [m.register_forward_hook(self._hook(name)) for name, m in self.layers.items()]
+    def attached(self) -> Iterator[LayerRecord]:
+        """Forward hooks on every layer, for the length of the block."""
+        handles = [layer.register_forward_hook(self._hook(name)) for name, layer in self.layers.items()]
         try:
             yield self
         finally:
             for handle in handles:
                 handle.remove()
 
+    def _hook(self, name: str) -> Callable[[nn.Module, tuple, Any], torch.Tensor | None]:
+        def hook(module: nn.Module, args: tuple, output: Any) -> torch.Tensor | None:
+            if name in self.inputs:
+                raise BookkeepingUnsupportedError(f"layer {name!r} runs more than once per forward; {self.twice}")
+            if len(args) != 1 or not isinstance(args[0], torch.Tensor) or not isinstance(output, torch.Tensor):
+                raise BookkeepingUnsupportedError(
+                    f"layer {name!r} ({type(module).__name__}) must take and return one tensor"
+                )
+            self.inputs[name] = args[0].detach()  # shares the version counter of args[0]
+            self.versions[name] = args[0]._version
+            replaced = None
+            if not output.requires_grad:  # nothing before this layer needs a gradient: the backward starts here
+                # a copy of a fresh leaf, so that in-place ops after the layer (ReLU(inplace=True)) stay allowed
+                output = replaced = output.detach().requires_grad_(True).clone()
+            output.register_hook(lambda grad: self.grads.__setitem__(name, grad))
+            return replaced
+
+        return hook
+
+    def inputs_changed(self) -> list[str]:
+        """Layers whose kept input was modified in place after they ran: their gradients would be wrong."""
+        return [name for name, kept in self.inputs.items() if kept._version != self.versions[name]]
+
 
 @contextlib.contextmanager
-def _parameters_frozen(model: nn.Module) -> Iterator[None]:
+def parameters_frozen(model: nn.Module) -> Iterator[None]:
     """The backward computes activation gradients only: no parameter gradient is formed or accumulated."""
     params = [p for p in model.parameters() if p.requires_grad]
     for p in params:
@@ -257,10 +272,10 @@ def per_sample_gradients_bookkeeping(
     """
     batch, num_views = views.shape[:2]
     layers = parametrised_layers(model)
-    recorder = _Recorder(layers)
+    record = LayerRecord(layers, twice="use the vmap method")
     inputs = views.reshape(batch * num_views, *views.shape[2:]).detach().requires_grad_(True)
     autocast = torch.autocast(views.device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None)
-    with _parameters_frozen(model), recorder.attached():
+    with parameters_frozen(model), record.attached():
         with autocast, record_function("equiconvert/forward"):
             logits = model(inputs)
         if autocast_dtype is not None:
@@ -269,12 +284,17 @@ def per_sample_gradients_bookkeeping(
         losses = per_view.reshape(batch, num_views).mean(dim=1)
         with record_function("equiconvert/backward"):
             torch.autograd.grad(losses.sum(), inputs)
+    if changed := record.inputs_changed():
+        raise BookkeepingUnsupportedError(
+            f"the inputs of layers {changed} are modified in place after those layers run; make that operation "
+            "out of place, or use the vmap method"
+        )
     grads: Gradients = {}
     for name, module in layers.items():
-        if name not in recorder.grads:
+        if name not in record.grads:
             raise BookkeepingUnsupportedError(f"layer {name!r} did not take part in the forward pass")
         with record_function(f"equiconvert/per_example/{type(module).__name__}"):
-            per_layer = layer_per_example_gradients(module, recorder.inputs[name], recorder.grads[name], num_views)
+            per_layer = layer_per_example_gradients(module, record.inputs[name], record.grads[name], num_views)
         for param_name, value in per_layer.items():
             grads[f"{name}.{param_name}" if name else param_name] = value
     order = [name for name, p in model.named_parameters() if p.requires_grad]

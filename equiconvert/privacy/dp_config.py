@@ -19,15 +19,14 @@ import torch
 from ..errors import ParameterError, UsageError
 from .accounting import ACCOUNTANTS
 from .augment import shift_set
+from .backends import AUTO, PRECISIONS, backend_for, backend_methods
 from .filter_gradients import FILTER_GRADIENT_METHODS
 from .normalization import check_normalization
 
 CUSTOM = "custom"  # a callable given to DPTrainer (optimizer factory, lr schedule)
-PER_SAMPLE_METHODS = ("auto", "bookkeeping", "vmap")
+PER_SAMPLE_METHODS = (AUTO, *backend_methods())
 CUSTOM_SCHEDULE = CUSTOM  # a callable step -> lr given to DPTrainer
 LR_SCHEDULES = ("constant", "cosine", CUSTOM_SCHEDULE)
-# forward/backward dtype under autocast (None: the model's own); per-sample gradients, clipping and noise stay fp32
-PRECISIONS: dict[str, torch.dtype | None] = {"fp32": None, "bf16": torch.bfloat16}
 DEFAULT_EMA_DECAY = 0.999
 
 
@@ -198,11 +197,8 @@ def check_config(c: DPConfig) -> None:
         raise ParameterError("give target_epsilon (sigma is calibrated) or noise_multiplier")
     if c.noise_multiplier is None and c.steps < 1:
         raise ConfigError("steps", c.steps, "must be >= 1 for the noise to be calibrated to the epsilon target")
-    if c.precision != "fp32" and c.per_sample_method == "vmap":
-        raise ParameterError(
-            f"precision {c.precision!r} needs book-keeping per-sample gradients "
-            "(per_sample_method 'bookkeeping' or 'auto'); vmap runs in fp32 only"
-        )
+    if c.per_sample_method != AUTO:  # the registered back-ends: vmap runs in fp32 only
+        backend_for(c.per_sample_method, c.precision)
     if c.test_shifts is not None:
         shift_set(c.test_shifts)
     check_normalization(c.normalize_mean, c.normalize_std)

@@ -1,8 +1,9 @@
-"""Which per-example gradient computation a DP-SGD run uses, and computing with it.
+"""Which per-example gradient back-end a DP-SGD run uses (backends.py), and computing with it.
 
-Book-keeping is the fastest but not every model allows it: "auto" takes it when the model passes the static
-check (at construction) and the probe (at the first step), else vmap, which is exact for any model. A bf16
-run needs book-keeping, so there a failed check stops the run instead of falling back.
+An explicit per_sample_method takes its registered back-end at the run's precision. "auto" takes the first
+back-end of AUTO_ORDER registered at that precision that passes its static check (at construction) and its
+probe (at the first step): book-keeping where the model allows it, else vmap, which is exact for any model
+but runs in fp32 only, so a bf16 run whose model book-keeping cannot run stops instead of falling back.
 """
 
 from __future__ import annotations
@@ -12,49 +13,62 @@ import warnings
 import torch
 from torch import nn
 
-from .bookkeeping import (
-    BookkeepingUnsupportedError,
-    check_bookkeeping_supported,
-    per_sample_gradients_bookkeeping,
-    verify_bookkeeping,
-)
-from .dp_config import PRECISIONS, DPConfig
+from .backends import AUTO, AUTO_ORDER, BACKENDS, Backend, UnknownBackendError, backend_for
+from .bookkeeping import BookkeepingUnsupportedError
+from .dp_config import DPConfig
 from .filter_gradients import filter_gradient_method
 from .hooks import PerExampleLoss
 from .inplace_buffers import TORCH_FUNC_MUTATION, in_place_buffer_error
-from .per_sample import per_sample_gradients
 
 Tensors = dict[str, torch.Tensor]
 
 
 class PerSampleGradients:
-    """model's per-example gradients (averaged over each example's views) and losses, by `method`."""
+    """model's per-example gradients (averaged over each example's views) and losses, by its back-end."""
 
     def __init__(self, model: nn.Module, config: DPConfig, loss_fn: PerExampleLoss) -> None:
         self.model, self.config, self.loss_fn = model, config, loss_fn
-        self.method = self._resolve()
-        self._verified = False  # verify_bookkeeping runs once, at the first per-sample computation
+        if config.per_sample_method != AUTO:
+            self._candidates = [backend_for(config.per_sample_method, config.precision)]
+        else:
+            self._candidates = [
+                BACKENDS[(m, config.precision)] for m in AUTO_ORDER if (m, config.precision) in BACKENDS
+            ]
+        if not self._candidates:
+            raise UnknownBackendError(config.per_sample_method, config.precision)
+        self._tried: list[str] = []
+        self.backend = self._first_supported(None)
+        self._verified = False  # the back-end's probe runs once, at the first per-sample computation
 
-    def _resolve(self) -> str:
-        """The method this run uses; "auto" takes book-keeping when the model's static check allows it."""
-        requested = self.config.per_sample_method
-        if requested == "vmap":
-            return "vmap"
-        try:
-            check_bookkeeping_supported(self.model)
-        except BookkeepingUnsupportedError as error:
-            if requested == "bookkeeping":
-                raise
-            if self.config.precision != "fp32":
-                raise self._precision_needs_bookkeeping(error) from error
-            return "vmap"
-        return "bookkeeping"
+    @property
+    def method(self) -> str:
+        """The method of the back-end in use ("bookkeeping", "vmap")."""
+        return self.backend.method
 
-    def _precision_needs_bookkeeping(self, error: Exception) -> BookkeepingUnsupportedError:
-        """Where "auto" would fall back to vmap: vmap runs in fp32 only, so a bf16 run stops instead."""
+    def _first_supported(self, error: Exception | None) -> Backend:
+        """The next candidate whose static check passes; past the last, the failure (explicit method) or why
+        "auto" found none at this precision."""
+        while self._candidates:
+            backend = self._candidates.pop(0)
+            self._tried.append(backend.method)
+            try:
+                backend.check_supported(self.model)
+            except BookkeepingUnsupportedError as failure:
+                error = failure
+                continue
+            return backend
+        assert error is not None  # there is a first candidate, and it failed
+        if self.config.per_sample_method != AUTO:
+            raise error
+        raise self._none_at_precision(error) from error
+
+    def _none_at_precision(self, error: Exception) -> BookkeepingUnsupportedError:
+        """Where "auto" has no back-end left at this precision: name the precisions the exact one runs in."""
+        exact = [p for m, p in BACKENDS if m == AUTO_ORDER[-1]]
+        tried = " or ".join(repr(m) for m in self._tried)
         return BookkeepingUnsupportedError(
-            f"precision {self.config.precision!r} needs book-keeping, which this model "
-            f"cannot use ({error}); train it with precision 'fp32'"
+            f"precision {self.config.precision!r} needs per_sample_method {tried}, which this model cannot use "
+            f"({error}); train it with precision {' or '.join(map(repr, exact))}"
         )
 
     def __call__(
@@ -72,13 +86,9 @@ class PerSampleGradients:
         self, params: Tensors, buffers: Tensors, views: torch.Tensor, labels: torch.Tensor
     ) -> tuple[Tensors, torch.Tensor]:
         with filter_gradient_method(self.config.filter_gradients):  # the probe checks the kernel the run uses
-            if self.method == "bookkeeping" and not self._verified:
-                self._verify_bookkeeping(tuple(views.shape[1:]))
-            if self.method == "bookkeeping":
-                return per_sample_gradients_bookkeeping(
-                    self.model, views, labels, self._loss, autocast_dtype=PRECISIONS[self.config.precision]
-                )
-        return per_sample_gradients(self.model, params, buffers, views, labels, self._loss)
+            while not self._verified:
+                self._verify(tuple(views.shape[1:]))
+            return self.backend.compute(self.model, params, buffers, views, labels, self._loss)
 
     def _loss(self, logits: torch.Tensor, labels: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
         """loss_fn in F.cross_entropy's calling convention: book-keeping asks for one loss per view
@@ -90,18 +100,18 @@ class PerSampleGradients:
             )
         return losses if reduction == "none" else losses.mean()
 
-    def _verify_bookkeeping(self, view_shape: tuple[int, ...]) -> None:
-        """The probe of verify_bookkeeping; "auto" falls back to vmap where it fails, "bookkeeping" raises.
+    def _verify(self, view_shape: tuple[int, ...]) -> None:
+        """The back-end's probe; "auto" moves to its next candidate where it fails, an explicit method raises.
 
         The probe uses random inputs and leaves every RNG as it was, so a resumed run decides the same.
         """
         try:
-            verify_bookkeeping(self.model, view_shape, self._loss)
-        except Exception as error:  # noqa: BLE001  (any failure of the probe: vmap is always exact)
-            if self.config.per_sample_method == "bookkeeping":
+            self.backend.verify(self.model, view_shape, self._loss)
+        except Exception as error:  # noqa: BLE001  (any failure of the probe: the next candidate is exact)
+            if self.config.per_sample_method != AUTO:
                 raise
-            if self.config.precision != "fp32":
-                raise self._precision_needs_bookkeeping(error) from error
-            warnings.warn(f"per-sample gradients: book-keeping cannot run this model ({error}); using vmap")
-            self.method = "vmap"
+            failed = self.backend.method
+            self.backend = self._first_supported(error)
+            warnings.warn(f"per-sample gradients: {failed} cannot run this model ({error}); using {self.method}")
+            return
         self._verified = True

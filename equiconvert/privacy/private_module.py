@@ -4,8 +4,8 @@ In training mode with gradients enabled, a forward runs the model with its train
 parameters detached from autograd (so `loss.backward()` computes activation gradients
 only, the cost of a non-private backward less its weight gradients) and keeps, for
 every layer that owns trainable parameters, its input and the gradient of its output.
-`per_sample_gradients()` then forms each example's gradient layer by layer
-(bookkeeping.layer_per_example_gradients: closed forms for convolutions, steerable
+`per_sample_gradients()` then forms each example's gradient layer by layer with the
+book-keeping back-end of backends.py (closed forms for convolutions, steerable
 convolutions, linear layers and embeddings, the vmapped VJP of the layer alone for
 norms and any other layer that owns its parameters).
 
@@ -16,39 +16,23 @@ example's gradient is the mean over its views of the gradient of its per-view lo
 
 from __future__ import annotations
 
-import contextlib
 import warnings
-from collections.abc import Iterator
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ..errors import ParameterError
-from .bookkeeping import (
-    BookkeepingUnsupportedError,
-    check_bookkeeping_supported,
-    layer_per_example_gradients,
-    parametrised_layers,
-    verify_bookkeeping,
-)
+from .backends import backend_for
+from .bookkeeping import BookkeepingUnsupportedError, LayerRecord, parametrised_layers, parameters_frozen
 from .buffer_guard import BufferGuard
 from .dp_safety import probe_dp_safety
 from .validate import PrivacyValidationError
 
 LOSS_REDUCTIONS = ("mean", "sum")
-
-
-@dataclass
-class _Record:
-    """One forward's layer inputs and (after backward) output gradients, by layer path."""
-
-    layers: dict[str, nn.Module]
-    inputs: dict[str, torch.Tensor] = field(default_factory=dict)
-    grads: dict[str, torch.Tensor] = field(default_factory=dict)
-    versions: dict[str, int] = field(default_factory=dict)  # of each kept input: an in-place change shows
-    examples: int = 0
+# the back-end (backends.py) of a forward and backward the user runs: book-keeping, in the model's own dtype
+BACKEND = ("bookkeeping", "fp32")
 
 
 class PrivateModule(nn.Module):
@@ -69,14 +53,19 @@ class PrivateModule(nn.Module):
             raise ParameterError(f"aug_mult must be >= 1, got {aug_mult}")
         if loss_reduction not in LOSS_REDUCTIONS:
             raise ParameterError(f"loss_reduction must be one of {LOSS_REDUCTIONS}, got {loss_reduction!r}")
-        check_bookkeeping_supported(module)  # refuses shared parameters and parametrised containers, by name
+        self._backend = backend_for(*BACKEND)
+        if self._backend.layer_gradients is None:
+            raise ParameterError(f"make_private needs a back-end with per-layer rules; {BACKEND} has none")
+        self._layer_gradients = self._backend.layer_gradients
+        self._backend.check_supported(module)  # refuses shared parameters and parametrised containers, by name
         self._module = module
         self.aug_mult = aug_mult
         self.loss_reduction = loss_reduction
         self._verify = verify
         self._probe_rows = (probe_batch or 0) * aug_mult
         self._guard: BufferGuard | None = None  # set by the DP-safety probe, at the first forward
-        self._record: _Record | None = None
+        self._record: LayerRecord | None = None
+        self._examples = 0  # of the last recorded forward
 
     def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         x = self._flatten_views(x)
@@ -97,12 +86,15 @@ class PrivateModule(nn.Module):
             )
         if self._verify:
             self._verify_once(x)
-        record = _Record(parametrised_layers(self._module), examples=x.shape[0] // self.aug_mult)
+        record = LayerRecord(
+            parametrised_layers(self._module),
+            twice="make_private needs every layer with trainable parameters to run once",
+        )
         if not record.layers:
             raise ParameterError("the model has no trainable parameters")
-        with self._recording(record), _trainable_detached(self._module):
+        with record.attached(), parameters_frozen(self._module):
             output = self._module(x, *args, **kwargs)
-        self._record = record
+        self._record, self._examples = record, x.shape[0] // self.aug_mult
         return output
 
     def _flatten_views(self, x: torch.Tensor) -> torch.Tensor:
@@ -152,22 +144,13 @@ class PrivateModule(nn.Module):
             )
             return
         try:
-            verify_bookkeeping(self._module, (min(self.aug_mult, 2), *x.shape[1:]))
+            self._backend.verify(self._module, (min(self.aug_mult, 2), *x.shape[1:]), F.cross_entropy)
         except BookkeepingUnsupportedError:
             raise
         except Exception as error:  # noqa: BLE001  (a model whose output is not class scores: say so, do not refuse)
             warnings.warn(
                 f"make_private: the check that the model keeps examples apart could not run ({error})", stacklevel=3
             )
-
-    @contextlib.contextmanager
-    def _recording(self, record: _Record) -> Iterator[None]:
-        handles = [layer.register_forward_hook(_keeper(record, name)) for name, layer in record.layers.items()]
-        try:
-            yield
-        finally:
-            for handle in handles:
-                handle.remove()
 
     def per_sample_gradients(self) -> dict[nn.Parameter, torch.Tensor]:
         """Each example's gradient (mean over its views) of every trainable parameter, from the last forward/backward."""
@@ -180,16 +163,15 @@ class PrivateModule(nn.Module):
                 f"layers {missing} got no gradient: call loss.backward() before optimizer.step(); a "
                 "layer the loss does not use must be frozen (requires_grad_(False))"
             )
-        changed = [name for name, kept in record.inputs.items() if kept._version != record.versions[name]]
-        if changed:
+        if changed := record.inputs_changed():
             raise RuntimeError(
                 f"the inputs of layers {changed} were modified in place after those layers ran; their "
                 "per-example gradients would be wrong: make that operation out of place"
             )
-        scale = float(record.examples) if self.loss_reduction == "mean" else 1.0 / self.aug_mult
+        scale = float(self._examples) if self.loss_reduction == "mean" else 1.0 / self.aug_mult
         grads: dict[nn.Parameter, torch.Tensor] = {}
         for name, layer in record.layers.items():
-            per_layer = layer_per_example_gradients(layer, record.inputs[name], record.grads[name], self.aug_mult)
+            per_layer = self._layer_gradients(layer, record.inputs[name], record.grads[name], self.aug_mult)
             for param_name, value in per_layer.items():
                 param = getattr(layer, param_name)
                 if param.requires_grad:
@@ -205,45 +187,7 @@ class PrivateModule(nn.Module):
     @property
     def recorded_examples(self) -> int:
         """Examples of the last recorded forward (0 before any)."""
-        return 0 if self._record is None else self._record.examples
+        return 0 if self._record is None else self._examples
 
     def clear_record(self) -> None:
         self._record = None
-
-
-def _keeper(record: _Record, name: str):
-    """Forward hook keeping the layer's input and hooking its output's gradient."""
-
-    def hook(module: nn.Module, args: tuple, output: Any) -> torch.Tensor | None:
-        if name in record.inputs:
-            raise BookkeepingUnsupportedError(
-                f"layer {name!r} runs more than once per forward; make_private needs "
-                "every layer with trainable parameters to run once"
-            )
-        if len(args) != 1 or not isinstance(args[0], torch.Tensor) or not isinstance(output, torch.Tensor):
-            raise BookkeepingUnsupportedError(
-                f"layer {name!r} ({type(module).__name__}) must take and return one tensor"
-            )
-        record.inputs[name] = args[0].detach()  # shares the version counter of args[0]
-        record.versions[name] = args[0]._version
-        replaced = None
-        if not output.requires_grad:  # nothing before this layer needs a gradient: the backward starts here
-            # a copy of a fresh leaf, so that in-place ops after the layer (ReLU(inplace=True)) stay allowed
-            output = replaced = output.detach().requires_grad_(True).clone()
-        output.register_hook(lambda grad: record.grads.__setitem__(name, grad))
-        return replaced
-
-    return hook
-
-
-@contextlib.contextmanager
-def _trainable_detached(model: nn.Module) -> Iterator[None]:
-    """The forward records no parameter gradient: backward forms activation gradients only."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    for p in params:
-        p.requires_grad_(False)
-    try:
-        yield
-    finally:
-        for p in params:
-            p.requires_grad_(True)

@@ -41,13 +41,13 @@ from .normalization import Normalize
 from .per_sample_method import PerSampleGradients
 from .run_lock import hold_run_folder
 from .run_log import RunClock, RunLog, materialize, warn_step_times
-from .train_data import StreamedData, TensorData as TensorSource, TrainData, as_train_data
+from .train_data import StreamedData, TensorData, TrainData, as_train_data
 from .sampling import PoissonSampler, physical_chunks
 from .secure_rng import NOISE, SAMPLING, make_source, warn_not_private
 from .trainer_checkpoint import TrainerCheckpoint
 from .validate import validate_dp_safe
 
-TensorData = tuple[torch.Tensor, torch.Tensor]
+ImagesAndLabels = tuple[torch.Tensor, torch.Tensor]  # (images, labels)
 
 
 class DPTrainer(TrainerCheckpoint):
@@ -193,7 +193,7 @@ class DPTrainer(TrainerCheckpoint):
         `data`: TrainData, or images with their `labels`."""
         c = self.config
         if labels is not None:
-            data = TensorSource(data, labels)
+            data = TensorData(data, labels)
         self._probe_once(data)
         indices = self.sampler.sample()
         count = torch.full((), float(len(indices)), device=self.device)
@@ -226,7 +226,7 @@ class DPTrainer(TrainerCheckpoint):
 
     def train_step(self, images: torch.Tensor, labels: torch.Tensor) -> dict[str, Any]:
         """One DP-SGD step on the private data (images, labels); returns its log record."""
-        record = self._train_step(TensorSource(images, labels))
+        record = self._train_step(TensorData(images, labels))
         self._verify_buffers()
         return materialize([record])[0]
 
@@ -258,8 +258,8 @@ class DPTrainer(TrainerCheckpoint):
     # --- the run -----------------------------------------------------------
     def fit(
         self,
-        train_set: TensorData | Any,
-        eval_set: TensorData | Any | None = None,
+        train_set: ImagesAndLabels | Any,
+        eval_set: ImagesAndLabels | Any | None = None,
         resume: bool = False,
         time_limit_s: float | None = None,
     ) -> list[dict[str, Any]]:
@@ -424,7 +424,7 @@ class DPTrainer(TrainerCheckpoint):
             raise ParameterError(f"{what} is empty")
         check_labels(labels, len(images), self._num_classes(self._normalize(images[:1])), what)
 
-    def evaluate(self, data: TensorData | Any) -> dict[str, float]:
+    def evaluate(self, data: ImagesAndLabels | Any) -> dict[str, float]:
         """Metrics of the EMA weights (if any) on `data`, plus shift-averaged ones when test_shifts is set.
 
         In a job each rank scores its slice of `data` and the logits are all-gathered: every rank returns the
@@ -433,7 +433,7 @@ class DPTrainer(TrainerCheckpoint):
         with self.ema.applied(self.model) if self.ema is not None else contextlib.nullcontext():
             return self._evaluate_model(data)
 
-    def _evaluate_model(self, data: TensorData | Any) -> dict[str, float]:
+    def _evaluate_model(self, data: ImagesAndLabels | Any) -> dict[str, float]:
         source = (
             data
             if isinstance(data, TrainData)

@@ -205,7 +205,7 @@ def test_auto_falls_back_to_vmap_where_bookkeeping_fails_its_probe(model, reason
     data = (torch.randint(0, 256, (32, 3, 8, 8), dtype=torch.uint8), torch.randint(0, 2, (32,)))
     with pytest.raises(BookkeepingUnsupportedError, match=reason):
         verify_bookkeeping(model, (2, 3, 8, 8))
-    with pytest.warns(UserWarning, match="book-keeping cannot run this model.*using vmap"):
+    with pytest.warns(UserWarning, match="bookkeeping cannot run this model.*using vmap"):
         auto = _fit(model, "auto", data)
     assert auto.per_sample_method == "vmap"
     reference = _fit(model, "vmap", data)  # the probe used no RNG of the run: bit-identical to plain vmap
@@ -279,3 +279,24 @@ def test_a_run_resumes_with_the_other_per_sample_method(tmp_path):
     assert resumed.step == 2 and resumed.config.per_sample_method == "bookkeeping"
     with pytest.raises(ValueError, match="different configuration"):
         DPTrainer(copy.deepcopy(model), **{**options, "steps": 3}).fit(data, resume=True)
+
+
+class InPlaceAfterLinear(nn.Module):
+    """The head's input is changed in place after the head ran: its kept input no longer is what it multiplied
+    (autograd does not notice: with the weight frozen, the head's backward needs no input)."""
+
+    def __init__(self):
+        super().__init__()
+        self.head = nn.Linear(12, 2)
+
+    def forward(self, x):
+        hidden = x.mean((2, 3)).repeat(1, 4)
+        out = self.head(hidden)
+        hidden.add_(1.0)
+        return out + hidden.mean()
+
+
+def test_bookkeeping_refuses_a_layer_input_changed_in_place_after_the_layer_ran():
+    views, labels = torch.randn(3, 2, 3, 8, 8), torch.tensor([0, 1, 0])
+    with pytest.raises(BookkeepingUnsupportedError, match=r"inputs of layers \['head'\] are modified in place"):
+        per_sample_gradients_bookkeeping(InPlaceAfterLinear(), views, labels)

@@ -193,3 +193,11 @@ def test_tensorboard_logger_only_when_tensorboard_is_installed(tmp_path, monkeyp
     with pytest.raises(ImportError, match="pip install tensorboard"):
         callbacks.TensorBoardLogger(tmp_path)
     assert isinstance(_FakeLogger(), callbacks.MetricsLogger)
+
+
+def test_tensor_data_is_one_name_for_one_thing():
+    """The trainer's TensorData is train_data's class (the (images, labels) tuple type is ImagesAndLabels)."""
+    from equiconvert.privacy import audit, train_data, trainer
+
+    assert trainer.TensorData is train_data.TensorData
+    assert audit.ImagesAndLabels == trainer.ImagesAndLabels == tuple[torch.Tensor, torch.Tensor]

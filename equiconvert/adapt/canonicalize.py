@@ -43,7 +43,8 @@ class PoseScoreCNN(nn.Module):
 
     An optional average pool (cost), a kernel x kernel stem and a residual 3x3 conv, every conv with
     `fields * order` channels: converted with width="channels" these are `fields` regular fields. The residual
-    add keeps the last conv a hidden layer (regular output, not the trivial fields of a classifier conv).
+    add keeps the last conv a hidden layer (regular output, not the trivial fields of a classifier conv). The
+    last conv has no bias: a field's bias adds one constant to every score, which no choice or softmax sees.
     """
 
     def __init__(self, in_channels: int, order: int, fields: int, kernel_size: int, pool: int) -> None:
@@ -51,7 +52,7 @@ class PoseScoreCNN(nn.Module):
         channels = fields * order
         self.pool = nn.AvgPool2d(pool) if pool > 1 else nn.Identity()
         self.stem = nn.Conv2d(in_channels, channels, kernel_size, padding=kernel_size // 2)
-        self.mix = nn.Conv2d(channels, channels, 3, padding=1)
+        self.mix = nn.Conv2d(channels, channels, 3, padding=1, bias=False)  # a field's bias shifts all its scores
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = F.relu(self.stem(self.pool(x)))
@@ -92,7 +93,7 @@ def canonical_pose(x: torch.Tensor, choice: torch.Tensor, elements: tuple[GridEl
 
 
 class _ScoreSlot:
-    """The pose scores of the last training forward, for pose_prior_loss; never saved or pickled.
+    """The pose scores of the last forward, for pose_prior_loss; never saved or pickled.
 
     Copies of the model share it (DP-SGD's probes run on copies): the loss reads the scores of whichever copy
     ran the forward it follows."""
@@ -121,13 +122,13 @@ class CanonicalizedModel(nn.Module):
         self.temperature = temperature
         self.pool = pool
         self.elements = group.grid_elements
-        self.keep_scores = False  # set by pose_prior_loss: training forwards then leave their scores for it
+        self.keep_scores = False  # set by pose_prior_loss: forwards then leave their scores for it
         self._slot = _ScoreSlot()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self._check_input(x)
         scores = pose_scores(self.canonicalizer, x, self.group.order)
-        if self.keep_scores and self.training:
+        if self.keep_scores:
             self._slot.scores = scores
         choice = straight_through_choice(scores, self.temperature)
         return self.backbone(canonical_pose(x, choice, self.elements))
@@ -140,10 +141,10 @@ class CanonicalizedModel(nn.Module):
         return [self.elements[int(i)].name for i in best]
 
     def take_scores(self) -> torch.Tensor:
-        """The scores the last training forward left, removed from the model."""
+        """The scores the last forward left, removed from the model."""
         scores, self._slot.scores = self._slot.scores, None
         if scores is None:
-            raise RuntimeError("no pose scores: call the loss right after a training-mode forward of the model")
+            raise RuntimeError("no pose scores: call the loss right after a forward of the model")
         return scores
 
     def _check_input(self, x: torch.Tensor) -> None:
@@ -222,7 +223,7 @@ def pose_prior_loss(model: nn.Module, weight: float = 1.0, loss_fn: PerExampleLo
 
     The prior is each view's cross-entropy of the softmax of its pose scores against the identity element:
     training on upright data then keeps upright images in the identity pose (the backbone sees them as it was
-    trained). It reads the scores the model's training forward just computed (no second forward), so call it
+    trained). It reads the scores the model's forward just computed (no second forward), so call it
     right after each forward; it works inside DPTrainer (vmap and book-keeping) and after make_private.
     """
     target = next((m for m in model.modules() if isinstance(m, CanonicalizedModel)), None)

@@ -1,5 +1,6 @@
 """equiconvert: turn a CNN into a rotation/reflection-equivariant steerable CNN with one call."""
 
+from .adapt import CanonicalizationError, CanonicalizedModel, canonicalize, pose_prior_loss
 from .check import EquivarianceResult, check_equivariance
 from .convert import (
     ConversionConfig,
@@ -19,6 +20,8 @@ from .saved_model import load, save
 from ._version import __version__ as __version__
 
 __all__ = [
+    "CanonicalizationError",
+    "CanonicalizedModel",
     "ConversionConfig",
     "ConversionReport",
     "EquivarianceBreakError",
@@ -29,6 +32,7 @@ __all__ = [
     "GroupSpec",
     "TracingError",
     "UnsupportedLayerError",
+    "canonicalize",
     "check_equivariance",
     "create_model",
     "export",
@@ -36,6 +40,7 @@ __all__ = [
     "load",
     "make_equivariant",
     "parse_group",
+    "pose_prior_loss",
     "register_function_rule",
     "register_model",
     "register_module_rule",

@@ -12,6 +12,7 @@ from ._version import __version__ as __version__
 from .errors import EquivarianceBreakError, EquiconvertError, TracingError, UnsupportedLayerError
 
 if TYPE_CHECKING:
+    from .adapt import CanonicalizationError, CanonicalizedModel, canonicalize, pose_prior_loss
     from .check import EquivarianceResult, check_equivariance
     from .convert import (
         ConversionConfig,
@@ -29,6 +30,7 @@ if TYPE_CHECKING:
 
 # public name -> the submodule defining it
 _EXPORTS = {
+    **dict.fromkeys(("CanonicalizationError", "CanonicalizedModel", "canonicalize", "pose_prior_loss"), "adapt"),
     **dict.fromkeys(("EquivarianceResult", "check_equivariance"), "check"),
     **dict.fromkeys(
         (
@@ -49,6 +51,8 @@ _EXPORTS = {
 }
 
 __all__ = [
+    "CanonicalizationError",
+    "CanonicalizedModel",
     "ConversionConfig",
     "ConversionReport",
     "EquivarianceBreakError",
@@ -59,6 +63,7 @@ __all__ = [
     "GroupSpec",
     "TracingError",
     "UnsupportedLayerError",
+    "canonicalize",
     "check_equivariance",
     "create_model",
     "export",
@@ -66,6 +71,7 @@ __all__ = [
     "load",
     "make_equivariant",
     "parse_group",
+    "pose_prior_loss",
     "register_function_rule",
     "register_model",
     "register_module_rule",

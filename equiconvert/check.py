@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from .adapt.canonicalize import CanonicalizedModel
 from .errors import ParameterError
 from .convert.core import GRID_SEARCH
 from .convert.fields import FieldType
@@ -89,7 +90,8 @@ def check_equivariance(
 ) -> EquivarianceResult:
     """Compare model(g.x) with g.model(x) for every element g acting exactly on the pixel grid.
 
-    For an EquivariantModel, group, input size and channels default to its own. `angles`
+    For an EquivariantModel, group, input size and channels default to its own; for a CanonicalizedModel
+    (adapt.canonicalize), group and channels do and the output is compared as invariant. `angles`
     (degrees) adds the error of invariant outputs under rotations of a disk-masked input
     by those angles (bilinear interpolation, so these errors are not at float precision).
     """
@@ -102,6 +104,9 @@ def check_equivariance(
         input_size = model.default_input_size() if input_size is None else input_size
         in_channels = model.in_channels if in_channels is None else in_channels
         output_type = model.output_type
+    if isinstance(model, CanonicalizedModel):  # invariant: output_type None compares the outputs as they are
+        group = group or model.group
+        in_channels = model.in_channels if in_channels is None else in_channels
     if group is None or input_size is None or in_channels is None:
         raise ParameterError("pass group, input_size and in_channels for a model that equiconvert did not convert")
     report = getattr(model, "report", None)

@@ -24,6 +24,7 @@ import torch.fx as fx
 from torch import nn
 from torch.nn.utils import skip_init
 
+from .adapt.canonicalize import CanonicalizedModel, canonical_pose, pose_scores, straight_through_choice
 from .convert.model import EquivariantModel
 from .errors import UnsupportedLayerError
 from .nn.norm import normalize_field_groups
@@ -202,6 +203,35 @@ def _parameter(value: torch.Tensor, source: torch.Tensor) -> nn.Parameter:
 def export_equivariant_model(module: EquivariantModel, ctx: ExportContext) -> nn.Module:
     """The wrapper only carries metadata; deployment needs just its network."""
     return ctx.export_child(module.network, "network")
+
+
+class _CanonicalizedOps(nn.Module):
+    """CanonicalizedModel's forward without its input checks (a shape comparison does not trace)."""
+
+    def __init__(self, module: CanonicalizedModel, canonicalizer: nn.Module, backbone: nn.Module) -> None:
+        super().__init__()
+        self.canonicalizer, self.backbone = canonicalizer, backbone
+        self.order, self.temperature, self.elements = module.group.order, module.temperature, module.elements
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        choice = straight_through_choice(pose_scores(self.canonicalizer, x, self.order), self.temperature)
+        return self.backbone(canonical_pose(x, choice, self.elements))
+
+
+class _ChildrenAsLeaves(fx.Tracer):
+    """Traces a wrapper's own operations and calls its (exported, possibly untraceable) children as they are."""
+
+    def is_leaf_module(self, module: nn.Module, qualified_name: str) -> bool:
+        return "." not in qualified_name or super().is_leaf_module(module, qualified_name)
+
+
+@register_exporter(CanonicalizedModel)
+def export_canonicalized_model(module: CanonicalizedModel, ctx: ExportContext) -> nn.Module:
+    """The canonicaliser and the backbone exported, and the pose choice (argmax, quarter turns, flips) as torch ops."""
+    canonicalizer = ctx.export_child(module.canonicalizer, "canonicalizer")
+    backbone = ctx.export_child(module.backbone, "backbone")
+    ops = _CanonicalizedOps(module, canonicalizer, backbone)
+    return fx.GraphModule(ops, _ChildrenAsLeaves().trace(ops), class_name="Canonicalized")
 
 
 class _InputFitOps(nn.Module):

@@ -17,6 +17,7 @@ RECIPE_ATTRIBUTE = "equiconvert_recipe"
 Recipe = dict[str, Any]
 # arguments that only matter while building: the saved weights replace them
 BUILD_ONLY_ARGUMENTS = ("pretrained", "weights")
+CANONICALIZE = "canonicalize"  # the recipe's key for adapt.canonicalize's arguments, applied last
 
 
 def is_plain(value: Any) -> bool:

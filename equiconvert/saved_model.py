@@ -19,7 +19,7 @@ from torch import nn
 
 from ._version import __version__
 from .errors import DataError
-from .recipe import Recipe, is_plain, recipe_of, remember_recipe
+from .recipe import CANONICALIZE, Recipe, is_plain, recipe_of, remember_recipe
 
 FORMAT = "equiconvert-model"
 FORMAT_VERSION = 1
@@ -132,6 +132,10 @@ def rebuild(recipe: Recipe) -> nn.Module:
             from opacus.validators import ModuleValidator
 
             model = ModuleValidator.fix(model)
+        if recipe.get(CANONICALIZE) is not None:
+            from .adapt import canonicalize
+
+            model = canonicalize(model, **recipe[CANONICALIZE])
     return remember_recipe(model, recipe)
 
 

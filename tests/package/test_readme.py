@@ -77,7 +77,7 @@ def test_python_block_runs(index, tmp_path, monkeypatch):
 def test_shell_commands_run_or_name_what_exists(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     fashion = tmp_path / "fashion-mnist"
-    make_idx_dir(fashion, n_train=60, n_test=20)
+    make_idx_dir(fashion, n_train=600, n_test=50)  # more than the commands' expected batch of 256
     ran, checked = [], []
     for command in shell_commands():
         argv = shlex.split(small(command).replace(FASHION_DIR, str(fashion)))[1:]

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from ..privacy.dp_config import DPConfig
+from ..privacy.loggers import DEFAULT_LOGGERS
 from .value_types import describe, matches
 
 if sys.version_info >= (3, 11):
@@ -71,6 +72,7 @@ class RunOptions:
     overwrite: bool = False
     progress: bool = True
     plan_steps: bool = False  # fit the steps to time_limit_s by a timing probe before the noise is calibrated
+    loggers: tuple[str, ...] = DEFAULT_LOGGERS  # names in privacy.loggers.LOGGERS; log.jsonl is always written
 
 
 @dataclass

@@ -22,6 +22,7 @@ from ..errors import EquiconvertError
 from .callbacks import MetricsLogger, TensorBoardLogger, flat_metrics
 
 JSONL = "jsonl"  # out_dir/log.jsonl: the run's own record, written whenever there is an out_dir
+JSONL_FILE, CSV_FILE = "log.jsonl", "log.csv"
 DEFAULT_LOGGERS: tuple[str, ...] = (JSONL,)
 CSV_COLUMNS = ("line", "step", "key", "value")
 
@@ -149,8 +150,8 @@ class LoggerEntry:
 
 
 LOGGERS: dict[str, LoggerEntry] = {
-    JSONL: LoggerEntry(lambda out: JsonlLogger(out / "log.jsonl")),
-    "csv": LoggerEntry(lambda out: CsvLogger(out / "log.csv")),
+    JSONL: LoggerEntry(lambda out: JsonlLogger(out / JSONL_FILE)),
+    "csv": LoggerEntry(lambda out: CsvLogger(out / CSV_FILE)),
     "tensorboard": LoggerEntry(lambda out: MetricsAdapter(TensorBoardLogger(out / "tensorboard"), True), "tensorboard"),
     "wandb": LoggerEntry(lambda out: MetricsAdapter(WandbLogger(out), True), "wandb"),
 }

@@ -36,7 +36,7 @@ class RunLog:
 
     def __init__(self, out_dir: Path | None, loggers: list[RecordLogger], writes: bool) -> None:
         self.out_dir, self.writes = out_dir, writes
-        self.loggers = loggers if writes else []
+        self.loggers = loggers
         self.records: list[dict[str, Any]] = []
         self._written = 0  # records[:_written] are in the log
         self.lines = 0  # lines of log.jsonl this run's log goes on from (a checkpoint stores it)

@@ -17,6 +17,7 @@ from equiconvert.cli import main
 from equiconvert.cli.train import train_recipe
 from equiconvert.privacy import callbacks
 from equiconvert.privacy.loggers import CsvLogger, JsonlLogger, LoggerError, RecordLogger, csv_value, flat_fields
+from equiconvert.privacy.run_folder import OutputFolderError, prepare_out
 from equiconvert.privacy.run_log import RunLog
 from equiconvert.privacy.trainer import DPTrainer
 from tests.support.tiny import linear_classifier, tiny_images
@@ -124,6 +125,14 @@ def test_resume_cuts_the_same_lines_from_log_jsonl_and_log_csv(tmp_path):
     log.resume(2)
     assert _jsonl(tmp_path / "log.jsonl") == records[:2]
     assert _csv_records(tmp_path / "log.csv") == [_as_csv(r) for r in records[:2]]
+
+
+def test_log_csv_is_a_run_record_that_overwrite_removes(tmp_path):
+    (tmp_path / "log.csv").write_text("line,step,key,value\n0,1,step,1\n")
+    with pytest.raises(OutputFolderError, match=r"holds an earlier run \(log.csv\)"):
+        prepare_out(tmp_path, resume=False, overwrite=False)
+    prepare_out(tmp_path, resume=False, overwrite=True)
+    assert not (tmp_path / "log.csv").exists()
 
 
 def test_unknown_logger_names_the_known_ones_and_names_need_out_dir(tmp_path):

@@ -25,6 +25,7 @@ from tests.support.train_args import tiny_train_args
 
 OPTIONS = dict(noise_multiplier=1.0, target_epsilon=None, batch_size=8, steps=4, aug_mult=1, ema_decay=None)
 OPTIONS.update(augment_padding=0, augment_flip=False, progress=False, eval_every=2, epsilon_every=2)
+SMALL_MODEL = dict(model="equiconvert:resnet9", model_kwargs="widths=4,8,8", group="none")  # for tiny_train_args()
 NONPRIVATE_FIELDS = {"batch_size", "train_loss", "nonfinite_gradients"}  # per-step statistics of the secret batch
 
 
@@ -81,7 +82,7 @@ def test_csv_logger_writes_exactly_the_keys_and_values_of_log_jsonl(tmp_path):
 
 def test_train_logger_flag_writes_log_csv_like_log_jsonl(tmp_path):
     out = tmp_path / "run"
-    assert main(tiny_train_args(out, "--logger", "csv")) == 0
+    assert main(tiny_train_args(out, "--logger", "csv", **SMALL_MODEL)) == 0
     logged = _jsonl(out / "log.jsonl")
     assert logged and _csv_records(out / "log.csv") == [_as_csv(record) for record in logged]
 
@@ -154,7 +155,7 @@ def test_a_logger_without_its_package_is_refused_before_training(tmp_path, monke
     with pytest.raises(LoggerError, match=f"^loggers: the {name} logger needs the {name} package: pip install {name}$"):
         DPTrainer(linear_classifier(), out_dir=tmp_path / "run", loggers=[name], **OPTIONS)
     assert not (tmp_path / "run").exists()
-    assert main(tiny_train_args(tmp_path / "cli", "--logger", f"csv,{name}")) == 2
+    assert main(tiny_train_args(tmp_path / "cli", "--logger", f"csv,{name}", **SMALL_MODEL)) == 2
     error = capsys.readouterr().err
     assert error == f"error: --logger: the {name} logger needs the {name} package: pip install {name}\n"
     assert not (tmp_path / "cli").exists()

@@ -30,6 +30,7 @@ TRAIN_FLAGS = {
     "--resume": "run.resume",
     "--overwrite": "run.overwrite",
     "--threads": "run.threads",
+    "--logger": "run.loggers",
 }
 # the demo's own flags (the rest of the main job is its recipe, changed by --set)
 DEMO_FLAGS = {
@@ -70,6 +71,7 @@ def check_recipe(recipe: Any) -> None:
     from ..data import resolve_name
     from ..privacy.devices import resolve_device
     from ..privacy.dp_config import OFF_OPTIONS, ConfigError, DPConfig, check_config
+    from ..privacy.loggers import LoggerError, check_loggers
     from ..recipes.recipe import trainer_fields
     from ..recipes.run_spec import trainer_options
 
@@ -83,6 +85,10 @@ def check_recipe(recipe: Any) -> None:
         value = _value(recipe, key)
         if isinstance(value, (int, float)) and not isinstance(value, bool) and not valid(value):
             raise CLIError(f"{_setting(key, value)}: {rule}")
+    try:
+        check_loggers(recipe.run.loggers, parameter="--logger")
+    except LoggerError as exc:
+        raise CLIError(str(exc)) from None
     dataset = resolve_name(recipe.data.dataset) if recipe.data.dataset is not None else None
     if dataset == "synthetic" and recipe.data.data_dir is not None:
         raise CLIError(f"--data-dir {recipe.data.data_dir}: the synthetic data set is generated, not read; drop it")
@@ -103,6 +109,8 @@ def _default_of(key: str, base: Any = None) -> str:
     from ..recipes.recipe import Recipe
 
     value = _value(base if base is not None else Recipe(), key)
+    if isinstance(value, tuple):
+        return ",".join(map(str, value))
     return "none" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
 
 

@@ -108,6 +108,16 @@ def add_parser(sub) -> None:
     recipe_flag(g, "--device", "cpu, cuda, cuda:1 (none: cuda if available)")
     recipe_flag(
         g,
+        "--logger",
+        "where the log records go: jsonl (OUT/log.jsonl, always written), csv (OUT/log.csv), tensorboard "
+        "(OUT/tensorboard), wandb (OUT/wandb, offline unless WANDB_MODE says otherwise); repeatable or "
+        "comma-separated; each gets the records log.jsonl gets and nothing more",
+        type=lambda text: [name.strip() for name in text.split(",") if name.strip()],
+        action="extend",
+        metavar="NAME[,NAME]",
+    )
+    recipe_flag(
+        g,
         "--time-limit",
         "stop training after this many seconds, with a checkpoint; --resume continues",
         type=float,

@@ -1,4 +1,5 @@
-"""Hooks into DPTrainer's loop and a metrics-logger interface (TensorBoard when it is installed).
+"""Hooks into DPTrainer's loop and a metrics-logger interface (TensorBoard when it is installed; loggers.py
+builds loggers by name).
 
 Records given to `on_step_end` may hold device tensors (the loop does not wait for the device at every
 step); a MetricsLogger receives plain numbers, when the trainer writes its log.
@@ -40,19 +41,28 @@ def flat_metrics(record: dict[str, Any], prefix: str = "") -> dict[str, float]:
 
 
 class TensorBoardLogger:
-    """MetricsLogger writing TensorBoard scalars (needs the tensorboard package)."""
+    """MetricsLogger writing TensorBoard scalars under log_dir (needs the tensorboard package); the event file
+    opens at the first metrics and closes at close()."""
 
     def __init__(self, log_dir: str | Path) -> None:
         if not tensorboard_available():
             raise ImportError("TensorBoardLogger needs the tensorboard package: pip install tensorboard")
-        from torch.utils.tensorboard import SummaryWriter
-
-        self.writer = SummaryWriter(str(log_dir))
+        self.log_dir = Path(log_dir)
+        self.writer: Any = None
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        if self.writer is None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer = SummaryWriter(str(self.log_dir))
         for name, value in metrics.items():
             self.writer.add_scalar(name, value, step)
         self.writer.flush()
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+            self.writer = None
 
 
 def tensorboard_available() -> bool:

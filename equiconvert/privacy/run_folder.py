@@ -11,9 +11,10 @@ from pathlib import Path
 
 from ..errors import UsageError
 from .checkpoint import remove_stale_temporaries
+from .loggers import CSV_FILE, JSONL_FILE
 
 CHECKPOINT = "checkpoint.pt"
-RUN_RECORDS = ("log.jsonl", "result.json", CHECKPOINT)  # what a run that has started leaves behind
+RUN_RECORDS = (JSONL_FILE, CSV_FILE, "result.json", CHECKPOINT)  # what a run that has started leaves behind
 RUN_FILES = (*RUN_RECORDS, "model.txt")  # everything a run writes (and --overwrite removes)
 
 

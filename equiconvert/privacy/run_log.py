@@ -1,4 +1,4 @@
-"""The log of a DPTrainer run: its records in memory, and on rank 0 in out_dir/log.jsonl and a metrics logger.
+"""The log of a DPTrainer run: its records in memory, and on rank 0 in out_dir/log.jsonl and the other loggers.
 
 A step's record may hold device tensors (batch size, training loss): they become numbers only when the log is
 written, all at once, so the loop waits for the device at the steps that write and nowhere else.
@@ -9,7 +9,6 @@ later) are dropped, so each step has one record, and RunClock's time goes on fro
 
 from __future__ import annotations
 
-import json
 import time
 import warnings
 from pathlib import Path
@@ -17,7 +16,7 @@ from typing import Any
 
 import torch
 
-from .callbacks import MetricsLogger, flat_metrics
+from .loggers import RecordLogger
 
 INTEGER_FIELDS = ("batch_size", "nonfinite_gradients")  # record fields that are counts
 STEP_TIMES_WARNING = (
@@ -32,10 +31,12 @@ def warn_step_times(stacklevel: int = 3) -> None:
 
 
 class RunLog:
-    """Records in order (`records`); `writes`: this process writes them (rank 0 of a job)."""
+    """Records in order (`records`); `writes`: this process writes them (rank 0 of a job), to `loggers`
+    (loggers.py: log.jsonl and the others, each fed these records and nothing else)."""
 
-    def __init__(self, out_dir: Path | None, metrics_logger: MetricsLogger | None, writes: bool) -> None:
-        self.out_dir, self.metrics_logger, self.writes = out_dir, metrics_logger, writes
+    def __init__(self, out_dir: Path | None, loggers: list[RecordLogger], writes: bool) -> None:
+        self.out_dir, self.writes = out_dir, writes
+        self.loggers = loggers
         self.records: list[dict[str, Any]] = []
         self._written = 0  # records[:_written] are in the log
         self.lines = 0  # lines of log.jsonl this run's log goes on from (a checkpoint stores it)
@@ -51,29 +52,25 @@ class RunLog:
         pending = self.records[self._written :]
         materialize(pending)
         self._written = len(self.records)
-        if self.metrics_logger is not None and self.writes:
-            for record in pending:
-                if "step" in record and (values := flat_metrics(record)):
-                    self.metrics_logger.log_metrics(values, int(record["step"]))
-        if self.out_dir is not None and self.writes and pending:
-            self.out_dir.mkdir(parents=True, exist_ok=True)
-            with open(self.path, "a") as handle:
-                handle.writelines(json.dumps(record) + "\n" for record in pending)
+        for line, record in enumerate(pending, start=self.lines):
+            for logger in self.loggers:
+                logger.log_record(record, line)
+        if self.out_dir is not None and self.writes:
             self.lines += len(pending)
 
-    @property
-    def path(self) -> Path | None:
-        return self.out_dir / "log.jsonl" if self.out_dir is not None else None
+    def close(self) -> None:
+        """End of fit: the loggers release their files and runs."""
+        for logger in self.loggers:
+            logger.close()
 
     def resume(self, lines: int | None) -> None:
         """Go on from a checkpoint that stored `lines` lines of the log (None: one that did not count them):
-        later lines, records of steps the resumed run takes again, are cut from the file (rank 0)."""
-        if lines is None or self.path is None:
+        later lines, records of steps the resumed run takes again, are cut from the loggers' files (rank 0)."""
+        if lines is None or self.out_dir is None:
             return
         self.lines = lines
-        if self.writes and self.path.is_file():
-            kept = self.path.read_text().splitlines(keepends=True)[:lines]
-            self.path.write_text("".join(line if line.endswith("\n") else line + "\n" for line in kept))
+        for logger in self.loggers:
+            logger.resume(lines)
 
 
 class RunClock:

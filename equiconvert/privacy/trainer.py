@@ -35,6 +35,7 @@ from .ema import ExponentialMovingAverage
 from .metrics import classification_metrics, predict
 from .hooks import Augment, OptimizerFactory, PerExampleLoss, check_hooks, cross_entropy
 from .interrupt import DeferredInterrupt, TrainingInterrupted
+from .loggers import DEFAULT_LOGGERS, LoggerSpec, build_loggers, check_loggers
 from .inputs import InvalidDataError, check_images, check_labels, check_model_input
 from .devices import resolve_device
 from .normalization import Normalize
@@ -58,7 +59,10 @@ class DPTrainer(TrainerCheckpoint):
         (e.g. functools.partial(AdamW, lr=1e-3)).
     loss_fn: logits, labels -> per-example losses (default: cross-entropy); book-keeping and vmap both use it.
     augment: images, K, generator -> K views per image on the device (default: reflect-pad crop and flip).
-    callbacks: Callback objects (on_step_end, on_eval_end); metrics_logger: a MetricsLogger fed each log record.
+    callbacks: Callback objects (on_step_end, on_eval_end).
+    loggers: where the log records go, as names in loggers.LOGGERS (jsonl, csv, tensorboard, wandb; each writes
+        into out_dir) or logger objects; log.jsonl is written whenever out_dir is set. Every logger gets the
+        records log.jsonl gets and nothing else. metrics_logger: one more logger object (a MetricsLogger).
     distributed: this process's rank in a data-parallel job (distributed.py); None for a single process.
     Images are (N, C, H, W): uint8 pixels, or floats that are pixels in [0, 1] or already normalised (inputs.py).
     """
@@ -75,6 +79,7 @@ class DPTrainer(TrainerCheckpoint):
         loss_fn: PerExampleLoss | None = None,
         augment: Augment | None = None,
         callbacks: Sequence[Callback] = (),
+        loggers: Sequence[LoggerSpec] = DEFAULT_LOGGERS,
         metrics_logger: MetricsLogger | None = None,
         **options: Any,
     ) -> None:
@@ -84,6 +89,7 @@ class DPTrainer(TrainerCheckpoint):
         if optimizer_factory is not None:
             options["optimizer"] = CUSTOM
         check_hooks(loss_fn, augment, callbacks, metrics_logger)
+        check_loggers(loggers)
         unknown = set(options) - set(DPConfig.__dataclass_fields__)
         if unknown:
             raise ParameterError(
@@ -122,7 +128,9 @@ class DPTrainer(TrainerCheckpoint):
             warnings.warn(unreached)
         self.step = 0
         self.stopped_reason: str | None = None  # "budget", "time_limit" or "interrupted": fit ended before `steps`
-        self._log = RunLog(self.out_dir, metrics_logger, self.dist.is_main)
+        extra = [metrics_logger] if metrics_logger is not None else []
+        logs = self.dist.is_main  # rank 0 alone writes the log
+        self._log = RunLog(self.out_dir, build_loggers([*loggers, *extra], self.out_dir) if logs else [], logs)
         self._clock = RunClock()
         self._checkpoint_step: int | None = None  # the step of the last checkpoint this trainer wrote
         self.ledger: PrivacyLedger | None = None
@@ -275,6 +283,7 @@ class DPTrainer(TrainerCheckpoint):
         single-process run after the step under way with a checkpoint and raises TrainingInterrupted (interrupt.py).
         """
         with contextlib.ExitStack() as self._run_folder, DeferredInterrupt(not self.dist.enabled) as self._interrupt:
+            self._run_folder.callback(self._log.close)
             return self._fit(train_set, eval_set, resume, time_limit_s)
 
     def _fit(

@@ -20,6 +20,7 @@ from typing import Any
 
 from ..errors import UsageError
 from ..privacy.dp_config import DPConfig
+from ..privacy.loggers import DEFAULT_LOGGERS
 from .value_types import describe, matches
 
 if sys.version_info >= (3, 11):
@@ -72,6 +73,7 @@ class RunOptions:
     overwrite: bool = False
     progress: bool = True
     plan_steps: bool = False  # fit the steps to time_limit_s by a timing probe before the noise is calibrated
+    loggers: tuple[str, ...] = DEFAULT_LOGGERS  # names in privacy.loggers.LOGGERS; log.jsonl is always written
 
 
 @dataclass

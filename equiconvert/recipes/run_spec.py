@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..privacy.dp_config import DPConfig
+from ..privacy.loggers import DEFAULT_LOGGERS
 from .recipe import Recipe, RecipeError
 
 BASELINE_GROUP = "none"  # --group none: the unconverted network
@@ -32,6 +33,7 @@ class RunSpec:
     init_gain: float | None = None  # ConversionConfig.init_gain; None keeps the model's default
     head: str | None = None  # "keep" or "invariant"; None: the paper preset's own head, "invariant" for other models
     plan_steps: bool = False  # fit the steps to time_limit_s by a timing probe before the noise is calibrated
+    loggers: tuple[str, ...] = DEFAULT_LOGGERS  # where the log records go (privacy.loggers.LOGGERS)
 
     def preset(self, key: str) -> Any:
         """A paper-preset keyword argument as given (None: the preset's own)."""
@@ -79,6 +81,7 @@ def spec_of(recipe: Recipe) -> RunSpec:
         init_gain=c.init_gain,
         head=c.head,
         plan_steps=r.plan_steps,
+        loggers=tuple(r.loggers),
     )
 
 

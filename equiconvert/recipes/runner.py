@@ -23,6 +23,7 @@ from ..privacy import distributed
 from ..privacy.accounting import refuse_delta
 from ..privacy.dp_config import DPConfig, check_config
 from ..privacy.inputs import InvalidDataError
+from ..privacy.loggers import check_loggers
 from ..privacy.run_folder import prepare_out
 from ..privacy.run_lock import hold_run_folder
 from ..privacy.trainer import DPTrainer
@@ -92,6 +93,7 @@ def run_training(spec: RunSpec, **trainer_options: Any) -> dict[str, Any]:
     from ..data import resolve_name
 
     check_config(DPConfig(**trainer_options))  # every option before any data is read
+    check_loggers(spec.loggers)
     resolve_name(spec.dataset)
     refuse_conversion_options_for_baseline(spec)
     refuse_preset_options_for_other_models(spec)
@@ -160,7 +162,13 @@ def _run_training(
         trainer_options = {**trainer_options, "steps": probe["planned_steps"]}
         result["step_probe"] = probe
     trainer = DPTrainer(
-        model, device=device, out_dir=spec.out, progress=spec.progress, distributed=context, **trainer_options
+        model,
+        device=device,
+        out_dir=spec.out,
+        progress=spec.progress,
+        distributed=context,
+        loggers=spec.loggers,
+        **trainer_options,
     )
     trainer.fit(
         (images_train, train.labels),

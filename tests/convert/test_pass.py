@@ -83,7 +83,7 @@ def test_resnet_d_avgpool_shortcut_is_rewritten_symmetrically():
 
 
 def test_spatial_flatten_head_is_reported_with_location():
-    model = equiconvert.make_equivariant(resnet9(), "D4", input_size=32)
+    model = equiconvert.make_equivariant(resnet9(), "D4", input_size=32, head="keep")
     assert not model.report.invariant_output
     (warning,) = model.report.warnings
     assert warning.module_path.startswith("head") and "not invariant" in warning.message
@@ -93,7 +93,7 @@ def test_spatial_flatten_head_is_reported_with_location():
 
 def test_strict_turns_warnings_into_errors():
     with pytest.raises(EquivarianceBreakError, match="head"):
-        equiconvert.make_equivariant(resnet9(), "D4", strict=True)
+        equiconvert.make_equivariant(resnet9(), "D4", strict=True, head="keep")
 
 
 def test_invariant_head_pools_globally():

@@ -223,7 +223,9 @@ def fastdp(case: Case, precision: str) -> Runner:
         raise NotRun("needs --fastdp DIR: a checkout of github.com/awslabs/fast-differential-privacy")
     root = Path(case.fastdp)
     if not (root / "fastDP" / "privacy_engine.py").is_file():
-        raise NotRun(f"--fastdp {root}: fastDP/privacy_engine.py missing; give a checkout of awslabs/fast-differential-privacy")
+        raise NotRun(
+            f"--fastdp {root}: fastDP/privacy_engine.py missing; give a checkout of awslabs/fast-differential-privacy"
+        )
     if str(root) not in sys.path:
         sys.path.insert(0, str(root))
     try:
@@ -359,7 +361,7 @@ def jax_dp(case: Case, precision: str) -> Runner:
         def example_loss(params, views, label):
             return _cross_entropy(jax, apply(params, views), jnp.broadcast_to(label, views.shape[:1]))
 
-        per_example = jax.vmap(jax.grad(example_loss), in_dims=(None, 0, 0))
+        per_example = jax.vmap(jax.grad(example_loss), in_axes=(None, 0, 0))
 
         def update(params, key, views, labels):
             grads = per_example(params, views, labels)

@@ -50,7 +50,8 @@ MODELS: dict[str, tuple[Callable[[], nn.Module], Callable[[], nn.Module], str]] 
 }
 TINY = {"batch": 2, "aug_mult": 2, "image_size": 16, "warmup": 1, "iters": 1, "check_batch": 2}
 
-# the per-example loop each clipping unit is checked against: (views reduced, rows per example, divisor)
+# how the per-example loop that checks an engine reduces each example's K view gradients ("view": no reduction,
+# each view its own example)
 REFERENCES = {EXAMPLE_MEAN: "mean", EXAMPLE_SUM: "sum", VIEW: "view"}
 
 
@@ -71,7 +72,17 @@ def make_case(args, model_name: str, batch: int, device: torch.device) -> Case:
     images = torch.randn(batch, 3, args.image_size, args.image_size, generator=generator).to(device)
     labels = (torch.arange(batch) % 10).to(device)
     return Case(
-        model_name, model, images, labels, args.aug_mult, args.clip, args.noise, args.lr, device, args.fastdp, args.released
+        model_name,
+        model,
+        images,
+        labels,
+        args.aug_mult,
+        args.clip,
+        args.noise,
+        args.lr,
+        device,
+        args.fastdp,
+        args.released,
     )
 
 
@@ -80,13 +91,13 @@ def noise_free_check(args, engine: str, model_name: str, device: torch.device) -
     case = make_case(args, model_name, args.check_batch, device)
     case.noise = 0.0
     runner = ENGINES[engine].build(case, "fp32")
+    if runner.unit == NONPRIVATE:
+        return {}
     before = runner.params()
     runner.sync(runner.step())
     after = runner.params()
     reference = runner.reference
     images, labels, k, b = case.images, case.labels, case.aug_mult, len(case.images)
-    if runner.unit == NONPRIVATE:
-        return {}
     reduce = REFERENCES[runner.unit]
     if reduce == "view":
         flat = case.views.flatten(0, 1)
@@ -133,7 +144,11 @@ def run_engine(args, engine: str, model_name: str, precision: str, device: torch
         check = noise_free_check(args, engine, model_name, device)
         case = make_case(args, model_name, args.batch, device)
         runner = ENGINES[engine].build(case, precision)
-        record = {"precision": runner.precision, "clipping_unit": runner.unit, **timed(runner, device, args.warmup, args.iters)}
+        record = {
+            "precision": runner.precision,
+            "clipping_unit": runner.unit,
+            **timed(runner, device, args.warmup, args.iters),
+        }
         record["augmented_samples_per_s"] = 1e3 * args.batch * args.aug_mult / record["ms_per_step"]
         if check:
             record["noise_free_check"] = check
@@ -158,7 +173,12 @@ def run_model(args, model_name: str, engines: list[str], device: torch.device) -
         spec = ENGINES[engine]
         precision = args.precision if args.precision in spec.precisions else "fp32"
         records[engine] = run_engine(args, engine, model_name, precision, device)
-        print(model_name, engine, json.dumps({k: v for k, v in records[engine].items() if k != "ms_per_step_each"}), flush=True)
+        print(
+            model_name,
+            engine,
+            json.dumps({k: v for k, v in records[engine].items() if k != "ms_per_step_each"}),
+            flush=True,
+        )
         if spec.baseline is None or "ms_per_step" not in records[engine]:
             continue
         key = (spec.baseline, precision)
@@ -182,8 +202,10 @@ def versions() -> dict:
     import opacus
 
     found = {"torch": torch.__version__, "opacus": opacus.__version__}
-    jax = sys.modules.get("jax")
+    jax = sys.modules.get("jax")  # imported only where a JAX engine ran
     found["jax"] = getattr(jax, "__version__", None)
+    if jax is not None:  # None: TF32-class passes on GPUs for fp32 convs and matmuls, as torch's cuDNN default
+        found["jax_default_matmul_precision"] = jax.config.jax_default_matmul_precision
     return found
 
 
@@ -209,11 +231,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--check-batch", type=int, default=4, help="examples in each engine's noise-free check")
     parser.add_argument("--fastdp", help="a checkout of github.com/awslabs/fast-differential-privacy")
     parser.add_argument("--released", help="a checkout of github.com/hlzl/equivariant at 3dd7cd0 (the paper's code)")
-    parser.add_argument("--tiny", action="store_true", help="CPU smoke run: tiny models, " + str(TINY))
+    parser.add_argument("--tiny", action="store_true", help=f"CPU smoke run: tiny models, defaults {TINY}")
     parser.add_argument("--out", default="benchmarks/results/dp_engines.json")
+    if parser.parse_known_args(argv)[0].tiny:  # --tiny changes the defaults; flags given still apply
+        parser.set_defaults(**TINY, device="cpu")
     args = parser.parse_args(argv)
     if args.tiny:
-        vars(args).update(TINY, device="cpu")
         torch.set_num_threads(1)  # tiny tensors: threads only contend
     models, engines = args.models.split(","), args.engines.split(",")
     for flag, names, known in (("--models", models, MODELS), ("--engines", engines, ENGINES)):

@@ -134,7 +134,10 @@ def released_model(root: Path, seed: int = 0, on_cpu: bool = True) -> nn.Module:
     net = config["network"]
     kwargs = {k: net[k] for k in ("group", "rotation", "restrict", "fix_params")}
     torch.manual_seed(seed)
-    with _cpu_device() if on_cpu else contextlib.nullcontext(), contextlib.redirect_stdout(sys.stderr):  # its GroupNorm prints the groups it adapts
+    with (
+        _cpu_device() if on_cpu else contextlib.nullcontext(),
+        contextlib.redirect_stdout(sys.stderr),
+    ):  # its GroupNorm prints the groups it adapts
         return networks.EquivariantResNet9(
             **kwargs, layout=tuple(net["layout"]), num_groups=tuple(net["num_groups"]), num_classes=10
         ).eval()

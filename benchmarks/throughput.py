@@ -85,7 +85,12 @@ def build_model(
 
 
 def _noisy_step(
-    model, optimizer, summed: dict[str, torch.Tensor], batch: int, noise_multiplier: float = NOISE, clip: float = MAX_GRAD_NORM
+    model,
+    optimizer,
+    summed: dict[str, torch.Tensor],
+    batch: int,
+    noise_multiplier: float = NOISE,
+    clip: float = MAX_GRAD_NORM,
 ) -> None:
     for name, param in model.named_parameters():
         noise = torch.randn_like(summed[name]) * (noise_multiplier * clip)

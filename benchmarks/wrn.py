@@ -69,7 +69,9 @@ def jax_forward(model: WideResNet) -> Callable[[Mapping[str, Any], Any], Any]:
     from jax import lax
 
     def conv(x, w, stride: int, pad: int):
-        return lax.conv_general_dilated(x, w, (stride, stride), [(pad, pad)] * 2, dimension_numbers=("NCHW", "OIHW", "NCHW"))
+        return lax.conv_general_dilated(
+            x, w, (stride, stride), [(pad, pad)] * 2, dimension_numbers=("NCHW", "OIHW", "NCHW")
+        )
 
     def group_norm(x, params, prefix: str, norm: nn.GroupNorm):
         n, c, h, w = x.shape

@@ -10,6 +10,7 @@ noise-free check against a per-example loop). An engine that cannot run here rai
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import secrets
@@ -17,7 +18,7 @@ import sys
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from functools import partial
+from functools import cache, partial
 from pathlib import Path
 from typing import Any
 
@@ -242,7 +243,7 @@ def fastdp(case: Case, precision: str) -> Runner:
     reference = copy.deepcopy(case.model)
     optimizer = torch.optim.SGD(case.model.parameters(), lr=case.lr)
     rows = len(case.images) * case.aug_mult
-    with warnings.catch_warnings(), _stdout_to_stderr():
+    with warnings.catch_warnings(), contextlib.redirect_stdout(sys.stderr):  # its progress prints
         warnings.simplefilter("ignore")
         engine = PrivacyEngine(
             case.model,
@@ -266,21 +267,20 @@ def fastdp(case: Case, precision: str) -> Runner:
     return _torch_runner(case.model, reference, step, VIEW)
 
 
-def _stdout_to_stderr():
-    import contextlib
-
-    return contextlib.redirect_stdout(sys.stderr)
-
-
 def _released_model(case: Case) -> nn.Module:
     if not case.released:
         raise NotRun("needs --released DIR: a checkout of github.com/hlzl/equivariant at 3dd7cd0")
     if case.model_name != "paper":
         raise NotRun("the released code builds only its Equivariant-ResNet9 (--models paper)")
+    return copy.deepcopy(_released_prototype(case.released, case.device.type == "cpu")).to(case.device).train()
+
+
+@cache
+def _released_prototype(root: str, on_cpu: bool) -> nn.Module:
+    """The released model, built once per process: the released code builds its bases anew each time (minutes)."""
     from released_code import released_dir, released_model
 
-    model = released_model(released_dir(case.released), on_cpu=case.device.type == "cpu")
-    return model.to(case.device).train()
+    return released_model(released_dir(root), on_cpu=on_cpu)
 
 
 def released(case: Case, precision: str) -> Runner:
@@ -321,7 +321,7 @@ def _jax_runner(jax, case: Case, make_update: Callable, unit: str) -> Runner:
     views = jax.numpy.asarray(case.views.cpu().numpy())
     labels = jax.numpy.asarray(case.labels.cpu().numpy())
     update = jax.jit(make_update(jax, jax_forward(case.model)), donate_argnums=0)
-    state = {"params": params, "key": jax.random.key(secrets.randbits(63))}
+    state = {"params": params, "key": jax.random.key(secrets.randbits(32))}
 
     def step():
         state["key"], key = jax.random.split(state["key"])

@@ -142,6 +142,7 @@ def run_engine(args, engine: str, model_name: str, precision: str, device: torch
     runner = None
     try:
         check = noise_free_check(args, engine, model_name, device)
+        _release(device)  # the check's model and engine hold no memory during the timing
         case = make_case(args, model_name, args.batch, device)
         runner = ENGINES[engine].build(case, precision)
         record = {
@@ -159,9 +160,13 @@ def run_engine(args, engine: str, model_name: str, precision: str, device: torch
         return {"error": f"{type(error).__name__}: {error}".splitlines()[0]}
     finally:
         del runner
-        gc.collect()
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+        _release(device)
+
+
+def _release(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def run_model(args, model_name: str, engines: list[str], device: torch.device) -> dict:

@@ -42,6 +42,7 @@ EXAMPLE_MEAN = "example (mean of its K views)"
 EXAMPLE_SUM = "example (sum of its K views)"
 VIEW = "view (each of the B*K rows)"
 NONPRIVATE = "none (non-private)"
+RELEASED_POOL = 8  # released models per build: two engines x (check, timing) x (model, reference)
 
 
 class NotRun(Exception):
@@ -94,12 +95,13 @@ def _flat(case: Case) -> tuple[torch.Tensor, torch.Tensor]:
 
 def nonprivate(case: Case, precision: str) -> Runner:
     """Forward/backward on the B*K views and an SGD step (throughput.py's), under bf16 autocast if asked."""
-    reference = copy.deepcopy(case.model)
-    optimizer = torch.optim.SGD(case.model.parameters(), lr=case.lr)
+    return _nonprivate(case.model, copy.deepcopy(case.model), case, precision)
+
+
+def _nonprivate(model: nn.Module, reference: nn.Module, case: Case, precision: str) -> Runner:
+    optimizer = torch.optim.SGD(model.parameters(), lr=case.lr)
     step, views = make_nonprivate_step(PRECISIONS[precision]), case.views
-    return _torch_runner(
-        case.model, reference, lambda: step(case.model, optimizer, views, case.labels), NONPRIVATE, precision
-    )
+    return _torch_runner(model, reference, lambda: step(model, optimizer, views, case.labels), NONPRIVATE, precision)
 
 
 def dptrainer(case: Case, precision: str) -> Runner:
@@ -267,28 +269,34 @@ def fastdp(case: Case, precision: str) -> Runner:
     return _torch_runner(case.model, reference, step, VIEW)
 
 
-def _released_model(case: Case) -> nn.Module:
+def _released_pair(case: Case) -> tuple[nn.Module, nn.Module]:
+    """A fresh released model and a copy of it (the check's reference), on the device."""
     if not case.released:
         raise NotRun("needs --released DIR: a checkout of github.com/hlzl/equivariant at 3dd7cd0")
     if case.model_name != "paper":
         raise NotRun("the released code builds only its Equivariant-ResNet9 (--models paper)")
-    return copy.deepcopy(_released_prototype(case.released, case.device.type == "cpu")).to(case.device).train()
+    pool = _released_pool(case.released, case.device.type == "cpu")
+    if not pool:
+        _released_pool.cache_clear()
+        pool = _released_pool(case.released, case.device.type == "cpu")
+    return pool.pop().to(case.device).train(), pool.pop().to(case.device).train()
 
 
 @cache
-def _released_prototype(root: str, on_cpu: bool) -> nn.Module:
-    """The released model, built once per process: the released code builds its bases anew each time (minutes)."""
+def _released_pool(root: str, on_cpu: bool) -> list[nn.Module]:
+    """Copies of one released model, all taken before any of them runs: the released code builds its bases anew for
+    each model (minutes), and its modules cannot be deep-copied once one of them has run."""
     from released_code import released_dir, released_model
 
-    return released_model(released_dir(root), on_cpu=on_cpu)
+    model = released_model(released_dir(root), on_cpu=on_cpu)
+    return [copy.deepcopy(model) for _ in range(RELEASED_POOL)]
 
 
 def released(case: Case, precision: str) -> Runner:
     """The paper's released code: its own EquivariantResNet9 (built by the checkout), stepped as its training code
     computes the step (throughput.py's nested_vmap: vmap over examples of vmap over views of grad, the K view
     gradients summed, clipped, noised, divided by B)."""
-    model = _released_model(case)
-    reference = copy.deepcopy(model)
+    model, reference = _released_pair(case)
     optimizer = torch.optim.SGD(model.parameters(), lr=case.lr)
     views, step = case.views, partial(step_nested_vmap, clip=case.clip, noise_multiplier=case.noise)
     return _torch_runner(model, reference, lambda: step(model, optimizer, views, case.labels), EXAMPLE_SUM)
@@ -296,7 +304,8 @@ def released(case: Case, precision: str) -> Runner:
 
 def released_nonprivate(case: Case, precision: str) -> Runner:
     """The released model's non-private step (forward/backward on the B*K views, SGD)."""
-    return nonprivate(Case(**{**case.__dict__, "model": _released_model(case)}), precision)
+    model, reference = _released_pair(case)
+    return _nonprivate(model, reference, case, precision)
 
 
 def _jax(case: Case):

@@ -42,7 +42,6 @@ EXAMPLE_MEAN = "example (mean of its K views)"
 EXAMPLE_SUM = "example (sum of its K views)"
 VIEW = "view (each of the B*K rows)"
 NONPRIVATE = "none (non-private)"
-RELEASED_POOL = 8  # released models per build: two engines x (check, timing) x (model, reference)
 
 
 class NotRun(Exception):
@@ -275,21 +274,17 @@ def _released_pair(case: Case) -> tuple[nn.Module, nn.Module]:
         raise NotRun("needs --released DIR: a checkout of github.com/hlzl/equivariant at 3dd7cd0")
     if case.model_name != "paper":
         raise NotRun("the released code builds only its Equivariant-ResNet9 (--models paper)")
-    pool = _released_pool(case.released, case.device.type == "cpu")
-    if not pool:
-        _released_pool.cache_clear()
-        pool = _released_pool(case.released, case.device.type == "cpu")
-    return pool.pop().to(case.device).train(), pool.pop().to(case.device).train()
+    prototype = _released_prototype(case.released, case.device.type == "cpu")
+    return tuple(copy.deepcopy(prototype).to(case.device) for _ in range(2))
 
 
 @cache
-def _released_pool(root: str, on_cpu: bool) -> list[nn.Module]:
-    """Copies of one released model, all taken before any of them runs: the released code builds its bases anew for
-    each model (minutes), and its modules cannot be deep-copied once one of them has run."""
+def _released_prototype(root: str, on_cpu: bool) -> nn.Module:
+    """The released model, built once per process (its code builds its bases anew for each model: minutes), in train
+    mode: in eval mode its escnn modules keep expanded filters, non-leaf tensors that deepcopy refuses."""
     from released_code import released_dir, released_model
 
-    model = released_model(released_dir(root), on_cpu=on_cpu)
-    return [copy.deepcopy(model) for _ in range(RELEASED_POOL)]
+    return released_model(released_dir(root), on_cpu=on_cpu).train()
 
 
 def released(case: Case, precision: str) -> Runner:

@@ -125,15 +125,19 @@ def import_released(root: Path) -> types.ModuleType:
     return networks
 
 
-def released_model(root: Path, seed: int = 0) -> nn.Module:
+def released_model(root: Path, seed: int = 0, on_cpu: bool = True) -> nn.Module:
     """The released EquivariantResNet9 with its CIFAR-10 configuration (layout, GroupNorm groups, group, rotation,
-    restriction, fix_params read from conf/setup), built on the CPU."""
+    restriction, fix_params read from conf/setup), built on the CPU (on_cpu=False: where the released code puts its
+    constants, the current CUDA device)."""
     networks = import_released(root)
     config = released_config(root)
     net = config["network"]
     kwargs = {k: net[k] for k in ("group", "rotation", "restrict", "fix_params")}
     torch.manual_seed(seed)
-    with _cpu_device(), contextlib.redirect_stdout(sys.stderr):  # its GroupNorm prints the groups it adapts
+    with (
+        _cpu_device() if on_cpu else contextlib.nullcontext(),
+        contextlib.redirect_stdout(sys.stderr),
+    ):  # its GroupNorm prints the groups it adapts
         return networks.EquivariantResNet9(
             **kwargs, layout=tuple(net["layout"]), num_groups=tuple(net["num_groups"]), num_classes=10
         ).eval()

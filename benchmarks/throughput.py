@@ -84,9 +84,16 @@ def build_model(
     return model.to(device).train()
 
 
-def _noisy_step(model, optimizer, summed: dict[str, torch.Tensor], batch: int) -> None:
+def _noisy_step(
+    model,
+    optimizer,
+    summed: dict[str, torch.Tensor],
+    batch: int,
+    noise_multiplier: float = NOISE,
+    clip: float = MAX_GRAD_NORM,
+) -> None:
     for name, param in model.named_parameters():
-        noise = torch.randn_like(summed[name]) * (NOISE * MAX_GRAD_NORM)
+        noise = torch.randn_like(summed[name]) * (noise_multiplier * clip)
         param.grad = (summed[name] + noise) / batch
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
@@ -133,7 +140,7 @@ def make_equiconvert_step(
     return step
 
 
-def step_nested_vmap(model, optimizer, views, labels):
+def step_nested_vmap(model, optimizer, views, labels, clip: float = MAX_GRAD_NORM, noise_multiplier: float = NOISE):
     params = {n: p.detach() for n, p in model.named_parameters()}
     buffers = dict(model.named_buffers())
 
@@ -142,8 +149,8 @@ def step_nested_vmap(model, optimizer, views, labels):
 
     per_view = vmap(vmap(grad(view_loss), in_dims=(None, 0, None)), in_dims=(None, 0, 0), randomness="different")
     grads = {n: g.sum(1) for n, g in per_view(params, views, labels).items()}  # the paper sums the K views
-    summed, _ = clip_and_sum(grads, MAX_GRAD_NORM)
-    _noisy_step(model, optimizer, summed, views.shape[0])
+    summed, _ = clip_and_sum(grads, clip)
+    _noisy_step(model, optimizer, summed, views.shape[0], noise_multiplier, clip)
 
 
 def make_private_step(model):

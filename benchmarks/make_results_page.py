@@ -249,6 +249,24 @@ def _methods(s: Summary) -> list[str]:
     return _table(["method", "step", "samples/s", "vs " + s["rows"][0]["method"], "peak memory (GiB)"], rows)
 
 
+@renderer("dp_engines")
+def _dp_engines(s: Summary) -> list[str]:
+    columns = ["model", "engine", "clipping unit", "step", "vs its non-private step", "peak memory (GiB)"]
+    rows = []
+    for r in s["rows"]:
+        if "ms" in r:
+            cells = [
+                r["clipping_unit"],
+                f"{r['ms']:.1f} ms",
+                f"{r['vs_nonprivate']:.2f}x",
+                f"{r['peak_memory_gib']:.2f}",
+            ]
+        else:
+            cells = ["-", f"not run: {r['not_run']}" if "not_run" in r else f"error: {r['error']}", "-", "-"]
+        rows.append([r["model"], r["engine"], *cells])
+    return _table(columns, rows)
+
+
 @renderer("scaling")
 def _scaling(s: Summary) -> list[str]:
     one = s["rows"][0]["samples_per_s"]

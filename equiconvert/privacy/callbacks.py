@@ -29,15 +29,24 @@ class MetricsLogger(Protocol):
     def log_metrics(self, metrics: dict[str, float], step: int) -> None: ...
 
 
-def flat_metrics(record: dict[str, Any], prefix: str = "") -> dict[str, float]:
-    """The numeric fields of a log record, nested ones as "eval/accuracy"; "step" and text fields left out."""
-    out: dict[str, float] = {}
+def flat_fields(record: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Every field of a log record, nested ones as "eval/accuracy"."""
+    out: dict[str, Any] = {}
     for key, value in record.items():
         if isinstance(value, dict):
-            out.update(flat_metrics(value, f"{prefix}{key}/"))
-        elif isinstance(value, (int, float)) and not isinstance(value, bool) and key != "step":
-            out[f"{prefix}{key}"] = float(value)
+            out.update(flat_fields(value, f"{prefix}{key}/"))
+        else:
+            out[f"{prefix}{key}"] = value
     return out
+
+
+def flat_metrics(record: dict[str, Any]) -> dict[str, float]:
+    """The numeric fields of a log record, nested ones as "eval/accuracy"; "step" and text fields left out."""
+    return {
+        key: float(value)
+        for key, value in flat_fields(record).items()
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and key.rpartition("/")[2] != "step"
+    }
 
 
 class TensorBoardLogger:

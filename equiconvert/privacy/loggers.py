@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Callable, Union
 
 from ..errors import UsageError
-from .callbacks import MetricsLogger, TensorBoardLogger, flat_metrics
+from .callbacks import MetricsLogger, TensorBoardLogger, flat_fields, flat_metrics
 
 JSONL = "jsonl"  # out_dir/log.jsonl: the run's own record, written whenever there is an out_dir
 JSONL_FILE, CSV_FILE = "log.jsonl", "log.csv"
@@ -37,6 +37,11 @@ class RecordLogger:
     def log_record(self, record: dict[str, Any], line: int) -> None:
         raise NotImplementedError
 
+    def log_records(self, records: list[dict[str, Any]], first_line: int) -> None:
+        """The records of one flush, the first at line `first_line` (file loggers open their file once)."""
+        for line, record in enumerate(records, start=first_line):
+            self.log_record(record, line)
+
     def resume(self, lines: int) -> None:
         """Drop what came from line `lines` on: a resumed run writes those steps again (a sink that cannot, keeps
         them)."""
@@ -52,9 +57,12 @@ class JsonlLogger(RecordLogger):
         self.path = path
 
     def log_record(self, record: dict[str, Any], line: int) -> None:
+        self.log_records([record], line)
+
+    def log_records(self, records: list[dict[str, Any]], first_line: int) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.path, "a") as handle:
-            handle.write(json.dumps(record) + "\n")
+            handle.writelines(json.dumps(record) + "\n" for record in records)
 
     def resume(self, lines: int) -> None:
         if self.path.is_file():
@@ -70,14 +78,18 @@ class CsvLogger(RecordLogger):
         self.path = path
 
     def log_record(self, record: dict[str, Any], line: int) -> None:
+        self.log_records([record], line)
+
+    def log_records(self, records: list[dict[str, Any]], first_line: int) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         new = not self.path.is_file()
         with open(self.path, "a", newline="") as handle:
             writer = csv.writer(handle)
             if new:
                 writer.writerow(CSV_COLUMNS)
-            step = record.get("step", "")
-            writer.writerows((line, step, key, csv_value(value)) for key, value in flat_fields(record).items())
+            for line, record in enumerate(records, start=first_line):
+                step = record.get("step", "")
+                writer.writerows((line, step, key, csv_value(value)) for key, value in flat_fields(record).items())
 
     def resume(self, lines: int) -> None:
         if self.path.is_file():
@@ -86,17 +98,6 @@ class CsvLogger(RecordLogger):
             kept = [rows[0], *(row for row in rows[1:] if int(row[0]) < lines)] if rows else []
             with open(self.path, "w", newline="") as handle:
                 csv.writer(handle).writerows(kept)
-
-
-def flat_fields(record: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    """Every field of a record, nested ones as "eval/accuracy"."""
-    out: dict[str, Any] = {}
-    for key, value in record.items():
-        if isinstance(value, dict):
-            out.update(flat_fields(value, f"{prefix}{key}/"))
-        else:
-            out[f"{prefix}{key}"] = value
-    return out
 
 
 def csv_value(value: Any) -> str:

@@ -52,9 +52,8 @@ class RunLog:
         pending = self.records[self._written :]
         materialize(pending)
         self._written = len(self.records)
-        for line, record in enumerate(pending, start=self.lines):
-            for logger in self.loggers:
-                logger.log_record(record, line)
+        for logger in self.loggers:
+            logger.log_records(pending, self.lines)
         if self.out_dir is not None and self.writes:
             self.lines += len(pending)
 

@@ -1,14 +1,21 @@
 """Private fine-tuning of a pretrained CNN, plain or canonicalised, against a converted model from scratch.
 
-A small GroupNorm CNN is pretrained without privacy on Fashion-MNIST (public data here), then each of three
-models is fine-tuned with DP-SGD (DPTrainer, --epsilon) on upright MNIST digits (mnist-10k.npz, its fixed
-8,000 / 2,000 split):
+A small GroupNorm CNN is pretrained without privacy on public data, then each of three models is fine-tuned
+with DP-SGD (DPTrainer) on private data of another kind (--task):
+  digits:        public: Fashion-MNIST (all 60,000); private: upright MNIST digits (mnist-10k.npz, its fixed
+                 8,000 / 2,000 split). A quarter turn maps a 6 onto a 9, which costs any invariant model there.
+  fashion_split: public: Fashion-MNIST's classes 0-4 (tops, trousers, dresses, coats); private: its classes
+                 5-9 (sandals, shirts, sneakers, bags, ankle boots; 30,000 training and 5,000 test images).
+The three models:
   scratch_converted:        the same CNN, freshly initialised, converted by make_equivariant (invariant head);
   pretrained:               the pretrained CNN as it is;
-  pretrained_canonicalized: the pretrained CNN behind equiconvert.canonicalize, trained with pose_prior_loss.
+  pretrained_canonicalized: the pretrained CNN behind equiconvert.canonicalize, trained with pose_prior_loss;
+                            its canonicaliser is first taught the upright pose on the public data (the prior
+                            alone, no privacy needed), so the private steps start from a sensible pose.
 Each is tested on the upright test digits and on the same digits turned by a random multiple of 90 degrees
-(and flipped, for a D group). JSON summary.
-Usage: python benchmarks/pretrained_adaptation.py --out results/pretrained_adaptation.json
+(and flipped, for a D group). Every (epsilon, seed) cell pretrains its own CNN with that seed; cells run in
+--workers parallel processes. JSON summary: every run, and per epsilon and model the median over seeds.
+Usage: python benchmarks/pretrained_adaptation.py --epsilons 1,3,8 --seeds 0,1,2 --out results/adaptation.json
        python benchmarks/pretrained_adaptation.py --tiny          # a smoke run of a few steps
 """
 
@@ -17,8 +24,11 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import statistics
 import sys
 import warnings
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from multiprocessing import get_context
 from pathlib import Path
 
 import torch
@@ -27,29 +37,32 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from equiconvert import canonicalize, make_equivariant, pose_prior_loss  # noqa: E402
+from equiconvert import CanonicalizedModel, canonicalize, make_equivariant, pose_prior_loss  # noqa: E402
 from equiconvert.data import load_dataset  # noqa: E402
+from equiconvert.adapt.canonicalize import IDENTITY, pose_scores  # noqa: E402
 from equiconvert.groups import parse_group  # noqa: E402
 from equiconvert.privacy.accounting import calibrate_noise_multiplier, default_delta  # noqa: E402
 from equiconvert.privacy.trainer import DPTrainer  # noqa: E402
 
 SIZE, CLASSES, MEAN, STD = 28, 10, 0.5, 0.5  # DPTrainer's default normalisation, used for pretraining too
-FULL = dict(pretrain_steps=600, pretrain_examples=None, train_examples=None, test_examples=None, steps=150)
+FULL = dict(pretrain_steps=2000, pretrain_examples=None, train_examples=None, test_examples=None, steps=600)
 TINY = dict(pretrain_steps=3, pretrain_examples=256, train_examples=64, test_examples=64, steps=2)
+PUBLIC_FASHION_CLASSES = (0, 1, 2, 3, 4)  # fashion_split: the rest, 5-9, are the private task
 ACCOUNTANT = "rdp"
 
 
 class SmallCNN(nn.Module):
-    """Three 3x3 convolutions with GroupNorm (DP-safe), global average pooling and a linear classifier."""
+    """Four 3x3 convolutions with GroupNorm (DP-safe), global average pooling and a linear classifier."""
 
-    def __init__(self, width: int = 16) -> None:
+    def __init__(self, widths: tuple[int, ...] = (16, 32, 64, 64), strides: tuple[int, ...] = (1, 2, 2, 2)) -> None:
         super().__init__()
         layers: list[nn.Module] = []
-        for index, (c_in, c_out) in enumerate(((1, width), (width, 2 * width), (2 * width, 2 * width))):
-            stride = 1 if index == 0 else 2
+        c_in = 1
+        for c_out, stride in zip(widths, strides):
             layers += [nn.Conv2d(c_in, c_out, 3, stride=stride, padding=1), nn.GroupNorm(4, c_out), nn.ReLU()]
+            c_in = c_out
         self.features = nn.Sequential(*layers)
-        self.head = nn.Linear(2 * width, CLASSES)
+        self.head = nn.Linear(c_in, CLASSES)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(self.features(x).mean(dim=(2, 3)))
@@ -59,23 +72,28 @@ def _normalised(images: torch.Tensor) -> torch.Tensor:
     return (images.float() / 255 - MEAN) / STD
 
 
-def pretrain(images: torch.Tensor, labels: torch.Tensor, steps: int, batch_size: int, seed: int) -> nn.Module:
-    """SmallCNN trained without privacy (Adam, random batches) on public data."""
+def pretrain(
+    images: torch.Tensor, labels: torch.Tensor, steps: int, batch_size: int, seed: int, device: str
+) -> nn.Module:
+    """SmallCNN trained without privacy (Adam, random batches) on public data; returned on the CPU."""
     torch.manual_seed(seed)
-    model = SmallCNN().train()
+    model = SmallCNN().to(device).train()
+    images, labels = images.to(device), labels.to(device)
     optimizer = torch.optim.Adam(model.parameters(), lr=2e-3)
     generator = torch.Generator().manual_seed(seed)
     for _ in range(steps):
-        batch = torch.randint(0, len(labels), (batch_size,), generator=generator)
+        batch = torch.randint(0, len(labels), (batch_size,), generator=generator).to(device)
         optimizer.zero_grad()
         F.cross_entropy(model(_normalised(images[batch])), labels[batch]).backward()
         optimizer.step()
-    return model.eval()
+    return model.cpu().eval()
 
 
 def accuracy(model: nn.Module, images: torch.Tensor, labels: torch.Tensor) -> float:
+    device = next(model.parameters()).device
     with torch.no_grad():
-        return float((model.eval()(_normalised(images)).argmax(-1) == labels).float().mean())
+        predictions = model.eval()(_normalised(images.to(device))).argmax(-1).cpu()
+    return float((predictions == labels).float().mean())
 
 
 def subset(images: torch.Tensor, labels: torch.Tensor, count: int | None, seed: int) -> tuple[torch.Tensor, ...]:
@@ -93,13 +111,13 @@ def turned(images: torch.Tensor, group: str, seed: int) -> torch.Tensor:
     return torch.stack([elements[int(k)].act_on_grid(image) for image, k in zip(images, picks)])
 
 
-def noise_multiplier(args: argparse.Namespace, examples: int) -> float:
-    """The noise that spends --epsilon in --steps Poisson steps of --batch-size (the same for every model)."""
+def noise_multiplier(args: argparse.Namespace, epsilon: float, examples: int) -> float:
+    """The noise that spends `epsilon` in --steps Poisson steps of --batch-size (the same for every model)."""
     delta = default_delta(examples)
-    return calibrate_noise_multiplier(args.epsilon, delta, args.batch_size / examples, args.steps, ACCOUNTANT)
+    return calibrate_noise_multiplier(epsilon, delta, args.batch_size / examples, args.steps, ACCOUNTANT)
 
 
-def fine_tune(model: nn.Module, loss_fn, train, sigma: float, args: argparse.Namespace) -> DPTrainer:
+def fine_tune(model: nn.Module, loss_fn, train, sigma: float, args: argparse.Namespace, seed: int) -> DPTrainer:
     trainer = DPTrainer(
         model,
         loss_fn=loss_fn,
@@ -111,65 +129,123 @@ def fine_tune(model: nn.Module, loss_fn, train, sigma: float, args: argparse.Nam
         aug_mult=1,
         augment_flip=False,
         lr=args.lr,
+        momentum=args.momentum,
         max_grad_norm=1.0,
         ema_decay=None,
         epsilon_every=max(args.steps, 1),
         progress=False,
-        seed=args.seed,
+        seed=seed,
+        device=args.device,
     )
     trainer.fit(train)
     return trainer
 
 
-def candidates(pretrained: nn.Module, group: str, prior_weight: float) -> dict[str, tuple[nn.Module, object]]:
+def teach_upright_pose(model: CanonicalizedModel, images: torch.Tensor, steps: int, seed: int, device: str) -> None:
+    """The canonicaliser trained (Adam, no privacy: public images) to put upright images in the identity pose."""
+    torch.manual_seed(seed)
+    canonicalizer = model.canonicalizer.to(device).train()
+    optimizer = torch.optim.Adam(canonicalizer.parameters(), lr=2e-3)
+    generator = torch.Generator().manual_seed(seed)
+    target = torch.full((128,), IDENTITY, device=device)
+    for _ in range(steps):
+        batch = torch.randint(0, len(images), (128,), generator=generator)
+        scores = pose_scores(canonicalizer, _normalised(images[batch]).to(device), model.group.order)
+        optimizer.zero_grad()
+        F.cross_entropy(scores / model.temperature, target).backward()
+        optimizer.step()
+    canonicalizer.cpu()
+
+
+def candidates(
+    pretrained: nn.Module, public_images: torch.Tensor, args: argparse.Namespace, seed: int
+) -> dict[str, tuple[nn.Module, object]]:
     """The three models to fine-tune, each with its loss_fn (None: cross-entropy)."""
+    group = args.group
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the report's notes on the padded input size
         scratch = make_equivariant(SmallCNN(), group, head="invariant", input_size=SIZE, pad_to_valid=True)
     wrapped = canonicalize(copy.deepcopy(pretrained), group, in_channels=1, fields=2, kernel_size=5, pool=2)
+    teach_upright_pose(wrapped, public_images, args.sizes["pose_steps"], seed, args.device)
     return {
         "scratch_converted": (scratch, None),
         "pretrained": (copy.deepcopy(pretrained), None),
-        "pretrained_canonicalized": (wrapped, pose_prior_loss(wrapped, weight=prior_weight)),
+        "pretrained_canonicalized": (wrapped, pose_prior_loss(wrapped, weight=args.prior_weight)),
     }
 
 
-def main(argv: list[str] | None = None) -> int:
+Split = tuple[torch.Tensor, torch.Tensor]
+
+
+def digits_task(args: argparse.Namespace) -> tuple[Split, Split, Split, Split]:
+    """Public Fashion-MNIST, private upright MNIST digits: (public, public test, private, private test)."""
+    fashion = [load_dataset("fashion_mnist", args.fashion_dir, split=split) for split in ("train", "test")]
+    digits = [load_dataset("rotated_mnist", args.mnist, split=split, max_angle=0.0) for split in ("train", "test")]
+    return tuple((data.images, data.labels) for data in (*fashion, *digits))
+
+
+def fashion_split_task(args: argparse.Namespace) -> tuple[Split, Split, Split, Split]:
+    """Fashion-MNIST's classes 0-4 public, 5-9 private: (public, public test, private, private test)."""
+    public_classes = torch.tensor(PUBLIC_FASHION_CLASSES)
+    splits: list[Split] = []
+    for public in (True, False):
+        for split in ("train", "test"):
+            data = load_dataset("fashion_mnist", args.fashion_dir, split=split)
+            keep = torch.isin(data.labels, public_classes) == public
+            splits.append((data.images[keep], data.labels[keep]))
+    return tuple(splits)
+
+
+TASKS = {"digits": digits_task, "fashion_split": fashion_split_task}
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--fashion-dir", default="/usr/share/datasets/fashion-mnist")
     parser.add_argument("--mnist", default="/work/shared/data/mnist-10k.npz", help="mnist-10k.npz (or a folder)")
+    parser.add_argument("--task", choices=sorted(TASKS), default="fashion_split", help="see the docstring")
     parser.add_argument("--group", default="C4", help="C4 or D4")
-    parser.add_argument("--epsilon", type=float, default=3.0)
+    parser.add_argument("--epsilons", default="3", help="comma-separated privacy budgets, e.g. 1,3,8")
+    parser.add_argument("--seeds", default="0", help="comma-separated seeds, e.g. 0,1,2")
     parser.add_argument("--batch-size", type=int, default=512)
-    parser.add_argument("--lr", type=float, default=1.0)
+    parser.add_argument("--lr", type=float, default=2.0)
+    parser.add_argument("--momentum", type=float, default=0.0)
     parser.add_argument("--prior-weight", type=float, default=0.5, help="pose_prior_loss's weight")
-    parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--steps", type=int, default=None, help="DP-SGD steps (default: 150; --tiny: 2)")
-    parser.add_argument("--pretrain-steps", type=int, default=None, help="default: 600; --tiny: 3")
+    parser.add_argument("--pretrain-steps", type=int, default=None, help="default: 2000; --tiny: 3")
+    parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
+    parser.add_argument("--workers", type=int, default=1, help="cells run in this many processes at once")
     parser.add_argument("--tiny", action="store_true", help="a few steps on a few examples (a smoke test)")
     parser.add_argument("--out", default=None, help="JSON file (default: print only)")
     args = parser.parse_args(argv)
-    sizes = dict(TINY if args.tiny else FULL)
-    args.steps = sizes["steps"] if args.steps is None else args.steps
+    args.epsilons = [float(value) for value in args.epsilons.split(",")]
+    args.seeds = [int(value) for value in args.seeds.split(",")]
+    if args.workers < 1:
+        parser.error(f"--workers must be >= 1, got {args.workers}")
+    args.sizes = dict(TINY if args.tiny else FULL)
+    args.sizes["pose_steps"] = args.sizes["pretrain_steps"]
+    args.steps = args.sizes["steps"] if args.steps is None else args.steps
     if args.pretrain_steps is not None:
-        sizes["pretrain_steps"] = args.pretrain_steps
+        args.sizes["pretrain_steps"] = args.pretrain_steps
     if args.tiny:
         args.batch_size = min(args.batch_size, 16)
+    return args
 
-    fashion = load_dataset("fashion_mnist", args.fashion_dir, split="train")
-    fashion_test = load_dataset("fashion_mnist", args.fashion_dir, split="test")
-    digits = load_dataset("rotated_mnist", args.mnist, split="train", max_angle=0.0)
-    digits_test = load_dataset("rotated_mnist", args.mnist, split="test", max_angle=0.0)
-    pretrain_set = subset(fashion.images, fashion.labels, sizes["pretrain_examples"], args.seed)
-    pretrained = pretrain(*pretrain_set, sizes["pretrain_steps"], 128, args.seed)
-    train = subset(digits.images, digits.labels, sizes["train_examples"], args.seed)
-    upright, labels = subset(digits_test.images, digits_test.labels, sizes["test_examples"], args.seed)
-    rotated = turned(upright, args.group, args.seed + 1)
 
-    sigma = noise_multiplier(args, len(train[1]))
+def run_cell(args: argparse.Namespace, epsilon: float, seed: int) -> dict:
+    """Pretrain with `seed`, then fine-tune the three models privately at `epsilon`; their test accuracies."""
+    sizes = args.sizes
+    public, public_test, private, private_test = TASKS[args.task](args)
+    pretrain_set = subset(*public, sizes["pretrain_examples"], seed)
+    pretrained = pretrain(*pretrain_set, sizes["pretrain_steps"], 128, seed, args.device)
+    train = subset(*private, sizes["train_examples"], seed)
+    upright, labels = subset(*private_test, sizes["test_examples"], seed)
+    rotated = turned(upright, args.group, seed + 1)
+
+    sigma = noise_multiplier(args, epsilon, len(train[1]))
     results = {}
-    for name, (model, loss_fn) in candidates(pretrained, args.group, args.prior_weight).items():
-        trainer = fine_tune(model, loss_fn, train, sigma, args)
+    for name, (model, loss_fn) in candidates(pretrained, pretrain_set[0], args, seed).items():
+        trainer = fine_tune(model, loss_fn, train, sigma, args, seed)
         results[name] = {
             "upright_accuracy": accuracy(trainer.model, upright, labels),
             "turned_accuracy": accuracy(trainer.model, rotated, labels),
@@ -178,30 +254,87 @@ def main(argv: list[str] | None = None) -> int:
             "per_sample_method": trainer.per_sample_method,
             "parameters": sum(p.numel() for p in trainer.model.parameters()),
         }
-    summary = {
-        "group": args.group,
-        "target_epsilon": args.epsilon,
+        if isinstance(trainer.model, CanonicalizedModel):  # how often an upright image keeps its pose
+            poses = trainer.model.poses(_normalised(upright).to(args.device))
+            results[name]["upright_identity_pose_share"] = poses.count(trainer.model.elements[IDENTITY].name) / len(
+                poses
+            )
+    public_test_subset = subset(*public_test, sizes["test_examples"], seed)
+    return {
+        "target_epsilon": epsilon,
+        "seed": seed,
         "noise_multiplier": sigma,
-        "tiny": args.tiny,
-        "pretrain": {
-            "steps": sizes["pretrain_steps"],
-            "fashion_mnist_test_accuracy": accuracy(
-                pretrained, *subset(fashion_test.images, fashion_test.labels, sizes["test_examples"], args.seed)
-            ),
-        },
-        "fine_tune": {
-            "train_examples": len(train[1]),
-            "test_examples": len(labels),
-            "batch_size": args.batch_size,
-            "lr": args.lr,
-            "prior_weight": args.prior_weight,
-        },
+        "pretrained_public_test_accuracy": accuracy(pretrained, *public_test_subset),
+        "train_examples": len(train[1]),
+        "test_examples": len(labels),
         "results": results,
     }
-    text = json.dumps(summary, indent=2)
+
+
+def medians(runs: list[dict]) -> list[dict]:
+    """Per epsilon and model: the median over seeds of the upright and the turned test accuracy."""
+    table = []
+    for epsilon in sorted({run["target_epsilon"] for run in runs}):
+        cells = [run for run in runs if run["target_epsilon"] == epsilon]
+        for name in cells[0]["results"]:
+            row = {"epsilon": epsilon, "model": name, "seeds": [run["seed"] for run in cells]}
+            for key in ("upright_accuracy", "turned_accuracy"):
+                values = [run["results"][name][key] for run in cells]
+                row[key] = statistics.median(values)
+                row[key.replace("accuracy", "range")] = [min(values), max(values)]
+            table.append(row)
+    return table
+
+
+def summarise(args: argparse.Namespace, runs: list[dict]) -> dict:
+    return {
+        "task": args.task,
+        "group": args.group,
+        "epsilons": args.epsilons,
+        "seeds": args.seeds,
+        "tiny": args.tiny,
+        "device": args.device,
+        "pretrain": {
+            "steps": args.sizes["pretrain_steps"],
+            "pose_steps": args.sizes["pose_steps"],
+            "batch_size": 128,
+            "optimizer": "adam 2e-3",
+        },
+        "fine_tune": {
+            "steps": args.steps,
+            "batch_size": args.batch_size,
+            "lr": args.lr,
+            "momentum": args.momentum,
+            "prior_weight": args.prior_weight,
+            "accountant": ACCOUNTANT,
+        },
+        "table": medians(runs),
+        "runs": sorted(runs, key=lambda run: (run["target_epsilon"], run["seed"])),
+    }
+
+
+def write(args: argparse.Namespace, runs: list[dict]) -> str:
+    """The summary of the cells done so far, written to --out at once (a long grid keeps what it finished)."""
+    text = json.dumps(summarise(args, runs), indent=2)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(text + "\n")
+    return text
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    cells = [(epsilon, seed) for epsilon in args.epsilons for seed in args.seeds]
+    runs: list[dict] = []
+    if args.workers == 1:
+        for epsilon, seed in cells:
+            runs.append(run_cell(args, epsilon, seed))
+            text = write(args, runs)
+    else:  # spawn: CUDA cannot be shared with forked children
+        with ProcessPoolExecutor(args.workers, mp_context=get_context("spawn")) as pool:
+            for future in as_completed([pool.submit(run_cell, args, epsilon, seed) for epsilon, seed in cells]):
+                runs.append(future.result())
+                text = write(args, runs)
     print(text)
     return 0
 

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.support.benchmark_scripts import load_benchmark
 
@@ -15,18 +16,59 @@ MNIST = Path("/work/shared/data/mnist-10k.npz")
 
 @pytest.mark.slow  # about a minute on two CPU cores: mostly DP-SGD's probes and the accountant
 @pytest.mark.skipif(not (FASHION.is_dir() and MNIST.is_file()), reason=f"needs Fashion-MNIST in {FASHION} and {MNIST}")
-def test_tiny_run_fine_tunes_three_models_privately_and_the_canonicalised_one_is_invariant(tmp_path):
+@pytest.mark.parametrize("task", ["digits", "fashion_split"])
+def test_tiny_run_fine_tunes_three_models_privately_and_the_canonicalised_one_is_invariant(tmp_path, task):
     out = tmp_path / "summary.json"
-    args = ["--tiny", "--group", "D4", "--fashion-dir", str(FASHION), "--mnist", str(MNIST), "--out", str(out)]
+    args = ["--tiny", "--task", task, "--group", "D4", "--fashion-dir", str(FASHION), "--mnist", str(MNIST)]
+    args += ["--out", str(out)]
     assert load_benchmark("pretrained_adaptation").main(args) == 0
     summary = json.loads(out.read_text())
-    assert summary["tiny"] and summary["group"] == "D4" and summary["noise_multiplier"] > 0
-    results = summary["results"]
+    assert summary["tiny"] and summary["group"] == "D4" and summary["epsilons"] == [3.0] and summary["task"] == task
+    (run,) = summary["runs"]
+    assert run["noise_multiplier"] > 0 and run["seed"] == 0
+    results = run["results"]
     assert set(results) == {"scratch_converted", "pretrained", "pretrained_canonicalized"}
     for name, result in results.items():
-        assert result["steps"] == 2 and 0 < result["epsilon"] <= summary["target_epsilon"], name
+        assert result["steps"] == 2 and 0 < result["epsilon"] <= run["target_epsilon"], name
         assert 0 <= result["upright_accuracy"] <= 1 and 0 <= result["turned_accuracy"] <= 1, name
     # both invariant models score the turned digits exactly as the upright ones
     for name in ("scratch_converted", "pretrained_canonicalized"):
         assert results[name]["turned_accuracy"] == results[name]["upright_accuracy"], name
     assert results["pretrained_canonicalized"]["parameters"] > results["pretrained"]["parameters"]
+    # the table holds one median row per model, here of the one seed's accuracies
+    rows = {row["model"]: row for row in summary["table"]}
+    assert set(rows) == set(results)
+    for name, row in rows.items():
+        assert row["upright_accuracy"] == results[name]["upright_accuracy"] and row["seeds"] == [0], name
+
+
+@pytest.mark.skipif(not FASHION.is_dir(), reason=f"needs Fashion-MNIST in {FASHION}")
+def test_fashion_split_keeps_the_public_and_the_private_classes_apart():
+    module = load_benchmark("pretrained_adaptation")
+    public, public_test, private, private_test = module.fashion_split_task(
+        module.parse_args(["--fashion-dir", str(FASHION)])
+    )
+    assert set(public[1].tolist()) == set(public_test[1].tolist()) == {0, 1, 2, 3, 4}
+    assert set(private[1].tolist()) == set(private_test[1].tolist()) == {5, 6, 7, 8, 9}
+    assert len(public[1]) == len(private[1]) == 30_000 and len(private_test[1]) == 5_000
+
+
+@pytest.mark.skipif(not FASHION.is_dir(), reason=f"needs Fashion-MNIST in {FASHION}")
+def test_teaching_the_upright_pose_moves_held_out_public_images_toward_the_identity_pose():
+    module = load_benchmark("pretrained_adaptation")
+    public = module.fashion_split_task(module.parse_args(["--fashion-dir", str(FASHION)]))[0]
+    images, held_out = public[0][:2048], module._normalised(public[0][-256:])
+    torch.manual_seed(0)
+    model = module.canonicalize(module.SmallCNN(), "C4", in_channels=1, fields=2, kernel_size=5, pool=2)
+
+    def prior_loss() -> float:  # cross-entropy of the pose scores against the identity pose
+        with torch.no_grad():
+            scores = module.pose_scores(model.canonicalizer, held_out, model.group.order)
+        return float(-torch.log_softmax(scores / model.temperature, dim=-1)[:, module.IDENTITY].mean())
+
+    before = prior_loss()
+    module.teach_upright_pose(model, images, steps=40, seed=0, device="cpu")
+    after = prior_loss()
+    assert after < before - 0.05, (before, after)  # from ln(4) = 1.386, the loss of four equal scores
+    # quarter turns are the easy part: nearly every upright image is then read as rot0 or rot180
+    assert sum(pose in ("rot0", "rot180") for pose in model.poses(held_out)) > 0.9 * len(held_out)

@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     )
     from .export import export
     from .groups import GroupSpec, parse_group
-    from .lightning import DPLightningCallback
+    from .lightning import DPLightningCallback as DPLightningCallback  # not in __all__: an optional extra
     from .models import create_model, list_models, register_model
     from .saved_model import load, save
 

@@ -4,6 +4,7 @@ epsilon; Opacus' recipe (make_private inside configure_optimizers, Lightning's o
 from __future__ import annotations
 
 import importlib
+import re
 import sys
 
 import pytest
@@ -18,6 +19,7 @@ from equiconvert.privacy import make_private
 from equiconvert.privacy.accounting import compute_epsilon
 from equiconvert.privacy.dp_loader import DPDataLoader
 from equiconvert.privacy.lightning_guard import LightningIntegrationError
+from tests.support.paths import REPO_ROOT
 
 N, BATCH, DELTA = 64, 8, 1e-3  # 8 Poisson batches an epoch at q = 1/8
 
@@ -127,7 +129,9 @@ class OpacusRecipe(Classifier):
 
 def test_make_private_on_a_lightning_module_is_refused_before_training():
     lit = OpacusRecipe(whole_module=True)
-    with pytest.raises(LightningIntegrationError, match="make_private was given a LightningModule.*DPLightningCallback"):
+    with pytest.raises(
+        LightningIntegrationError, match="make_private was given a LightningModule.*DPLightningCallback"
+    ):
         _trainer().fit(lit)
 
 
@@ -197,3 +201,11 @@ def test_a_missing_lightning_names_the_extra(monkeypatch):
     monkeypatch.delitem(sys.modules, "equiconvert.lightning")
     with pytest.raises(ImportError, match=r"pip install 'equiconvert\[lightning\]'"):
         importlib.import_module("equiconvert.lightning")
+
+
+def test_the_documented_snippet_runs_and_reports_epsilon(capsys):
+    guide = (REPO_ROOT / "docs" / "guides" / "lightning.md").read_text()
+    snippet = re.search(r"```python\n(.*?)```", guide, flags=re.DOTALL).group(1)
+    exec(compile(snippet, "docs/guides/lightning.md", "exec"), {"__name__": "snippet"})
+    epsilon = float(re.search(r"epsilon (\S+) at delta 1e-3", capsys.readouterr().out).group(1))
+    assert 0 < epsilon < 100

@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
-from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch import Callback, LightningModule, Trainer
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -91,7 +91,7 @@ def test_target_epsilon_is_calibrated_for_the_trainers_max_steps():
 def _weights_after_fit(callback: DPLightningCallback) -> torch.Tensor:
     torch.manual_seed(0)  # the same initial weights, shuffling and any torch-global draw in both runs
     lit = Classifier()
-    _trainer([callback], max_steps=4).fit(lit)
+    _trainer([callback], max_steps=2).fit(lit)
     return torch.cat([p.detach().flatten() for p in lit.parameters()])
 
 
@@ -179,6 +179,20 @@ def test_settings_that_would_break_the_accounting_are_refused_before_any_step(mo
     with pytest.raises(LightningIntegrationError, match=match):
         _trainer([_callback(**callback)], **settings).fit(lit)
     assert all(torch.equal(b, p) for b, p in zip(before, lit.parameters()))
+
+
+class SwapsTheLoaderBack(Callback):
+    """Stands for a Lightning whose fit loop no longer iterates the loader the callback hands it."""
+
+    def on_fit_start(self, trainer, pl_module):
+        trainer.fit_loop._data_source.instance = pl_module.train_dataloader()
+
+
+def test_a_fit_loop_iterating_another_loader_than_the_poisson_one_is_refused():
+    lit = Classifier()
+    with pytest.raises(LightningIntegrationError, match="not the Poisson loader"):
+        _trainer([_callback(), SwapsTheLoaderBack()]).fit(lit)
+    assert lit.batch_sizes == []  # refused before the first batch
 
 
 def test_a_resumed_fit_a_second_fit_and_unknown_options_are_refused(tmp_path):

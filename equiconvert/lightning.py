@@ -128,15 +128,13 @@ class DPLightningCallback(Callback):
             )
         return network
 
-    def on_load_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
-        """fit(ckpt_path=...) restores the model and optimizer before configure_optimizers."""
-        raise LightningIntegrationError(
-            "DPLightningCallback: fit(ckpt_path=...): a resumed fit's accountant would start at step 0 and miss the "
-            "steps before, so its epsilon would be too small; train from the start"
-        )
-
     # --- after configure_optimizers, before the first batch: make the fit private --------------------------------
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if trainer.ckpt_path is not None:  # set once the checkpoint is read, before the training state is restored
+            raise LightningIntegrationError(
+                "DPLightningCallback: fit(ckpt_path=...): a resumed fit's accountant would start at step 0 and miss "
+                "the steps before, so its epsilon would be too small; train from the start"
+            )
         optimizer = self._single_optimizer(trainer)
         source = trainer.fit_loop._data_source  # where Lightning will ask for the training loader
         loader = source.dataloader()

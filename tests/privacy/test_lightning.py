@@ -195,12 +195,21 @@ def test_a_fit_loop_iterating_another_loader_than_the_poisson_one_is_refused():
     assert lit.batch_sizes == []  # refused before the first batch
 
 
+class Validating(Classifier):
+    def validation_step(self, batch, batch_idx):
+        return F.cross_entropy(self.model(batch[0]), batch[1])
+
+    def val_dataloader(self):
+        return DataLoader(_data(), batch_size=BATCH)
+
+
 def test_a_resumed_fit_a_second_fit_and_unknown_options_are_refused(tmp_path):
     plain = _trainer(max_steps=1)
     plain.fit(Classifier())
     plain.save_checkpoint(tmp_path / "last.ckpt")
     with pytest.raises(LightningIntegrationError, match=r"fit\(ckpt_path=...\): .*step 0"):
         _trainer([_callback()]).fit(Classifier(), ckpt_path=tmp_path / "last.ckpt")
+    _trainer([_callback()]).validate(Validating(), ckpt_path=tmp_path / "last.ckpt")  # evaluating one is fine
     callback, lit = _callback(), Classifier()
     _trainer([callback], max_steps=2).fit(lit)
     with pytest.raises(LightningIntegrationError, match="already accounted a fit"):

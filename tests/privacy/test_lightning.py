@@ -143,6 +143,29 @@ def test_a_step_on_lightnings_own_loader_is_refused_at_the_first_step():
     assert all(torch.equal(b, p) for b, p in zip(before, lit.parameters()))  # no update was released
 
 
+def test_a_closure_step_needs_a_batch_drawn_from_the_poisson_loader():
+    model = Net()
+    private, optimizer, loader = make_private(
+        module=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.5),
+        data_loader=DataLoader(_data(), batch_size=BATCH),
+        noise_multiplier=1.0,
+        max_grad_norm=1.0,
+    )
+    x, y = _data().tensors
+
+    def closure(batch=(x[:BATCH], y[:BATCH])):
+        loss = F.cross_entropy(private(batch[0]), batch[1])
+        loss.backward()
+        return loss
+
+    with pytest.raises(LightningIntegrationError, match="drawn only 0 batch"):
+        optimizer.step(closure)
+    poisson_batch = next(iter(loader))
+    optimizer.step(lambda: closure(poisson_batch))
+    assert optimizer.steps == 1
+
+
 class ManualOptimization(Classifier):
     def __init__(self) -> None:
         super().__init__()

@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     )
     from .export import export
     from .groups import GroupSpec, parse_group
+    from .lightning import DPLightningCallback as DPLightningCallback  # not in __all__: an optional extra
     from .models import create_model, list_models, register_model
     from .saved_model import load, save
 
@@ -46,6 +47,8 @@ _EXPORTS = {
     ),
     "export": "export",
     **dict.fromkeys(("GroupSpec", "parse_group"), "groups"),
+    # the optional extra equiconvert[lightning]: left out of __all__, so `from equiconvert import *` needs no Lightning
+    "DPLightningCallback": "lightning",
     **dict.fromkeys(("create_model", "list_models", "register_model"), "models"),
     **dict.fromkeys(("load", "save"), "saved_model"),
 }

@@ -34,12 +34,14 @@ class PoissonBatchSampler(Sampler[list[int]]):
             raise ValueError(f"sample_rate must lie in (0, 1], got {sample_rate}")
         self.num_examples, self.sample_rate, self.steps = num_examples, sample_rate, steps
         self._source = source
+        self.drawn = 0  # batches drawn so far: a step on a batch not drawn here is refused (lightning_guard.py)
 
     def __len__(self) -> int:
         return self.steps
 
     def __iter__(self) -> Iterator[list[int]]:
         for _ in range(self.steps):
+            self.drawn += 1
             yield self._source.bernoulli_mask(self.num_examples, self.sample_rate).nonzero().flatten().tolist()
 
 
@@ -92,6 +94,11 @@ class DPDataLoader(DataLoader):
             persistent_workers=data_loader.persistent_workers,
             **workers,
         )
+
+    @property
+    def batches_drawn(self) -> int:
+        """Poisson batches drawn from this loader so far (by every iteration of it)."""
+        return self.batch_sampler.drawn
 
 
 def split_batch(batch: Any, max_rows: int) -> list[Any]:

@@ -23,6 +23,7 @@ from torch.optim import Optimizer
 
 from .accounting import PrivacyBudgetError, PrivacyLedger, compute_epsilon
 from .dp_step import clip_and_accumulate, privatize
+from .lightning_guard import refuse_undrawn_batch
 from .private_module import PrivateModule
 from .secure_rng import RandomSource
 
@@ -43,7 +44,10 @@ class DPOptimizer(Optimizer):
         sample_rate: float,
         budget: PrivacyLedger | None = None,
         planned_steps: int | None = None,
+        batches_drawn: Callable[[], int] | None = None,
     ) -> None:
+        """batches_drawn: how many batches the Poisson loader has drawn; a step given a closure (a training
+        framework's loop, as Lightning's) is refused unless that loader drew its batch."""
         self.original_optimizer = optimizer
         self.module = module
         self.noise_multiplier = float(noise_multiplier)
@@ -62,6 +66,8 @@ class DPOptimizer(Optimizer):
         self._nonfinite = torch.zeros((), dtype=torch.int64, device=device)  # examples zeroed (nonfinite.py)
         self.steps = 0
         self._step_hooks: list[Callable[[DPOptimizer], None]] = []
+        self._batches_drawn = batches_drawn
+        self._closure_steps = 0  # steps given a closure by this optimizer (not restored from checkpoints)
 
     # --- the wrapped optimizer's state --------------------------------------------------------
     @property
@@ -149,6 +155,9 @@ class DPOptimizer(Optimizer):
 
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
         loss = None
+        if closure is not None and not self._skip_next and self._batches_drawn is not None:
+            refuse_undrawn_batch(self._batches_drawn(), self._closure_steps)
+            self._closure_steps += 1
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()

@@ -38,6 +38,7 @@ from .dp_loader import DPDataLoader
 from .dp_loss import DPLoss
 from .dp_optimizer import DPOptimizer
 from .engine_checkpoint import load_engine_checkpoint, save_engine_checkpoint
+from .lightning_guard import refuse_lightning_module
 from .opacus_parity import ACCEPTED, DEFAULT_GRAD_SAMPLE_MODE, GRAD_SAMPLE_MODES, check_opacus_arguments
 from .optimizer_params import check_optimizer_params
 from .private_module import PrivateModule
@@ -151,6 +152,7 @@ def make_private(
         )
     if noise_multiplier is not None and not (math.isfinite(noise_multiplier) and noise_multiplier > 0):
         raise ParameterError(f"noise_multiplier must be a finite number > 0 for a private run, got {noise_multiplier}")
+    refuse_lightning_module(module)
     _check_loader(data_loader)
     if target_delta is not None:  # before any work: delta >= 1/N is refused, above 1/(10 N) warned about
         refuse_delta(target_delta, len(data_loader.dataset), name="target_delta")
@@ -192,6 +194,7 @@ def make_private(
         sample_rate=loader.sample_rate,
         budget=budget,
         planned_steps=planned,
+        batches_drawn=lambda: loader.batches_drawn,
     )
     if ghost_criterion is not None:
         return private, dp_optimizer, ghost_criterion, loader

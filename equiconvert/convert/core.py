@@ -16,6 +16,7 @@ from torch import nn
 from ..errors import NotAModuleError, ParameterError, UnsupportedLayerError
 from ..groups import GroupSpec, parse_group
 from ..nn.conv import standardization_scope
+from ..progress import counting_basis_builds, progress_bar, require_progress
 from ..recipe import conversion_recipe, remember_recipe
 from . import rules  # noqa: F401  (registers the built-in rules)
 from .context import HEADS, SPATIAL_KEY, TYPE_KEY, ConversionConfig, ConversionContext
@@ -118,22 +119,25 @@ def _first_break(nodes: list[fx.Node], size: int) -> GridBreak | None:
     return None
 
 
-def _rewrite(gm: fx.GraphModule, ctx: ConversionContext, in_channels: int) -> FieldType | None:
+def _rewrite(gm: fx.GraphModule, ctx: ConversionContext, in_channels: int, progress: bool | None) -> FieldType | None:
     output_type = None
-    for node in list(gm.graph.nodes):
-        if node.op == "placeholder":
-            node.meta[TYPE_KEY] = FieldType(ctx.group, "trivial", in_channels)
-        elif node.op == "get_attr":
-            node.meta[TYPE_KEY] = None
-        elif node.op == "output":
-            output_type = ctx.type_of(node.args[0])
-        elif TYPE_KEY not in node.meta:  # nodes inserted by rules are typed already
-            rule = find_rule(ctx, node)
-            if rule is None:
-                raise ctx.unsupported(node, "no conversion rule is registered for it")
-            node.meta[TYPE_KEY] = rule(ctx, node)
-        if node.name in ctx.restrictions:
-            apply_restriction(ctx, node, ctx.restrictions[node.name])
+    nodes = list(gm.graph.nodes)
+    with progress_bar("converting", "node", progress, total=len(nodes)) as bar:
+        for node in nodes:
+            if node.op == "placeholder":
+                node.meta[TYPE_KEY] = FieldType(ctx.group, "trivial", in_channels)
+            elif node.op == "get_attr":
+                node.meta[TYPE_KEY] = None
+            elif node.op == "output":
+                output_type = ctx.type_of(node.args[0])
+            elif TYPE_KEY not in node.meta:  # nodes inserted by rules are typed already
+                rule = find_rule(ctx, node)
+                if rule is None:
+                    raise ctx.unsupported(node, "no conversion rule is registered for it")
+                node.meta[TYPE_KEY] = rule(ctx, node)
+            if node.name in ctx.restrictions:
+                apply_restriction(ctx, node, ctx.restrictions[node.name])
+            bar.update(1)
     gm.graph.lint()
     gm.recompile()
     return output_type
@@ -153,8 +157,9 @@ def _convert_once(
     config: ConversionConfig,
     width_name: str,
     device: str | None = None,
+    progress: bool | None = False,
 ) -> tuple[fx.GraphModule, ConversionReport, FieldType | None]:
-    """Rewrite a copy of the traced template; device="meta" only counts parameters."""
+    """Rewrite a copy of the traced template; device="meta" only counts parameters. progress: a bar per node."""
     gm = copy.deepcopy(template)
     report = ConversionReport(group=group.name, width=width_name)
     ctx = ConversionContext(gm, group, width_fn, config, report)
@@ -164,7 +169,7 @@ def _convert_once(
     ctx.restrictions = {p.node: p.target for p in points}
     ctx.width_groups = width_groups(gm, points, group)
     with torch.device(device) if device else contextlib.nullcontext():
-        output_type = _rewrite(gm, ctx, in_channels)
+        output_type = _rewrite(gm, ctx, in_channels, progress)
     report.invariant_output = bool(output_type is not None and output_type.is_invariant and not ctx.spatial_flatten)
     return gm, report, output_type
 
@@ -219,6 +224,7 @@ def make_equivariant(
     crop_to_valid: bool = False,
     pretrained: bool = False,
     allow_non_equivariant: bool = False,
+    progress: bool | None = None,
 ) -> EquivariantModel:
     """Convert a CNN into a steerable CNN equivariant to `group` ("C1".."C16", "D1".."D16", "SO2", "O2").
 
@@ -247,8 +253,11 @@ def make_equivariant(
     A model that no input size makes exactly equivariant raises EquivarianceBreakError naming the
     nodes that break it; allow_non_equivariant=True keeps it (approximately equivariant) with a warning.
     Every report warning is also issued as a Python warning (an EquivarianceWarning).
+    progress: progress bars on stderr (nodes converted, kernel bases built) for a conversion longer than
+    progress.DELAY_S; None shows them only when stderr is a terminal.
     """
     _refuse_non_module(model)
+    require_progress("make_equivariant", progress)
     if pad_to_valid and crop_to_valid:
         raise ParameterError("give pad_to_valid or crop_to_valid, not both")
     if (pad_to_valid or crop_to_valid) and input_size is None:
@@ -262,11 +271,14 @@ def make_equivariant(
     template, in_channels = _prepare(copy.deepcopy(model), input_size, cfg.leaf_modules)
     width_fn = resolve_width(width)
     solve_params = width_fn == PARAMS
-    if solve_params:
-        width_fn, width_name = _solve_params_width(template, in_channels, spec, cfg, _count(model))
-    else:
-        width_name = getattr(width_fn, "__name__", str(width_fn))
-    gm, report, output_type = _convert_once(template, in_channels, spec, width_fn, cfg, width_name)
+    with counting_basis_builds(progress):
+        if solve_params:
+            width_fn, width_name = _solve_params_width(template, in_channels, spec, cfg, _count(model))
+        else:
+            width_name = getattr(width_fn, "__name__", str(width_fn))
+        gm, report, output_type = _convert_once(
+            template, in_channels, spec, width_fn, cfg, width_name, progress=progress
+        )
     report.params_before = _count(model)
     report.params_after = _count(gm)
     if solve_params and abs(report.params_after - report.params_before) > PARAMS_TOLERANCE * report.params_before:

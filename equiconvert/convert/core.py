@@ -119,24 +119,23 @@ def _first_break(nodes: list[fx.Node], size: int) -> GridBreak | None:
     return None
 
 
-def _rewrite(gm: fx.GraphModule, ctx: ConversionContext, in_channels: int, progress: bool | None) -> FieldType | None:
+def _rewrite(gm: fx.GraphModule, ctx: ConversionContext, in_channels: int, bar: Any) -> FieldType | None:
     output_type = None
-    nodes = list(gm.graph.nodes)
-    with progress_bar("converting", "node", progress, total=len(nodes)) as bar:
-        for node in nodes:
-            if node.op == "placeholder":
-                node.meta[TYPE_KEY] = FieldType(ctx.group, "trivial", in_channels)
-            elif node.op == "get_attr":
-                node.meta[TYPE_KEY] = None
-            elif node.op == "output":
-                output_type = ctx.type_of(node.args[0])
-            elif TYPE_KEY not in node.meta:  # nodes inserted by rules are typed already
-                rule = find_rule(ctx, node)
-                if rule is None:
-                    raise ctx.unsupported(node, "no conversion rule is registered for it")
-                node.meta[TYPE_KEY] = rule(ctx, node)
-            if node.name in ctx.restrictions:
-                apply_restriction(ctx, node, ctx.restrictions[node.name])
+    for node in list(gm.graph.nodes):
+        if node.op == "placeholder":
+            node.meta[TYPE_KEY] = FieldType(ctx.group, "trivial", in_channels)
+        elif node.op == "get_attr":
+            node.meta[TYPE_KEY] = None
+        elif node.op == "output":
+            output_type = ctx.type_of(node.args[0])
+        elif TYPE_KEY not in node.meta:  # nodes inserted by rules are typed already
+            rule = find_rule(ctx, node)
+            if rule is None:
+                raise ctx.unsupported(node, "no conversion rule is registered for it")
+            node.meta[TYPE_KEY] = rule(ctx, node)
+        if node.name in ctx.restrictions:
+            apply_restriction(ctx, node, ctx.restrictions[node.name])
+        if bar is not None:
             bar.update(1)
     gm.graph.lint()
     gm.recompile()
@@ -157,9 +156,9 @@ def _convert_once(
     config: ConversionConfig,
     width_name: str,
     device: str | None = None,
-    progress: bool | None = False,
+    bar: Any = None,
 ) -> tuple[fx.GraphModule, ConversionReport, FieldType | None]:
-    """Rewrite a copy of the traced template; device="meta" only counts parameters. progress: a bar per node."""
+    """Rewrite a copy of the traced template; device="meta" only counts parameters. bar: ticked per node."""
     gm = copy.deepcopy(template)
     report = ConversionReport(group=group.name, width=width_name)
     ctx = ConversionContext(gm, group, width_fn, config, report)
@@ -169,7 +168,7 @@ def _convert_once(
     ctx.restrictions = {p.node: p.target for p in points}
     ctx.width_groups = width_groups(gm, points, group)
     with torch.device(device) if device else contextlib.nullcontext():
-        output_type = _rewrite(gm, ctx, in_channels, progress)
+        output_type = _rewrite(gm, ctx, in_channels, bar)
     report.invariant_output = bool(output_type is not None and output_type.is_invariant and not ctx.spatial_flatten)
     return gm, report, output_type
 
@@ -268,37 +267,37 @@ def make_equivariant(
         raise ParameterError("give strict or allow_non_equivariant, not both: strict refuses what the other accepts")
     if restrict is not None:
         cfg.restrict = restrict
-    template, in_channels = _prepare(copy.deepcopy(model), input_size, cfg.leaf_modules)
-    width_fn = resolve_width(width)
-    solve_params = width_fn == PARAMS
-    with counting_basis_builds(progress):
+    # one bar from the start, so that it shows once the whole conversion (tracing included) is long
+    with counting_basis_builds(progress), progress_bar("converting", "node", progress) as bar:
+        template, in_channels = _prepare(copy.deepcopy(model), input_size, cfg.leaf_modules)
+        bar.total = len(template.graph.nodes)  # each node rewritten, then each node of each verification run
+        width_fn = resolve_width(width)
+        solve_params = width_fn == PARAMS
         if solve_params:
             width_fn, width_name = _solve_params_width(template, in_channels, spec, cfg, _count(model))
         else:
             width_name = getattr(width_fn, "__name__", str(width_fn))
-        gm, report, output_type = _convert_once(
-            template, in_channels, spec, width_fn, cfg, width_name, progress=progress
-        )
-    report.params_before = _count(model)
-    report.params_after = _count(gm)
-    if solve_params and abs(report.params_after - report.params_before) > PARAMS_TOLERANCE * report.params_before:
-        raise UnsupportedLayerError(
-            f"width='params' reached {report.params_after:,} parameters for a target of {report.params_before:,} "
-            f"(more than {PARAMS_TOLERANCE:.0%} apart); pass a float kappa or a callable width instead"
-        )
-    grid = _analyse_grid(gm.graph)
-    report.valid_input_sizes = grid.valid_sizes
-    report.valid_input_rule = grid.rule()
-    require_an_exact_size(gm, grid, report, allow_non_equivariant=allow_non_equivariant)
-    if input_size is not None:
-        report.input_size = input_size
-        report.input_size_valid = grid.is_valid(input_size)
-        if not report.input_size_valid and not (pad_to_valid or crop_to_valid):
-            raise invalid_size_error(input_size, grid)
-        if not report.input_size_valid:
-            fit_input(gm, report, input_size, grid, "pad" if pad_to_valid else "crop")
-    _validate_no_batch_statistics(gm)
-    verify_conversion(gm, template, report, in_channels)  # runs where the original ran (verify.py)
+        gm, report, output_type = _convert_once(template, in_channels, spec, width_fn, cfg, width_name, bar=bar)
+        report.params_before = _count(model)
+        report.params_after = _count(gm)
+        if solve_params and abs(report.params_after - report.params_before) > PARAMS_TOLERANCE * report.params_before:
+            raise UnsupportedLayerError(
+                f"width='params' reached {report.params_after:,} parameters for a target of {report.params_before:,} "
+                f"(more than {PARAMS_TOLERANCE:.0%} apart); pass a float kappa or a callable width instead"
+            )
+        grid = _analyse_grid(gm.graph)
+        report.valid_input_sizes = grid.valid_sizes
+        report.valid_input_rule = grid.rule()
+        require_an_exact_size(gm, grid, report, allow_non_equivariant=allow_non_equivariant)
+        if input_size is not None:
+            report.input_size = input_size
+            report.input_size_valid = grid.is_valid(input_size)
+            if not report.input_size_valid and not (pad_to_valid or crop_to_valid):
+                raise invalid_size_error(input_size, grid)
+            if not report.input_size_valid:
+                fit_input(gm, report, input_size, grid, "pad" if pad_to_valid else "crop")
+        _validate_no_batch_statistics(gm)
+        verify_conversion(gm, template, report, in_channels, bar)  # runs where the original ran (verify.py)
     if pretrained:
         report_pretrained_weights(model, gm, report)
     converted = EquivariantModel(gm, spec, in_channels, output_type, report).train(model.training)

@@ -21,6 +21,7 @@ import torch
 from .bases import BUILDER_VERSION, canonical_basis, harmonic_span
 from .cache import cache_root, disk_cache_enabled
 from .groups import GroupSpec
+from .progress import basis_built
 
 BASIS_FORMAT = "v4"  # bump when the way bases are stored changes (BUILDER_VERSION: how they are built)
 _memory_cache: dict[str, torch.Tensor] = {}
@@ -134,16 +135,16 @@ def _load_or_build(
     key: str, group: GroupSpec, in_repr: str, out_repr: str, kernel_size: int, cutoff: float | None
 ) -> torch.Tensor:
     """The basis from the disk cache, else built (and saved unless the disk cache is off, cache.disk_cache_enabled)."""
-    if not disk_cache_enabled():
-        return build_basis(group, in_repr, out_repr, kernel_size, cutoff=cutoff)
-    path = basis_dir() / f"{key}.pt"
-    if path.exists():
+    path = basis_dir() / f"{key}.pt" if disk_cache_enabled() else None
+    if path is not None and path.exists():
         try:
             return torch.load(path, map_location="cpu", weights_only=True)
         except Exception:  # a corrupt cache entry is rebuilt, never trusted
             pass
     basis = build_basis(group, in_repr, out_repr, kernel_size, cutoff=cutoff)
-    _atomic_save(basis, path)
+    basis_built()  # the slow case: a progress bar counts it (progress.counting_basis_builds)
+    if path is not None:
+        _atomic_save(basis, path)
     return basis
 
 

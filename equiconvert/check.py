@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -15,6 +16,7 @@ from .convert.fields import FieldType
 from .convert.model import EquivariantModel
 from .convert.report import ConversionReport
 from .groups import GridElement, GroupSpec, parse_group
+from .progress import progress_bar, require_progress
 
 
 @dataclass
@@ -87,6 +89,7 @@ def check_equivariance(
     batch_size: int = 2,
     angles: tuple[float, ...] = (),
     seed: int = 0,
+    progress: bool | None = None,
 ) -> EquivarianceResult:
     """Compare model(g.x) with g.model(x) for every element g acting exactly on the pixel grid.
 
@@ -94,7 +97,10 @@ def check_equivariance(
     (adapt.canonicalize), group and channels do and the output is compared as invariant. `angles`
     (degrees) adds the error of invariant outputs under rotations of a disk-masked input
     by those angles (bilinear interpolation, so these errors are not at float precision).
+    progress: a bar on stderr per element and angle checked, for a check longer than progress.DELAY_S; None shows
+    it only when stderr is a terminal.
     """
+    require_progress("check_equivariance", progress)
     for name, value in (("input_size", input_size), ("in_channels", in_channels), ("batch_size", batch_size)):
         _require_positive(name, value)
     output_type = None
@@ -120,25 +126,29 @@ def check_equivariance(
     x = torch.randn(batch_size, in_channels, input_size, input_size, generator=generator).to(device, dtype)
     was_training = model.training
     model.eval()
+    bar = progress_bar("equivariance check", "element", progress, total=len(spec.grid_elements) + len(angles))
     try:
-        with torch.no_grad():
+        with torch.no_grad(), bar:
             y = model(x)
-            errors = {
-                g.name: _relative(model(g.act_on_grid(x)), act_on_output(g, y, output_type)) for g in spec.grid_elements
-            }
-            angle_errors = _angle_errors(model, x, angles) if angles else {}
+            errors = {}
+            for g in spec.grid_elements:
+                errors[g.name] = _relative(model(g.act_on_grid(x)), act_on_output(g, y, output_type))
+                bar.update(1)
+            angle_errors = _angle_errors(model, x, angles, bar) if angles else {}
     finally:
         model.train(was_training)
     return EquivarianceResult(errors, angle_errors)
 
 
-def _angle_errors(model: nn.Module, x: torch.Tensor, angles: tuple[float, ...]) -> dict[float, float]:
+def _angle_errors(model: nn.Module, x: torch.Tensor, angles: tuple[float, ...], bar: Any) -> dict[float, float]:
     from torchvision.transforms.functional import InterpolationMode, rotate
 
     masked = x * _disk(x.shape[-1]).to(x.device)
     reference = model(masked)
     if reference.ndim != 2:
         raise ParameterError("angle errors are defined for invariant (batch, classes) outputs only")
-    return {
-        float(angle): _relative(model(rotate(masked, angle, InterpolationMode.BILINEAR)), reference) for angle in angles
-    }
+    errors = {}
+    for angle in angles:
+        errors[float(angle)] = _relative(model(rotate(masked, angle, InterpolationMode.BILINEAR)), reference)
+        bar.update(1)
+    return errors

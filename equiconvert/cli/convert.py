@@ -76,6 +76,7 @@ def convert_and_check(
     from .. import check_equivariance, make_equivariant, parse_group
     from ..models import create_model
     from ..models._registry import is_equivariant_model
+    from ..progress import counting_basis_builds
 
     spec = parse_group(group)  # fail on a bad group or width before building anything
     resolve_width(width)
@@ -87,7 +88,10 @@ def convert_and_check(
                 "--allow-non-equivariant apply to converted models only"
             )
         start = time.perf_counter()
-        converted = create_model(model_spec, group=group, num_classes=num_classes, in_channels=in_channels, **options)
+        with counting_basis_builds(None):  # make_equivariant counts its own
+            converted = create_model(
+                model_spec, group=group, num_classes=num_classes, in_channels=in_channels, **options
+            )
     else:
         model = create_model(
             model_spec, num_classes=num_classes, in_channels=in_channels, pretrained=pretrained or None

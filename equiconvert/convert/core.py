@@ -16,6 +16,7 @@ from torch import nn
 from ..errors import NotAModuleError, ParameterError, UnsupportedLayerError
 from ..groups import GroupSpec, parse_group
 from ..nn.conv import standardization_scope
+from ..progress import counting_basis_builds, progress_bar, require_progress
 from ..recipe import conversion_recipe, remember_recipe
 from . import rules  # noqa: F401  (registers the built-in rules)
 from .context import HEADS, SPATIAL_KEY, TYPE_KEY, ConversionConfig, ConversionContext
@@ -118,7 +119,7 @@ def _first_break(nodes: list[fx.Node], size: int) -> GridBreak | None:
     return None
 
 
-def _rewrite(gm: fx.GraphModule, ctx: ConversionContext, in_channels: int) -> FieldType | None:
+def _rewrite(gm: fx.GraphModule, ctx: ConversionContext, in_channels: int, bar: Any) -> FieldType | None:
     output_type = None
     for node in list(gm.graph.nodes):
         if node.op == "placeholder":
@@ -134,6 +135,8 @@ def _rewrite(gm: fx.GraphModule, ctx: ConversionContext, in_channels: int) -> Fi
             node.meta[TYPE_KEY] = rule(ctx, node)
         if node.name in ctx.restrictions:
             apply_restriction(ctx, node, ctx.restrictions[node.name])
+        if bar is not None:
+            bar.update(1)
     gm.graph.lint()
     gm.recompile()
     return output_type
@@ -153,8 +156,9 @@ def _convert_once(
     config: ConversionConfig,
     width_name: str,
     device: str | None = None,
+    bar: Any = None,
 ) -> tuple[fx.GraphModule, ConversionReport, FieldType | None]:
-    """Rewrite a copy of the traced template; device="meta" only counts parameters."""
+    """Rewrite a copy of the traced template; device="meta" only counts parameters. bar: ticked per node."""
     gm = copy.deepcopy(template)
     report = ConversionReport(group=group.name, width=width_name)
     ctx = ConversionContext(gm, group, width_fn, config, report)
@@ -164,7 +168,7 @@ def _convert_once(
     ctx.restrictions = {p.node: p.target for p in points}
     ctx.width_groups = width_groups(gm, points, group)
     with torch.device(device) if device else contextlib.nullcontext():
-        output_type = _rewrite(gm, ctx, in_channels)
+        output_type = _rewrite(gm, ctx, in_channels, bar)
     report.invariant_output = bool(output_type is not None and output_type.is_invariant and not ctx.spatial_flatten)
     return gm, report, output_type
 
@@ -219,6 +223,7 @@ def make_equivariant(
     crop_to_valid: bool = False,
     pretrained: bool = False,
     allow_non_equivariant: bool = False,
+    progress: bool | None = None,
 ) -> EquivariantModel:
     """Convert a CNN into a steerable CNN equivariant to `group` ("C1".."C16", "D1".."D16", "SO2", "O2").
 
@@ -247,8 +252,11 @@ def make_equivariant(
     A model that no input size makes exactly equivariant raises EquivarianceBreakError naming the
     nodes that break it; allow_non_equivariant=True keeps it (approximately equivariant) with a warning.
     Every report warning is also issued as a Python warning (an EquivarianceWarning).
+    progress: progress bars on stderr (nodes converted, kernel bases built) for a conversion longer than
+    progress.DELAY_S; None shows them only when stderr is a terminal.
     """
     _refuse_non_module(model)
+    require_progress("make_equivariant", progress)
     if pad_to_valid and crop_to_valid:
         raise ParameterError("give pad_to_valid or crop_to_valid, not both")
     if (pad_to_valid or crop_to_valid) and input_size is None:
@@ -259,34 +267,37 @@ def make_equivariant(
         raise ParameterError("give strict or allow_non_equivariant, not both: strict refuses what the other accepts")
     if restrict is not None:
         cfg.restrict = restrict
-    template, in_channels = _prepare(copy.deepcopy(model), input_size, cfg.leaf_modules)
-    width_fn = resolve_width(width)
-    solve_params = width_fn == PARAMS
-    if solve_params:
-        width_fn, width_name = _solve_params_width(template, in_channels, spec, cfg, _count(model))
-    else:
-        width_name = getattr(width_fn, "__name__", str(width_fn))
-    gm, report, output_type = _convert_once(template, in_channels, spec, width_fn, cfg, width_name)
-    report.params_before = _count(model)
-    report.params_after = _count(gm)
-    if solve_params and abs(report.params_after - report.params_before) > PARAMS_TOLERANCE * report.params_before:
-        raise UnsupportedLayerError(
-            f"width='params' reached {report.params_after:,} parameters for a target of {report.params_before:,} "
-            f"(more than {PARAMS_TOLERANCE:.0%} apart); pass a float kappa or a callable width instead"
-        )
-    grid = _analyse_grid(gm.graph)
-    report.valid_input_sizes = grid.valid_sizes
-    report.valid_input_rule = grid.rule()
-    require_an_exact_size(gm, grid, report, allow_non_equivariant=allow_non_equivariant)
-    if input_size is not None:
-        report.input_size = input_size
-        report.input_size_valid = grid.is_valid(input_size)
-        if not report.input_size_valid and not (pad_to_valid or crop_to_valid):
-            raise invalid_size_error(input_size, grid)
-        if not report.input_size_valid:
-            fit_input(gm, report, input_size, grid, "pad" if pad_to_valid else "crop")
-    _validate_no_batch_statistics(gm)
-    verify_conversion(gm, template, report, in_channels)  # runs where the original ran (verify.py)
+    # one bar from the start, so that it shows once the whole conversion (tracing included) is long
+    with counting_basis_builds(progress), progress_bar("converting", "node", progress) as bar:
+        template, in_channels = _prepare(copy.deepcopy(model), input_size, cfg.leaf_modules)
+        bar.total = len(template.graph.nodes)  # each node rewritten, then each node of each verification run
+        width_fn = resolve_width(width)
+        solve_params = width_fn == PARAMS
+        if solve_params:
+            width_fn, width_name = _solve_params_width(template, in_channels, spec, cfg, _count(model))
+        else:
+            width_name = getattr(width_fn, "__name__", str(width_fn))
+        gm, report, output_type = _convert_once(template, in_channels, spec, width_fn, cfg, width_name, bar=bar)
+        report.params_before = _count(model)
+        report.params_after = _count(gm)
+        if solve_params and abs(report.params_after - report.params_before) > PARAMS_TOLERANCE * report.params_before:
+            raise UnsupportedLayerError(
+                f"width='params' reached {report.params_after:,} parameters for a target of {report.params_before:,} "
+                f"(more than {PARAMS_TOLERANCE:.0%} apart); pass a float kappa or a callable width instead"
+            )
+        grid = _analyse_grid(gm.graph)
+        report.valid_input_sizes = grid.valid_sizes
+        report.valid_input_rule = grid.rule()
+        require_an_exact_size(gm, grid, report, allow_non_equivariant=allow_non_equivariant)
+        if input_size is not None:
+            report.input_size = input_size
+            report.input_size_valid = grid.is_valid(input_size)
+            if not report.input_size_valid and not (pad_to_valid or crop_to_valid):
+                raise invalid_size_error(input_size, grid)
+            if not report.input_size_valid:
+                fit_input(gm, report, input_size, grid, "pad" if pad_to_valid else "crop")
+        _validate_no_batch_statistics(gm)
+        verify_conversion(gm, template, report, in_channels, bar)  # runs where the original ran (verify.py)
     if pretrained:
         report_pretrained_weights(model, gm, report)
     converted = EquivariantModel(gm, spec, in_channels, output_type, report).train(model.training)

@@ -10,6 +10,8 @@ the caller accepts it (allow_non_equivariant).
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.fx as fx
 
@@ -28,11 +30,18 @@ class _NodeFailure(Exception):
 
 
 class _NodeRunner(fx.Interpreter):
+    def __init__(self, gm: fx.GraphModule, bar: Any = None) -> None:
+        super().__init__(gm)
+        self.bar = bar  # a progress bar ticked per node run, or None
+
     def run_node(self, n: fx.Node):
         try:
-            return super().run_node(n)
+            result = super().run_node(n)
         except Exception as exc:
             raise _NodeFailure(n, exc) from exc
+        if self.bar is not None:
+            self.bar.update(1)
+        return result
 
 
 def _where(node: fx.Node) -> str:
@@ -45,8 +54,10 @@ def _where(node: fx.Node) -> str:
     return f"{node.op} {getattr(node.target, '__name__', node.target)}"
 
 
-def run_at(gm: fx.GraphModule, in_channels: int, size: int) -> tuple[int, ...] | None:
-    """Output shape of `gm` on a (1, in_channels, size, size) input; raises _NodeFailure naming the failing node."""
+def run_at(gm: fx.GraphModule, in_channels: int, size: int, bar: Any = None) -> tuple[int, ...] | None:
+    """Output shape of `gm` on a (1, in_channels, size, size) input; raises _NodeFailure naming the failing node.
+
+    bar: a progress bar, its total raised by the graph's nodes and ticked per node run."""
     was_training = gm.training
     gm.eval()
     try:
@@ -55,7 +66,9 @@ def run_at(gm: fx.GraphModule, in_channels: int, size: int) -> tuple[int, ...] |
             example = torch.zeros(
                 1, in_channels, size, size, device=parameter.device if parameter is not None else None
             )
-            out = _NodeRunner(gm).run(example)
+            if bar is not None:
+                bar.total += len(gm.graph.nodes)
+            out = _NodeRunner(gm, bar).run(example)
     finally:
         gm.train(was_training)
     return tuple(out.shape) if isinstance(out, torch.Tensor) else None
@@ -76,8 +89,9 @@ def verify_conversion(
     original: fx.GraphModule,
     report: ConversionReport,
     in_channels: int,
+    bar: Any = None,
 ) -> None:
-    """Raise UnsupportedLayerError if `converted` fails where `original` runs.
+    """Raise UnsupportedLayerError if `converted` fails where `original` runs (bar: ticked per node run).
 
     `original` is the traced template with its recorded shapes: its input's size is where the original ran.
     """
@@ -88,7 +102,7 @@ def verify_conversion(
         sizes.append(valid)
     for size in sizes:
         try:
-            shape = run_at(converted, in_channels, size)
+            shape = run_at(converted, in_channels, size, bar)
         except _NodeFailure as failure:
             if size != traced_size and not _runs(original, in_channels, size):
                 report.warnings.append(

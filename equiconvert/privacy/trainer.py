@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from ..errors import ParameterError
+from ..progress import progress_bar
 from .accounting import PrivacyBudgetError, PrivacyLedger, calibrate_noise_multiplier, check_delta_for, default_delta
 from .augment import augment_views, shift_set
 from .buffer_guard import BufferGuard
@@ -308,7 +309,7 @@ class DPTrainer(TrainerCheckpoint):
                 f"{self.sampler.sample_rate:.3g} spends epsilon {self.ledger.epsilon_after(1):.3g} > the target {self.config.target_epsilon:g}: "
                 "raise the target epsilon, lower the batch size, or raise the noise multiplier"
             )
-        bar = _progress_bar(self.config.steps, self.step, self.progress)
+        bar = progress_bar("DP-SGD", "step", self.progress, total=self.config.steps, initial=self.step, leave=True)
         start = time.perf_counter()
         self._clock.start()
         while self.step < self.config.steps:
@@ -478,9 +479,3 @@ def _to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     if device.type != "cuda":
         return tensor.to(device)
     return tensor.pin_memory().to(device, non_blocking=True)
-
-
-def _progress_bar(total: int, initial: int, enabled: bool):
-    from tqdm.auto import tqdm
-
-    return tqdm(total=total, initial=initial, disable=not enabled, desc="DP-SGD", unit="step")

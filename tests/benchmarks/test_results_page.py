@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import statistics
 
 import pytest
 
@@ -72,3 +73,46 @@ def test_unknown_kind_and_empty_folder_are_refused(tmp_path):
     stale = tmp_path / "stale.md"
     stale.write_text("old\n")
     assert page.main(["--check", "--out", str(stale)]) == 1
+
+
+def _tables(text: str) -> list[list[str]]:
+    """The markdown tables of a page, each as its lines."""
+    tables, current = [], []
+    for line in text.splitlines() + [""]:
+        if line.startswith("|"):
+            current.append(line)
+        elif current:
+            tables.append(current)
+            current = []
+    return tables
+
+
+def _cells(line: str) -> list[str]:
+    return [cell.strip() for cell in line.strip().strip("|").split(" | ")]
+
+
+def test_the_page_opens_with_the_headline_table():
+    page = _load_script()
+    text = (REPO_ROOT / "docs" / "results.md").read_text()
+    first = _tables(text)[0]
+    before = text[: text.index(first[0])]
+    assert [line for line in before.splitlines() if line.startswith("#")] == ["# Results", "## Headline"]
+    assert _cells(first[0]) == page.HEADLINE_COLUMNS
+    paper_table = json.loads(
+        (REPO_ROOT / "benchmarks" / "results" / "summaries" / "cifar10_paper_table.json").read_text()
+    )
+    quoted = [row for row in paper_table["rows"] if row.get("paper")]
+    rows = [_cells(line) for line in first[2:]]
+    assert [(r[0], r[3]) for r in rows] == [(row["model"], f"{row['paper']:.2f}%") for row in quoted]
+    for r, row in zip(rows, quoted):  # ours, and the gap to the paper in points
+        ours = statistics.median(row["accuracy"])
+        assert r[2] == f"**{ours:.2f}%** ({len(row['accuracy'])})" and r[4] == f"{ours - row['paper']:+.2f}"
+
+
+def test_no_table_is_wider_than_the_page():
+    page = _load_script()
+    text = (REPO_ROOT / "docs" / "results.md").read_text()
+    wide = [table[0] for table in _tables(text) if len(_cells(table[0])) > page.MAX_COLUMNS]
+    assert len(_tables(text)) > 10 and not wide, wide
+    with pytest.raises(ValueError, match=f"a table of {page.MAX_COLUMNS + 1} columns .* does not fit the page"):
+        page._table([f"c{i}" for i in range(page.MAX_COLUMNS + 1)], [])

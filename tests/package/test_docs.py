@@ -53,6 +53,9 @@ def test_mkdocs_build_strict(tmp_path):
         "results",
     ):
         assert (site / page / "index.html").is_file(), page
+    # the stylesheet that fits wide tables (docs/results.md) is shipped and linked
+    assert (site / "stylesheets" / "extra.css").is_file()
+    assert "stylesheets/extra.css" in (site / "results" / "index.html").read_text()
     api = (site / "api" / "index.html").read_text()
     # mkdocstrings rendered the docstrings, not just the headings
     for name in ("make_equivariant", "check_equivariance", "DPTrainer", "DPConfig", "equivariant_resnet9"):

@@ -26,7 +26,7 @@ from torch.nn.utils import skip_init
 
 from .adapt.canonicalize import CanonicalizedModel, canonical_pose, pose_scores, straight_through_choice
 from .convert.model import EquivariantModel
-from .errors import UnsupportedLayerError
+from .errors import CallOrderError, UnsupportedLayerError
 from .nn.norm import normalize_field_groups
 from .nn.pooling import NORM_POOL_EPS, REDUCTIONS
 from .nn import (
@@ -57,7 +57,7 @@ class ExportContext:
     def export_child(self, module: nn.Module, name: str) -> nn.Module:
         """Export a module that a wrapper exporter returns in place of itself."""
         if self._recurse is None:
-            raise RuntimeError("export_child needs the context that export() passes to exporters")
+            raise CallOrderError("export_child needs the context that export() passes to exporters")
         return self._recurse(module, _join(self.path, name))
 
 

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..convert import EquivariantModel, make_equivariant
-from ..errors import GroupSpecError, UsageError
+from ..errors import CallOrderError, GroupSpecError, UsageError
 from ..groups import GridElement, GroupSpec, parse_group
 from ..recipe import CANONICALIZE, recipe_of, remember_recipe
 
@@ -144,7 +144,7 @@ class CanonicalizedModel(nn.Module):
         """The scores the last forward left, removed from the model."""
         scores, self._slot.scores = self._slot.scores, None
         if scores is None:
-            raise RuntimeError("no pose scores: call the loss right after a forward of the model")
+            raise CallOrderError("no pose scores: call the loss right after a forward of the model")
         return scores
 
     def _check_input(self, x: torch.Tensor) -> None:

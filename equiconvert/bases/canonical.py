@@ -74,7 +74,9 @@ def pivot_residuals(span: torch.Tensor, shape: tuple[int, ...]) -> tuple[list[in
         else:
             largest_skipped = max(largest_skipped, norm)
     if len(chosen) != rank:
-        raise IllConditionedBasisError(f"canonical basis found {len(chosen)} of {rank} directions; the span is ill-conditioned")
+        raise IllConditionedBasisError(
+            f"canonical basis found {len(chosen)} of {rank} directions; the span is ill-conditioned"
+        )
     return chosen, vectors, smallest_kept, largest_skipped
 
 

@@ -80,9 +80,16 @@ def export(model: nn.Module) -> nn.Module:
     """A deep copy of `model` with every equiconvert module replaced by plain torch layers.
 
     Outputs are bit-identical, except after GroupPool in 'mean' or 'norm' mode,
-    whose torch pooling layers round differently (about 1e-7 relative). An
-    EquivariantModel exports to its network (a GraphModule), not the wrapper. Raises UnsupportedLayerError,
-    naming the module path, for an equiconvert module that has no exporter.
+    whose torch pooling layers round differently (about 1e-7 relative).
+
+    Args:
+        model: a converted model (an EquivariantModel exports to its network, a GraphModule, not the wrapper).
+
+    Returns:
+        The plain torch copy; `model` is left as it is.
+
+    Raises:
+        UnsupportedLayerError: an equiconvert module has no exporter; the message names its module path.
     """
     exported = _Exporter().run(copy.deepcopy(model))
     for module in exported.modules():

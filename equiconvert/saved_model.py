@@ -19,7 +19,7 @@ from torch import nn
 
 from ._version import __version__
 from .errors import DataError
-from .recipe import CANONICALIZE, Recipe, is_plain, recipe_of, remember_recipe
+from .build_recipe import CANONICALIZE, BuildRecipe, is_plain, recipe_of, remember_recipe
 
 FORMAT = "equiconvert-model"
 FORMAT_VERSION = 1
@@ -43,7 +43,7 @@ def library_versions() -> dict[str, str | None]:
     return versions
 
 
-def save(model: nn.Module, path: str | Path, recipe: Recipe | None = None) -> Path:
+def save(model: nn.Module, path: str | Path, recipe: BuildRecipe | None = None) -> Path:
     """Write `model`'s weights and its recipe to `path`, so that `load` rebuilds it without the code that built it.
 
     Args:
@@ -131,7 +131,7 @@ def read(path: str | Path) -> dict[str, Any]:
     return state
 
 
-def rebuild(recipe: Recipe) -> nn.Module:
+def rebuild(recipe: BuildRecipe) -> nn.Module:
     """The freshly initialised network `recipe` describes (the global RNG is left as it was)."""
     from .convert import make_equivariant
     from .models import create_model

@@ -28,7 +28,7 @@ from torch import nn
 from ..convert import EquivariantModel, make_equivariant
 from ..errors import CallOrderError, GroupSpecError, UsageError
 from ..groups import GridElement, GroupSpec, parse_group
-from ..recipe import CANONICALIZE, recipe_of, remember_recipe
+from ..build_recipe import CANONICALIZE, recipe_of, remember_recipe
 
 IDENTITY = 0  # index of the identity element among GroupSpec.elements ((flip 0, rotation 0) comes first)
 PerExampleLoss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]

@@ -17,7 +17,7 @@ from typing import Any, Callable, TypeVar, overload
 from torch import nn
 
 from ..errors import ModelNameError
-from ..recipe import registry_recipe, remember_recipe
+from ..build_recipe import registry_recipe, remember_recipe
 
 SOURCES = ("equiconvert", "torchvision", "timm")  # also the order in which a bare name is looked up
 ModelFactory = Callable[..., nn.Module]

@@ -72,7 +72,7 @@ class CallOrderError(UsageError, RuntimeError):
 
 
 class NameMismatchError(UsageError, KeyError):
-    """Names (of layers, parameters, state entries) that do not match the model they are given for."""
+    """A name (of a layer, a state entry, a data set) that matches none of those the call knows."""
 
     def __str__(self) -> str:  # KeyError would quote the message
         return str(self.args[0]) if self.args else ""

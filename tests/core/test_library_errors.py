@@ -149,3 +149,13 @@ def test_recipe_errors_name_the_parameter_and_the_cli_prints_its_flag(call, para
         call()
     assert str(caught.value).startswith(parameter) and "--" not in str(caught.value)
     assert flag_message(caught.value).startswith(flag)
+
+
+def test_a_name_mismatch_reads_as_its_message_though_it_is_a_key_error():
+    from equiconvert.data import load_dataset
+    from equiconvert.errors import NameMismatchError, UsageError
+
+    with pytest.raises(NameMismatchError) as caught:
+        load_dataset("nope", None)
+    assert isinstance(caught.value, KeyError) and isinstance(caught.value, UsageError)
+    assert str(caught.value).startswith("dataset=nope: unknown data set")  # KeyError's str() would quote it

@@ -97,8 +97,24 @@ def check_equivariance(
     (adapt.canonicalize), group and channels do and the output is compared as invariant. `angles`
     (degrees) adds the error of invariant outputs under rotations of a disk-masked input
     by those angles (bilinear interpolation, so these errors are not at float precision).
-    progress: a bar on stderr per element and angle checked, for a check longer than progress.DELAY_S; None shows
-    it only when stderr is a terminal.
+
+    Args:
+        model: the model to check.
+        group: the group; None for the model's own (EquivariantModel, CanonicalizedModel).
+        input_size: the square image size; None for an EquivariantModel's own.
+        in_channels: the input channels; None for the model's own.
+        batch_size: random images per check.
+        angles: rotations (degrees) for the off-grid error of invariant outputs.
+        seed: the seed of the random images.
+        progress: a bar on stderr per element and angle checked, for a check longer than progress.DELAY_S; None
+            shows it only when stderr is a terminal.
+
+    Returns:
+        The largest error per group element (and per angle).
+
+    Raises:
+        ParameterError: a size, channel count or batch size below 1, group/input_size/in_channels missing for a
+            model equiconvert did not convert, or angles for an output that is not (batch, classes).
     """
     require_progress("check_equivariance", progress)
     for name, value in (("input_size", input_size), ("in_channels", in_channels), ("batch_size", batch_size)):

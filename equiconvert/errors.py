@@ -61,3 +61,22 @@ class NotAModuleError(UsageError, TypeError):
 
 class ParameterError(UsageError, ValueError):
     """A parameter whose value cannot be used; the message names the parameter and what to give instead."""
+
+
+class ParameterTypeError(UsageError, TypeError):
+    """A parameter of a type that cannot be used; the message names the parameter and the types it takes."""
+
+
+class CallOrderError(UsageError, RuntimeError):
+    """A method called before what it needs has run (a forward, a backward, the call that sets it up)."""
+
+
+class NameMismatchError(UsageError, KeyError):
+    """A name (of a layer, a state entry, a data set) that matches none of those the call knows."""
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0]) if self.args else ""
+
+
+class MissingFileError(DataError, FileNotFoundError):
+    """A file the call needs is not where it was looked for; the message says where it looked and what to do."""

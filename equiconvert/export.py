@@ -26,7 +26,7 @@ from torch.nn.utils import skip_init
 
 from .adapt.canonicalize import CanonicalizedModel, canonical_pose, pose_scores, straight_through_choice
 from .convert.model import EquivariantModel
-from .errors import UnsupportedLayerError
+from .errors import CallOrderError, UnsupportedLayerError
 from .nn.norm import normalize_field_groups
 from .nn.pooling import NORM_POOL_EPS, REDUCTIONS
 from .nn import (
@@ -57,7 +57,7 @@ class ExportContext:
     def export_child(self, module: nn.Module, name: str) -> nn.Module:
         """Export a module that a wrapper exporter returns in place of itself."""
         if self._recurse is None:
-            raise RuntimeError("export_child needs the context that export() passes to exporters")
+            raise CallOrderError("export_child needs the context that export() passes to exporters")
         return self._recurse(module, _join(self.path, name))
 
 
@@ -80,9 +80,16 @@ def export(model: nn.Module) -> nn.Module:
     """A deep copy of `model` with every equiconvert module replaced by plain torch layers.
 
     Outputs are bit-identical, except after GroupPool in 'mean' or 'norm' mode,
-    whose torch pooling layers round differently (about 1e-7 relative). An
-    EquivariantModel exports to its network (a GraphModule), not the wrapper. Raises UnsupportedLayerError,
-    naming the module path, for an equiconvert module that has no exporter.
+    whose torch pooling layers round differently (about 1e-7 relative).
+
+    Args:
+        model: a converted model (an EquivariantModel exports to its network, a GraphModule, not the wrapper).
+
+    Returns:
+        The plain torch copy; `model` is left as it is.
+
+    Raises:
+        UnsupportedLayerError: an equiconvert module has no exporter; the message names its module path.
     """
     exported = _Exporter().run(copy.deepcopy(model))
     for module in exported.modules():

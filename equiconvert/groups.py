@@ -168,7 +168,18 @@ RESTRICTIONS = {
 
 
 def parse_group(group: str | AnyGroupSpec, frequency: int | None = None) -> AnyGroupSpec:
-    """Parse "C1".."C16" / "D1".."D16", or "SO2" / "O2" with a band limit `frequency` (default 1)."""
+    """Parse "C1".."C16" / "D1".."D16", or "SO2" / "O2" with a band limit `frequency` (default 1).
+
+    Args:
+        group: a group name, or a spec, returned as it is.
+        frequency: the angular band limit of SO2/O2 fields; None for 1.
+
+    Returns:
+        The group's spec.
+
+    Raises:
+        GroupSpecError: an unknown group name, or a frequency below 1.
+    """
     if isinstance(group, (GroupSpec, ContinuousGroupSpec)):
         return group
     if isinstance(group, str) and group.strip().upper().replace("(", "").replace(")", "") in CONTINUOUS:

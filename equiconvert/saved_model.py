@@ -19,7 +19,7 @@ from torch import nn
 
 from ._version import __version__
 from .errors import DataError
-from .recipe import CANONICALIZE, Recipe, is_plain, recipe_of, remember_recipe
+from .build_recipe import CANONICALIZE, BuildRecipe, is_plain, recipe_of, remember_recipe
 
 FORMAT = "equiconvert-model"
 FORMAT_VERSION = 1
@@ -43,8 +43,21 @@ def library_versions() -> dict[str, str | None]:
     return versions
 
 
-def save(model: nn.Module, path: str | Path, recipe: Recipe | None = None) -> Path:
-    """Write `model`'s weights and its recipe (given, or remembered by create_model/make_equivariant) to `path`."""
+def save(model: nn.Module, path: str | Path, recipe: BuildRecipe | None = None) -> Path:
+    """Write `model`'s weights and its recipe to `path`, so that `load` rebuilds it without the code that built it.
+
+    Args:
+        model: the model to save.
+        path: the file to write (its folder is created); written whole or not at all.
+        recipe: how to rebuild the model; None takes the one create_model/make_equivariant remembered.
+
+    Returns:
+        The path written.
+
+    Raises:
+        SavedModelError: the model remembers no recipe and none is given, the recipe is not plain values with a
+            'model' registry name, or `path` is a directory.
+    """
     recipe = recipe if recipe is not None else recipe_of(model)
     if recipe is None:
         raise SavedModelError(
@@ -118,7 +131,7 @@ def read(path: str | Path) -> dict[str, Any]:
     return state
 
 
-def rebuild(recipe: Recipe) -> nn.Module:
+def rebuild(recipe: BuildRecipe) -> nn.Module:
     """The freshly initialised network `recipe` describes (the global RNG is left as it was)."""
     from .convert import make_equivariant
     from .models import create_model
@@ -140,7 +153,21 @@ def rebuild(recipe: Recipe) -> nn.Module:
 
 
 def load(path: str | Path) -> nn.Module:
-    """The model saved at `path`, rebuilt from its recipe with its saved weights, in eval mode."""
+    """The model saved at `path`, rebuilt from its recipe with its saved weights, in eval mode.
+
+    The file is read with torch.load(weights_only=True): no code in it runs.
+
+    Args:
+        path: a file written by `save`.
+
+    Returns:
+        The rebuilt model, in eval mode.
+
+    Raises:
+        FileNotFoundError: there is no file at `path`.
+        SavedModelError: `path` is a directory, not a model file of a version this equiconvert reads, damaged, or
+            its weights do not fit the network its recipe builds.
+    """
     state = read(path)
     model = rebuild(state["recipe"])
     try:

@@ -26,9 +26,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..convert import EquivariantModel, make_equivariant
-from ..errors import GroupSpecError, UsageError
+from ..errors import CallOrderError, GroupSpecError, UsageError
 from ..groups import GridElement, GroupSpec, parse_group
-from ..recipe import CANONICALIZE, recipe_of, remember_recipe
+from ..build_recipe import CANONICALIZE, recipe_of, remember_recipe
 
 IDENTITY = 0  # index of the identity element among GroupSpec.elements ((flip 0, rotation 0) comes first)
 PerExampleLoss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -109,7 +109,17 @@ class _ScoreSlot:
 
 
 class CanonicalizedModel(nn.Module):
-    """`backbone` behind a canonicaliser: exactly invariant to `group`; see the module docstring."""
+    """`backbone` behind a canonicaliser: exactly invariant to `group`; see the module docstring.
+
+    Built by `canonicalize`, which checks its arguments.
+
+    Args:
+        backbone: the model that sees each image turned back to its canonical pose.
+        canonicalizer: the equivariant network scoring each pose (one output per group element).
+        group: the group whose poses are scored.
+        temperature: of the softmax whose gradient the straight-through estimator takes.
+        pool: the average pooling of the canonicaliser's input (1: none).
+    """
 
     def __init__(
         self, backbone: nn.Module, canonicalizer: EquivariantModel, group: GroupSpec, temperature: float, pool: int
@@ -144,7 +154,7 @@ class CanonicalizedModel(nn.Module):
         """The scores the last forward left, removed from the model."""
         scores, self._slot.scores = self._slot.scores, None
         if scores is None:
-            raise RuntimeError("no pose scores: call the loss right after a forward of the model")
+            raise CallOrderError("no pose scores: call the loss right after a forward of the model")
         return scores
 
     def _check_input(self, x: torch.Tensor) -> None:
@@ -190,6 +200,22 @@ def canonicalize(
     straight-through estimator takes. Inputs must be square. Add pose_prior_loss to the loss to keep upright
     data in the identity pose. The recipe of a model built by create_model is kept, so equiconvert.save/load
     rebuild it.
+
+    Args:
+        model: the model to make invariant.
+        group: the group name or spec.
+        in_channels: the input channels.
+        fields: the canonicaliser's regular fields.
+        kernel_size: the canonicaliser's odd stem kernel size.
+        pool: average pooling of the canonicaliser's input (1: none).
+        temperature: of the straight-through softmax; > 0.
+
+    Returns:
+        The wrapped model; `model` itself is its backbone.
+
+    Raises:
+        CanonicalizationError: `model` is not a Module, or a number out of range.
+        GroupSpecError: a group with an element that does not act on the pixel grid.
     """
     if not isinstance(model, nn.Module):
         raise CanonicalizationError(f"canonicalize: model must be a torch.nn.Module, got {type(model).__name__}")
@@ -225,6 +251,17 @@ def pose_prior_loss(model: nn.Module, weight: float = 1.0, loss_fn: PerExampleLo
     training on upright data then keeps upright images in the identity pose (the backbone sees them as it was
     trained). It reads the scores the model's forward just computed (no second forward), so call it
     right after each forward; it works inside DPTrainer (vmap and book-keeping) and after make_private.
+
+    Args:
+        model: a model containing a CanonicalizedModel; its forwards then keep their pose scores for the loss.
+        weight: the weight of the pose prior; >= 0.
+        loss_fn: the per-example loss (logits, labels) -> (N,); None for cross-entropy.
+
+    Returns:
+        The per-example loss (logits, labels) -> (N,).
+
+    Raises:
+        CanonicalizationError: no CanonicalizedModel in `model`, or a negative weight.
     """
     target = next((m for m in model.modules() if isinstance(m, CanonicalizedModel)), None)
     if target is None:

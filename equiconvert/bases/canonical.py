@@ -14,11 +14,15 @@ import hashlib
 import numpy as np
 import torch
 
-from ..errors import ConversionError
+from ..errors import ConversionError, ParameterError
 
 
 class BasisMismatchError(ConversionError, RuntimeError):
     """A state_dict's coefficients belong to another kernel basis than the layer loading them."""
+
+
+class IllConditionedBasisError(ConversionError, ArithmeticError):
+    """A kernel basis whose span the canonical basis cannot pin down (directions too close to the tolerance)."""
 
 
 RANK_TOLERANCE = 1e-5  # singular values below this fraction of the largest are noise (float32 inputs)
@@ -70,7 +74,9 @@ def pivot_residuals(span: torch.Tensor, shape: tuple[int, ...]) -> tuple[list[in
         else:
             largest_skipped = max(largest_skipped, norm)
     if len(chosen) != rank:
-        raise ArithmeticError(f"canonical basis found {len(chosen)} of {rank} directions; the span is ill-conditioned")
+        raise IllConditionedBasisError(
+            f"canonical basis found {len(chosen)} of {rank} directions; the span is ill-conditioned"
+        )
     return chosen, vectors, smallest_kept, largest_skipped
 
 
@@ -98,9 +104,11 @@ def reexpress_coefficients(weight: torch.Tensor, old_basis: torch.Tensor, new_ba
     Least squares in filter space; exact (to rounding) when the two bases span the same filters.
     """
     if old_basis.shape[1:] != new_basis.shape[1:]:
-        raise ValueError(f"bases act on different filters: {tuple(old_basis.shape)} vs {tuple(new_basis.shape)}")
+        raise ParameterError(
+            f"old_basis and new_basis act on different filters: {tuple(old_basis.shape)} vs {tuple(new_basis.shape)}"
+        )
     if weight.shape[-1] != old_basis.shape[0]:
-        raise ValueError(f"weight has {weight.shape[-1]} coefficients, the old basis {old_basis.shape[0]} slices")
+        raise ParameterError(f"weight has {weight.shape[-1]} coefficients, old_basis {old_basis.shape[0]} slices")
     old_flat = old_basis.reshape(old_basis.shape[0], -1).double()
     new_flat = new_basis.reshape(new_basis.shape[0], -1).double()
     filters = weight.detach().double().reshape(-1, old_flat.shape[0]) @ old_flat

@@ -34,6 +34,10 @@ PARAMETER_FLAGS: dict[str, str] = {
     "allow_non_equivariant": "--allow-non-equivariant",
     "pad_to_valid": "--pad-to-valid",
     "crop_to_valid": "--crop-to-valid",
+    "name_or_path": "--recipe",
+    "assignments": "--set",
+    "model_kwargs": "--model-kwargs",
+    "group": "--group",
 }
 _PARAMETER = re.compile(r"(?<![\w.])(" + "|".join(PARAMETER_FLAGS) + r")=(True\b|(?=[\s,;:.)]|$))?")
 

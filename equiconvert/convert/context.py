@@ -10,7 +10,7 @@ from typing import Any, Callable
 import torch.fx as fx
 from torch import nn
 
-from ..errors import EquivarianceBreakError, UnsupportedLayerError
+from ..errors import EquivarianceBreakError, ParameterError, UnsupportedLayerError
 from ..groups import GroupSpec
 from .fields import FieldType
 from .grid import SpatialOp
@@ -100,7 +100,7 @@ class ConversionContext:
         group = self.width_groups.get(channels, group or self.group)
         fields = int(self.width_fn(channels, group))
         if fields < 1:
-            raise ValueError(f"width policy returned {fields} fields for {channels} channels; need >= 1")
+            raise ParameterError(f"width: the width policy returned {fields} fields for {channels} channels; need >= 1")
         multiple = self.field_multiples.get(channels, 1)
         return max(multiple, round(fields / multiple) * multiple)
 

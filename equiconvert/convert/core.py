@@ -16,8 +16,8 @@ from torch import nn
 from ..errors import NotAModuleError, ParameterError, UnsupportedLayerError
 from ..groups import GroupSpec, parse_group
 from ..nn.conv import standardization_scope
+from ..build_recipe import conversion_recipe, remember_recipe
 from ..progress import counting_basis_builds, progress_bar, require_progress
-from ..recipe import conversion_recipe, remember_recipe
 from . import rules  # noqa: F401  (registers the built-in rules)
 from .context import HEADS, SPATIAL_KEY, TYPE_KEY, ConversionConfig, ConversionContext
 from .fields import FieldType
@@ -225,35 +225,52 @@ def make_equivariant(
     allow_non_equivariant: bool = False,
     progress: bool | None = None,
 ) -> EquivariantModel:
-    """Convert a CNN into a steerable CNN equivariant to `group` ("C1".."C16", "D1".."D16", "SO2", "O2").
+    """Convert a CNN into a steerable CNN equivariant to `group`.
 
-    For "SO2"/"O2", hidden fields are gated irrep fields band-limited at angular
-    `frequency` (default 1; see groups.FieldLayout) and the width rules use the
-    field size in place of |G|.
+    For "SO2"/"O2", hidden fields are gated irrep fields band-limited at angular `frequency` (see
+    groups.FieldLayout) and the width rules use the field size in place of |G|. Every report warning is also
+    issued as a Python warning (an EquivarianceWarning).
 
-    width: a name of convert/width.WIDTHS: None/"kappa" (fields = floor(C*sqrt(PAPER_KAPPA*|G|)/|G|)),
-    "params" (match the original parameter count), "channels" (keep the channel count); a float
-    kappa, or a callable (channels, group) -> fields. input_size: the image size you will use; the
-    report says whether it keeps exact equivariance. config: ConversionConfig fields
-    (head, invariant_pool, weight_standardization, init_gain, basis_cutoff, batchnorm_groups,
-    norm_group_rule, unit_norm_bias, leaf_modules, even_kernels: "refuse" (default) or "grow", which replaces a k x k conv with k
-    even by a (k+1) x (k+1) one with the same stride and padding, reported per layer).
-    strict: turn every equivariance warning into an error. head: one of context.HEADS,
-    "keep" the head as it is or make the output "invariant" by group pooling before it; None: the
-    model class's `equiconvert_head` if it declares one (ResNet9: "invariant"), else "keep".
-    restrict: restrict the fields to a subgroup: "halved", "reflection", "invariant", a group
-    name, a schedule "D8->D4->D1" (before the last stages) or {module name: step}; see
-    convert/restrict.py. The model is then exactly equivariant to the last subgroup.
-    An input_size that breaks exact equivariance raises InvalidInputSizeError, unless
-    pad_to_valid (or crop_to_valid) puts a symmetric fit to the nearest valid size in
-    front (nn/input_fit.py): the model then takes input_size and stays exact.
-    pretrained: the model holds trained weights; the report lists the layers that keep them
-    and warns (also as a Python warning) that the others are freshly initialised.
-    A model that no input size makes exactly equivariant raises EquivarianceBreakError naming the
-    nodes that break it; allow_non_equivariant=True keeps it (approximately equivariant) with a warning.
-    Every report warning is also issued as a Python warning (an EquivarianceWarning).
-    progress: progress bars on stderr (nodes converted, kernel bases built) for a conversion longer than
-    progress.DELAY_S; None shows them only when stderr is a terminal.
+    Args:
+        model: the CNN (a torch.nn.Module with convolutions); it is left as it is.
+        group: "C1".."C16", "D1".."D16", "SO2", "O2", or a GroupSpec.
+        width: a name of convert/width.WIDTHS: None/"kappa" (fields = floor(C*sqrt(PAPER_KAPPA*|G|)/|G|)),
+            "params" (match the original parameter count), "channels" (keep the channel count); a float kappa, or
+            a callable (channels, group) -> fields.
+        input_size: the image size you will use; the report says whether it keeps exact equivariance.
+        config: ConversionConfig fields (head, invariant_pool, weight_standardization, init_gain, basis_cutoff,
+            batchnorm_groups, norm_group_rule, unit_norm_bias, leaf_modules, even_kernels: "refuse" (default) or
+            "grow", which replaces a k x k conv with k even by a (k+1) x (k+1) one with the same stride and
+            padding, reported per layer).
+        strict: turn every equivariance warning into an error.
+        head: one of context.HEADS: "keep" the head as it is, or make the output "invariant" by group pooling
+            before it; None: the model class's `equiconvert_head` if it declares one (ResNet9: "invariant"), else
+            "keep".
+        restrict: restrict the fields to a subgroup: "halved", "reflection", "invariant", a group name, a
+            schedule "D8->D4->D1" (before the last stages) or {module name: step}; see convert/restrict.py. The
+            model is then exactly equivariant to the last subgroup.
+        frequency: the band limit of SO2/O2 fields; None for 1.
+        pad_to_valid: put a symmetric zero padding to the nearest valid size in front (nn/input_fit.py), so that
+            the model takes input_size and stays exact.
+        crop_to_valid: the same with a symmetric crop.
+        pretrained: the model holds trained weights; the report lists the layers that keep them and warns (also
+            as a Python warning) that the others are freshly initialised.
+        allow_non_equivariant: keep a model that no input size makes exactly equivariant (approximately
+            equivariant), with a warning.
+        progress: progress bars on stderr (nodes converted, kernel bases built) for a conversion longer than
+            progress.DELAY_S; None shows them only when stderr is a terminal.
+
+    Returns:
+        The converted model; its `report` (a ConversionReport) describes the conversion.
+
+    Raises:
+        NotAModuleError: `model` is not a torch.nn.Module.
+        InvalidInputSizeError: input_size breaks exact equivariance and neither pad_to_valid nor crop_to_valid is
+            given; the message lists the nearest valid sizes.
+        EquivarianceBreakError: no input size makes the model exactly equivariant (naming the nodes that break
+            it) and allow_non_equivariant is False, or strict=True and the conversion warns.
+        UnsupportedLayerError: a layer with no equivariant counterpart.
+        ParameterError: an option out of range, or options that exclude each other.
     """
     _refuse_non_module(model)
     require_progress("make_equivariant", progress)

@@ -15,7 +15,17 @@ from .verify import preferred_valid_size
 
 
 class EquivariantModel(nn.Module):
-    """Wraps the converted GraphModule so that group, field types and report survive pickling."""
+    """Wraps the converted GraphModule so that group, field types and report survive pickling.
+
+    Built by `make_equivariant`.
+
+    Args:
+        network: the converted network.
+        group: the group it is equivariant to.
+        in_channels: the channels of its input.
+        output_type: the field type of its output; None when the output carries no field type.
+        report: what the conversion did.
+    """
 
     def __init__(
         self,

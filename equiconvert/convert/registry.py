@@ -42,7 +42,14 @@ def head_transparent(rule: Rule) -> Rule:
 
 
 def register_module_rule(*module_types: type | str) -> Callable[[Rule], Rule]:
-    """Register a rule for module classes, given as types or as "package.module:Class" names (resolved lazily)."""
+    """Register a rule for module classes, given as types or as "package.module:Class" names (resolved lazily).
+
+    Args:
+        *module_types: the module classes the rule converts.
+
+    Returns:
+        A decorator that registers the rule and returns it unchanged.
+    """
 
     def decorate(rule: Rule) -> Rule:
         _register(module_types, rule, MODULE_RULES, LAZY_MODULE_RULES)
@@ -102,7 +109,14 @@ def register_traceable_form(*module_types: type | str) -> Callable[[Callable], C
 
 
 def register_function_rule(*targets: object) -> Callable[[Rule], Rule]:
-    """Register a rule for call_function targets (callables) and call_method targets (names)."""
+    """Register a rule for call_function targets (callables) and call_method targets (names).
+
+    Args:
+        *targets: the functions (torch.relu, operator.add) and method names ("view") the rule converts.
+
+    Returns:
+        A decorator that registers the rule and returns it unchanged.
+    """
 
     def decorate(rule: Rule) -> Rule:
         for target in targets:

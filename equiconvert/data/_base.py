@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from equiconvert.cache import cache_root, disk_cache_enabled
-from ..errors import DataError, ParameterError, UsageError
+from ..errors import DataError, NameMismatchError, ParameterError
 
 SPLITS = ("train", "test")
 
@@ -23,11 +23,8 @@ class DatasetNotFoundError(DataError, FileNotFoundError):
     """The files of a data set are not where they were looked for; the message says where to put them."""
 
 
-class UnknownDatasetError(UsageError, KeyError):
+class UnknownDatasetError(NameMismatchError):
     """No data set is registered under the name given."""
-
-    def __str__(self) -> str:  # KeyError would quote the message
-        return str(self.args[0]) if self.args else ""
 
 
 class DatasetFormatError(DataError, ValueError):

@@ -17,7 +17,7 @@ from typing import Any, Callable, TypeVar, overload
 from torch import nn
 
 from ..errors import ModelNameError
-from ..recipe import registry_recipe, remember_recipe
+from ..build_recipe import registry_recipe, remember_recipe
 
 SOURCES = ("equiconvert", "torchvision", "timm")  # also the order in which a bare name is looked up
 ModelFactory = Callable[..., nn.Module]
@@ -42,7 +42,19 @@ def register_model(factory: F) -> F: ...
 def register_model(*, name: str | None = None, equivariant: bool = False) -> Callable[[F], F]: ...
 def register_model(factory: F | None = None, *, name: str | None = None, equivariant: bool = False) -> Any:
     """Register a model factory under its function name (or `name`): `@register_model` or
-    `@register_model(equivariant=True)` for factories that take `group` and return an EquivariantModel."""
+    `@register_model(equivariant=True)` for factories that take `group` and return an EquivariantModel.
+
+    Args:
+        factory: the factory, when used as a bare decorator.
+        name: the registry name; None for the factory's function name.
+        equivariant: the factory takes `group` and returns an EquivariantModel.
+
+    Returns:
+        The factory unchanged, or (without `factory`) a decorator that registers one.
+
+    Raises:
+        ModelNameError: the name has a ':' or is taken.
+    """
 
     def decorate(fn: F) -> F:
         key = name or fn.__name__
@@ -78,8 +90,18 @@ _CATALOGUES: dict[str, Callable[[], list[str]]] = {
 
 
 def list_models(pattern: str | None = None) -> list[str]:
-    """equiconvert's own model names matching the shell pattern `pattern` (all without one); a pattern with a
-    source prefix ("torchvision:*", "timm:resnet*") lists that library's models, as "source:name"."""
+    """Model names to pass to create_model.
+
+    Args:
+        pattern: a shell pattern of equiconvert's own names; with a source prefix ("torchvision:*",
+            "timm:resnet*") it lists that library's models, as "source:name". None lists all of equiconvert's own.
+
+    Returns:
+        The matching names, sorted.
+
+    Raises:
+        ModelNameError: an unknown source prefix.
+    """
     source, sep, rest = (pattern or "").rpartition(":")
     if sep and source in ("torchvision", "timm"):
         return [f"{source}:{n}" for n in sorted(_CATALOGUES[source]()) if fnmatch.fnmatchcase(n, rest or "*")]
@@ -203,10 +225,22 @@ def _create_timm(name: str, kwargs: dict[str, Any]) -> nn.Module:
 
 
 def create_model(name: str, **kwargs: Any) -> nn.Module:
-    """The model `name` (see the module docstring for names), built with `kwargs`; None values are dropped, so that
-    unset options keep the model's defaults. `num_classes` and `in_channels` (or timm's `in_chans`) work for every
-    source; `pretrained` (True, or a torchvision weights name) loads torchvision/timm weights, a classifier for
-    another number of classes keeping its fresh ones.
+    """The model `name`, built with `kwargs`; it remembers how it was built, so equiconvert.save/load rebuild it.
+
+    Args:
+        name: equiconvert's own ("resnet9"), or "torchvision:NAME" / "timm:NAME"; a bare name is looked up in
+            that order (see the module docstring and list_models).
+        **kwargs: the model's keyword arguments; None values are dropped, so unset options keep the model's
+            defaults. `num_classes` and `in_channels` (or timm's `in_chans`) work for every source; `pretrained`
+            (True, or a torchvision weights name) loads torchvision/timm weights, a classifier for another number
+            of classes keeping its fresh ones.
+
+    Returns:
+        The model.
+
+    Raises:
+        ModelNameError: an unknown name, keyword arguments the model does not take, or pretrained weights asked
+            of a model that has none.
     """
     kwargs = _in_channels_named_once({key: value for key, value in kwargs.items() if value is not None})
     return remember_recipe(_create_model(name, kwargs), registry_recipe(name, kwargs))

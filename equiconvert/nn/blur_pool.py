@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..errors import ParameterError
+
 
 class SymmetricBlurPool2d(nn.Module):
     """Pad, then a depthwise conv with one fixed filter on every channel, with a stride.
@@ -18,7 +20,7 @@ class SymmetricBlurPool2d(nn.Module):
     def __init__(self, kernel: torch.Tensor, stride: int, padding: int, pad_mode: str) -> None:
         super().__init__()
         if not (torch.equal(kernel, kernel.T) and torch.equal(kernel, kernel.flip(0))):
-            raise ValueError("the blur filter must be symmetric under 90-degree rotations and flips")
+            raise ParameterError("kernel: the blur filter must be symmetric under 90-degree rotations and flips")
         self.stride, self.padding, self.pad_mode = stride, padding, pad_mode
         self.register_buffer("kernel", kernel.detach().clone()[None, None], persistent=False)
 

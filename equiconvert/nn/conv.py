@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..bases.canonical import BasisMismatchError, basis_fingerprint
+from ..errors import ParameterError
 
 _FINGERPRINT_KEY = "_extra_state"  # torch's key suffix for get_extra_state
 
@@ -28,7 +29,7 @@ def standardization_scope(weight_standardization: bool | str) -> str | None:
     if weight_standardization is True:
         return "field"
     if weight_standardization not in STANDARDIZATION_DIMS:
-        raise ValueError(
+        raise ParameterError(
             f"weight_standardization must be a bool or one of {sorted(STANDARDIZATION_DIMS)}, "
             f"got {weight_standardization!r}"
         )
@@ -80,13 +81,13 @@ class SteerableConv2d(nn.Module):
     ) -> None:
         super().__init__()
         if not init_gain > 0:
-            raise ValueError(f"init_gain must be positive, got {init_gain}")
+            raise ParameterError(f"init_gain must be positive, got {init_gain}")
         if not bias_scale > 0:
-            raise ValueError(f"bias_scale must be positive, got {bias_scale}")
+            raise ParameterError(f"bias_scale must be positive, got {bias_scale}")
         if basis.ndim != 5 or basis.shape[0] == 0:
-            raise ValueError(f"basis must have shape (num_basis>0, out, in, k, k), got {tuple(basis.shape)}")
+            raise ParameterError(f"basis must have shape (num_basis>0, out, in, k, k), got {tuple(basis.shape)}")
         if in_fields % groups or out_fields % groups:
-            raise ValueError(f"groups={groups} must divide in_fields={in_fields} and out_fields={out_fields}")
+            raise ParameterError(f"groups={groups} must divide in_fields={in_fields} and out_fields={out_fields}")
         self.in_fields, self.out_fields, self.groups = in_fields, out_fields, groups
         self.out_size, self.in_size = int(basis.shape[1]), int(basis.shape[2])
         self.kernel_size = int(basis.shape[-1])
@@ -94,7 +95,7 @@ class SteerableConv2d(nn.Module):
         self.out_channels = out_fields * self.out_size
         if isinstance(padding, str):  # odd kernels: "same" is symmetric, so store it as numbers
             if padding not in ("same", "valid"):
-                raise ValueError(f"padding must be 'same', 'valid' or numbers, got {padding!r}")
+                raise ParameterError(f"padding must be 'same', 'valid' or numbers, got {padding!r}")
             d = dilation if isinstance(dilation, int) else dilation[0]
             padding = d * (self.kernel_size - 1) // 2 if padding == "same" else 0
         self.stride, self.padding, self.dilation = stride, padding, dilation

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..errors import ParameterError
 from .norm import at_least_fp32
 
 STATISTICS = ("std", "rms")
@@ -33,7 +34,7 @@ class FieldEvoNorm(nn.Module):
     ) -> None:
         super().__init__()
         if statistic not in STATISTICS or num_fields % num_groups:
-            raise ValueError(
+            raise ParameterError(
                 f"statistic must be one of {STATISTICS} and num_groups={num_groups} must divide num_fields={num_fields}"
             )
         self.num_fields, self.field_size, self.num_groups = num_fields, field_size, num_groups

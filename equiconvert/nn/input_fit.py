@@ -15,6 +15,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..errors import ParameterError
+from ..image_shape import ImageShapeError
+
 FIT_MODES = ("pad", "crop")
 
 
@@ -35,7 +38,7 @@ class InputFit(nn.Module):
     def __init__(self, size: int, target: int) -> None:
         super().__init__()
         if size < 2 or target < 1:
-            raise ValueError(f"cannot fit input size {size} to {target}")
+            raise ParameterError(f"size={size}, target={target}: cannot fit; need size >= 2 and target >= 1")
         self.size, self.target = size, target
         difference = target - size
         self.border = abs(difference) // 2  # zero padding (target > size) or crop (target < size), per side
@@ -63,7 +66,7 @@ class InputFit(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if tuple(x.shape[-2:]) != (self.size, self.size):
-            raise ValueError(
+            raise ImageShapeError(
                 f"this model was converted for {self.size}x{self.size} inputs (fitted to {self.target}), "
                 f"got {tuple(x.shape[-2:])}"
             )

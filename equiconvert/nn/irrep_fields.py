@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..errors import ParameterError
 from ..groups import FieldLayout
 from .conv import apply_to_constants
 from .norm import at_least_fp32, field_groups
@@ -59,7 +60,7 @@ class GroupStandardization(nn.Module):
     def __init__(self, num_fields: int, layout: FieldLayout, num_groups: int, affine: bool = False, eps: float = 1e-5):
         super().__init__()
         if not 1 <= num_groups <= num_fields:
-            raise ValueError(f"num_groups={num_groups} must lie in 1..num_fields={num_fields}")
+            raise ParameterError(f"num_groups={num_groups} must lie in 1..num_fields={num_fields}")
         self.num_fields, self.field_size, self.trivial = num_fields, layout.size, layout.trivial
         self.num_groups, self.eps = num_groups, eps
         # a constant, not a buffer: Opacus refuses trainable modules with buffers (see apply_to_constants)

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..errors import ParameterError
 from . import fused_norm
 from .conv import apply_to_constants
 
@@ -199,7 +200,7 @@ class FieldGroupNorm(nn.Module):
     def __init__(self, num_fields: int, field_size: int, num_groups: int, affine: bool = True, eps: float = 1e-5):
         super().__init__()
         if not 1 <= num_groups <= num_fields:
-            raise ValueError(f"num_groups={num_groups} must lie in 1..num_fields={num_fields}")
+            raise ParameterError(f"num_groups={num_groups} must lie in 1..num_fields={num_fields}")
         self.num_fields, self.field_size, self.num_groups, self.eps = num_fields, field_size, num_groups, eps
         self.weight = nn.Parameter(torch.ones(num_fields)) if affine else None
         self.bias = nn.Parameter(torch.zeros(num_fields)) if affine else None

@@ -7,6 +7,8 @@ from typing import Callable
 import torch
 from torch import nn
 
+from ..errors import ParameterError
+
 NORM_POOL_EPS = 1e-12  # 'norm' takes sqrt(sum x^2 + eps): a zero field gives 1e-6 and a finite gradient
 
 
@@ -37,7 +39,7 @@ class GroupPool(nn.Module):
     def __init__(self, num_fields: int, field_size: int, mode: str = "max") -> None:
         super().__init__()
         if mode not in GROUP_POOL_MODES:
-            raise ValueError(f"group pooling mode {mode!r} unknown; use one of {GROUP_POOL_MODES}")
+            raise ParameterError(f"mode={mode!r}: unknown group pooling mode; use one of {GROUP_POOL_MODES}")
         self.num_fields, self.field_size, self.mode = num_fields, field_size, mode
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

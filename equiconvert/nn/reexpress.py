@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ..errors import MissingFileError, NameMismatchError
 from .conv import SteerableConv2d
 from ..bases.canonical import orthonormal_span, reexpress_coefficients
 
@@ -46,7 +47,7 @@ def legacy_bases(model: nn.Module, directory: str | Path) -> dict[str, torch.Ten
             if tensor.shape == layer.basis.shape
         ]
         if not scored or min(s[0] for s in scored) > SPAN_TOLERANCE:
-            raise FileNotFoundError(
+            raise MissingFileError(
                 f"{name}: no basis of shape {tuple(layer.basis.shape)} spanning this layer's filters in {directory}; "
                 "pass the layer's old basis to reexpress_state_dict explicitly"
             )
@@ -67,13 +68,13 @@ def reexpress_state_dict(
     layers = _layers(model)
     unknown = sorted(set(old_bases) - set(layers))
     if unknown:
-        raise KeyError(f"old_bases names no steerable layer of the model: {unknown}")
+        raise NameMismatchError(f"old_bases names no steerable layer of the model: {unknown}")
     result = dict(state_dict)
     for name, old in old_bases.items():
         layer = layers[name]
         key = f"{name}.weight"
         if key not in result:
-            raise KeyError(f"state_dict has no {key!r} for steerable layer {name}")
+            raise NameMismatchError(f"state_dict has no {key!r} for steerable layer {name}")
         result[key] = reexpress_coefficients(result[key], old, layer.basis)
         result[name + _FINGERPRINT_SUFFIX] = layer.get_extra_state()
     return result

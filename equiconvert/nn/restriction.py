@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..errors import ParameterError
+
 
 class FieldRestriction(nn.Module):
     """Reorder the channels of each field so that it reads as fields of a subgroup.
@@ -19,7 +21,7 @@ class FieldRestriction(nn.Module):
         super().__init__()
         size = len(field_index)
         if sorted(field_index) != list(range(size)):
-            raise ValueError(f"field_index must be a permutation of 0..{size - 1}, got {field_index}")
+            raise ParameterError(f"field_index must be a permutation of 0..{size - 1}, got {field_index}")
         self.num_fields, self.field_size = num_fields, size
         offsets = torch.arange(num_fields).repeat_interleave(size) * size
         self.register_buffer("index", offsets + torch.tensor(field_index).repeat(num_fields), persistent=False)
@@ -55,7 +57,7 @@ class ReflectionRestriction(nn.Module):
         super().__init__()
         used = [c for pair in pairs for c in pair if c is not None]
         if sorted(used) != list(range(field_size)):
-            raise ValueError(f"pairs must use every channel 0..{field_size - 1} exactly once, got {pairs}")
+            raise ParameterError(f"pairs must use every channel 0..{field_size - 1} exactly once, got {pairs}")
         self.num_fields, self.field_size, self.out_fields = num_fields, field_size, num_fields * len(pairs)
         offsets = torch.arange(num_fields).repeat_interleave(len(pairs)) * field_size
         fixed = torch.tensor([a for a, _ in pairs]).repeat(num_fields) + offsets

@@ -21,7 +21,7 @@ from typing import Any, Callable
 from opacus.accountants import GaussianAccountant, IAccountant, PRVAccountant, RDPAccountant
 from opacus.accountants.utils import get_noise_multiplier
 
-from ..errors import ParameterError, PrivacyError
+from ..errors import ParameterError, ParameterTypeError, PrivacyError
 
 History = tuple[tuple[float, float, int], ...]
 
@@ -110,7 +110,7 @@ def _check_sample_rate(sample_rate: float) -> float:
 
 def _check_steps(steps: int, minimum: int = 0) -> int:
     if isinstance(steps, bool):
-        raise TypeError("steps must be an integer, got a bool")
+        raise ParameterTypeError("steps must be an integer, got a bool")
     steps = operator.index(steps)  # rejects 2.5, accepts numpy integers
     if steps < minimum:
         raise ParameterError(f"steps must be >= {minimum}, got {steps}")
@@ -286,7 +286,7 @@ def load_accountant_state(accountant: IAccountant, state: dict[str, Any]) -> Non
     """Restore an Opacus accountant's `state_dict()` read from a file (untrusted): each history entry is checked,
     Opacus checks the mechanism."""
     if not isinstance(state, dict):
-        raise ValueError(f"an accountant state is a dict, got {type(state).__name__}")
+        raise ParameterError(f"state: an accountant state is a dict, got {type(state).__name__}")
     state = copy.deepcopy(state)
     for entry in state.get("history", ()):
         sigma, rate, count = entry

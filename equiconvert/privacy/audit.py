@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call, grad, vmap
 
-from ..errors import ParameterError
+from ..errors import ParameterError, ParameterTypeError
 from .audit_bound import epsilon_lower_bound
 from .dp_step import per_sample_norms
 from .trainer import DPTrainer, ImagesAndLabels
@@ -237,4 +237,4 @@ def _tensors(data: ImagesAndLabels | Any) -> ImagesAndLabels:
         return data[0], data[1]
     if hasattr(data, "tensors") and len(data.tensors) == 2:  # torch.utils.data.TensorDataset
         return data.tensors
-    raise TypeError("training data must be (images, labels) tensors or a TensorDataset of them")
+    raise ParameterTypeError("training data must be (images, labels) tensors or a TensorDataset of them")

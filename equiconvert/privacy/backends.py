@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..errors import UsageError
+from ..errors import ParameterError, UsageError
 from .bookkeeping import (
     check_bookkeeping_supported,
     layer_per_example_gradients,
@@ -80,12 +80,12 @@ def register_backend(method: str, *precisions: str) -> Callable[[BackendFactory]
     def register(factory: BackendFactory) -> BackendFactory:
         for precision in precisions:
             if precision not in PRECISIONS:
-                raise ValueError(f"precision must be one of {tuple(PRECISIONS)}, got {precision!r}")
+                raise ParameterError(f"precision must be one of {tuple(PRECISIONS)}, got {precision!r}")
             if (method, precision) in BACKENDS:
-                raise ValueError(f"a back-end for ({method!r}, {precision!r}) is already registered")
+                raise ParameterError(f"a back-end for ({method!r}, {precision!r}) is already registered")
             backend = factory(precision)
             if (backend.method, backend.precision) != (method, precision):
-                raise ValueError(f"the factory registered for ({method!r}, {precision!r}) built {backend}")
+                raise ParameterError(f"the factory registered for ({method!r}, {precision!r}) built {backend}")
             BACKENDS[(method, precision)] = backend
         return factory
 

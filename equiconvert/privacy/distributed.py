@@ -99,7 +99,9 @@ class DistributedContext:
     def row_slice(self, total: int, rank: int | None = None) -> slice:
         """The contiguous slice of `total` rows that `rank` (default: this one) evaluates; none is empty."""
         if total < self.world_size:
-            raise ValueError(f"{total} rows cannot be shared by {self.world_size} ranks; give at least one each")
+            raise ParameterError(
+                f"total={total} rows cannot be shared by {self.world_size} ranks; give at least one each"
+            )
         rank = self.rank if rank is None else rank
         return slice(rank * total // self.world_size, (rank + 1) * total // self.world_size)
 

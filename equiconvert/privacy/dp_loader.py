@@ -21,6 +21,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler
 from torch.utils.data.dataloader import default_collate
 
+from ..errors import ParameterError, ParameterTypeError
 from .secure_rng import RandomSource
 
 
@@ -29,9 +30,9 @@ class PoissonBatchSampler(Sampler[list[int]]):
 
     def __init__(self, num_examples: int, sample_rate: float, steps: int, source: RandomSource) -> None:
         if num_examples <= 0:
-            raise ValueError(f"Poisson sampling needs a non-empty dataset, got {num_examples} examples")
+            raise ParameterError(f"num_examples={num_examples}: Poisson sampling needs a non-empty dataset")
         if not 0.0 < sample_rate <= 1.0:
-            raise ValueError(f"sample_rate must lie in (0, 1], got {sample_rate}")
+            raise ParameterError(f"sample_rate must lie in (0, 1], got {sample_rate}")
         self.num_examples, self.sample_rate, self.steps = num_examples, sample_rate, steps
         self._source = source
         self.drawn = 0  # batches drawn so far: a step on a batch not drawn here is refused (lightning_guard.py)
@@ -53,7 +54,9 @@ def _empty_rows(batch: Any) -> Any:
         return type(batch)(_empty_rows(b) for b in batch)
     if isinstance(batch, dict):
         return {key: _empty_rows(value) for key, value in batch.items()}
-    raise TypeError(f"cannot form an empty batch of {type(batch).__name__}; collate batches into tensors")
+    raise ParameterTypeError(
+        f"data_loader: cannot form an empty batch of {type(batch).__name__}; collate batches into tensors"
+    )
 
 
 class _CollateWithEmpty:
@@ -74,8 +77,8 @@ class DPDataLoader(DataLoader):
     def __init__(self, data_loader: DataLoader, source: RandomSource) -> None:
         dataset = data_loader.dataset
         if isinstance(dataset, IterableDataset):
-            raise TypeError(
-                "make_private needs a map-style dataset (len() and indexing) for Poisson sampling; "
+            raise ParameterTypeError(
+                "data_loader: make_private needs a map-style dataset (len() and indexing) for Poisson sampling; "
                 f"the data loader's dataset is an IterableDataset ({type(dataset).__name__})"
             )
         steps = len(data_loader)
@@ -115,7 +118,9 @@ def _num_rows(batch: Any) -> int:
     values = list(batch.values()) if isinstance(batch, dict) else list(batch)
     counts = {_num_rows(v) for v in values}
     if len(counts) != 1:
-        raise ValueError(f"the parts of a batch have different numbers of rows {sorted(counts)}; cannot split it")
+        raise ParameterError(
+            f"data_loader: the parts of a batch have different numbers of rows {sorted(counts)}; cannot split it"
+        )
     return counts.pop()
 
 
@@ -136,9 +141,9 @@ class BatchMemoryManager:
 
     def __init__(self, *, data_loader: DataLoader, max_physical_batch_size: int, optimizer: Any) -> None:
         if max_physical_batch_size < 1:
-            raise ValueError(f"max_physical_batch_size must be >= 1, got {max_physical_batch_size}")
+            raise ParameterError(f"max_physical_batch_size must be >= 1, got {max_physical_batch_size}")
         if not hasattr(optimizer, "signal_skip_step"):
-            raise TypeError("BatchMemoryManager needs the optimizer returned by make_private")
+            raise ParameterTypeError("optimizer: BatchMemoryManager needs the optimizer returned by make_private")
         self.data_loader, self.max_physical_batch_size, self.optimizer = data_loader, max_physical_batch_size, optimizer
 
     def __enter__(self) -> Iterator[Any]:

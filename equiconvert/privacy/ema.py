@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..errors import ParameterError
+from ..errors import NameMismatchError, ParameterError
 from .dp_config import DEFAULT_EMA_DECAY
 
 Target = nn.Module | Mapping[str, torch.Tensor]
@@ -37,7 +37,7 @@ def _tensors(target: Target) -> tuple[dict[str, torch.Tensor], dict[str, torch.T
 def _check_names(kind: str, mine: Mapping[str, torch.Tensor], theirs: Mapping[str, torch.Tensor]) -> None:
     if mine.keys() != theirs.keys():
         missing, extra = sorted(mine.keys() - theirs.keys()), sorted(theirs.keys() - mine.keys())
-        raise KeyError(f"EMA {kind} do not match the model: missing {missing[:5]}, unexpected {extra[:5]}")
+        raise NameMismatchError(f"EMA {kind} do not match the model: missing {missing[:5]}, unexpected {extra[:5]}")
 
 
 class ExponentialMovingAverage:

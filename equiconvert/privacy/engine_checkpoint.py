@@ -17,6 +17,7 @@ import torch
 from opacus.accountants import IAccountant
 from torch import nn
 
+from ..errors import ParameterTypeError
 from .accounting import load_accountant_state
 from .checkpoint import CheckpointError, save_atomic
 from .dp_optimizer import DPOptimizer
@@ -35,7 +36,7 @@ _SCHEDULERS = ("noise_scheduler", "grad_clip_scheduler")  # refused unless None 
 def _check_options(options: dict[str, Any], known: tuple[str, ...]) -> None:
     unknown = set(options) - set(known) - set(_SCHEDULERS)
     if unknown:
-        raise TypeError(f"unexpected keyword argument(s) {sorted(unknown)}; Opacus' are {known + _SCHEDULERS}")
+        raise ParameterTypeError(f"unexpected keyword argument(s) {sorted(unknown)}; Opacus' are {known + _SCHEDULERS}")
     check_opacus_arguments({name: options[name] for name in _SCHEDULERS if name in options})
 
 

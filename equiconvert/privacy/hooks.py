@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..errors import ParameterTypeError
 from .callbacks import Callback, MetricsLogger
 
 # loss_fn(logits (N, classes), labels (N,)) -> per-example losses (N,)
@@ -25,14 +26,16 @@ def check_hooks(loss_fn: Any, augment: Any, callbacks: Any, metrics_logger: Any)
     """The callables and objects given to DPTrainer, checked before anything is built (errors name the option)."""
     for name, value in (("loss_fn", loss_fn), ("augment", augment)):
         if value is not None and not callable(value):
-            raise TypeError(f"{name} must be callable, got {type(value).__name__}")
+            raise ParameterTypeError(f"{name} must be callable, got {type(value).__name__}")
     for callback in callbacks:
         if not isinstance(callback, Callback):
-            raise TypeError(
+            raise ParameterTypeError(
                 f"callbacks must be equiconvert.privacy.callbacks.Callback objects, got {type(callback).__name__}"
             )
     if metrics_logger is not None and not isinstance(metrics_logger, MetricsLogger):
-        raise TypeError(f"metrics_logger must have log_metrics(metrics, step), got {type(metrics_logger).__name__}")
+        raise ParameterTypeError(
+            f"metrics_logger must have log_metrics(metrics, step), got {type(metrics_logger).__name__}"
+        )
 
 
 def cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

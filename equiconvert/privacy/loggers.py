@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Union
 
-from ..errors import UsageError
+from ..errors import ParameterTypeError, UsageError
 from .callbacks import MetricsLogger, TensorBoardLogger, flat_fields, flat_metrics
 
 JSONL = "jsonl"  # out_dir/log.jsonl: the run's own record, written whenever there is an out_dir
@@ -176,7 +176,7 @@ def check_loggers(loggers: Sequence[LoggerSpec], parameter: str = "loggers") -> 
             if package is not None and importlib.util.find_spec(package) is None:
                 raise LoggerError(f"{parameter}: the {item} logger needs the {package} package: pip install {package}")
         elif not isinstance(item, (RecordLogger, MetricsLogger)):
-            raise TypeError(
+            raise ParameterTypeError(
                 f"{parameter} takes logger names ({', '.join(list_loggers())}), RecordLogger objects or objects "
                 f"with log_metrics(metrics, step); got {type(item).__name__}"
             )

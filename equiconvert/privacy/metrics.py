@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..errors import ParameterError
 from .augment import shifted_views
 
 
@@ -29,11 +30,13 @@ def classification_metrics(logits: torch.Tensor, labels: torch.Tensor, num_bins:
     Computed in float64 so that small gaps are not rounding noise.
     """
     if logits.dim() != 2 or labels.dim() != 1 or logits.shape[0] != labels.shape[0]:
-        raise ValueError(f"expected logits (N, C) and labels (N,), got {tuple(logits.shape)} and {tuple(labels.shape)}")
+        raise ParameterError(
+            f"logits must be (N, C) and labels (N,), got {tuple(logits.shape)} and {tuple(labels.shape)}"
+        )
     if logits.shape[0] == 0:
-        raise ValueError("cannot compute metrics of an empty set")
+        raise ParameterError("logits and labels are empty; metrics need at least one example")
     if num_bins < 1:
-        raise ValueError(f"num_bins must be >= 1, got {num_bins}")
+        raise ParameterError(f"num_bins must be >= 1, got {num_bins}")
     logits = logits.detach().to(torch.float64)
     labels = labels.detach().to(device=logits.device, dtype=torch.long)
     count, num_classes = logits.shape
@@ -90,7 +93,7 @@ def predict(
 ) -> torch.Tensor:
     """The (N, classes) outputs `evaluate` scores: logits, or shift-averaged log-probabilities with `shifts`."""
     if batch_size < 1:
-        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        raise ParameterError(f"batch_size must be >= 1, got {batch_size}")
     was_training = model.training
     model.eval()
     try:

@@ -13,6 +13,7 @@ import warnings
 import torch
 from torch import nn
 
+from ..errors import ParameterError
 from .backends import AUTO, AUTO_ORDER, BACKENDS, Backend, UnknownBackendError, backend_for
 from .bookkeeping import BookkeepingUnsupportedError
 from .dp_config import DPConfig
@@ -95,7 +96,7 @@ class PerSampleGradients:
         (reduction "none"), vmap for one example's loss averaged over its views."""
         losses = self.loss_fn(logits, labels)
         if losses.shape != labels.shape:
-            raise ValueError(
+            raise ParameterError(
                 f"loss_fn must return one loss per example, shape {tuple(labels.shape)}; got {tuple(losses.shape)}"
             )
         return losses if reduction == "none" else losses.mean()

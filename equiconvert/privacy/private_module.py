@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..errors import ParameterError
+from ..errors import CallOrderError, ParameterError, PrivacyError
 from .backends import backend_for
 from .bookkeeping import BookkeepingUnsupportedError, LayerRecord, parametrised_layers, parameters_frozen
 from .buffer_guard import BufferGuard
@@ -33,6 +33,10 @@ from .validate import PrivacyValidationError
 LOSS_REDUCTIONS = ("mean", "sum")
 # the back-end (backends.py) of a forward and backward the user runs: book-keeping, in the model's own dtype
 BACKEND = ("bookkeeping", "fp32")
+
+
+class PerExampleGradientError(PrivacyError, RuntimeError):
+    """The last forward cannot give true per-example gradients: a layer input changed in place, a parameter unused."""
 
 
 class PrivateModule(nn.Module):
@@ -80,7 +84,7 @@ class PrivateModule(nn.Module):
         if not torch.is_grad_enabled():
             return self._module(x, *args, **kwargs)
         if self._record is not None and self._record.grads:
-            raise RuntimeError(
+            raise CallOrderError(
                 "a second training forward before optimizer.step(): call optimizer.step() after each "
                 "loss.backward() (for gradient accumulation use BatchMemoryManager)"
             )
@@ -156,15 +160,15 @@ class PrivateModule(nn.Module):
         """Each example's gradient (mean over its views) of every trainable parameter, from the last forward/backward."""
         record = self._record
         if record is None:
-            raise RuntimeError("no recorded training forward: run the model in train mode and loss.backward() first")
+            raise CallOrderError("no recorded training forward: run the model in train mode and loss.backward() first")
         missing = [name for name in record.layers if name not in record.grads]
         if missing:
-            raise RuntimeError(
+            raise CallOrderError(
                 f"layers {missing} got no gradient: call loss.backward() before optimizer.step(); a "
                 "layer the loss does not use must be frozen (requires_grad_(False))"
             )
         if changed := record.inputs_changed():
-            raise RuntimeError(
+            raise PerExampleGradientError(
                 f"the inputs of layers {changed} were modified in place after those layers ran; their "
                 "per-example gradients would be wrong: make that operation out of place"
             )
@@ -178,7 +182,7 @@ class PrivateModule(nn.Module):
                     grads[param] = value * scale
         unreached = [n for n, p in self._module.named_parameters() if p.requires_grad and p not in grads]
         if unreached:
-            raise RuntimeError(
+            raise PerExampleGradientError(
                 f"parameters {unreached} did not take part in the forward pass; freeze them "
                 "(requires_grad_(False)) or use them"
             )

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from ..errors import ParameterError
 from .secure_rng import RandomSource
 
 
@@ -32,9 +33,9 @@ class PoissonSampler:
         self, num_examples: int, expected_batch_size: int, source: RandomSource, shard: tuple[int, int] = (0, 1)
     ) -> None:
         if num_examples <= 0:
-            raise ValueError(f"num_examples must be positive, got {num_examples}")
+            raise ParameterError(f"num_examples must be positive, got {num_examples}")
         if expected_batch_size <= 0 or expected_batch_size > num_examples:
-            raise ValueError(
+            raise ParameterError(
                 f"sample rate q = expected_batch_size / num_examples = {expected_batch_size}/{num_examples} "
                 "must satisfy 0 < q <= 1"
             )
@@ -43,7 +44,7 @@ class PoissonSampler:
         self.sample_rate = self.expected_batch_size / self.num_examples
         rank, world_size = shard
         if not 0 <= rank < world_size:
-            raise ValueError(f"shard (rank, world_size) needs 0 <= rank < world_size, got {shard}")
+            raise ParameterError(f"shard (rank, world_size) needs 0 <= rank < world_size, got {shard}")
         self.shard = (int(rank), int(world_size))
         self._members = torch.arange(rank, self.num_examples, world_size)
         self.num_batches_drawn = 0
@@ -68,13 +69,13 @@ class PoissonSampler:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a `state_dict()`; refuses one for a different data set size or q (the accounting would lie)."""
         if (state["num_examples"], state["expected_batch_size"]) != (self.num_examples, self.expected_batch_size):
-            raise ValueError(
-                f"sampler state is for {state['expected_batch_size']}/{state['num_examples']}, "
+            raise ParameterError(
+                f"state: sampler state is for {state['expected_batch_size']}/{state['num_examples']}, "
                 f"this sampler is {self.expected_batch_size}/{self.num_examples}"
             )
         if tuple(state.get("shard", (0, 1))) != self.shard:
-            raise ValueError(
-                f"sampler state is for shard (rank, world_size) {tuple(state['shard'])}, "
+            raise ParameterError(
+                f"state: sampler state is for shard (rank, world_size) {tuple(state['shard'])}, "
                 f"this sampler samples shard {self.shard}"
             )
         self.num_batches_drawn = int(state["num_batches_drawn"])
@@ -88,9 +89,9 @@ def physical_chunks(indices: torch.Tensor, max_physical_batch: int) -> list[torc
     and summed over all chunks before noise is added once per logical batch.
     """
     if max_physical_batch <= 0:
-        raise ValueError(f"max_physical_batch must be positive, got {max_physical_batch}")
+        raise ParameterError(f"max_physical_batch must be positive, got {max_physical_batch}")
     if indices.dim() != 1:
-        raise ValueError(f"indices must be 1-D, got shape {tuple(indices.shape)}")
+        raise ParameterError(f"indices must be 1-D, got shape {tuple(indices.shape)}")
     if indices.numel() == 0:
         return []
     return list(torch.split(indices, max_physical_batch))

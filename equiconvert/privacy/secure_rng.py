@@ -42,6 +42,8 @@ from typing import Any
 
 import torch
 
+from ..errors import ParameterError, ParameterTypeError
+
 _STREAMS = 2  # generators per purpose: 2 x 64 seed bits
 _BITS = 53  # sampling integers in [0, 2**53): q * 2**53 is exact in float64
 NOISE, SAMPLING = "noise", "sampling"
@@ -60,7 +62,7 @@ class RandomSource:
 
     def __init__(self, seeds: Sequence[int], device: str | torch.device = "cpu", *, private: bool = False) -> None:
         if len(seeds) != _STREAMS:
-            raise ValueError(f"a random source takes {_STREAMS} seeds, got {len(seeds)}")
+            raise ParameterError(f"seeds: a random source takes {_STREAMS} seeds, got {len(seeds)}")
         self.device = torch.device(device)
         self.private = private
         self._generators = [torch.Generator(device=self.device).manual_seed(s) for s in seeds]
@@ -74,7 +76,7 @@ class RandomSource:
     def seeded_from(cls, seed: int, purpose: str, device: str | torch.device = "cpu") -> RandomSource:
         """Seeded from a public seed (NOT private): the reproducible mode."""
         if isinstance(seed, bool) or not isinstance(seed, int):
-            raise TypeError(
+            raise ParameterTypeError(
                 f"the reproducible mode's seed (make_private's debug_seed, DPConfig.seed) must be an int, got {seed!r}"
             )
         return cls([_derived_seed(seed, purpose, k) for k in range(_STREAMS)], device)
@@ -92,7 +94,7 @@ class RandomSource:
     def bernoulli_mask(self, size: int, probability: float) -> torch.Tensor:
         """A bool mask of `size` independent Bernoulli draws of P = floor(probability * 2^53) / 2^53."""
         if not 0.0 <= probability <= 1.0:
-            raise ValueError(f"a sampling probability lies in [0, 1], got {probability}")
+            raise ParameterError(f"probability: a sampling probability lies in [0, 1], got {probability}")
         first, second = (
             torch.randint(0, 2**_BITS, (size,), generator=g, device=self.device, dtype=torch.int64)
             for g in self._generators
@@ -116,7 +118,7 @@ class RandomSource:
 
     def load_state_dict(self, states: list[torch.Tensor]) -> None:
         if not isinstance(states, (list, tuple)) or len(states) != _STREAMS:
-            raise ValueError(f"a random source state is a list of {_STREAMS} generator states")
+            raise ParameterError(f"states: a random source state is a list of {_STREAMS} generator states")
         for generator, state in zip(self._generators, states):
             generator.set_state(state.to(device="cpu", dtype=torch.uint8))
 

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from ..errors import ParameterError, ParameterTypeError
 from .inputs import check_images, check_labels
 
 
@@ -69,7 +70,7 @@ class StreamedData(TrainData):
 def _example(item: Any, what: str) -> tuple[torch.Tensor, int]:
     """(image tensor, integer label) of one Dataset item, or a TypeError saying what the item must be."""
     if not (isinstance(item, (tuple, list)) and len(item) == 2 and isinstance(item[0], torch.Tensor)):
-        raise TypeError(
+        raise ParameterTypeError(
             f"{what}: a Dataset item must be (image tensor (C, H, W), integer label), got "
             f"{type(item).__name__}; give the Dataset a transform that returns tensors "
             "(e.g. torchvision.transforms.ToTensor())"
@@ -98,12 +99,12 @@ def as_train_data(data: Any, what: str, in_memory_bytes: int) -> TrainData:
     if isinstance(tensors, tuple) and len(tensors) == 2:  # torch.utils.data.TensorDataset
         return TensorData(*tensors)
     if not (isinstance(data, Dataset) and hasattr(data, "__getitem__") and hasattr(data, "__len__")):
-        raise TypeError(
+        raise ParameterTypeError(
             f"{what} must be (images, labels) tensors, a TensorDataset, a map-style Dataset of "
             f"(image, label) or a DataLoader over one, got {type(data).__name__}"
         )
     if len(data) == 0:
-        raise ValueError(f"{what} is empty")
+        raise ParameterError(f"{what} is empty; give at least one example")
     first, _ = _example(data[0], what)
     if len(data) * first.numel() * first.element_size() <= in_memory_bytes:
         return TensorData(*_stack([data[i] for i in range(len(data))], what))

@@ -21,7 +21,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from ..errors import ParameterError
+from ..errors import ParameterError, ParameterTypeError
 from ..progress import progress_bar
 from .accounting import PrivacyBudgetError, PrivacyLedger, calibrate_noise_multiplier, check_delta_for, default_delta
 from .augment import augment_views, shift_set
@@ -172,7 +172,9 @@ class DPTrainer(TrainerCheckpoint):
         if self.optimizer_factory is not None:
             optimizer = self.optimizer_factory(params)
             if not isinstance(optimizer, torch.optim.Optimizer):
-                raise TypeError(f"optimizer factory returned {type(optimizer).__name__}, not a torch.optim.Optimizer")
+                raise ParameterTypeError(
+                    f"optimizer_factory returned {type(optimizer).__name__}, not a torch.optim.Optimizer"
+                )
             return optimizer
         return OPTIMIZERS[self.config.optimizer](params, self.config)
 

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..errors import ParameterError
+from ..errors import MissingFileError, ParameterError
 from .accounting import PrivacyLedger
 from .checkpoint import CheckpointError, load, save_atomic
 from .distributed import DistributedContext
@@ -111,7 +111,7 @@ class TrainerCheckpoint:
         if not any(found):
             raise CheckpointError(f"nothing to resume: no checkpoint at {path}; start without resuming")
         if not all(found):
-            raise FileNotFoundError(
+            raise MissingFileError(
                 f"{path} exists on ranks {[r for r, f in enumerate(found) if f]} only: a job "
                 "resumes from one checkpoint, so out= must be on a file system every node sees"
             )

@@ -45,7 +45,7 @@ def paper_model(spec: RunSpec, activation: str, num_classes: int, channels: int)
     if "widths" in spec.model_kwargs:
         raise ParameterError(
             f"{PAPER_MODEL} has the paper's layout (16, 32, 64); the keyword widths does not apply to "
-            "it (conversion.width / --set conversion.width=... changes its conversion's width rule)"
+            "it (the recipe key conversion.width changes its conversion's width rule)"
         )
     norm_groups = norm_groups_of(spec)
     try:
@@ -112,7 +112,7 @@ def head_of(spec: RunSpec) -> str:
 
 
 # options that only a converted model has, and what each sets: refused for the unconverted baseline
-_CONVERSION_FLAGS = {
+_CONVERSION_KEYS = {
     "init_gain": ("conversion.init_gain", "the steerable filters' initial scale"),
     "head": ("conversion.head", "the converted model's head"),
     "width": ("conversion.width", "the conversion's width rule"),
@@ -136,12 +136,12 @@ def refuse_conversion_options_for_baseline(spec: RunSpec) -> None:
     if is_paper_model(spec) and spec.conversion_kwargs():  # its plain network is built without them
         raise ParameterError(
             f"model.kwargs {sorted(spec.conversion_kwargs())} are conversion options; the unconverted baseline "
-            "(--group none) has no conversion: drop them, or pick a group"
+            "(group=none) has no conversion: drop them, or pick a group"
         )
-    for name, (flag, what) in _CONVERSION_FLAGS.items():
+    for name, (key, what) in _CONVERSION_KEYS.items():
         if getattr(spec, name) is not None:
             raise ParameterError(
-                f"{flag} sets {what}; the unconverted baseline (--group none) has none: drop {flag}, or pick a group"
+                f"{key} sets {what}; the unconverted baseline (group=none) has none: drop {key}, or pick a group"
             )
 
 

@@ -205,14 +205,14 @@ def recipe_text(name_or_path: str) -> tuple[str, str]:
     if path.suffix == ".toml" or path.exists():
         if not path.is_file():
             raise RecipeError(
-                f"--recipe {name_or_path}: no such file (shipped recipes: "
+                f"name_or_path={name_or_path}: no such file (shipped recipes: "
                 f"{', '.join(shipped_recipes())}; list them with `equiconvert recipes`)"
             )
         return path.read_text(), str(path)
     shipped = resources.files(__package__).joinpath(RECIPE_DIR, f"{name_or_path}.toml")
     if not shipped.is_file():
         raise RecipeError(
-            f"--recipe {name_or_path}: neither a file nor a shipped recipe (shipped: {', '.join(shipped_recipes())})"
+            f"name_or_path={name_or_path}: neither a file nor a shipped recipe (shipped: {', '.join(shipped_recipes())})"
         )
     return shipped.read_text(), f"equiconvert/recipes/{RECIPE_DIR}/{name_or_path}.toml"
 
@@ -239,10 +239,10 @@ def parse_value(text: str) -> Any:
 
 
 def parse_assignment(text: str) -> tuple[str, Any]:
-    """'dp.epsilon=2' -> ('dp.epsilon', 2.0 as TOML reads it)."""
+    """'dp.epsilon=2' -> ('dp.epsilon', 2.0 as TOML reads it); errors name apply_overrides' parameter."""
     key, sep, value = text.partition("=")
     if not sep or not key.strip():
-        raise RecipeError(f"--set {text!r}: give KEY=VALUE, e.g. dp.epsilon=2 or model.kwargs.norm_groups=4")
+        raise RecipeError(f"assignments={text!r}: give KEY=VALUE, e.g. dp.epsilon=2 or model.kwargs.norm_groups=4")
     return key.strip(), parse_value(value.strip())
 
 
@@ -254,18 +254,18 @@ def apply_overrides(recipe: Recipe, assignments: list[str]) -> Recipe:
         try:
             set_key(recipe, key, value)
         except RecipeError as exc:
-            raise RecipeError(f"--set {text}: {exc}") from None
+            raise RecipeError(f"assignments={text}: {exc}") from None
     return recipe
 
 
-def parse_kwargs(text: str) -> dict[str, Any]:
+def parse_kwargs(model_kwargs: str) -> dict[str, Any]:
     """--model-kwargs 'widths=8,16,32,norm_groups=4' -> {'widths': (8, 16, 32), 'norm_groups': 4}: a comma
     starts a new pair only before NAME=, so list values need no brackets; values are read as by parse_value."""
     kwargs: dict[str, Any] = {}
-    for pair in re.split(r",\s*(?=[A-Za-z_]\w*\s*=)", text.strip()):
+    for pair in re.split(r",\s*(?=[A-Za-z_]\w*\s*=)", model_kwargs.strip()):
         name, sep, value = pair.partition("=")
         if not sep or not name.strip().isidentifier():
-            raise RecipeError(f"--model-kwargs {text!r}: give key=value pairs, e.g. widths=8,16,32,norm_groups=4")
+            raise RecipeError(f"model_kwargs={model_kwargs!r}: give key=value pairs, e.g. widths=8,16,32,norm_groups=4")
         parts = [parse_value(part.strip()) for part in value.split(",")] if "," in value else None
         kwargs[name.strip()] = tuple(parts) if parts is not None else parse_value(value.strip())
     return kwargs

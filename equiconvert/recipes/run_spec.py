@@ -61,9 +61,7 @@ def spec_of(recipe: Recipe) -> RunSpec:
     """The RunSpec of a recipe; data.dataset and run.out must be set (by the recipe file or the flags)."""
     for key, value in (("data.dataset", recipe.data.dataset), ("run.out", recipe.run.out)):
         if value is None:
-            raise RecipeError(
-                f"{key} is not set: give it in the recipe, by its flag (--dataset, --out) or by --set {key}=..."
-            )
+            raise RecipeError(f"{key} is not set: give it in the recipe, or override it (assignments={key}=...)")
     m, c, r = recipe.model, recipe.conversion, recipe.run
     return RunSpec(
         model=m.name,

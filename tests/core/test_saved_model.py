@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import equiconvert
-from equiconvert.recipe import recipe_of
+from equiconvert.build_recipe import recipe_of
 from equiconvert.saved_model import FORMAT_VERSION, SavedModelError, library_versions, read
 
 

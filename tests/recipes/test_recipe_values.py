@@ -20,7 +20,7 @@ from equiconvert.recipes.recipe import Recipe, RecipeError, apply_overrides, rec
     ],
 )
 def test_a_value_of_the_wrong_type_is_refused_naming_the_key(assignment, message):
-    with pytest.raises(RecipeError, match=rf"--set {assignment.split('=')[0]}=.*{message}"):
+    with pytest.raises(RecipeError, match=rf"^assignments={assignment.split('=')[0]}=.*{message}"):
         apply_overrides(Recipe(), [assignment])
 
 

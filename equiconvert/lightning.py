@@ -67,10 +67,17 @@ _TRAINER_REFUSALS: dict[str, tuple[Callable[[Trainer], bool], str]] = {
 class DPLightningCallback(Callback):
     """Make a Lightning fit DP-SGD with Poisson batches, secret noise and epsilon accounting (module docstring).
 
-    noise_multiplier, or target_epsilon (calibrated for the Trainer's max_steps, else max_epochs); target_delta:
-    the delta epsilon is reported at (and calibrated for). module: the LightningModule's attribute holding the
-    network its training_step calls. options: make_private's accountant, aug_mult, loss_reduction, debug_seed,
-    verify.
+    Args:
+        max_grad_norm: the per-example clipping norm.
+        target_delta: the delta epsilon is reported at (and calibrated for).
+        noise_multiplier: the noise standard deviation over max_grad_norm; give it or target_epsilon.
+        target_epsilon: the budget the noise is calibrated for, over the Trainer's max_steps, else max_epochs.
+        module: the LightningModule's attribute holding the network its training_step calls.
+        **options: make_private's accountant, aug_mult, loss_reduction, debug_seed, verify.
+
+    Raises:
+        LightningIntegrationError: an option make_private does not take (here), or, when the fit starts, a
+            Trainer setting or module that would break the accounting.
     """
 
     def __init__(

@@ -7,7 +7,7 @@ generated so that the tables and the data cannot drift apart (tests/benchmarks/t
     python benchmarks/make_results_page.py --check    # exit 1 if docs/results.md is out of date
 
 A summary with a "figure" ({"path": "img/NAME.png", "title": ...}, a path relative to the page) gets its plot
-drawn from the summary alone (benchmarks/paper_table.py) and embedded below its table.
+drawn from the summary alone (FIGURES: the plot function of its kind) and embedded below its table.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling module paper_table, also when loaded by path
+import adaptation_plot  # noqa: E402
 import paper_table  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -343,6 +344,31 @@ def _main_job(s: Summary) -> list[str]:
     return _blocks(_details("Commands:", commands), _table(columns, rows))
 
 
+@renderer("pretrained_adaptation")
+def _pretrained_adaptation(s: Summary) -> list[str]:
+    """Per task and epsilon, each model's median upright and turned accuracy and, canonicalised, the pose kept."""
+    columns = ["task", "epsilon", "model", "upright", "turned", "upright kept", "seeds"]
+    rows = [
+        [
+            r["task"],
+            f"{r['epsilon']:g}",
+            r["model"],
+            f"**{r['upright']:.2f}%**",
+            f"**{r['turned']:.2f}%**",
+            f"{r['identity_pose_share']:.0%}" if "identity_pose_share" in r else "-",
+            ", ".join(str(seed) for seed in r["seeds"]),
+        ]
+        for r in s["rows"]
+    ]
+    return _table(columns, rows)
+
+
+FIGURES: dict[str, Callable[[Summary, Path], None]] = {
+    "paper_table": paper_table.plot,
+    "pretrained_adaptation": adaptation_plot.plot,
+}
+
+
 def render_section(s: Summary) -> list[str]:
     """One page section: title, description, provenance, the table, notes."""
     kind = s.get("kind")
@@ -405,7 +431,7 @@ def main(argv: list[str] | None = None) -> int:
         if "figure" in s:
             figure = args.out.parent / s["figure"]["path"]
             figure.parent.mkdir(parents=True, exist_ok=True)
-            paper_table.plot(s, figure)
+            FIGURES[s["kind"]](s, figure)
     return 0
 
 

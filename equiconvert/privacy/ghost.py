@@ -14,7 +14,9 @@ input kept, as book-keeping) and two backwards that compute activation gradients
 
 The norms are book-keeping's, exact for every layer type it serves (steerable convs: the norm of the basis
 coefficients' gradient, as DP-SGD clips). Both passes run each layer's products in its parameters' dtype, so
-under bf16 autocast the norm is that of the very gradient that enters the sum. Peak memory is that of a
+under bf16 autocast the norm is that of the gradient that enters the sum, up to fp32 rounding. The bound relies on
+the second backward reproducing the first's output gradients: it does on the CPU (the same deterministic
+computation); on CUDA a kernel with non-deterministic accumulation order may round them differently. Peak memory is that of a
 non-private step (activations, one layer's output gradient) plus one slice of one layer's per-example gradient.
 """
 

@@ -2,20 +2,23 @@
 
 The model is torchvision's resnet18 (10 classes) converted to a group (C4 by default) by make_equivariant, one
 batch of B images (32x32) with K views. Each engine runs in a fresh subprocess: it builds the model, runs one step
-(the warm-up: first-step probes, lazy allocations), then measures a second step:
+(the warm-up: first-step probes, lazy allocations), then measures a second step. The engine's memory is the peak
+during that step less the memory held once the model and the batch were built, before the engine was: what the
+engine holds between steps (per-example gradients kept, optimizer state) and what the step allocates.
 
-- CUDA: torch.cuda.max_memory_allocated over that step, less what was allocated before it;
+- CUDA: torch.cuda.max_memory_allocated over that step, less torch.cuda.memory_allocated before the engine;
 - CPU: the process's resident-set high-water mark (VmHWM, reset through /proc/self/clear_refs before the step) less
-  its resident set before the step, with glibc's mmap threshold fixed (MALLOC_MMAP_THRESHOLD_) so that every large
+  its resident set before the engine, with glibc's mmap threshold fixed (MALLOC_MMAP_THRESHOLD_) so that every large
   tensor is mapped on allocation and returned on free. Where clear_refs cannot be written, ru_maxrss over the whole
-  process, warm-up included, is reported instead (`measured_by` says which).
+  process, warm-up included, is used instead (`measured_by` says which).
 
 Engines: `bookkeeping` (DPTrainer, per_sample_method="bookkeeping": every per-example gradient at once), `ghost`
 (DPTrainer, per_sample_method="ghost": per-layer norms, then a second backward), `opacus_hooks` (Opacus'
 GradSampleModule with equiconvert's registered samplers) and `opacus_ghost` (Opacus' ghost clipping), as
-dp_engine_adapters.py builds them. JSON: per engine the step's peak (MiB) and the whole process's, seconds per
-step, and each engine's step peak over Opacus' (`ratio_to_opacus_hooks`, `ratio_to_opacus_ghost`), or `not_run`
-with the reason. `--tiny`: a small converted CNN, B = 4, 16x16 (a smoke run for tests/benchmarks/test_dp_memory.py).
+dp_engine_adapters.py builds them; the subprocesses run side by side (memory is per process; the seconds are
+then those of a shared machine). JSON: per engine its memory (`engine_peak_mib`) and the whole process's peak
+(MiB), seconds per step, and its memory over each Opacus engine's (`ratio_to_opacus_hooks`,
+`ratio_to_opacus_ghost`), or `not_run` with the reason. `--tiny`: a small converted CNN, B = 4, 16x16 (a smoke run for tests/benchmarks/test_dp_memory.py).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import sys
 import time
 from functools import partial
 from pathlib import Path
+from subprocess import PIPE
 
 import torch
 from torch import nn
@@ -112,6 +116,8 @@ def measure(engine: str, args: argparse.Namespace) -> dict:
     images = torch.rand(args.batch, 3, args.size, args.size, generator=generator).to(device)
     labels = (torch.arange(args.batch) % 10).to(device)
     case = Case(f"resnet18 {args.group}", model, images, labels, args.aug_mult, args.clip, args.noise, 0.1, device)
+    gc.collect()
+    before = torch.cuda.memory_allocated(device) if device.type == "cuda" else _status_kib("VmRSS") * 1024
     try:
         runner = ENGINES[engine](case, "fp32")
         runner.step()  # warm-up: probes and first-step allocations
@@ -121,10 +127,8 @@ def measure(engine: str, args: argparse.Namespace) -> dict:
     gc.collect()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-        before = torch.cuda.memory_allocated(device)
         torch.cuda.reset_peak_memory_stats(device)
     else:
-        before = _status_kib("VmRSS") * 1024
         reset = _reset_high_water_mark()
     start = time.perf_counter()
     runner.step()
@@ -138,29 +142,39 @@ def measure(engine: str, args: argparse.Namespace) -> dict:
         measured_by = "ru_maxrss over the whole process, warm-up included (clear_refs not writable)"
     seconds = time.perf_counter() - start
     return {
-        "step_peak_mib": round((peak - before) / MIB, 1),
+        "engine_peak_mib": round((peak - before) / MIB, 1),
         "process_peak_mib": round(peak / MIB, 1),
         "seconds": round(seconds, 2),
         "measured_by": measured_by,
     }
 
 
-def _in_subprocess(engine: str, argv: list[str]) -> dict:
+def in_subprocesses(engines: list[str], argv: list[str]) -> dict[str, dict]:
+    """Each engine's record from its own fresh process (all started at once; each prints its record, writes nothing)."""
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": MMAP_THRESHOLD}
-    command = [sys.executable, __file__, *argv, "--child", engine]  # the child prints its record, writes nothing
-    done = subprocess.run(command, capture_output=True, text=True, env=env, check=False)
-    if done.returncode != 0:
-        return {"error": done.stderr.strip().splitlines()[-1] if done.stderr.strip() else f"exit {done.returncode}"}
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    children = {
+        engine: subprocess.Popen(
+            [sys.executable, __file__, *argv, "--child", engine], stdout=PIPE, stderr=PIPE, text=True, env=env
+        )
+        for engine in engines
+    }
+    results = {}
+    for engine, child in children.items():
+        out, err = child.communicate()
+        if child.returncode != 0:
+            results[engine] = {"error": err.strip().splitlines()[-1] if err.strip() else f"exit {child.returncode}"}
+        else:
+            results[engine] = json.loads(out.strip().splitlines()[-1])
+    return results
 
 
 def with_ratios(results: dict[str, dict]) -> dict[str, dict]:
-    """Each engine's step peak over each Opacus engine's that ran."""
-    for name, record in results.items():
+    """Each engine's memory over each Opacus engine's that ran."""
+    for record in results.values():
         for baseline in BASELINES:
-            base = results.get(baseline, {}).get("step_peak_mib")
-            if "step_peak_mib" in record and base:
-                record[f"ratio_to_{baseline}"] = round(record["step_peak_mib"] / base, 3)
+            base = results.get(baseline, {}).get("engine_peak_mib")
+            if "engine_peak_mib" in record and base:
+                record[f"ratio_to_{baseline}"] = round(record["engine_peak_mib"] / base, 3)
     return results
 
 
@@ -192,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     engines = args.engines.split(",")
     if unknown := [e for e in engines if e not in ENGINES]:
         raise SystemExit(f"--engines: unknown {unknown}; choose from {', '.join(ENGINES)}")
-    results = with_ratios({engine: _in_subprocess(engine, argv) for engine in engines})
+    results = with_ratios(in_subprocesses(engines, argv))
     report = {
         "model": ("TinyNet" if args.tiny else "torchvision resnet18 (num_classes=10)") + f" -> {args.group}",
         "batch": args.batch,

@@ -103,9 +103,10 @@ def _nonprivate(model: nn.Module, reference: nn.Module, case: Case, precision: s
     return _torch_runner(model, reference, lambda: step(model, optimizer, views, case.labels), NONPRIVATE, precision)
 
 
-def dptrainer(case: Case, precision: str) -> Runner:
-    """equiconvert's DPTrainer.train_step with book-keeping per-example gradients: the whole batch is one Poisson
-    draw at q = 1, one physical batch; its augment hook makes the same K views as the other engines get."""
+def dptrainer(case: Case, precision: str, method: str = "bookkeeping") -> Runner:
+    """equiconvert's DPTrainer.train_step with the per_sample_method `method` (book-keeping by default): the whole
+    batch is one Poisson draw at q = 1, one physical batch; its augment hook makes the same K views as the other
+    engines get."""
     from equiconvert.privacy.trainer import DPTrainer
 
     reference = copy.deepcopy(case.model)
@@ -127,7 +128,7 @@ def dptrainer(case: Case, precision: str) -> Runner:
             epsilon_every=2**31,  # the accountant's epsilon is bookkeeping, not part of the step timed
             normalize_mean=0.0,
             normalize_std=1.0,
-            per_sample_method="bookkeeping",
+            per_sample_method=method,
             precision=precision,
         )
         trainer._prepare_privacy(len(case.images))

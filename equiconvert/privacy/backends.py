@@ -1,7 +1,8 @@
 """The per-example gradient back-ends, by (method, precision): the one table DPTrainer and make_private pick from.
 
-A back-end computes each example's gradient of its mean loss over its K views; clipping and noise are
-dp_step.py's alone. A back-end is registered with `@register_backend(method, *precisions)` on a factory
+A back-end computes each example's gradient of its mean loss over its K views, and the sum of those gradients
+clipped by dp_step.py's rule (`accumulate_clipped`: by default from all of them at once; a back-end with its own
+`clipped_sum`, ghost clipping, never holds them all); noise is dp_step.py's alone. A back-end is registered with `@register_backend(method, *precisions)` on a factory
 precision -> Backend, and looked up with `backend_for(method, precision)`; an unknown pair
 raises UnknownBackendError listing the registered ones. DPConfig.per_sample_method takes these methods
 and "auto" (per_sample_method.py: book-keeping where the model allows it, else a registered fallback).
@@ -9,7 +10,7 @@ and "auto" (per_sample_method.py: book-keeping where the model allows it, else a
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, MutableMapping
 from dataclasses import dataclass
 
 import torch
@@ -22,6 +23,8 @@ from .bookkeeping import (
     per_sample_gradients_bookkeeping,
     verify_bookkeeping,
 )
+from .dp_step import clip_and_accumulate
+from .ghost import accumulate_clipped_ghost
 from .per_sample import Gradients, LossFn, per_sample_gradients
 
 # forward/backward dtype under autocast (None: the model's own); per-sample gradients, clipping and noise stay fp32
@@ -46,6 +49,11 @@ class UnknownBackendError(UsageError, ValueError):
 PerExampleFn = Callable[
     [nn.Module, Tensors, Tensors, torch.Tensor, torch.Tensor, LossFn], tuple[Gradients, torch.Tensor]
 ]
+# (model, views (B, K, ...), labels (B,), loss_fn, max_grad_norm, into) -> (losses (B,), non-finite examples)
+ClippedSumFn = Callable[
+    [nn.Module, torch.Tensor, torch.Tensor, LossFn, float, MutableMapping[str, torch.Tensor]],
+    tuple[torch.Tensor, torch.Tensor | int],
+]
 LayerFn = Callable[[nn.Module, torch.Tensor, torch.Tensor, int], dict[str, torch.Tensor]]
 
 
@@ -68,6 +76,26 @@ class Backend:
     # one layer's per-example gradients from its recorded input and output gradient (bookkeeping.LayerRecord), for
     # a forward and backward the user runs (make_private); None: the back-end cannot serve one
     layer_gradients: LayerFn | None = None
+    # the clipped sum without forming every per-example gradient at once; None: clip `compute`'s gradients
+    clipped_sum: ClippedSumFn | None = None
+
+    def accumulate_clipped(
+        self,
+        model: nn.Module,
+        params: Tensors,
+        buffers: Tensors,
+        views: torch.Tensor,
+        labels: torch.Tensor,
+        loss_fn: LossFn,
+        max_grad_norm: float,
+        into: MutableMapping[str, torch.Tensor],
+    ) -> tuple[torch.Tensor, torch.Tensor | int]:
+        """Add the examples' gradients, each clipped to max_grad_norm (non-finite ones as zero), to `into` by
+        parameter name; returns the losses (B,) and how many examples were non-finite."""
+        if self.clipped_sum is not None:
+            return self.clipped_sum(model, views, labels, loss_fn, max_grad_norm, into)
+        grads, losses = self.compute(model, params, buffers, views, labels, loss_fn)
+        return losses, clip_and_accumulate(grads, max_grad_norm, into)
 
 
 BACKENDS: dict[tuple[str, str], Backend] = {}
@@ -118,6 +146,25 @@ def _bookkeeping(precision: str) -> Backend:
         check_supported=check_bookkeeping_supported,
         verify=verify_bookkeeping,
         layer_gradients=layer_per_example_gradients,
+    )
+
+
+@register_backend("ghost", *PRECISIONS)
+def _ghost(precision: str) -> Backend:
+    """Ghost clipping (ghost.py): book-keeping's rules for each layer's per-example norms, one layer at a time, then
+    the clipped sum from a second backward; peak memory near a non-private step's. Its per-example gradients, for a
+    caller that asks for them, are book-keeping's."""
+    dtype = PRECISIONS[precision]
+    bookkeeping = _bookkeeping(precision)
+    return Backend(
+        "ghost",
+        precision,
+        compute=bookkeeping.compute,
+        check_supported=check_bookkeeping_supported,
+        verify=verify_bookkeeping,
+        clipped_sum=lambda model, views, labels, loss_fn, max_grad_norm, into: accumulate_clipped_ghost(
+            model, views, labels, loss_fn, max_grad_norm, into, autocast_dtype=dtype
+        ),
     )
 
 

@@ -177,10 +177,12 @@ def check_bookkeeping_supported(model: nn.Module) -> None:
 @dataclass
 class LayerRecord:
     """One forward's layer inputs and (after backward) output gradients, by layer path: what the per-layer rules
-    take. `twice` says what to do where a layer runs more than once in a forward (its caller's remedy)."""
+    take. `twice` says what to do where a layer runs more than once in a forward (its caller's remedy).
+    `on_grad(name, grad)`, where given, receives each output gradient instead of `grads` (which then stays empty)."""
 
     layers: dict[str, nn.Module]
     twice: str
+    on_grad: Callable[[str, torch.Tensor], None] | None = None
     inputs: dict[str, torch.Tensor] = field(default_factory=dict)
     grads: dict[str, torch.Tensor] = field(default_factory=dict)
     versions: dict[str, int] = field(default_factory=dict)  # of each kept input: an in-place change shows
@@ -209,10 +211,16 @@ class LayerRecord:
             if not output.requires_grad:  # nothing before this layer needs a gradient: the backward starts here
                 # a copy of a fresh leaf, so that in-place ops after the layer (ReLU(inplace=True)) stay allowed
                 output = replaced = output.detach().requires_grad_(True).clone()
-            output.register_hook(lambda grad: self.grads.__setitem__(name, grad))
+            output.register_hook(lambda grad: self._received(name, grad))
             return replaced
 
         return hook
+
+    def _received(self, name: str, grad: torch.Tensor) -> None:
+        if self.on_grad is None:
+            self.grads[name] = grad
+        else:
+            self.on_grad(name, grad)
 
     def inputs_changed(self) -> list[str]:
         """Layers whose kept input was modified in place after they ran: their gradients would be wrong."""
@@ -258,6 +266,36 @@ def layer_per_example_gradients(
     return rule(module, *_rule_operands(module, rule, inputs, grad_out), views)
 
 
+def recorded_losses(
+    model: nn.Module,
+    record: LayerRecord,
+    views: torch.Tensor,
+    labels: torch.Tensor,
+    loss_fn: LossFn,
+    autocast_dtype: torch.dtype | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The forward of all B*K views with `record` attached (under autocast in autocast_dtype where given), and each
+    example's mean loss over its views: (the input rows, which require grad for the backward; losses (B,))."""
+    batch, num_views = views.shape[:2]
+    inputs = views.reshape(batch * num_views, *views.shape[2:]).detach().requires_grad_(True)
+    autocast = torch.autocast(views.device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None)
+    with record.attached(), autocast, record_function("equiconvert/forward"):
+        logits = model(inputs)
+    if autocast_dtype is not None:
+        logits = logits.float()  # the loss in fp32, as autocast itself would compute it
+    per_view = loss_fn(logits, labels.repeat_interleave(num_views), reduction="none")
+    return inputs, per_view.reshape(batch, num_views).mean(dim=1)
+
+
+def check_inputs_unchanged(record: LayerRecord) -> None:
+    """Refuse a forward that modified a kept layer input in place: that layer's gradients would be wrong."""
+    if changed := record.inputs_changed():
+        raise BookkeepingUnsupportedError(
+            f"the inputs of layers {changed} are modified in place after those layers run; make that operation "
+            "out of place, or use the vmap method"
+        )
+
+
 def per_sample_gradients_bookkeeping(
     model: nn.Module,
     views: torch.Tensor,
@@ -270,25 +308,14 @@ def per_sample_gradients_bookkeeping(
     views (B, K, C, H, W) -> ({parameter name: (B, *shape)}, (B,)). autocast_dtype (torch.bfloat16):
     run the forward under autocast in that dtype; the gradients come back in the parameters' dtype.
     """
-    batch, num_views = views.shape[:2]
+    num_views = views.shape[1]
     layers = parametrised_layers(model)
     record = LayerRecord(layers, twice="use the vmap method")
-    inputs = views.reshape(batch * num_views, *views.shape[2:]).detach().requires_grad_(True)
-    autocast = torch.autocast(views.device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None)
-    with parameters_frozen(model), record.attached():
-        with autocast, record_function("equiconvert/forward"):
-            logits = model(inputs)
-        if autocast_dtype is not None:
-            logits = logits.float()  # the loss in fp32, as autocast itself would compute it
-        per_view = loss_fn(logits, labels.repeat_interleave(num_views), reduction="none")
-        losses = per_view.reshape(batch, num_views).mean(dim=1)
+    with parameters_frozen(model):
+        inputs, losses = recorded_losses(model, record, views, labels, loss_fn, autocast_dtype)
         with record_function("equiconvert/backward"):
             torch.autograd.grad(losses.sum(), inputs)
-    if changed := record.inputs_changed():
-        raise BookkeepingUnsupportedError(
-            f"the inputs of layers {changed} are modified in place after those layers run; make that operation "
-            "out of place, or use the vmap method"
-        )
+    check_inputs_unchanged(record)
     grads: Gradients = {}
     for name, module in layers.items():
         if name not in record.grads:

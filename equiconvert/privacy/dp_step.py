@@ -59,9 +59,14 @@ def clip_and_accumulate(
         return 0
     grads, nonfinite = zero_nonfinite_examples(per_example_grads)
     clipped, _ = clip_and_sum(grads, max_grad_norm)
-    for key, value in clipped.items():
-        into[key] = into[key].add_(value) if key in into else value
+    add_into(into, clipped)
     return nonfinite
+
+
+def add_into(into: MutableMapping[Key, torch.Tensor], values: Mapping[Key, torch.Tensor]) -> None:
+    """into[key] += value for every entry of `values` (in place; a key not yet in `into` takes the value)."""
+    for key, value in values.items():
+        into[key] = into[key].add_(value) if key in into else value
 
 
 def privatize(

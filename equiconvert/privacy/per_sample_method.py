@@ -9,6 +9,8 @@ but runs in fp32 only, so a bf16 run whose model book-keeping cannot run stops i
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable, MutableMapping
+from typing import TypeVar
 
 import torch
 from torch import nn
@@ -22,6 +24,7 @@ from .hooks import PerExampleLoss
 from .inplace_buffers import TORCH_FUNC_MUTATION, in_place_buffer_error
 
 Tensors = dict[str, torch.Tensor]
+Result = TypeVar("Result")
 
 
 class PerSampleGradients:
@@ -43,7 +46,7 @@ class PerSampleGradients:
 
     @property
     def method(self) -> str:
-        """The method of the back-end in use ("bookkeeping", "vmap")."""
+        """The method of the back-end in use ("bookkeeping", "ghost", "vmap")."""
         return self.backend.method
 
     def _first_supported(self, error: Exception | None) -> Backend:
@@ -75,21 +78,39 @@ class PerSampleGradients:
     def __call__(
         self, params: Tensors, buffers: Tensors, views: torch.Tensor, labels: torch.Tensor
     ) -> tuple[Tensors, torch.Tensor]:
-        """Per-example gradients and losses; torch.func's refusal of an in-place buffer write names the module."""
+        """Per-example gradients and losses (Backend.compute)."""
+        return self._checked_call(
+            views, lambda: self.backend.compute(self.model, params, buffers, views, labels, self._loss)
+        )
+
+    def accumulate_clipped(
+        self,
+        params: Tensors,
+        buffers: Tensors,
+        views: torch.Tensor,
+        labels: torch.Tensor,
+        into: MutableMapping[str, torch.Tensor],
+    ) -> tuple[torch.Tensor, torch.Tensor | int]:
+        """Add the examples' gradients clipped to config.max_grad_norm to `into` (Backend.accumulate_clipped);
+        returns the losses and how many examples were non-finite."""
+        clip = self.config.max_grad_norm
+        return self._checked_call(
+            views,
+            lambda: self.backend.accumulate_clipped(self.model, params, buffers, views, labels, self._loss, clip, into),
+        )
+
+    def _checked_call(self, views: torch.Tensor, compute: Callable[[], Result]) -> Result:
+        """`compute` with the run's filter-gradient kernel, after the back-end's probe at the first call;
+        torch.func's refusal of an in-place buffer write names the module."""
         try:
-            return self._compute(params, buffers, views, labels)
+            with filter_gradient_method(self.config.filter_gradients):  # the probe checks the kernel the run uses
+                while not self._verified:
+                    self._verify(tuple(views.shape[1:]))
+                return compute()
         except RuntimeError as error:
             if TORCH_FUNC_MUTATION not in str(error):
                 raise
             raise in_place_buffer_error(self.model, views[:1, 0], error) from None
-
-    def _compute(
-        self, params: Tensors, buffers: Tensors, views: torch.Tensor, labels: torch.Tensor
-    ) -> tuple[Tensors, torch.Tensor]:
-        with filter_gradient_method(self.config.filter_gradients):  # the probe checks the kernel the run uses
-            while not self._verified:
-                self._verify(tuple(views.shape[1:]))
-            return self.backend.compute(self.model, params, buffers, views, labels, self._loss)
 
     def _loss(self, logits: torch.Tensor, labels: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
         """loss_fn in F.cross_entropy's calling convention: book-keeping asks for one loss per view

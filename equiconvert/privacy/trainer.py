@@ -31,7 +31,7 @@ from .checkpoint import remove_stale_temporaries
 from .distributed import SINGLE_PROCESS, DistributedContext
 from .dp_config import CUSTOM, CUSTOM_SCHEDULE, OPTIMIZERS, DPConfig, check_config, named_schedule
 from .dp_safety import check_dp_safe
-from .dp_step import clip_and_accumulate, privatize
+from .dp_step import privatize
 from .ema import ExponentialMovingAverage
 from .metrics import classification_metrics, predict
 from .hooks import Augment, OptimizerFactory, PerExampleLoss, check_hooks, cross_entropy
@@ -153,7 +153,7 @@ class DPTrainer(TrainerCheckpoint):
 
     @property
     def per_sample_method(self) -> str:
-        """How this run computes per-example gradients, "bookkeeping" or "vmap" (per_sample_method.py)."""
+        """How this run computes per-example gradients, "bookkeeping", "ghost" or "vmap" (per_sample_method.py)."""
         return self._per_sample_gradients.method
 
     @property
@@ -219,9 +219,11 @@ class DPTrainer(TrainerCheckpoint):
             views = self.augment(self._normalize(chunk_images), c.aug_mult, self._augment_rng)
             chunk_labels = chunk_labels.to(self.device)
             with self._buffer_guard.watch(views.flatten(0, 1)):
-                grads, losses = self._per_sample_gradients(params, buffers, views, chunk_labels)
+                losses, chunk_nonfinite = self._per_sample_gradients.accumulate_clipped(
+                    params, buffers, views, chunk_labels, into=summed
+                )
             loss_sum += losses.detach().sum()
-            nonfinite += clip_and_accumulate(grads, c.max_grad_norm, into=summed)
+            nonfinite += chunk_nonfinite
         noisy = privatize(
             summed,
             self.noise_multiplier,

@@ -1,0 +1,166 @@
+"""Ghost clipping on book-keeping's per-layer rules: the clipped sum without every per-example gradient at once.
+
+Book-keeping (bookkeeping.py) forms every parameter's per-example gradient before clipping: B copies of the
+model's gradient at once. Here the batch runs through one forward (parameters frozen, each parametrised layer's
+input kept, as book-keeping) and two backwards that compute activation gradients only:
+
+1. as each layer's output gradient arrives, the layer's per-example gradient is formed by book-keeping's rule for
+   a slice of the examples at a time (SLICE_BYTES), reduced to each example's squared norm and whether it is
+   finite, and dropped, with the output gradient;
+2. the whole gradients' norms give the clip factors (dp_step.py); the second backward gives each layer its output
+   gradient again, and that gradient with each example's rows scaled by its factor (a non-finite example's rows,
+   and its inputs, zeroed) pulled back through the layer alone is the layer's clipped sum: an ordinary weight
+   gradient, with no per-example dimension.
+
+The norms are book-keeping's, exact for every layer type it serves (steerable convs: the norm of the basis
+coefficients' gradient, as DP-SGD clips). Both passes run each layer's products in its parameters' dtype, so
+under bf16 autocast the norm is that of the gradient that enters the sum, up to fp32 rounding. The bound relies on
+the second backward reproducing the first's output gradients: it does on the CPU (the same deterministic
+computation); on CUDA a kernel with non-deterministic accumulation order may round them differently. Peak memory is that of a
+non-private step (activations, one layer's output gradient) plus one slice of one layer's per-example gradient.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, MutableMapping
+
+import torch
+from torch import nn
+from torch.func import functional_call
+from torch.profiler import record_function
+
+from ..nn.conv import SteerableConv2d
+from .bookkeeping import (
+    BookkeepingUnsupportedError,
+    LayerRecord,
+    check_inputs_unchanged,
+    layer_per_example_gradients,
+    parameters_frozen,
+    parametrised_layers,
+    recorded_losses,
+)
+from .dp_step import add_into, clip_factors
+from .per_sample import LossFn
+
+SLICE_BYTES = 1 << 26  # one layer's per-example gradients of at most this many bytes at a time (a slice of examples)
+
+
+def trainable_names(module: nn.Module) -> tuple[str, ...]:
+    """The layer's own trainable parameters (read before the passes freeze them)."""
+    return tuple(name for name, p in module.named_parameters(recurse=False) if p.requires_grad)
+
+
+def _per_example_bytes(module: nn.Module) -> int:
+    """Bytes of one example's gradient of the layer, with the dense filter a (steerable) conv's rule forms first."""
+    numel = sum(p.numel() for p in module.parameters(recurse=False))
+    if isinstance(module, SteerableConv2d):
+        numel += module.out_channels * module.in_channels // module.groups * module.kernel_size**2
+    return numel * next(module.parameters(recurse=False)).element_size()
+
+
+def _in_parameter_dtype(module: nn.Module, tensor: torch.Tensor) -> torch.Tensor:
+    """Float tensors in the layer's parameter dtype (the products of both passes); indices (embeddings) as they are."""
+    dtype = next(module.parameters(recurse=False)).dtype
+    return tensor.to(dtype) if tensor.is_floating_point() else tensor
+
+
+def layer_squared_norms(
+    module: nn.Module, inputs: torch.Tensor, grad_out: torch.Tensor, views: int, trainable: Collection[str]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each example's squared gradient norm over the layer's `trainable` parameters, and whether it is finite:
+    (B,) twice.
+
+    The per-example gradients are book-keeping's, formed a slice of the examples at a time and dropped.
+    """
+    batch = inputs.shape[0] // views
+    step = max(1, min(batch, SLICE_BYTES // max(1, _per_example_bytes(module))))
+    inputs, grad_out = _in_parameter_dtype(module, inputs), _in_parameter_dtype(module, grad_out)
+    squares, finite = [], []
+    for start in range(0, batch, step):
+        rows = slice(start * views, min(batch, start + step) * views)
+        grads = layer_per_example_gradients(module, inputs[rows], grad_out[rows], views)
+        flat = [g.reshape(g.shape[0], -1) for name, g in grads.items() if name in trainable]
+        squares.append(torch.stack([f.pow(2).sum(1) for f in flat]).sum(0))
+        finite.append(torch.stack([torch.isfinite(f).all(1) for f in flat]).all(0))
+    return torch.cat(squares), torch.cat(finite)
+
+
+def layer_clipped_sum(
+    module: nn.Module, inputs: torch.Tensor, grad_out: torch.Tensor, row_weights: torch.Tensor, trainable: Collection[str]
+) -> dict[str, torch.Tensor]:
+    """The layer's weight gradient with each row's output gradient scaled by `row_weights` (B*K,): rows of weight 0,
+    and their inputs, are zeroed first, so a non-finite example adds nothing (not 0 * NaN)."""
+    inputs, grad_out = _in_parameter_dtype(module, inputs), _in_parameter_dtype(module, grad_out)
+    keep = row_weights != 0
+    if inputs.is_floating_point():
+        inputs = torch.where(keep.view(-1, *[1] * (inputs.dim() - 1)), inputs, 0.0)
+    weights = row_weights.to(grad_out.dtype).view(-1, *[1] * (grad_out.dim() - 1))
+    grad_out = torch.where(weights != 0, grad_out * weights, 0.0)
+    params = {name: getattr(module, name).detach().requires_grad_(True) for name in trainable}
+    with torch.enable_grad(), torch.autocast(inputs.device.type, enabled=False):
+        output = functional_call(module, params, (inputs,))
+        sums = torch.autograd.grad(output, list(params.values()), grad_out)
+    return dict(zip(params, sums))
+
+
+class _TwoPasses:
+    """The output-gradient hook of both backwards: squared norms in the first, clipped sums in the second."""
+
+    def __init__(self, record: LayerRecord, views: int) -> None:
+        self.record, self.views = record, views
+        self.trainable = {name: trainable_names(layer) for name, layer in record.layers.items()}
+        self.squares: dict[str, torch.Tensor] = {}
+        self.finite: dict[str, torch.Tensor] = {}
+        self.row_weights: torch.Tensor | None = None  # set between the passes
+        self.sums: dict[str, torch.Tensor] = {}
+
+    def __call__(self, name: str, grad: torch.Tensor) -> None:
+        layer, inputs = self.record.layers[name], self.record.inputs[name]
+        if self.row_weights is None:
+            with record_function(f"equiconvert/ghost_norms/{type(layer).__name__}"):
+                self.squares[name], self.finite[name] = layer_squared_norms(
+                    layer, inputs, grad, self.views, self.trainable[name]
+                )
+            return
+        with record_function(f"equiconvert/ghost_sum/{type(layer).__name__}"):
+            for param_name, value in layer_clipped_sum(
+                layer, inputs, grad, self.row_weights, self.trainable[name]
+            ).items():
+                self.sums[f"{name}.{param_name}" if name else param_name] = value
+
+
+def accumulate_clipped_ghost(
+    model: nn.Module,
+    views: torch.Tensor,
+    labels: torch.Tensor,
+    loss_fn: LossFn,
+    max_grad_norm: float,
+    into: MutableMapping[str, torch.Tensor],
+    autocast_dtype: torch.dtype | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Add the sum of each example's gradient of its mean loss over its K views, clipped to max_grad_norm, to `into`
+    (by parameter name, in place); an example with a non-finite gradient adds zero (nonfinite.py).
+
+    views (B, K, C, H, W) -> (losses (B,), how many examples were non-finite (a device tensor)).
+    """
+    num_views = views.shape[1]
+    record = LayerRecord(parametrised_layers(model), twice="use the vmap method")
+    passes = _TwoPasses(record, num_views)
+    record.on_grad = passes
+    with parameters_frozen(model):
+        inputs, losses = recorded_losses(model, record, views, labels, loss_fn, autocast_dtype)
+        check_inputs_unchanged(record)
+        with record_function("equiconvert/ghost_backward_norms"):
+            torch.autograd.grad(losses.sum(), inputs, retain_graph=True)
+        if missing := [name for name in record.layers if name not in passes.squares]:
+            raise BookkeepingUnsupportedError(f"layers {missing} did not take part in the forward pass")
+        norms = torch.stack(list(passes.squares.values())).sum(0).sqrt()
+        finite = torch.stack(list(passes.finite.values())).all(0)
+        factors = torch.where(finite, clip_factors(norms, max_grad_norm), 0.0)
+        passes.row_weights = factors.repeat_interleave(num_views)
+        with record_function("equiconvert/ghost_backward_sums"):
+            torch.autograd.grad(losses.sum(), inputs)
+    order = [name for name, p in model.named_parameters() if p.requires_grad]
+    add_into(into, {name: passes.sums[name] for name in order})
+    return losses.detach(), (~finite).sum()
+

@@ -13,10 +13,10 @@ input kept, as book-keeping) and two backwards that compute activation gradients
    gradient, with no per-example dimension.
 
 The norms are book-keeping's, exact for every layer type it serves (steerable convs: the norm of the basis
-coefficients' gradient, as DP-SGD clips). Both passes run each layer's products in its parameters' dtype, so
-under bf16 autocast the norm is that of the gradient that enters the sum, up to fp32 rounding. The bound relies on
-the second backward reproducing the first's output gradients: it does on the CPU (the same deterministic
-computation); on CUDA a kernel with non-deterministic accumulation order may round them differently. Peak memory is that of a
+coefficients' gradient, as DP-SGD clips). The bound relies on the second backward reproducing the first's output
+gradients: on the CPU it does exactly (the same deterministic computation); a CUDA kernel with a
+non-deterministic accumulation order may round them apart at fp32's rounding, the level of any float clipping.
+Under bf16 that difference would be about 0.4%, so the back-end is registered for fp32 only. Peak memory is that of a
 non-private step (activations, one layer's output gradient) plus one slice of one layer's per-example gradient.
 """
 
@@ -86,7 +86,11 @@ def layer_squared_norms(
 
 
 def layer_clipped_sum(
-    module: nn.Module, inputs: torch.Tensor, grad_out: torch.Tensor, row_weights: torch.Tensor, trainable: Collection[str]
+    module: nn.Module,
+    inputs: torch.Tensor,
+    grad_out: torch.Tensor,
+    row_weights: torch.Tensor,
+    trainable: Collection[str],
 ) -> dict[str, torch.Tensor]:
     """The layer's weight gradient with each row's output gradient scaled by `row_weights` (B*K,): rows of weight 0,
     and their inputs, are zeroed first, so a non-finite example adds nothing (not 0 * NaN)."""
@@ -163,4 +167,3 @@ def accumulate_clipped_ghost(
     order = [name for name, p in model.named_parameters() if p.requires_grad]
     add_into(into, {name: passes.sums[name] for name in order})
     return losses.detach(), (~finite).sum()
-

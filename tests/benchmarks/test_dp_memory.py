@@ -8,7 +8,11 @@ from tests.support.benchmark_scripts import load_benchmark
 def test_ratios_are_each_engines_step_peak_over_opacus():
     dp_memory = load_benchmark("dp_memory")
     results = dp_memory.with_ratios(
-        {"ghost": {"engine_peak_mib": 50.0}, "opacus_hooks": {"engine_peak_mib": 100.0}, "opacus_ghost": {"not_run": "x"}}
+        {
+            "ghost": {"engine_peak_mib": 50.0},
+            "opacus_hooks": {"engine_peak_mib": 100.0},
+            "opacus_ghost": {"not_run": "x"},
+        }
     )
     assert results["ghost"]["ratio_to_opacus_hooks"] == 0.5
     assert "ratio_to_opacus_ghost" not in results["ghost"]

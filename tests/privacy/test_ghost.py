@@ -8,7 +8,7 @@ from torch import nn
 import equiconvert
 from equiconvert.nn.conv import SteerableConv2d
 from equiconvert.privacy import ghost
-from equiconvert.privacy.backends import backend_for
+from equiconvert.privacy.backends import UnknownBackendError, backend_for
 from equiconvert.privacy.dp_config import PER_SAMPLE_METHODS
 from equiconvert.privacy.dp_step import clip_factors
 from equiconvert.privacy.ghost import accumulate_clipped_ghost, layer_squared_norms
@@ -120,11 +120,13 @@ def test_a_nonfinite_example_adds_nothing_and_is_counted():
         torch.testing.assert_close(summed[key], value, rtol=1e-5, atol=1e-5, msg=key)
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_ghost_is_registered_by_method_and_precision(precision):
-    backend = backend_for("ghost", precision)
+def test_ghost_is_registered_for_fp32_only():
+    backend = backend_for("ghost", "fp32")
     assert backend.clipped_sum is not None and backend.method == "ghost"
     assert "ghost" in PER_SAMPLE_METHODS
+    # bf16 kernels may round the second backward apart from the first: the clip bound would not hold
+    with pytest.raises(UnknownBackendError, match="ghost"):
+        backend_for("ghost", "bf16")
 
 
 def test_dptrainer_ghost_step_equals_bookkeeping_step():
@@ -154,16 +156,3 @@ def test_dptrainer_ghost_step_equals_bookkeeping_step():
         params[method] = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
     for key, value in params["bookkeeping"].items():
         torch.testing.assert_close(params["ghost"][key], value, rtol=1e-5, atol=1e-6, msg=key)
-
-
-def test_bf16_ghost_sum_is_near_bookkeepings():
-    """Under bf16 autocast both back-ends clip the same bf16 forward's gradients (ghost's products in fp32)."""
-    torch.manual_seed(0)
-    model = perturbed(equiconvert.make_equivariant(SmallNet(), "C4"))
-    views, labels = _data()
-    sums = {}
-    for method in ("bookkeeping", "ghost"):
-        sums[method] = {}
-        backend_for(method, "bf16").accumulate_clipped(model, {}, {}, views, labels, F.cross_entropy, 0.5, sums[method])
-    for key, value in sums["bookkeeping"].items():
-        assert float((sums["ghost"][key] - value).norm() / value.norm()) < 2e-2, key

@@ -31,7 +31,7 @@ from equiconvert import canonicalize, make_equivariant, pose_prior_loss  # noqa:
 from equiconvert.data import load_dataset  # noqa: E402
 from equiconvert.groups import parse_group  # noqa: E402
 from equiconvert.privacy.accounting import calibrate_noise_multiplier, default_delta  # noqa: E402
-from equiconvert.privacy.trainer import DPTrainer  # noqa: E402
+from equiconvert.training.trainer import DPTrainer  # noqa: E402
 
 SIZE, CLASSES, MEAN, STD = 28, 10, 0.5, 0.5  # DPTrainer's default normalisation, used for pretraining too
 FULL = dict(pretrain_steps=600, pretrain_examples=None, train_examples=None, test_examples=None, steps=150)

@@ -26,7 +26,9 @@ if TYPE_CHECKING:
     from .export import export
     from .groups import GroupSpec, parse_group
     from .models import create_model, list_models, register_model
+    from .privacy import make_private
     from .saved_model import load, save
+    from .training import DPConfig, DPTrainer
 
 # public name -> the submodule defining it
 _EXPORTS = {
@@ -47,7 +49,9 @@ _EXPORTS = {
     "export": "export",
     **dict.fromkeys(("GroupSpec", "parse_group"), "groups"),
     **dict.fromkeys(("create_model", "list_models", "register_model"), "models"),
+    "make_private": "privacy",
     **dict.fromkeys(("load", "save"), "saved_model"),
+    **dict.fromkeys(("DPConfig", "DPTrainer"), "training"),
 }
 
 __all__ = [
@@ -55,6 +59,8 @@ __all__ = [
     "CanonicalizedModel",
     "ConversionConfig",
     "ConversionReport",
+    "DPConfig",
+    "DPTrainer",
     "EquivarianceBreakError",
     "EquivarianceResult",
     "EquivarianceWarning",
@@ -70,6 +76,7 @@ __all__ = [
     "list_models",
     "load",
     "make_equivariant",
+    "make_private",
     "parse_group",
     "pose_prior_loss",
     "register_function_rule",

@@ -9,33 +9,36 @@ but runs in fp32 only, so a bf16 run whose model book-keeping cannot run stops i
 from __future__ import annotations
 
 import warnings
+from typing import Callable
 
 import torch
 from torch import nn
 
 from .backends import AUTO, AUTO_ORDER, BACKENDS, Backend, UnknownBackendError, backend_for
 from .bookkeeping import BookkeepingUnsupportedError
-from .dp_config import DPConfig
 from .filter_gradients import filter_gradient_method
-from .hooks import PerExampleLoss
 from .inplace_buffers import TORCH_FUNC_MUTATION, in_place_buffer_error
 
 Tensors = dict[str, torch.Tensor]
+# loss_fn(logits (N, classes), labels (N,)) -> per-example losses (N,)
+PerExampleLoss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 class PerSampleGradients:
     """model's per-example gradients (averaged over each example's views) and losses, by its back-end."""
 
-    def __init__(self, model: nn.Module, config: DPConfig, loss_fn: PerExampleLoss) -> None:
-        self.model, self.config, self.loss_fn = model, config, loss_fn
-        if config.per_sample_method != AUTO:
-            self._candidates = [backend_for(config.per_sample_method, config.precision)]
+    def __init__(
+        self, model: nn.Module, loss_fn: PerExampleLoss, method: str, precision: str, filter_gradients: str
+    ) -> None:
+        """method, precision and filter_gradients: DPConfig's per_sample_method, precision and filter_gradients."""
+        self.model, self.loss_fn = model, loss_fn
+        self.requested, self.precision, self.filter_gradients = method, precision, filter_gradients
+        if method != AUTO:
+            self._candidates = [backend_for(method, precision)]
         else:
-            self._candidates = [
-                BACKENDS[(m, config.precision)] for m in AUTO_ORDER if (m, config.precision) in BACKENDS
-            ]
+            self._candidates = [BACKENDS[(m, precision)] for m in AUTO_ORDER if (m, precision) in BACKENDS]
         if not self._candidates:
-            raise UnknownBackendError(config.per_sample_method, config.precision)
+            raise UnknownBackendError(method, precision)
         self._tried: list[str] = []
         self.backend = self._first_supported(None)
         self._verified = False  # the back-end's probe runs once, at the first per-sample computation
@@ -58,7 +61,7 @@ class PerSampleGradients:
                 continue
             return backend
         assert error is not None  # there is a first candidate, and it failed
-        if self.config.per_sample_method != AUTO:
+        if self.requested != AUTO:
             raise error
         raise self._none_at_precision(error) from error
 
@@ -67,7 +70,7 @@ class PerSampleGradients:
         exact = [p for m, p in BACKENDS if m == AUTO_ORDER[-1]]
         tried = " or ".join(repr(m) for m in self._tried)
         return BookkeepingUnsupportedError(
-            f"precision {self.config.precision!r} needs per_sample_method {tried}, which this model cannot use "
+            f"precision {self.precision!r} needs per_sample_method {tried}, which this model cannot use "
             f"({error}); train it with precision {' or '.join(map(repr, exact))}"
         )
 
@@ -85,7 +88,7 @@ class PerSampleGradients:
     def _compute(
         self, params: Tensors, buffers: Tensors, views: torch.Tensor, labels: torch.Tensor
     ) -> tuple[Tensors, torch.Tensor]:
-        with filter_gradient_method(self.config.filter_gradients):  # the probe checks the kernel the run uses
+        with filter_gradient_method(self.filter_gradients):  # the probe checks the kernel the run uses
             while not self._verified:
                 self._verify(tuple(views.shape[1:]))
             return self.backend.compute(self.model, params, buffers, views, labels, self._loss)
@@ -108,7 +111,7 @@ class PerSampleGradients:
         try:
             self.backend.verify(self.model, view_shape, self._loss)
         except Exception as error:  # noqa: BLE001  (any failure of the probe: the next candidate is exact)
-            if self.config.per_sample_method != AUTO:
+            if self.requested != AUTO:
                 raise
             failed = self.backend.method
             self.backend = self._first_supported(error)

@@ -17,10 +17,10 @@ from typing import Any, Callable
 import torch
 
 from ..errors import ParameterError, UsageError
-from .accounting import ACCOUNTANTS
+from ..privacy.accounting import ACCOUNTANTS
+from ..privacy.backends import AUTO, PRECISIONS, backend_for, backend_methods
+from ..privacy.filter_gradients import FILTER_GRADIENT_METHODS
 from .augment import shift_set
-from .backends import AUTO, PRECISIONS, backend_for, backend_methods
-from .filter_gradients import FILTER_GRADIENT_METHODS
 from .normalization import check_normalization
 
 CUSTOM = "custom"  # a callable given to DPTrainer (optimizer factory, lr schedule)

@@ -22,31 +22,37 @@ import torch
 from torch import nn
 
 from ..errors import ParameterError
-from .accounting import PrivacyBudgetError, PrivacyLedger, calibrate_noise_multiplier, check_delta_for, default_delta
+from ..privacy.accounting import (
+    PrivacyBudgetError,
+    PrivacyLedger,
+    calibrate_noise_multiplier,
+    check_delta_for,
+    default_delta,
+)
+from ..privacy.buffer_guard import BufferGuard
+from ..privacy.checkpoint import remove_stale_temporaries
+from ..privacy.dp_safety import check_dp_safe
+from ..privacy.dp_step import clip_and_accumulate, privatize
+from ..privacy.per_sample_method import PerExampleLoss, PerSampleGradients
+from ..privacy.sampling import PoissonSampler, physical_chunks
+from ..privacy.secure_rng import NOISE, SAMPLING, make_source, warn_not_private
+from ..privacy.validate import validate_dp_safe
 from .augment import augment_views, shift_set
-from .buffer_guard import BufferGuard
 from .callbacks import Callback, MetricsLogger
-from .checkpoint import remove_stale_temporaries
+from .devices import resolve_device
 from .distributed import SINGLE_PROCESS, DistributedContext
 from .dp_config import CUSTOM, CUSTOM_SCHEDULE, OPTIMIZERS, DPConfig, check_config, named_schedule
-from .dp_safety import check_dp_safe
-from .dp_step import clip_and_accumulate, privatize
 from .ema import ExponentialMovingAverage
-from .metrics import classification_metrics, predict
-from .hooks import Augment, OptimizerFactory, PerExampleLoss, check_hooks, cross_entropy
+from .hooks import Augment, OptimizerFactory, check_hooks, cross_entropy
+from .inputs import InvalidDataError, check_images, check_labels, check_model_input
 from .interrupt import DeferredInterrupt, TrainingInterrupted
 from .loggers import DEFAULT_LOGGERS, LoggerSpec, build_loggers, check_loggers
-from .inputs import InvalidDataError, check_images, check_labels, check_model_input
-from .devices import resolve_device
+from .metrics import classification_metrics, predict
 from .normalization import Normalize
-from .per_sample_method import PerSampleGradients
 from .run_lock import hold_run_folder
 from .run_log import RunClock, RunLog, materialize, warn_step_times
 from .train_data import StreamedData, TensorData, TrainData, as_train_data
-from .sampling import PoissonSampler, physical_chunks
-from .secure_rng import NOISE, SAMPLING, make_source, warn_not_private
 from .trainer_checkpoint import TrainerCheckpoint
-from .validate import validate_dp_safe
 
 ImagesAndLabels = tuple[torch.Tensor, torch.Tensor]  # (images, labels)
 
@@ -110,7 +116,9 @@ class DPTrainer(TrainerCheckpoint):
             warn_not_private("insecure_seeded_noise")
         if self.config.log_step_times:
             warn_step_times()
-        self._per_sample_gradients = PerSampleGradients(model, self.config, self.loss_fn)
+        self._per_sample_gradients = PerSampleGradients(
+            model, self.loss_fn, self.config.per_sample_method, self.config.precision, self.config.filter_gradients
+        )
         self._buffer_guard: BufferGuard | None = None  # set by the DP-safety probe (_probe_once)
         self.device = resolve_device(device)
         self.model = model.to(self.device)

@@ -18,15 +18,15 @@ import torch
 from torch import nn
 
 from ..errors import ParameterError
-from .accounting import PrivacyLedger
-from .checkpoint import CheckpointError, load, save_atomic
+from ..privacy.accounting import PrivacyLedger
+from ..privacy.checkpoint import CheckpointError, load, save_atomic
+from ..privacy.sampling import PoissonSampler
+from ..privacy.secure_rng import RandomSource, rekey_generators, rekey_global_generators
 from .distributed import DistributedContext
 from .dp_config import DPConfig
 from .ema import ExponentialMovingAverage
 from .run_folder import CHECKPOINT
 from .run_log import RunClock, RunLog
-from .sampling import PoissonSampler
-from .secure_rng import RandomSource, rekey_generators, rekey_global_generators
 
 METHOD_ONLY_OPTIONS = ("per_sample_method", "data_in_memory_bytes")  # how gradients are computed, not what they are
 EVALUATION_ONLY_OPTIONS = ("test_shifts",)  # what evaluations also report, not what is trained

@@ -3,7 +3,7 @@
 One logical step: draw a Poisson batch (rate q = batch_size / N), split it into
 physical chunks that fit memory, compute each example's gradient averaged over
 its K augmented views, clip it to `max_grad_norm`, sum, add N(0, (sigma C)^2)
-once, divide by the expected batch size (dp_step.py), and step the optimizer. The EMA and
+once, divide by the expected batch size (privacy/dp_step.py), and step the optimizer. The EMA and
 the accountant advance once per logical step, and training stops before the
 budget would be exceeded.
 """
@@ -145,7 +145,8 @@ class DPTrainer(TrainerCheckpoint):
         self.sampler: PoissonSampler | None = None
         self.noise_multiplier: float | None = None
         self.delta: float | None = None  # the run's delta: the configured one, else default_delta(N)
-        self._nonfinite = torch.zeros((), dtype=torch.int64, device=self.device)  # examples zeroed (nonfinite.py)
+        # examples whose non-finite gradient was zeroed (privacy/nonfinite.py)
+        self._nonfinite = torch.zeros((), dtype=torch.int64, device=self.device)
         self._normalize = Normalize(self.config.normalize_mean, self.config.normalize_std, self.device)
         self._augment_rng = torch.Generator(device=self.device).manual_seed(self.dist.rank_seed(self.config.seed + 1))
         # noise: rank 0's source is the job's only one; sampling: each rank its own (its shard's) stream
@@ -160,7 +161,7 @@ class DPTrainer(TrainerCheckpoint):
 
     @property
     def per_sample_method(self) -> str:
-        """How this run computes per-example gradients, "bookkeeping" or "vmap" (per_sample_method.py)."""
+        """How this run computes per-example gradients, "bookkeeping" or "vmap" (privacy/per_sample_method.py)."""
         return self._per_sample_gradients.method
 
     @property
@@ -365,8 +366,8 @@ class DPTrainer(TrainerCheckpoint):
             self.save_checkpoint()
 
     def _probe_once(self, source: TrainData) -> None:
-        """The DP-safety probe (dp_safety.py), once, before the model sees data, at the largest batch a forward
-        takes; every per-sample gradient computation after it is guarded (buffer_guard.py)."""
+        """The DP-safety probe (privacy/dp_safety.py), once, before the model sees data, at the largest batch a forward
+        takes; every per-sample gradient computation after it is guarded (privacy/buffer_guard.py)."""
         if self._buffer_guard is None:
             rows = min(self.config.physical_batch_size, len(source)) * self.config.aug_mult
             set_once = check_dp_safe(self.model, self._first_example(source, "the training data"), rows)

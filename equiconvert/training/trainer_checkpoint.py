@@ -1,6 +1,6 @@
 """DPTrainer's checkpoint: everything a stopped run needs to continue as if it had never stopped.
 
-The file (checkpoint.py writes it atomically and owner-only) holds the model, optimizer, EMA, ledger, the
+The file (privacy/checkpoint.py writes it atomically and owner-only) holds the model, optimizer, EMA, ledger, the
 log's length and wall time, and the generators of every rank; a run resumes it only with the same
 configuration and number of processes, so the resumed steps draw the same samples and noise the run that
 wrote it did. In the private mode the generators are re-keyed at each save (secure_rng): the checkpoint

@@ -128,8 +128,8 @@ def test_no_import_cycles_even_counting_imports_inside_functions():
 
 
 def test_layers_point_one_way_cli_recipes_library():
-    """cli -> recipes -> library: the library (privacy and training included) imports neither the recipes nor the CLI, and no
-    recipes module imports the CLI (the cli package and each of its subcommand modules)."""
+    """cli -> recipes -> library: the library (privacy and training included) imports neither the recipes nor the
+    CLI, and no recipes module imports the CLI (the cli package and each of its subcommand modules)."""
     graph = import_graph(module_level=False)
     assert {"equiconvert.cli", "equiconvert.cli.train", "equiconvert.cli.common"} <= set(graph)  # the package is read
     upper = (*CLI, "equiconvert.recipes")

@@ -36,7 +36,7 @@ from fidelity_step import fixed_views  # noqa: E402
 from throughput import make_nonprivate_step, step_nested_vmap  # noqa: E402
 from wrn import WideResNet, jax_forward  # noqa: E402
 
-from equiconvert.privacy.dp_config import PRECISIONS  # noqa: E402
+from equiconvert.training.dp_config import PRECISIONS  # noqa: E402
 
 EXAMPLE_MEAN = "example (mean of its K views)"
 EXAMPLE_SUM = "example (sum of its K views)"
@@ -107,7 +107,7 @@ def dptrainer(case: Case, precision: str, method: str = "bookkeeping") -> Runner
     """equiconvert's DPTrainer.train_step with the per_sample_method `method` (book-keeping by default): the whole
     batch is one Poisson draw at q = 1, one physical batch; its augment hook makes the same K views as the other
     engines get."""
-    from equiconvert.privacy.trainer import DPTrainer
+    from equiconvert.training.trainer import DPTrainer
 
     reference = copy.deepcopy(case.model)
     with warnings.catch_warnings():

@@ -242,7 +242,7 @@ def _same_rate(released: float, ours: float) -> bool:
     return math.isclose(released, ours, rel_tol=1e-4)
 
 
-TRAINER = "equiconvert.privacy.trainer.DPTrainer"
+TRAINER = "equiconvert.training.trainer.DPTrainer"
 ASPECTS: tuple[Aspect, ...] = (
     Aspect(
         "data",
@@ -255,19 +255,19 @@ ASPECTS: tuple[Aspect, ...] = (
         "augmentation: views per example (K)",
         _views,
         lambda o: f"{o.options['aug_mult']}: the image + {o.options['aug_mult'] - 1} crops/flips",
-        "equiconvert.privacy.augment.augment_views",
+        "equiconvert.training.augment.augment_views",
     ),
     Aspect(
         "augmentation: crop",
         _crop,
         lambda o: f"pad {o.options['augment_padding']} (reflect), uniform crop",
-        "equiconvert.privacy.augment.augmentation_params",
+        "equiconvert.training.augment.augmentation_params",
     ),
     Aspect(
         "augmentation: horizontal flip",
         lambda r: Side(0.5, r.at("data/augmentation.py", r"= RandomHorizontalFlip\(\)")[1]),
         lambda o: 0.5 if o.options["augment_flip"] else 0.0,
-        "equiconvert.privacy.augment.augmentation_params",
+        "equiconvert.training.augment.augmentation_params",
     ),
     Aspect(
         "view gradients",
@@ -280,7 +280,7 @@ ASPECTS: tuple[Aspect, ...] = (
         "normalisation (mean, std)",
         _norm,
         lambda o: [list(_triple(o.options["normalize_mean"])), list(_triple(o.options["normalize_std"]))],
-        "equiconvert.privacy.normalization.Normalize",
+        "equiconvert.training.normalization.Normalize",
     ),
     Aspect(
         "expected batch",
@@ -361,7 +361,7 @@ ASPECTS: tuple[Aspect, ...] = (
         "EMA",
         _ema_per_step,
         lambda o: f"{o.options['ema_decay']} per step",
-        "equiconvert.privacy.ema",
+        "equiconvert.training.ema",
         "16-17 physical batches a step: 0.999^17 = 0.9831 per step is close, not exact "
         "(tests/recipes/test_released_recipe.py)",
     ),
@@ -369,7 +369,7 @@ ASPECTS: tuple[Aspect, ...] = (
         "EMA warm-up",
         lambda r: Side("min(d, (1 + n) / (10 + n)), n = updates (torch_ema)", r.at("requirements.yml", "torch-ema")[1]),
         lambda o: "min(d, (1 + n) / (10 + n)), n = steps",
-        "equiconvert.privacy.ema.warmup_cap",
+        "equiconvert.training.ema.warmup_cap",
         "counted over physical batches there, over steps here",
         equal=lambda r, o: False,
     ),

@@ -79,7 +79,7 @@ def naive_step(
 
 def trainer_step(model: nn.Module, images, labels, views: int, clip: float, lr: float, ema_decay: float):
     """Our DPTrainer's step with the noise source zeroed, on the whole batch (q = 1, no Poisson draw left out)."""
-    from equiconvert.privacy.trainer import DPTrainer
+    from equiconvert.training.trainer import DPTrainer
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

@@ -33,7 +33,7 @@ from equiconvert.data import load_dataset  # noqa: E402
 from equiconvert.models.equivariant_resnet9 import equivariant_resnet9, plain_paper_resnet9  # noqa: E402
 from equiconvert.privacy.per_sample import per_sample_gradients  # noqa: E402
 from equiconvert.recipes.build_model import pad_images, padded_size  # noqa: E402
-from equiconvert.privacy.dp_config import DPConfig  # noqa: E402
+from equiconvert.training.dp_config import DPConfig  # noqa: E402
 
 
 def classifier_prefix(model: nn.Module) -> str:

@@ -41,7 +41,7 @@ from PIL import Image
 
 from equiconvert.data import load_dataset
 from equiconvert.models.equivariant_resnet9 import equivariant_resnet9
-from equiconvert.privacy import DPTrainer
+from equiconvert.training import DPTrainer
 
 QUALITY = 75  # the copy's own quality: every generation repeats its compression
 SHIFTS = ((4, 4), (2, 6), (6, 2), (3, 5))  # block-grid offsets of generations 1, 2, ...

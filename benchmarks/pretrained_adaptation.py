@@ -42,7 +42,7 @@ from equiconvert.data import load_dataset  # noqa: E402
 from equiconvert.adapt.canonicalize import IDENTITY, pose_scores  # noqa: E402
 from equiconvert.groups import parse_group  # noqa: E402
 from equiconvert.privacy.accounting import calibrate_noise_multiplier, default_delta  # noqa: E402
-from equiconvert.privacy.trainer import DPTrainer  # noqa: E402
+from equiconvert.training.trainer import DPTrainer  # noqa: E402
 
 SIZE, CLASSES, MEAN, STD = 28, 10, 0.5, 0.5  # DPTrainer's default normalisation, used for pretraining too
 FULL = dict(pretrain_steps=2000, pretrain_examples=None, train_examples=None, test_examples=None, steps=600)

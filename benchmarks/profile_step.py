@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from throughput import build_model, make_equiconvert_step, make_nonprivate_step  # noqa: E402
 
-from equiconvert.privacy.augment import augment_views  # noqa: E402
+from equiconvert.training.augment import augment_views  # noqa: E402
 from equiconvert.privacy.backends import PRECISIONS  # noqa: E402
 
 

@@ -2,7 +2,7 @@
 
 For a DPTrainer checkpoint.pt of the paper's Equivariant-ResNet9 converted to --group (its EMA weights when it has
 them, as the trainer evaluates), on the test split of --dataset: the plain metrics and, for each set of
-equiconvert.privacy.augment.TEST_SHIFTS, the metrics of the softmax averaged over the shifted copies of each image
+equiconvert.training.augment.TEST_SHIFTS, the metrics of the softmax averaged over the shifted copies of each image
 (what `equiconvert train --test-shifts SET` reports). JSON.
 Usage: python benchmarks/shift_averaging.py --data-dir /usr/share/datasets/fashion-mnist --group D1 \
            --checkpoint runs/fm_d1/checkpoint.pt
@@ -22,9 +22,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from equiconvert.data import load_dataset  # noqa: E402
 from equiconvert.models.equivariant_resnet9 import equivariant_resnet9  # noqa: E402
-from equiconvert.privacy.augment import TEST_SHIFTS, shift_set  # noqa: E402
-from equiconvert.privacy.ema import ExponentialMovingAverage  # noqa: E402
-from equiconvert.privacy.metrics import evaluate  # noqa: E402
+from equiconvert.training.augment import TEST_SHIFTS, shift_set  # noqa: E402
+from equiconvert.training.ema import ExponentialMovingAverage  # noqa: E402
+from equiconvert.training.metrics import evaluate  # noqa: E402
 from equiconvert.recipes.build_model import pad_images, padded_size  # noqa: E402
 
 

@@ -43,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import equiconvert  # noqa: E402
 from equiconvert.models import create_model  # noqa: E402
-from equiconvert.privacy.augment import augment_views  # noqa: E402
+from equiconvert.training.augment import augment_views  # noqa: E402
 from equiconvert.privacy.bookkeeping import per_sample_gradients_bookkeeping  # noqa: E402
 from equiconvert.privacy.engine import make_private  # noqa: E402
 from equiconvert.privacy.filter_gradients import fastest_choices, filter_gradient_method  # noqa: E402

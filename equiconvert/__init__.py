@@ -27,7 +27,9 @@ if TYPE_CHECKING:
     from .groups import GroupSpec, parse_group
     from .lightning import DPLightningCallback as DPLightningCallback  # not in __all__: an optional extra
     from .models import create_model, list_models, register_model
+    from .privacy import make_private
     from .saved_model import load, save
+    from .training import DPConfig, DPTrainer
 
 # public name -> the submodule defining it
 _EXPORTS = {
@@ -50,7 +52,9 @@ _EXPORTS = {
     # the optional extra equiconvert[lightning]: left out of __all__, so `from equiconvert import *` needs no Lightning
     "DPLightningCallback": "lightning",
     **dict.fromkeys(("create_model", "list_models", "register_model"), "models"),
+    "make_private": "privacy",
     **dict.fromkeys(("load", "save"), "saved_model"),
+    **dict.fromkeys(("DPConfig", "DPTrainer"), "training"),
 }
 
 __all__ = [
@@ -58,6 +62,8 @@ __all__ = [
     "CanonicalizedModel",
     "ConversionConfig",
     "ConversionReport",
+    "DPConfig",
+    "DPTrainer",
     "EquivarianceBreakError",
     "EquivarianceResult",
     "EquivarianceWarning",
@@ -73,6 +79,7 @@ __all__ = [
     "list_models",
     "load",
     "make_equivariant",
+    "make_private",
     "parse_group",
     "pose_prior_loss",
     "register_function_rule",

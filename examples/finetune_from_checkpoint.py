@@ -22,7 +22,7 @@ import torch
 
 import equiconvert
 from equiconvert.data import load_dataset
-from equiconvert.privacy import DPTrainer
+from equiconvert.training import DPTrainer
 
 
 def parse_args() -> argparse.Namespace:

@@ -24,7 +24,7 @@ from PIL import Image, ImageDraw
 import equiconvert
 from equiconvert.data import load_dataset
 from equiconvert.models import resnet9
-from equiconvert.privacy import DPConfig, DPTrainer
+from equiconvert.training import DPConfig, DPTrainer
 from equiconvert.recipes.build_model import padded_size
 
 DEFAULTS = DPConfig()

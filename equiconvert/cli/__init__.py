@@ -40,7 +40,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     command = next((item for item in argv if not item.startswith("-")), None)  # the top level has no valued option
     args = _parser({command} & set(SUBCOMMANDS)).parse_args(argv)
     args.argv = argv  # what --nproc-per-node passes on to its workers
-    from ..privacy.interrupt import TrainingInterrupted
+    from ..training.interrupt import TrainingInterrupted
 
     try:
         return args.func(args)

@@ -42,9 +42,9 @@ def check_flags(args: argparse.Namespace) -> None:
 
 
 def _cmd_audit(args: argparse.Namespace) -> int:
-    """One-run privacy audit (equiconvert.privacy.audit): print and write OUT/audit.json."""
+    """One-run privacy audit (equiconvert.training.audit): print and write OUT/audit.json."""
     from ..data import load_dataset
-    from ..privacy.audit import AUDIT_DEFAULTS, SMALL_MODELS, make_canaries, run_audit
+    from ..training.audit import AUDIT_DEFAULTS, SMALL_MODELS, make_canaries, run_audit
 
     out = Path(args.out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
@@ -92,7 +92,7 @@ def _cmd_audit(args: argparse.Namespace) -> int:
 
 
 def add_parser(sub) -> None:
-    from ..privacy.audit import AUDIT_DEFAULTS, DEFAULT_BETA, SCORES, SMALL_MODELS
+    from ..training.audit import AUDIT_DEFAULTS, DEFAULT_BETA, SCORES, SMALL_MODELS
 
     audit = sub.add_parser(
         "audit",

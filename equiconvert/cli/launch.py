@@ -28,7 +28,7 @@ def launch_train(args: argparse.Namespace, device: str | None = None) -> int:
     device: the run's device (None: cuda if available, else cpu), which decides what a worker occupies."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-    from ..privacy import distributed
+    from ..training import distributed
 
     if args.nproc_per_node < 1:
         raise CLIError(f"--nproc-per-node {args.nproc_per_node}: give at least 1 worker")
@@ -51,7 +51,7 @@ def _failure_line(failures: dict, log_dir: Path) -> str:
     rank, failure = min(failures.items(), key=lambda item: (item[1].exitcode >= 0, item[1].timestamp))
     code = failure.exitcode
     how = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
-    from ..privacy.distributed import worker_log
+    from ..training.distributed import worker_log
 
     log = worker_log(log_dir, rank)
     return f"worker {rank} died ({how}), see {log if log is not None else 'its messages above'}"

@@ -41,7 +41,7 @@ DEMO_FLAGS = {
     "--threads": "run.threads",
 }
 
-# the run's own settings checked with the trainer's (those: privacy.dp_config.FIELD_LIMITS), each with its test
+# the run's own settings checked with the trainer's (those: training.dp_config.FIELD_LIMITS), each with its test
 # and the error's rule
 _RUN_LIMITS: dict[str, tuple[Callable[[float], bool], str]] = {
     "run.time_limit_s": (lambda v: v > 0, "must be > 0 seconds"),
@@ -66,12 +66,12 @@ def _setting(key: str, value: Any) -> str:
 
 
 def check_recipe(recipe: Any) -> None:
-    """Every setting in range (the trainer's by privacy.dp_config.check_config), and the data set known, before
+    """Every setting in range (the trainer's by training.dp_config.check_config), and the data set known, before
     any data or model is touched; an error names the flag or key."""
     from ..data import resolve_name
-    from ..privacy.devices import resolve_device
-    from ..privacy.dp_config import OFF_OPTIONS, ConfigError, DPConfig, check_config
-    from ..privacy.loggers import LoggerError, check_loggers
+    from ..training.devices import resolve_device
+    from ..training.dp_config import OFF_OPTIONS, ConfigError, DPConfig, check_config
+    from ..training.loggers import LoggerError, check_loggers
     from ..recipes.recipe import trainer_fields
     from ..recipes.run_spec import trainer_options
 

@@ -48,7 +48,7 @@ def add_parser(sub) -> None:
         "train",
         help=SUBCOMMANDS["train"],
         description="Train as a recipe says (equiconvert/recipes/files/*.toml, or your own TOML file), changed by "
-        "the flags given and then by --set KEY=VALUE. Defaults: privacy.dp_config.DPConfig and the recipe "
+        "the flags given and then by --set KEY=VALUE. Defaults: training.dp_config.DPConfig and the recipe "
         "dataclasses (equiconvert.recipes.recipe).",
     )
     g = train.add_argument_group("model")

@@ -1,16 +1,13 @@
-"""Differentially private training of converted models.
+"""The differential-privacy mechanism: per-example gradients, clipping, noise, accounting and their safety checks.
 
-The public names load on first use, so importing a submodule (e.g. opacus_interop)
-does not pull in the trainer and its dependencies. `check_dp_safe(model, example_input)`
-refuses models that DP-SGD cannot train privately (by layer names and by behaviour).
+It never imports equiconvert.training, the training loop built on it (DPTrainer, DPConfig). The public names load
+on first use, so importing a submodule (e.g. opacus_interop) does not pull in the rest. `check_dp_safe(model,
+example_input)` refuses models that DP-SGD cannot train privately (by layer names and by behaviour).
 """
 
-from importlib import import_module
-from typing import Any
+from .._lazy import lazy_exports
 
 _EXPORTS = {
-    "DPConfig": "dp_config",
-    "DPTrainer": "trainer",
     "check_dp_safe": "dp_safety",
     "make_private": "engine",
     "PrivacyEngine": "engine",
@@ -18,8 +15,4 @@ _EXPORTS = {
 }
 __all__ = list(_EXPORTS)
 
-
-def __getattr__(name: str) -> Any:
-    if name in _EXPORTS:
-        return getattr(import_module(f".{_EXPORTS[name]}", __name__), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_exports(__name__, _EXPORTS)

@@ -57,7 +57,7 @@ except ModuleNotFoundError as _missing:  # only a missing Opacus becomes a frien
         raise
     raise ImportError(
         "equiconvert.privacy.opacus_interop needs Opacus (pip install 'opacus>=1.5'); "
-        "equiconvert's own DP trainer (equiconvert.privacy.trainer) does not."
+        "equiconvert's own DP trainer (equiconvert.training.trainer) does not."
     ) from _missing
 
 from typing import Any, Callable, Dict, List  # noqa: E402

@@ -18,28 +18,30 @@ from torch import nn
 from ..errors import ParameterError
 from .backends import AUTO, AUTO_ORDER, BACKENDS, Backend, UnknownBackendError, backend_for
 from .bookkeeping import BookkeepingUnsupportedError
-from .dp_config import DPConfig
 from .filter_gradients import filter_gradient_method
-from .hooks import PerExampleLoss
 from .inplace_buffers import TORCH_FUNC_MUTATION, in_place_buffer_error
 
 Tensors = dict[str, torch.Tensor]
 Result = TypeVar("Result")
+# loss_fn(logits (N, classes), labels (N,)) -> per-example losses (N,)
+PerExampleLoss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 class PerSampleGradients:
     """model's per-example gradients (averaged over each example's views) and losses, by its back-end."""
 
-    def __init__(self, model: nn.Module, config: DPConfig, loss_fn: PerExampleLoss) -> None:
-        self.model, self.config, self.loss_fn = model, config, loss_fn
-        if config.per_sample_method != AUTO:
-            self._candidates = [backend_for(config.per_sample_method, config.precision)]
+    def __init__(
+        self, model: nn.Module, loss_fn: PerExampleLoss, method: str, precision: str, filter_gradients: str
+    ) -> None:
+        """method, precision and filter_gradients: DPConfig's per_sample_method, precision and filter_gradients."""
+        self.model, self.loss_fn = model, loss_fn
+        self.requested, self.precision, self.filter_gradients = method, precision, filter_gradients
+        if method != AUTO:
+            self._candidates = [backend_for(method, precision)]
         else:
-            self._candidates = [
-                BACKENDS[(m, config.precision)] for m in AUTO_ORDER if (m, config.precision) in BACKENDS
-            ]
+            self._candidates = [BACKENDS[(m, precision)] for m in AUTO_ORDER if (m, precision) in BACKENDS]
         if not self._candidates:
-            raise UnknownBackendError(config.per_sample_method, config.precision)
+            raise UnknownBackendError(method, precision)
         self._tried: list[str] = []
         self.backend = self._first_supported(None)
         self._verified = False  # the back-end's probe runs once, at the first per-sample computation
@@ -62,7 +64,7 @@ class PerSampleGradients:
                 continue
             return backend
         assert error is not None  # there is a first candidate, and it failed
-        if self.config.per_sample_method != AUTO:
+        if self.requested != AUTO:
             raise error
         raise self._none_at_precision(error) from error
 
@@ -71,7 +73,7 @@ class PerSampleGradients:
         exact = [p for m, p in BACKENDS if m == AUTO_ORDER[-1]]
         tried = " or ".join(repr(m) for m in self._tried)
         return BookkeepingUnsupportedError(
-            f"precision {self.config.precision!r} needs per_sample_method {tried}, which this model cannot use "
+            f"precision {self.precision!r} needs per_sample_method {tried}, which this model cannot use "
             f"({error}); train it with precision {' or '.join(map(repr, exact))}"
         )
 
@@ -89,21 +91,23 @@ class PerSampleGradients:
         buffers: Tensors,
         views: torch.Tensor,
         labels: torch.Tensor,
+        max_grad_norm: float,
         into: MutableMapping[str, torch.Tensor],
     ) -> tuple[torch.Tensor, torch.Tensor | int]:
-        """Add the examples' gradients clipped to config.max_grad_norm to `into` (Backend.accumulate_clipped);
-        returns the losses and how many examples were non-finite."""
-        clip = self.config.max_grad_norm
+        """Add the examples' gradients clipped to max_grad_norm to `into` (Backend.accumulate_clipped); returns the
+        losses and how many examples were non-finite."""
         return self._checked_call(
             views,
-            lambda: self.backend.accumulate_clipped(self.model, params, buffers, views, labels, self._loss, clip, into),
+            lambda: self.backend.accumulate_clipped(
+                self.model, params, buffers, views, labels, self._loss, max_grad_norm, into
+            ),
         )
 
     def _checked_call(self, views: torch.Tensor, compute: Callable[[], Result]) -> Result:
         """`compute` with the run's filter-gradient kernel, after the back-end's probe at the first call;
         torch.func's refusal of an in-place buffer write names the module."""
         try:
-            with filter_gradient_method(self.config.filter_gradients):  # the probe checks the kernel the run uses
+            with filter_gradient_method(self.filter_gradients):  # the probe checks the kernel the run uses
                 while not self._verified:
                     self._verify(tuple(views.shape[1:]))
                 return compute()
@@ -130,7 +134,7 @@ class PerSampleGradients:
         try:
             self.backend.verify(self.model, view_shape, self._loss)
         except Exception as error:  # noqa: BLE001  (any failure of the probe: the next candidate is exact)
-            if self.config.per_sample_method != AUTO:
+            if self.requested != AUTO:
                 raise
             failed = self.backend.method
             self.backend = self._first_supported(error)

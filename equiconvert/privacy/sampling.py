@@ -24,7 +24,7 @@ class PoissonSampler:
     secure_rng), so the batch sequence depends on nothing else, and
     `state_dict()` lets a resumed run draw exactly the batches it would have.
 
-    shard (rank, world_size): in data-parallel training (distributed.py) each rank draws only the indices
+    shard (rank, world_size): in data-parallel training (training/distributed.py) each rank draws only the indices
     rank, rank + world_size, ..., still at the global rate q, so that across the ranks every example joins a
     batch independently with probability q exactly once.
     """

@@ -1,7 +1,7 @@
 """Typed experiment recipes: what one `equiconvert train` run does, loadable from TOML and overridable by dotted keys.
 
 A recipe has five sections: [model] (registry name and keyword arguments), [conversion] (group and the
-conversion's options), [dp], [schedule] and [data] (the fields of privacy.dp_config.DPConfig, grouped by what
+conversion's options), [dp], [schedule] and [data] (the fields of training.dp_config.DPConfig, grouped by what
 they set), and [run] (output folder, device, time limit). DPConfig and the dataclasses below are the one source of
 every default: the command line fills only what it was given.
 """
@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import UsageError
-from ..privacy.dp_config import DPConfig
-from ..privacy.loggers import DEFAULT_LOGGERS
+from ..training.dp_config import DPConfig
+from ..training.loggers import DEFAULT_LOGGERS
 from .value_types import describe, matches
 
 if sys.version_info >= (3, 11):
@@ -73,7 +73,7 @@ class RunOptions:
     overwrite: bool = False
     progress: bool = True
     plan_steps: bool = False  # fit the steps to time_limit_s by a timing probe before the noise is calibrated
-    loggers: tuple[str, ...] = DEFAULT_LOGGERS  # names in privacy.loggers.LOGGERS; log.jsonl is always written
+    loggers: tuple[str, ...] = DEFAULT_LOGGERS  # names in training.loggers.LOGGERS; log.jsonl is always written
 
 
 @dataclass

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from ..privacy.filter_gradients import fastest_choices
-from ..privacy.trainer import DPTrainer
+from ..training.trainer import DPTrainer
 
 
 def final_ema_decay(trainer: DPTrainer) -> float | None:

@@ -6,8 +6,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..privacy.dp_config import DPConfig
-from ..privacy.loggers import DEFAULT_LOGGERS
+from ..training.dp_config import DPConfig
+from ..training.loggers import DEFAULT_LOGGERS
 from .recipe import Recipe, RecipeError
 
 BASELINE_GROUP = "none"  # --group none: the unconverted network
@@ -33,7 +33,7 @@ class RunSpec:
     init_gain: float | None = None  # ConversionConfig.init_gain; None keeps the model's default
     head: str | None = None  # "keep" or "invariant"; None: the paper preset's own head, "invariant" for other models
     plan_steps: bool = False  # fit the steps to time_limit_s by a timing probe before the noise is calibrated
-    loggers: tuple[str, ...] = DEFAULT_LOGGERS  # where the log records go (privacy.loggers.LOGGERS)
+    loggers: tuple[str, ...] = DEFAULT_LOGGERS  # where the log records go (training.loggers.LOGGERS)
 
     def preset(self, key: str) -> Any:
         """A paper-preset keyword argument as given (None: the preset's own)."""

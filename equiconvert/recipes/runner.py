@@ -19,14 +19,14 @@ from ..check import check_equivariance
 from ..errors import ParameterError
 from ..convert.context import INVARIANT_HEAD
 from ..nn.conv import SteerableConv2d
-from ..privacy import distributed
+from ..training import distributed
 from ..privacy.accounting import refuse_delta
-from ..privacy.dp_config import DPConfig, check_config
-from ..privacy.inputs import InvalidDataError
-from ..privacy.loggers import check_loggers
-from ..privacy.run_folder import prepare_out
-from ..privacy.run_lock import hold_run_folder
-from ..privacy.trainer import DPTrainer
+from ..training.dp_config import DPConfig, check_config
+from ..training.inputs import InvalidDataError
+from ..training.loggers import check_loggers
+from ..training.run_folder import prepare_out
+from ..training.run_lock import hold_run_folder
+from ..training.trainer import DPTrainer
 from ..saved_model import library_versions, save_trained
 from . import step_plan
 from .build_model import (

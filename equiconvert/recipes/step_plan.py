@@ -9,9 +9,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..privacy.callbacks import Callback
-from ..privacy.dp_config import DPConfig
-from ..privacy.trainer import DPTrainer
+from ..training.callbacks import Callback
+from ..training.dp_config import DPConfig
+from ..training.trainer import DPTrainer
 
 
 PROBE_STEPS = 3  # timed steps, after one untimed warm-up step

@@ -13,7 +13,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from equiconvert.adapt import canonicalize, pose_prior_loss
 from equiconvert.privacy import make_private
 from equiconvert.privacy.dp_safety import check_dp_safe
-from equiconvert.privacy.trainer import DPTrainer
+from equiconvert.training.trainer import DPTrainer
 
 SIZE, CLASSES, PRIOR = 10, 3, 0.5
 

@@ -99,8 +99,8 @@ def test_the_cli_names_library_parameters_by_their_flags():
 
 
 def test_library_errors_name_parameters_not_flags(tmp_path):
-    from equiconvert.privacy.devices import resolve_device
-    from equiconvert.privacy.run_folder import OutputFolderError, prepare_out
+    from equiconvert.training.devices import resolve_device
+    from equiconvert.training.run_folder import OutputFolderError, prepare_out
 
     with pytest.raises(OutputFolderError) as caught:
         prepare_out(tmp_path, resume=True, overwrite=False)

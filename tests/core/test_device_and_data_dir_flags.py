@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from equiconvert.cli import main
-from equiconvert.privacy import devices
-from equiconvert.privacy.devices import resolve_device
+from equiconvert.training import devices
+from equiconvert.training.devices import resolve_device
 from tests.support.train_args import tiny_train_args
 
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from equiconvert.cli import main
-from equiconvert.privacy import distributed
+from equiconvert.training import distributed
 from tests.support.train_args import tiny_train_args
 
 

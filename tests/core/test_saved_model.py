@@ -65,7 +65,7 @@ def test_corrupt_tampered_and_newer_files_are_refused(converted, tmp_path):
 
 
 def test_save_trained_writes_the_ema_weights(converted, tmp_path):
-    from equiconvert.privacy.trainer import DPTrainer
+    from equiconvert.training.trainer import DPTrainer
     from equiconvert.saved_model import save_trained
 
     data = torch.rand(8, 1, 16, 16), torch.randint(0, 3, (8,))
@@ -96,7 +96,7 @@ def test_train_writes_a_loadable_model_and_the_versions(tmp_path, capsys, group)
 
     from equiconvert.cli import main
     from equiconvert.data import load_dataset
-    from equiconvert.privacy.metrics import classification_metrics, predict
+    from equiconvert.training.metrics import classification_metrics, predict
     from tests.support.train_args import tiny_train_args
 
     out = tmp_path / "run"

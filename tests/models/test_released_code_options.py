@@ -13,7 +13,7 @@ from equiconvert.groups import parse_group
 from equiconvert.models import equivariant_resnet9
 from equiconvert.nn import FieldGroupNorm, SteerableConv2d
 from equiconvert.nn.conv import standardization_scope
-from equiconvert.privacy.trainer import DPTrainer
+from equiconvert.training.trainer import DPTrainer
 
 RELEASED = {"weight_standardization": "layer", "norm_group_rule": "released"}
 STAGES = ("stem", "layer1", "res1", "layer2", "layer3", "res2")

@@ -11,6 +11,7 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[2] / "equiconvert"
 CLI = ("equiconvert.cli", "equiconvert.__main__")  # the top layer: the command line package and `python -m`
+PRIVACY, TRAINING = ("equiconvert.privacy",), ("equiconvert.training",)  # the mechanism, and the loop built on it
 
 
 def in_layer(name: str, layer: tuple[str, ...]) -> bool:
@@ -127,8 +128,8 @@ def test_no_import_cycles_even_counting_imports_inside_functions():
 
 
 def test_layers_point_one_way_cli_recipes_library():
-    """cli -> recipes -> library: the library (privacy included) imports neither the recipes nor the CLI, and no
-    recipes module imports the CLI (the cli package and each of its subcommand modules)."""
+    """cli -> recipes -> library: the library (privacy and training included) imports neither the recipes nor the
+    CLI, and no recipes module imports the CLI (the cli package and each of its subcommand modules)."""
     graph = import_graph(module_level=False)
     assert {"equiconvert.cli", "equiconvert.cli.train", "equiconvert.cli.common"} <= set(graph)  # the package is read
     upper = (*CLI, "equiconvert.recipes")
@@ -139,6 +140,30 @@ def test_layers_point_one_way_cli_recipes_library():
     for name, targets in graph.items():
         if in_layer(name, ("equiconvert.recipes",)):
             assert not {t for t in targets if in_layer(t, CLI)}, name
+
+
+def test_training_builds_on_privacy_and_privacy_never_imports_training():
+    """privacy (the mechanism) is the lower layer: training imports it, it imports neither training nor the CLI."""
+    graph = import_graph(module_level=False)
+    assert {"equiconvert.training.trainer", "equiconvert.privacy.dp_step"} <= set(graph)  # both packages are read
+    assert "equiconvert.privacy.dp_step" in graph["equiconvert.training.trainer"]
+    for name, targets in graph.items():
+        if in_layer(name, PRIVACY):
+            assert not {t for t in targets if in_layer(t, (*TRAINING, *CLI))}, name
+
+
+def _methods(path: Path) -> set[str]:
+    """The names of the methods of the classes a module defines."""
+    classes = [n for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.ClassDef)]
+    return {f.name for c in classes for f in c.body if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))}
+
+
+def test_privacy_holds_no_training_loop():
+    """A class with fit() is a training loop: it belongs in equiconvert.training, which calls privacy's step."""
+    modules = module_names()
+    assert "fit" in _methods(modules["equiconvert.training.trainer"])  # the reader finds DPTrainer.fit
+    loops = [name for name, path in modules.items() if in_layer(name, PRIVACY) and "fit" in _methods(path)]
+    assert loops == []
 
 
 if __name__ == "__main__":

@@ -63,3 +63,18 @@ def test_rules_for_optional_packages_apply_once_those_are_imported():
     assert module_rule(StochasticDepth) is convert_pass_through
     assert module_rule(DropPath) is convert_pass_through
     assert module_rule(type("StochasticDepth", (StochasticDepth,), {})) is None  # exact types only, as for all rules
+
+
+def test_the_training_and_privacy_front_ends_are_top_level_names():
+    """DPTrainer and DPConfig (equiconvert.training) and make_private (equiconvert.privacy) load on first use."""
+    import equiconvert
+    from equiconvert.privacy.engine import make_private
+    from equiconvert.training.dp_config import DPConfig
+    from equiconvert.training.trainer import DPTrainer
+
+    assert (equiconvert.DPTrainer, equiconvert.DPConfig, equiconvert.make_private) == (
+        DPTrainer,
+        DPConfig,
+        make_private,
+    )
+    assert {"DPTrainer", "DPConfig", "make_private"} <= set(equiconvert.__all__)

@@ -17,9 +17,9 @@ from equiconvert.privacy.backends import (
     backend_for,
     register_backend,
 )
-from equiconvert.privacy.dp_config import PER_SAMPLE_METHODS
+from equiconvert.training.dp_config import PER_SAMPLE_METHODS
 from equiconvert.privacy.engine import make_private
-from equiconvert.privacy.trainer import DPTrainer
+from equiconvert.training.trainer import DPTrainer
 
 OPTIONS = dict(
     target_epsilon=None,

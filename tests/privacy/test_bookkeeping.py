@@ -18,7 +18,7 @@ from equiconvert.privacy.bookkeeping import (
     verify_bookkeeping,
 )
 from equiconvert.privacy.per_sample import per_sample_gradients
-from equiconvert.privacy.trainer import DPTrainer
+from equiconvert.training.trainer import DPTrainer
 from equiconvert.privacy.validate import PrivacyValidationError
 from tests.support.tiny import perturbed
 

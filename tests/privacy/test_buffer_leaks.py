@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import equiconvert
 from equiconvert.models import equivariant_resnet9, resnet9
 from equiconvert.privacy import check_dp_safe, make_private
-from equiconvert.privacy.trainer import DPTrainer
+from equiconvert.training.trainer import DPTrainer
 from equiconvert.privacy.validate import PrivacyValidationError, validate_dp_safe
 
 CHANNELS = 3

@@ -15,7 +15,7 @@ import torch
 from equiconvert.cli import main
 from equiconvert.privacy import checkpoint
 from equiconvert.privacy.checkpoint import CheckpointError, load, save_atomic
-from equiconvert.privacy.trainer import DPTrainer
+from equiconvert.training.trainer import DPTrainer
 from tests.support.cli_errors import run_error
 from tests.support.paths import REPO_ROOT
 from tests.support.tiny import linear_classifier, tiny_images

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from equiconvert.privacy import check_dp_safe
-from equiconvert.privacy.trainer import DPTrainer
+from equiconvert.training.trainer import DPTrainer
 from equiconvert.privacy.validate import PrivacyValidationError, validate_dp_safe
 
 EXAMPLE = torch.zeros(2, 2, 6, 6)
@@ -239,7 +239,7 @@ def test_a_group_norm_model_passes_the_probe_at_a_large_batch():
 
 def test_the_probe_runs_once_per_front_end(monkeypatch):
     from equiconvert.privacy import dp_safety, make_private, private_module
-    from equiconvert.privacy import trainer as trainer_module
+    from equiconvert.training import trainer as trainer_module
 
     calls: list[int] = []
 

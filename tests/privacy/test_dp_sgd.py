@@ -9,10 +9,10 @@ import torchvision
 
 import equiconvert
 from equiconvert.models import resnet9
-from equiconvert.privacy.augment import augment_views
+from equiconvert.training.augment import augment_views
 from equiconvert.privacy.dp_step import clip_and_sum, clip_factors, per_sample_norms
 from equiconvert.privacy.per_sample import per_sample_gradients
-from equiconvert.privacy.trainer import DPTrainer
+from equiconvert.training.trainer import DPTrainer
 from equiconvert.privacy.validate import PrivacyValidationError
 
 

@@ -15,7 +15,7 @@ from equiconvert.privacy.dp_step import CLIP_EPS, clip_and_accumulate, per_sampl
 from equiconvert.privacy.engine import make_private
 from equiconvert.privacy.per_sample import per_sample_gradients
 from equiconvert.privacy.secure_rng import NOISE, RandomSource
-from equiconvert.privacy.trainer import DPTrainer
+from equiconvert.training.trainer import DPTrainer
 from tests.support.tiny import N, linear_classifier, perturbed, tiny_images
 
 C = 1.0

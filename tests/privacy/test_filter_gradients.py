@@ -171,7 +171,7 @@ def test_dptrainer_runs_the_kernel_it_is_given_and_both_take_the_same_steps(spie
 
     import equiconvert
     from equiconvert.models import resnet9
-    from equiconvert.privacy.trainer import DPTrainer
+    from equiconvert.training.trainer import DPTrainer
 
     torch.manual_seed(0)
     model = equiconvert.make_equivariant(resnet9(widths=(8, 8, 8), num_classes=4), "C4", head="invariant")

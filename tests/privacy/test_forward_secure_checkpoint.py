@@ -18,12 +18,12 @@ import pytest
 import torch
 
 from equiconvert.privacy.checkpoint import load, save_atomic
-from equiconvert.privacy.dp_config import DPConfig
+from equiconvert.training.dp_config import DPConfig
 from equiconvert.privacy.dp_step import clip_and_sum
 from equiconvert.privacy.per_sample import per_sample_gradients
 from equiconvert.privacy.secure_rng import RandomSource
-from equiconvert.privacy.trainer import DPTrainer
-from equiconvert.privacy.trainer_checkpoint import resume_identity
+from equiconvert.training.trainer import DPTrainer
+from equiconvert.training.trainer_checkpoint import resume_identity
 from tests.support.crash import CopyOutAfter
 from tests.support.rng import freshly_keyed, initial_seed
 from tests.support.tiny import N, linear_classifier, tiny_images
@@ -241,7 +241,7 @@ def test_attack_step_times_reveal_the_secret_batch_sizes_only_when_asked_for(tmp
     """The attack on the former default log: a step's duration follows its Poisson batch size, so the logged step
     times recover the secret sizes. The default log gives the attacker no step time at all; the opt-in log still
     does, which is why it warns."""
-    from equiconvert.privacy import run_log
+    from equiconvert.training import run_log
 
     clock = _WorkClock()
     monkeypatch.setattr(run_log.time, "perf_counter", clock)

@@ -9,10 +9,10 @@ import equiconvert
 from equiconvert.nn.conv import SteerableConv2d
 from equiconvert.privacy import ghost
 from equiconvert.privacy.backends import UnknownBackendError, backend_for
-from equiconvert.privacy.dp_config import PER_SAMPLE_METHODS
+from equiconvert.training.dp_config import PER_SAMPLE_METHODS
 from equiconvert.privacy.dp_step import clip_factors
 from equiconvert.privacy.ghost import accumulate_clipped_ghost, layer_squared_norms
-from equiconvert.privacy.trainer import DPTrainer
+from equiconvert.training.trainer import DPTrainer
 from tests.support.tiny import perturbed
 
 

@@ -13,7 +13,7 @@ from equiconvert.models import equivariant_resnet9, resnet9
 from equiconvert.privacy.bookkeeping import BookkeepingUnsupportedError, per_sample_gradients_bookkeeping
 from equiconvert.privacy.checkpoint import load, save_atomic
 from equiconvert.privacy.dp_step import clip_and_sum, per_sample_norms
-from equiconvert.privacy.trainer import DPTrainer
+from equiconvert.training.trainer import DPTrainer
 from tests.support.train_args import tiny_train_args
 
 MAX_GRAD_NORM = 0.01  # below every example's norm here: every example is clipped

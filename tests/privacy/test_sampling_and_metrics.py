@@ -9,9 +9,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from equiconvert.privacy.augment import augment_views, augmentation_params
-from equiconvert.privacy.ema import ExponentialMovingAverage
-from equiconvert.privacy.metrics import classification_metrics, evaluate
+from equiconvert.training.augment import augment_views, augmentation_params
+from equiconvert.training.ema import ExponentialMovingAverage
+from equiconvert.training.metrics import classification_metrics, evaluate
 from equiconvert.privacy.sampling import PoissonSampler, physical_chunks
 from equiconvert.privacy.secure_rng import SAMPLING, RandomSource
 
@@ -307,7 +307,7 @@ def test_an_ema_decay_the_warmup_never_reaches_is_named_and_trains_the_same_ema(
 
 
 def test_the_trainer_warns_when_its_ema_decay_is_never_reached() -> None:
-    from equiconvert.privacy import DPTrainer
+    from equiconvert.training import DPTrainer
 
     with pytest.warns(UserWarning, match="EMA decay 0.999 is never reached in 300 steps"):
         DPTrainer(

@@ -15,7 +15,7 @@ from equiconvert.privacy.checkpoint import load
 from equiconvert.privacy.dp_step import clip_and_sum
 from equiconvert.privacy.per_sample import per_sample_gradients
 from equiconvert.privacy.secure_rng import NOISE, SAMPLING, RandomSource
-from equiconvert.privacy.trainer import DPTrainer
+from equiconvert.training.trainer import DPTrainer
 from tests.support.crash import CopyOutAfter
 from tests.support.tiny import N, linear_classifier, tiny_images
 from tests.support.train_args import tiny_train_args

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from equiconvert.privacy.dp_config import DPConfig
+from equiconvert.training.dp_config import DPConfig
 from equiconvert.recipes.recipe import (
     Recipe,
     RecipeError,

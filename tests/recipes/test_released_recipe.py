@@ -50,7 +50,7 @@ def test_the_released_recipes_model_has_the_released_options():
 
 
 def test_the_normalisation_constants_reach_the_trainer():
-    from equiconvert.privacy.trainer import DPTrainer
+    from equiconvert.training.trainer import DPTrainer
 
     options = trainer_options(load_recipe(NAME))
     trainer = DPTrainer(torch.nn.Sequential(torch.nn.Conv2d(3, 2, 3), torch.nn.Flatten()), device="cpu", **options)
@@ -86,7 +86,7 @@ def _released_ema(trajectory: torch.Tensor, physical_batches: torch.Tensor) -> t
 
 
 def test_one_ema_update_per_step_at_the_recipes_decay_comes_close_to_the_released_per_batch_ema():
-    from equiconvert.privacy.ema import ExponentialMovingAverage
+    from equiconvert.training.ema import ExponentialMovingAverage
 
     t = trainer_options(load_recipe(NAME))
     assert t["ema_decay"] == pytest.approx(0.999**17, abs=1e-4)

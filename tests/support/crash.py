@@ -6,7 +6,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from equiconvert.privacy.callbacks import Callback
+from equiconvert.training.callbacks import Callback
 
 
 class CopyOutAfter(Callback):

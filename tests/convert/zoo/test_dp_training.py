@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 import equiconvert
 from equiconvert.privacy.bookkeeping import per_sample_gradients_bookkeeping
-from equiconvert.privacy.trainer import DPTrainer
+from equiconvert.training.trainer import DPTrainer
 from tests.support.tiny import perturbed
 
 # float64 for EfficientNet-B0: its depth puts fp32 summation-order noise near 1e-5; ConvNeXt's float64 depthwise

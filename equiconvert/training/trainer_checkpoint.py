@@ -1,6 +1,6 @@
 """DPTrainer's checkpoint: everything a stopped run needs to continue as if it had never stopped.
 
-The file (checkpoint.py writes it atomically and owner-only) holds the model, optimizer, EMA, ledger, the
+The file (privacy/checkpoint.py writes it atomically and owner-only) holds the model, optimizer, EMA, ledger, the
 log's length and wall time, and the generators of every rank; a run resumes it only with the same
 configuration and number of processes, so the resumed steps draw the same samples and noise the run that
 wrote it did. In the private mode the generators are re-keyed at each save (secure_rng): the checkpoint
@@ -18,15 +18,15 @@ import torch
 from torch import nn
 
 from ..errors import MissingFileError, ParameterError
-from .accounting import PrivacyLedger
-from .checkpoint import CheckpointError, load, save_atomic
+from ..privacy.accounting import PrivacyLedger
+from ..privacy.checkpoint import CheckpointError, load, save_atomic
+from ..privacy.sampling import PoissonSampler
+from ..privacy.secure_rng import RandomSource, rekey_generators, rekey_global_generators
 from .distributed import DistributedContext
 from .dp_config import DPConfig
 from .ema import ExponentialMovingAverage
 from .run_folder import CHECKPOINT
 from .run_log import RunClock, RunLog
-from .sampling import PoissonSampler
-from .secure_rng import RandomSource, rekey_generators, rekey_global_generators
 
 METHOD_ONLY_OPTIONS = ("per_sample_method", "data_in_memory_bytes")  # how gradients are computed, not what they are
 EVALUATION_ONLY_OPTIONS = ("test_shifts",)  # what evaluations also report, not what is trained

@@ -17,10 +17,10 @@ from typing import Any, Callable
 import torch
 
 from ..errors import ParameterError, UsageError
-from .accounting import ACCOUNTANTS
+from ..privacy.accounting import ACCOUNTANTS
+from ..privacy.backends import AUTO, PRECISIONS, backend_for, backend_methods
+from ..privacy.filter_gradients import FILTER_GRADIENT_METHODS
 from .augment import shift_set
-from .backends import AUTO, PRECISIONS, backend_for, backend_methods
-from .filter_gradients import FILTER_GRADIENT_METHODS
 from .normalization import check_normalization
 
 CUSTOM = "custom"  # a callable given to DPTrainer (optimizer factory, lr schedule)
@@ -95,9 +95,9 @@ class DPConfig:
     # "bf16": the forward and backward of the per-sample computation under bf16 autocast (book-keeping only;
     # tensor-core speed); each example's gradient is formed, clipped and noised in fp32, so the privacy bound holds
     precision: str = "fp32"
-    # book-keeping's per-example conv filter gradients (filter_gradients.py): "auto" times every kernel per layer on
-    # CUDA and keeps the fastest, and uses the grouped weight gradient on CPU; "products", "grouped" or "unfolded"
-    # fixes it
+    # book-keeping's per-example conv filter gradients (privacy/filter_gradients.py): "auto" times every kernel per
+    # layer on CUDA and keeps the fastest, and uses the grouped weight gradient on CPU; "products", "grouped" or
+    # "unfolded" fixes it
     filter_gradients: str = "auto"
     # a name in augment.TEST_SHIFTS: every evaluation also reports "shift_averaged_*" metrics, the softmax averaged
     # over those shifted copies of each test image (post-processing: no privacy cost); the plain metrics are kept

@@ -12,10 +12,10 @@ from torch import nn
 
 from equiconvert.cli import main
 from equiconvert.data import load_dataset
-from equiconvert.privacy import audit
-from equiconvert.privacy.audit import AUDIT_DEFAULTS, SCORES, count_correct, make_canaries, run_audit
+from equiconvert.training import audit
+from equiconvert.training.audit import AUDIT_DEFAULTS, SCORES, count_correct, make_canaries, run_audit
 from equiconvert.privacy.audit_bound import epsilon_lower_bound, guess_tail_bound
-from equiconvert.privacy.trainer import DPTrainer
+from equiconvert.training.trainer import DPTrainer
 
 CLAIMED_EPSILON = 1.0
 CANARIES, GUESSES = 200, 20  # 20 guessed included, 20 excluded: 40 right guesses bound epsilon by about 2.5

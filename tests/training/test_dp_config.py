@@ -13,7 +13,7 @@ from equiconvert.cli import _parser
 from equiconvert.cli.common import CLIError
 from equiconvert.cli.recipe_flags import check_recipe
 from equiconvert.privacy.accounting import ACCOUNTANT_FACTORIES, ACCOUNTANTS, make_accountant
-from equiconvert.privacy.dp_config import (
+from equiconvert.training.dp_config import (
     FIELD_LIMITS,
     OFF_OPTIONS,
     OPTIMIZERS,
@@ -21,8 +21,8 @@ from equiconvert.privacy.dp_config import (
     DPConfig,
     check_config,
 )
-from equiconvert.privacy.ema import ExponentialMovingAverage
-from equiconvert.privacy.trainer import DPTrainer
+from equiconvert.training.ema import ExponentialMovingAverage
+from equiconvert.training.trainer import DPTrainer
 from equiconvert.recipes.recipe import Recipe, set_key
 from equiconvert.recipes.run_spec import trainer_options
 from tests.support.cli_errors import run_error
@@ -114,7 +114,7 @@ def test_a_recipe_turns_an_option_off_by_zero():
 
 
 def test_zero_is_off_in_the_api_too_and_a_checkpoint_that_stored_zero_resumes():
-    from equiconvert.privacy.trainer_checkpoint import resume_identity
+    from equiconvert.training.trainer_checkpoint import resume_identity
 
     config = DPConfig(ema_decay=0, eval_every=0, checkpoint_every=0)
     assert (config.ema_decay, config.eval_every, config.checkpoint_every) == (None, None, None)

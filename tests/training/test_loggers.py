@@ -15,11 +15,11 @@ import pytest
 
 from equiconvert.cli import main
 from equiconvert.cli.train import train_recipe
-from equiconvert.privacy import callbacks
-from equiconvert.privacy.loggers import CsvLogger, JsonlLogger, LoggerError, RecordLogger, csv_value, flat_fields
-from equiconvert.privacy.run_folder import OutputFolderError, prepare_out
-from equiconvert.privacy.run_log import RunLog
-from equiconvert.privacy.trainer import DPTrainer
+from equiconvert.training import callbacks
+from equiconvert.training.loggers import CsvLogger, JsonlLogger, LoggerError, RecordLogger, csv_value, flat_fields
+from equiconvert.training.run_folder import OutputFolderError, prepare_out
+from equiconvert.training.run_log import RunLog
+from equiconvert.training.trainer import DPTrainer
 from tests.support.tiny import linear_classifier, tiny_images
 from tests.support.train_args import tiny_train_args
 

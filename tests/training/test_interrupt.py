@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from equiconvert.cli import EXIT_INTERRUPTED, main
-from equiconvert.privacy.callbacks import Callback
-from equiconvert.privacy.interrupt import TrainingInterrupted
-from equiconvert.privacy.trainer import DPTrainer
+from equiconvert.training.callbacks import Callback
+from equiconvert.training.interrupt import TrainingInterrupted
+from equiconvert.training.trainer import DPTrainer
 from tests.support.tiny import linear_classifier, tiny_images
 from tests.support.train_args import tiny_train_args
 

@@ -29,8 +29,8 @@ from torch import nn
 from torch.func import functional_call, grad, vmap
 
 from ..errors import ParameterError, ParameterTypeError
-from .audit_bound import epsilon_lower_bound
-from .dp_step import per_sample_norms
+from ..privacy.audit_bound import epsilon_lower_bound
+from ..privacy.dp_step import per_sample_norms
 from .trainer import DPTrainer, ImagesAndLabels
 
 DEFAULT_BETA = 0.05

@@ -1,5 +1,7 @@
 """The callables and objects DPTrainer takes in place of its defaults, their signatures, and their check.
 
+loss_fn's signature is privacy.per_sample_method.PerExampleLoss: the per-example gradients are computed from it.
+
 A hook of the wrong kind fails deep inside the first step; check_hooks refuses it before anything is built,
 naming the option.
 """
@@ -15,8 +17,6 @@ from torch import nn
 from ..errors import ParameterTypeError
 from .callbacks import Callback, MetricsLogger
 
-# loss_fn(logits (N, classes), labels (N,)) -> per-example losses (N,)
-PerExampleLoss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 # augment(images (B, C, H, W) on the device, K, generator) -> views (B, K, C, H, W), view 0 the image itself
 Augment = Callable[[torch.Tensor, int, torch.Generator], torch.Tensor]
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
@@ -30,7 +30,7 @@ def check_hooks(loss_fn: Any, augment: Any, callbacks: Any, metrics_logger: Any)
     for callback in callbacks:
         if not isinstance(callback, Callback):
             raise ParameterTypeError(
-                f"callbacks must be equiconvert.privacy.callbacks.Callback objects, got {type(callback).__name__}"
+                f"callbacks must be equiconvert.training.callbacks.Callback objects, got {type(callback).__name__}"
             )
     if metrics_logger is not None and not isinstance(metrics_logger, MetricsLogger):
         raise ParameterTypeError(

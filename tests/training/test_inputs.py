@@ -15,8 +15,8 @@ from equiconvert.data._base import make_image_data
 from equiconvert.data.rotated_mnist import NPZ_NAMES
 from equiconvert.image_shape import ImageShapeError
 from equiconvert.privacy.accounting import PrivacyBudgetError, default_delta
-from equiconvert.privacy.inputs import InvalidDataError
-from equiconvert.privacy.trainer import DPTrainer
+from equiconvert.training.inputs import InvalidDataError
+from equiconvert.training.trainer import DPTrainer
 from equiconvert.privacy.validate import PrivacyValidationError
 from tests.support.cli_errors import run_error
 from tests.support.tiny import CLASSES, N, SIZE, linear_classifier, tiny_images

@@ -5,9 +5,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from equiconvert.privacy.augment import TEST_SHIFTS, shift_set, shifted_views
-from equiconvert.privacy.metrics import classification_metrics, evaluate
-from equiconvert.privacy.trainer import DPTrainer
+from equiconvert.training.augment import TEST_SHIFTS, shift_set, shifted_views
+from equiconvert.training.metrics import classification_metrics, evaluate
+from equiconvert.training.trainer import DPTrainer
 
 
 def reference_shift(images: torch.Tensor, dy: int, dx: int, padding: int) -> torch.Tensor:

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 
 from equiconvert.cli import main
-from equiconvert.privacy import worker_lifetime
-from equiconvert.privacy.run_lock import LOCK_FILE, FolderInUseError, hold_run_folder
-from equiconvert.privacy.trainer import DPTrainer
+from equiconvert.training import worker_lifetime
+from equiconvert.training.run_lock import LOCK_FILE, FolderInUseError, hold_run_folder
+from equiconvert.training.trainer import DPTrainer
 from tests.support.paths import REPO_ROOT
 from tests.support.tiny import linear_classifier, tiny_images
 from tests.support.train_args import tiny_train_args
@@ -25,7 +25,7 @@ OPTIONS.update(augment_padding=0, augment_flip=False, progress=False)
 HOLD = """
 import sys, time
 from pathlib import Path
-from equiconvert.privacy.run_lock import hold_run_folder
+from equiconvert.training.run_lock import hold_run_folder
 with hold_run_folder(Path(sys.argv[1])):
     print("held", flush=True)
     time.sleep(120)

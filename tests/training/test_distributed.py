@@ -1,4 +1,4 @@
-"""Data-parallel DP-SGD (privacy/distributed.py): 2 gloo processes on CPU.
+"""Data-parallel DP-SGD (training/distributed.py): 2 gloo processes on CPU.
 
 One job of 2 spawned processes (the `job` fixture) runs every distributed scenario once and saves what each
 rank saw; the tests below check one property each on those records.
@@ -22,13 +22,13 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-from equiconvert.privacy.distributed import SINGLE_PROCESS, DistributedContext
-from equiconvert.privacy.metrics import evaluate
-from equiconvert.privacy.run_lock import LOCK_FILE, hold_run_folder
+from equiconvert.training.distributed import SINGLE_PROCESS, DistributedContext
+from equiconvert.training.metrics import evaluate
+from equiconvert.training.run_lock import LOCK_FILE, hold_run_folder
 from equiconvert.privacy.sampling import PoissonSampler
 from equiconvert.privacy.secure_rng import SAMPLING, make_source
-from equiconvert.privacy.trainer import DPTrainer
-from tests.privacy.test_run_lock import _gone
+from equiconvert.training.trainer import DPTrainer
+from tests.training.test_run_lock import _gone
 from tests.support.paths import REPO_ROOT
 from tests.support.rng import freshly_keyed
 from tests.support.train_args import tiny_train_args
@@ -315,7 +315,7 @@ def test_a_sampler_state_of_another_shard_is_refused():
 
 
 def test_a_job_refuses_one_card_for_all_ranks(monkeypatch):
-    from equiconvert.privacy.distributed import from_environment
+    from equiconvert.training.distributed import from_environment
 
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", "1")

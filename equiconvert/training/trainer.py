@@ -3,7 +3,7 @@
 One logical step: draw a Poisson batch (rate q = batch_size / N), split it into
 physical chunks that fit memory, compute each example's gradient averaged over
 its K augmented views, clip it to `max_grad_norm`, sum, add N(0, (sigma C)^2)
-once, divide by the expected batch size (dp_step.py), and step the optimizer. The EMA and
+once, divide by the expected batch size (privacy/dp_step.py), and step the optimizer. The EMA and
 the accountant advance once per logical step, and training stops before the
 budget would be exceeded.
 """
@@ -23,31 +23,37 @@ from torch import nn
 
 from ..errors import ParameterError, ParameterTypeError
 from ..progress import progress_bar
-from .accounting import PrivacyBudgetError, PrivacyLedger, calibrate_noise_multiplier, check_delta_for, default_delta
+from ..privacy.accounting import (
+    PrivacyBudgetError,
+    PrivacyLedger,
+    calibrate_noise_multiplier,
+    check_delta_for,
+    default_delta,
+)
+from ..privacy.buffer_guard import BufferGuard
+from ..privacy.checkpoint import remove_stale_temporaries
+from ..privacy.dp_safety import check_dp_safe
+from ..privacy.dp_step import privatize
+from ..privacy.per_sample_method import PerExampleLoss, PerSampleGradients
+from ..privacy.sampling import PoissonSampler, physical_chunks
+from ..privacy.secure_rng import NOISE, SAMPLING, make_source, warn_not_private
+from ..privacy.validate import validate_dp_safe
 from .augment import augment_views, shift_set
-from .buffer_guard import BufferGuard
 from .callbacks import Callback, MetricsLogger
-from .checkpoint import remove_stale_temporaries
+from .devices import resolve_device
 from .distributed import SINGLE_PROCESS, DistributedContext
 from .dp_config import CUSTOM, CUSTOM_SCHEDULE, OPTIMIZERS, DPConfig, check_config, named_schedule
-from .dp_safety import check_dp_safe
-from .dp_step import privatize
 from .ema import ExponentialMovingAverage
-from .metrics import classification_metrics, predict
-from .hooks import Augment, OptimizerFactory, PerExampleLoss, check_hooks, cross_entropy
+from .hooks import Augment, OptimizerFactory, check_hooks, cross_entropy
+from .inputs import InvalidDataError, check_images, check_labels, check_model_input
 from .interrupt import DeferredInterrupt, TrainingInterrupted
 from .loggers import DEFAULT_LOGGERS, LoggerSpec, build_loggers, check_loggers
-from .inputs import InvalidDataError, check_images, check_labels, check_model_input
-from .devices import resolve_device
+from .metrics import classification_metrics, predict
 from .normalization import Normalize
-from .per_sample_method import PerSampleGradients
 from .run_lock import hold_run_folder
 from .run_log import RunClock, RunLog, materialize, warn_step_times
 from .train_data import StreamedData, TensorData, TrainData, as_train_data
-from .sampling import PoissonSampler, physical_chunks
-from .secure_rng import NOISE, SAMPLING, make_source, warn_not_private
 from .trainer_checkpoint import TrainerCheckpoint
-from .validate import validate_dp_safe
 
 ImagesAndLabels = tuple[torch.Tensor, torch.Tensor]  # (images, labels)
 
@@ -111,7 +117,9 @@ class DPTrainer(TrainerCheckpoint):
             warn_not_private("insecure_seeded_noise")
         if self.config.log_step_times:
             warn_step_times()
-        self._per_sample_gradients = PerSampleGradients(model, self.config, self.loss_fn)
+        self._per_sample_gradients = PerSampleGradients(
+            model, self.loss_fn, self.config.per_sample_method, self.config.precision, self.config.filter_gradients
+        )
         self._buffer_guard: BufferGuard | None = None  # set by the DP-safety probe (_probe_once)
         self.device = resolve_device(device)
         self.model = model.to(self.device)
@@ -138,7 +146,8 @@ class DPTrainer(TrainerCheckpoint):
         self.sampler: PoissonSampler | None = None
         self.noise_multiplier: float | None = None
         self.delta: float | None = None  # the run's delta: the configured one, else default_delta(N)
-        self._nonfinite = torch.zeros((), dtype=torch.int64, device=self.device)  # examples zeroed (nonfinite.py)
+        # examples whose non-finite gradient was zeroed (privacy/nonfinite.py)
+        self._nonfinite = torch.zeros((), dtype=torch.int64, device=self.device)
         self._normalize = Normalize(self.config.normalize_mean, self.config.normalize_std, self.device)
         self._augment_rng = torch.Generator(device=self.device).manual_seed(self.dist.rank_seed(self.config.seed + 1))
         # noise: rank 0's source is the job's only one; sampling: each rank its own (its shard's) stream
@@ -153,7 +162,7 @@ class DPTrainer(TrainerCheckpoint):
 
     @property
     def per_sample_method(self) -> str:
-        """How this run computes per-example gradients, "bookkeeping", "ghost" or "vmap" (per_sample_method.py)."""
+        """How this run computes per-example gradients, "bookkeeping", "ghost" or "vmap" (privacy/per_sample_method.py)."""
         return self._per_sample_gradients.method
 
     @property
@@ -220,7 +229,7 @@ class DPTrainer(TrainerCheckpoint):
             chunk_labels = chunk_labels.to(self.device)
             with self._buffer_guard.watch(views.flatten(0, 1)):
                 losses, chunk_nonfinite = self._per_sample_gradients.accumulate_clipped(
-                    params, buffers, views, chunk_labels, into=summed
+                    params, buffers, views, chunk_labels, c.max_grad_norm, into=summed
                 )
             loss_sum += losses.detach().sum()
             nonfinite += chunk_nonfinite
@@ -362,8 +371,8 @@ class DPTrainer(TrainerCheckpoint):
             self.save_checkpoint()
 
     def _probe_once(self, source: TrainData) -> None:
-        """The DP-safety probe (dp_safety.py), once, before the model sees data, at the largest batch a forward
-        takes; every per-sample gradient computation after it is guarded (buffer_guard.py)."""
+        """The DP-safety probe (privacy/dp_safety.py), once, before the model sees data, at the largest batch a forward
+        takes; every per-sample gradient computation after it is guarded (privacy/buffer_guard.py)."""
         if self._buffer_guard is None:
             rows = min(self.config.physical_batch_size, len(source)) * self.config.aug_mult
             set_once = check_dp_safe(self.model, self._first_example(source, "the training data"), rows)

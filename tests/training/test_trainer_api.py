@@ -13,8 +13,8 @@ from PIL import Image
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from equiconvert.privacy.callbacks import Callback, flat_metrics
-from equiconvert.privacy.trainer import DPTrainer
+from equiconvert.training.callbacks import Callback, flat_metrics
+from equiconvert.training.trainer import DPTrainer
 
 SIZE, CLASSES, PER_CLASS = 6, 2, 6
 OPTIONS = dict(
@@ -187,7 +187,7 @@ def test_per_channel_normalisation_is_applied_and_validated_at_construction():
 
 
 def test_tensorboard_logger_only_when_tensorboard_is_installed(tmp_path, monkeypatch):
-    from equiconvert.privacy import callbacks
+    from equiconvert.training import callbacks
 
     monkeypatch.setattr(callbacks, "tensorboard_available", lambda: False)
     with pytest.raises(ImportError, match="pip install tensorboard"):
@@ -197,7 +197,7 @@ def test_tensorboard_logger_only_when_tensorboard_is_installed(tmp_path, monkeyp
 
 def test_tensor_data_is_one_name_for_one_thing():
     """The trainer's TensorData is train_data's class (the (images, labels) tuple type is ImagesAndLabels)."""
-    from equiconvert.privacy import audit, train_data, trainer
+    from equiconvert.training import audit, train_data, trainer
 
     assert trainer.TensorData is train_data.TensorData
     assert audit.ImagesAndLabels == trainer.ImagesAndLabels == tuple[torch.Tensor, torch.Tensor]

@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..errors import UsageError
-from .checkpoint import remove_stale_temporaries
+from ..privacy.checkpoint import remove_stale_temporaries
 from .loggers import CSV_FILE, JSONL_FILE
 
 CHECKPOINT = "checkpoint.pt"

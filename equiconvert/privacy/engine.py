@@ -118,16 +118,44 @@ def make_private(
 ) -> Made:
     """(module, optimizer, data_loader) for DP-SGD; see docs/make-private.md.
 
-    noise_multiplier, or target_epsilon with target_delta and epochs or steps (sigma is then
-    calibrated and a step past the target is refused). aug_mult K: the module takes
-    (B, K, ...) views and each example's gradient is the mean over its views, clipped.
-    Opacus' arguments (criterion, grad_sample_mode, clipping, batch_first, ...) are served or refused as
-    opacus_parity.py says; grad_sample_mode="ghost" returns (module, optimizer, criterion, data_loader), as Opacus.
-    debug_seed: reproducible sampling and noise for tests (secure_rng.py); the run is then NOT private.
-    verify: check once (first training forward) that book-keeping's gradients are exact on this model
-    (bookkeeping.verify_bookkeeping). Whatever it says, the first forward probes a copy of the model at the
-    loader's batch size (dp_safety.probe_dp_safety: buffers written from the input or by every forward, examples
-    mixed), and every training forward is guarded against buffer writes (buffer_guard.py).
+    Whatever `verify` says, the first forward probes a copy of the model at the loader's batch size
+    (dp_safety.probe_dp_safety: buffers written from the input or by every forward, examples mixed), and every
+    training forward is guarded against buffer writes (buffer_guard.py).
+
+    Args:
+        module: the network; it is wrapped so that each example's gradient is computed and clipped.
+        optimizer: an optimizer over module's parameters (built before or after conversion, not from others).
+        data_loader: the training loader; it is replaced by a Poisson-sampling one of the same expected batch.
+        max_grad_norm: the per-example clipping norm.
+        noise_multiplier: the noise standard deviation over max_grad_norm; or give target_epsilon.
+        target_epsilon: the budget sigma is calibrated for (with target_delta and epochs or steps); a step past
+            it is refused.
+        target_delta: the delta of the guarantee.
+        epochs: the run's length for calibration, in passes over the data.
+        steps: the run's length for calibration, in optimizer steps (Opacus' total_steps).
+        aug_mult: K views per example: the module takes (B, K, ...) and each example's gradient is the mean over
+            its views, clipped.
+        accountant: "rdp", "prv" or "gdp" (accounting.py).
+        loss_reduction: "mean" or "sum", as the loss the optimizer's step follows.
+        criterion: Opacus' ghost-clipping criterion, for grad_sample_mode="ghost".
+        grad_sample_mode: Opacus' modes, served or refused as opacus_parity.py says; "ghost" returns (module,
+            optimizer, criterion, data_loader), as Opacus.
+        poisson_sampling: only True (the accountants assume Poisson sampling).
+        clipping: only "flat" (each example's whole gradient); per-layer and adaptive clipping are refused.
+        batch_first: only True (book-keeping takes the batch on the first dimension).
+        noise_generator: only None: a given generator would make the noise seedable.
+        wrap_model: only True (the returned module records each layer's input).
+        rand_on_empty: only False (an empty Poisson batch keeps its shape and the step still runs).
+        debug_seed: reproducible sampling and noise for tests (secure_rng.py); the run is then NOT private.
+        verify: check once (first training forward) that book-keeping's gradients are exact on this model.
+
+    Returns:
+        (module, optimizer, data_loader), or (module, optimizer, criterion, data_loader) for
+        grad_sample_mode="ghost".
+
+    Raises:
+        OpacusArgumentError: an Opacus argument with a value equiconvert refuses, with the reason and what to do.
+        ParameterError: an argument out of range, or noise_multiplier and target_epsilon both or neither given.
     """
     check_opacus_arguments(
         {

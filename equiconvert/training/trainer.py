@@ -61,17 +61,26 @@ ImagesAndLabels = tuple[torch.Tensor, torch.Tensor]  # (images, labels)
 class DPTrainer(TrainerCheckpoint):
     """Train a model with DP-SGD; see DPConfig for the options (passed as keyword arguments).
 
-    lr_schedule: "constant", "cosine", or a callable step -> learning rate (the schedule hook).
-    optimizer: a name in dp_config.OPTIMIZERS, or a factory params -> torch.optim.Optimizer
-        (e.g. functools.partial(AdamW, lr=1e-3)).
-    loss_fn: logits, labels -> per-example losses (default: cross-entropy); book-keeping and vmap both use it.
-    augment: images, K, generator -> K views per image on the device (default: reflect-pad crop and flip).
-    callbacks: Callback objects (on_step_end, on_eval_end).
-    loggers: where the log records go, as names in loggers.LOGGERS (jsonl, csv, tensorboard, wandb; each writes
-        into out_dir) or logger objects; log.jsonl is written whenever out_dir is set. Every logger gets the
-        records log.jsonl gets and nothing else. metrics_logger: one more logger object (a MetricsLogger).
-    distributed: this process's rank in a data-parallel job (distributed.py); None for a single process.
     Images are (N, C, H, W): uint8 pixels, or floats that are pixels in [0, 1] or already normalised (inputs.py).
+
+    Args:
+        model: the network to train (moved to `device`).
+        device: "cpu", "cuda", "cuda:1", ...; None picks CUDA when there is one.
+        out_dir: the run folder for log.jsonl, checkpoints and result files; None writes nothing.
+        lr_schedule: "constant", "cosine", or a callable step -> learning rate (the schedule hook).
+        progress: a progress bar on stderr (the main process only).
+        distributed: this process's rank in a data-parallel job (distributed.py); None for a single process.
+        loss_fn: logits, labels -> per-example losses (default: cross-entropy); every back-end uses it.
+        augment: images, K, generator -> K views per image on the device (default: reflect-pad crop and flip).
+        callbacks: Callback objects (on_step_end, on_eval_end).
+        loggers: where the log records go, as names in loggers.LOGGERS (jsonl, csv, tensorboard, wandb; each
+            writes into out_dir) or logger objects; every logger gets the records log.jsonl gets and nothing else.
+        metrics_logger: one more logger object (a MetricsLogger).
+        **options: DPConfig's fields; `optimizer` is a name in dp_config.OPTIMIZERS or a factory
+            params -> torch.optim.Optimizer (e.g. functools.partial(AdamW, lr=1e-3)).
+
+    Raises:
+        ParameterError: an option out of range or unknown, named by its parameter, before any data is read.
     """
 
     def __init__(

@@ -6,7 +6,7 @@ the logits and the initial cross-entropy on --examples upright digits, and the o
 (forward hooks) to show where the scale grows. Then a learning-rate sweep: --steps of non-private SGD (momentum
 0.9, batch --batch-size) per --lrs for the --sweep-groups, the final loss and accuracy on the same digits.
 --no-unit-invariants converts with config unit_invariants=False (the group pooling before it was scaled). JSON.
-Defaults (mnist-10k.npz, 512 digits padded to 32x32, 3 seeds, 150 steps of 32): about 10 minutes on 2 CPU cores.
+Defaults (mnist-10k.npz, 512 digits padded to 32x32, 3 seeds, 100 steps of 32): about 10 minutes on 2 CPU cores.
 Usage: python benchmarks/init_scale.py --data-dir /work/shared/data/mnist-10k.npz --out init_scale.json
        python benchmarks/init_scale.py --tiny   (synthetic data, a few seconds: what tests run)
 """
@@ -144,7 +144,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--lrs", type=_floats, default=[0.01, 0.05, 0.2])
     parser.add_argument("--sweep-groups", type=_names, default=[ORIGINAL, "C8", "O2"])
-    parser.add_argument("--steps", type=int, default=150)
+    parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--no-unit-invariants", action="store_true", help="convert with unit_invariants=False")
     parser.add_argument("--tiny", action="store_true", help="synthetic 16x16 data, tiny widths, few steps")

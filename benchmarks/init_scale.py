@@ -5,7 +5,7 @@ For the original and each --groups conversion (widths --widths, head "invariant"
 the logits and the initial cross-entropy on --examples upright digits, and the output std of every leaf module
 (forward hooks) to show where the scale grows. Then a learning-rate sweep: --steps of non-private SGD (momentum
 0.9, batch --batch-size) per --lrs for the --sweep-groups, the final loss and accuracy on the same digits.
---no-unit-invariants converts with config unit_invariants=False (the group pooling before it was scaled). JSON.
+--no-unit-invariants converts with config unit_invariants=False (unscaled group pooling). JSON.
 Defaults (mnist-10k.npz, 512 digits padded to 32x32, 3 seeds, 100 steps of 32): over 20 minutes on a shared
 2-core CPU; fewer --groups, --sweep-groups, --seeds or --steps shorten it.
 Usage: python benchmarks/init_scale.py --data-dir /work/shared/data/mnist-10k.npz --out init_scale.json

@@ -360,8 +360,25 @@ class _FieldReduce(nn.Module):
         return REDUCTIONS[self.mode](x.unflatten(1, (self.num_fields, self.field_size)))
 
 
+class _Scaled(nn.Module):
+    """`inner` times a constant; only ever used traced."""
+
+    def __init__(self, inner: nn.Module, scale: float) -> None:
+        super().__init__()
+        self.inner, self.scale = inner, scale
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x) * self.scale
+
+
 @register_exporter(GroupPool)
 def export_group_pool(module: GroupPool, ctx: ExportContext) -> nn.Module:
+    """The reduction below, then its scale (a traced multiplication) where it is not 1."""
+    reduction = _export_reduction(module, ctx)
+    return reduction if module.scale == 1.0 else _trace_torch_only(_Scaled(reduction, module.scale), "ScaledGroupPool")
+
+
+def _export_reduction(module: GroupPool, ctx: ExportContext) -> nn.Module:
     """Unflatten(1, (fields, size)) + a pool over the new field-size dim + Flatten(1, 2).
 
     For an input of rank n, the unflattened tensor has n - 1 pooled dims (field

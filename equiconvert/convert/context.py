@@ -29,6 +29,7 @@ class ConversionConfig:
 
     head: str = KEEP_HEAD  # one of HEADS
     invariant_pool: str = "max"  # group pooling before the classifier
+    unit_invariants: bool = True  # group pooling scaled to keep the original's signal scale (nn/pooling.unit_scale)
     weight_standardization: bool | str = False  # True = "field"; "layer": the released code's (nn/conv.py)
     init_gain: float = math.sqrt(2.0)  # steerable filters start with std gain/sqrt(fan-in); 1 = escnn's scale
     unit_norm_bias: bool = False  # a field's bias added as bias/sqrt(field size) per channel, as escnn's R2Conv

@@ -238,7 +238,7 @@ def make_equivariant(
             "params" (match the original parameter count), "channels" (keep the channel count); a float kappa, or
             a callable (channels, group) -> fields.
         input_size: the image size you will use; the report says whether it keeps exact equivariance.
-        config: ConversionConfig fields (head, invariant_pool, weight_standardization, init_gain, basis_cutoff,
+        config: ConversionConfig fields (head, invariant_pool, unit_invariants, weight_standardization, init_gain, basis_cutoff,
             batchnorm_groups, norm_group_rule, unit_norm_bias, leaf_modules, even_kernels: "refuse" (default) or
             "grow", which replaces a k x k conv with k even by a (k+1) x (k+1) one with the same stride and
             padding, reported per layer).

@@ -173,6 +173,7 @@ def equivariant_resnet9(
         "weight_standardization": True,
         "basis_cutoff": PAPER_BASIS_CUTOFF,
         "init_gain": PRESET_INIT_GAIN,
+        "unit_invariants": False,  # the paper's group pooling: a plain max over each field
         **config,
     }
     if restrict == "paper":

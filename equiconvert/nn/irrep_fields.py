@@ -16,6 +16,7 @@ from ..errors import ParameterError
 from ..groups import FieldLayout
 from .conv import apply_to_constants
 from .norm import at_least_fp32, field_groups
+from .pooling import InvariantScale
 
 
 def _gate_index(layout: FieldLayout) -> torch.Tensor:
@@ -167,20 +168,23 @@ class NormMaxPool2d(nn.Module):
         )
 
 
-class InvariantMap(nn.Module):
-    """Each irrep field to one invariant channel: its norm (Frobenius over all its components).
+class InvariantMap(InvariantScale):
+    """Each irrep field to one invariant channel: its norm (Frobenius over all its components), times `scale`.
 
     A max over a field's channels is not invariant for rotating components; the norm
     is. The epsilon keeps the gradient finite at zero fields. Spatial max/avg
     pooling of these invariants can follow.
     """
 
-    def __init__(self, num_fields: int, field_size: int, eps: float = 1e-12) -> None:
+    def __init__(self, num_fields: int, field_size: int, eps: float = 1e-12, scale: float = 1.0) -> None:
         super().__init__()
-        self.num_fields, self.field_size, self.eps = num_fields, field_size, eps
+        if not scale > 0:
+            raise ParameterError(f"scale={scale!r}: the invariant map's scale must be positive")
+        self.num_fields, self.field_size, self.eps, self.scale = num_fields, field_size, eps, float(scale)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x.unflatten(1, (self.num_fields, self.field_size)).pow(2).sum(2).add(self.eps).sqrt()
+        return self.scaled(x.unflatten(1, (self.num_fields, self.field_size)).pow(2).sum(2).add(self.eps).sqrt())
 
     def extra_repr(self) -> str:
-        return f"fields={self.num_fields}x{self.field_size}"
+        scale = f", scale={self.scale:.6g}" if self.scale != 1.0 else ""
+        return f"fields={self.num_fields}x{self.field_size}{scale}"

@@ -342,3 +342,12 @@ def test_exported_uneven_field_group_norm_takes_an_empty_batch():
     assert plain(torch.randn(0, 3, 32, 32)).shape == (0, 10)
     x = torch.randn(2, 3, 32, 32)
     assert torch.equal(plain(x), model(x))
+
+
+@pytest.mark.parametrize("traced", [True, False], ids=["shapes", "no-shapes"])
+def test_a_scaled_group_pool_exports_with_its_scale(traced: bool) -> None:
+    pool = GroupPool(6, 4, "max", scale=0.5)
+    x = torch.randn(2, 24, 5, 5)
+    exported = equiconvert.export(_traced_with_shapes(pool, x) if traced else nn.Sequential(pool))
+    assert foreign_classes(exported) == set()
+    assert torch.equal(exported(x), pool(x)) and torch.equal(pool(x), 0.5 * GroupPool(6, 4, "max")(x))

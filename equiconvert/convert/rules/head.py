@@ -13,6 +13,7 @@ import torch.fx as fx
 from torch import nn
 
 from ...nn import GroupPool, InvariantMap
+from ...nn.pooling import unit_scale
 from ..context import TYPE_KEY, ConversionContext
 from ..fields import FieldType
 from ..grid import AdaptiveOp
@@ -61,11 +62,18 @@ def to_vector(ctx: ConversionContext, node: fx.Node, x: fx.Node) -> FieldType:
     return FieldType(t.group, "trivial", t.num_fields * cells, spatial=False)
 
 
+def _scale(config, mode: str, field_size: int) -> float:
+    """unit_invariants: unit-variance fields give unit-RMS invariants (the scale of the channels they replace)."""
+    return unit_scale(mode, field_size) if config.unit_invariants else 1.0
+
+
 # representation -> (field type, config) -> module mapping each field to one invariant channel
 INVARIANT_MAPS = {
-    "regular": lambda t, config: GroupPool(t.num_fields, t.field_size, config.invariant_pool),
+    "regular": lambda t, config: GroupPool(
+        t.num_fields, t.field_size, config.invariant_pool, _scale(config, config.invariant_pool, t.field_size)
+    ),
     # irrep fields: the norm of the whole field (Frobenius over its components); a max over them is not invariant
-    "field": lambda t, config: InvariantMap(t.num_fields, t.field_size),
+    "field": lambda t, config: InvariantMap(t.num_fields, t.field_size, scale=_scale(config, "norm", t.field_size)),
 }
 
 

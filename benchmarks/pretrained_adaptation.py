@@ -164,7 +164,14 @@ def candidates(
     group = args.group
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the report's notes on the padded input size
-        scratch = make_equivariant(SmallCNN(), group, head="invariant", input_size=SIZE, pad_to_valid=True)
+        scratch = make_equivariant(
+            SmallCNN(),
+            group,
+            head="invariant",
+            input_size=SIZE,
+            pad_to_valid=True,
+            config={"unit_invariants": args.unit_invariants == "on"},
+        )
     wrapped = canonicalize(copy.deepcopy(pretrained), group, in_channels=1, fields=2, kernel_size=5, pool=2)
     teach_upright_pose(wrapped, public_images, args.sizes["pose_steps"], seed, args.device)
     return {
@@ -213,6 +220,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--prior-weight", type=float, default=0.5, help="pose_prior_loss's weight")
     parser.add_argument("--steps", type=int, default=None, help="DP-SGD steps (default: 150; --tiny: 2)")
     parser.add_argument("--pretrain-steps", type=int, default=None, help="default: 2000; --tiny: 3")
+    parser.add_argument(
+        "--unit-invariants", choices=("on", "off"), default="on", help="scratch_converted's group pooling scale"
+    )
     parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
     parser.add_argument("--workers", type=int, default=1, help="cells run in this many processes at once")
     parser.add_argument("--tiny", action="store_true", help="a few steps on a few examples (a smoke test)")
@@ -307,6 +317,7 @@ def summarise(args: argparse.Namespace, runs: list[dict]) -> dict:
             "momentum": args.momentum,
             "prior_weight": args.prior_weight,
             "accountant": ACCOUNTANT,
+            "unit_invariants": args.unit_invariants,
         },
         "table": medians(runs),
         "runs": sorted(runs, key=lambda run: (run["target_epsilon"], run["seed"])),

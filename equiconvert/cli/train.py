@@ -9,7 +9,7 @@ from typing import Any, Callable
 
 import torch
 
-from ..groups import GROUP_NAMES
+from ..group_names import GROUP_NAMES
 from .launch import launch_train
 from .recipe_flags import TRAIN_FLAGS, add_recipe_options, apply_flags, check_recipe, recipe_flag
 from .commands import SUBCOMMANDS

@@ -243,7 +243,7 @@ def make_equivariant(
             "grow", which replaces a k x k conv with k even by a (k+1) x (k+1) one with the same stride and
             padding, reported per layer).
         strict: turn every equivariance warning into an error.
-        head: one of context.HEADS: "keep" the head as it is, or make the output "invariant" by group pooling
+        head: one of conversion_options.HEADS: "keep" the head as it is, or make the output "invariant" by group pooling
             before it; None: the model class's `equiconvert_head` if it declares one (ResNet9: "invariant"), else
             "keep".
         restrict: restrict the fields to a subgroup: "halved", "reflection", "invariant", a group name, a

@@ -228,3 +228,10 @@ def test_audit_cli_refuses_bad_flags(tmp_path, capsys):
     assert main(["audit", "--out", str(tmp_path / "a"), "--confidence", "1"]) == 2
     assert "--confidence" in capsys.readouterr().err
     assert not (tmp_path / "a").exists()
+
+
+def test_the_command_lines_score_and_model_names_are_the_registries():
+    """`equiconvert audit --help` lists them from training.audit_options, which loads no torch."""
+    from equiconvert.training.audit_options import SCORE_NAMES, SMALL_MODEL_NAMES
+
+    assert tuple(audit.SCORES) == SCORE_NAMES and tuple(audit.SMALL_MODELS) == SMALL_MODEL_NAMES

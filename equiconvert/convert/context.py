@@ -10,7 +10,7 @@ from typing import Any, Callable
 import torch.fx as fx
 from torch import nn
 
-from ..conversion_options import HEADS, KEEP_HEAD
+from ..conversion_options import KEEP_HEAD
 from ..errors import EquivarianceBreakError, ParameterError, UnsupportedLayerError
 from ..groups import GroupSpec
 from .fields import FieldType

@@ -13,13 +13,14 @@ import torch
 import torch.fx as fx
 from torch import nn
 
+from ..conversion_options import HEADS
 from ..errors import NotAModuleError, ParameterError, UnsupportedLayerError
 from ..groups import GroupSpec, parse_group
 from ..nn.conv import standardization_scope
 from ..build_recipe import conversion_recipe, remember_recipe
 from ..progress import counting_basis_builds, progress_bar, require_progress
 from . import rules  # noqa: F401  (registers the built-in rules)
-from .context import HEADS, SPATIAL_KEY, TYPE_KEY, ConversionConfig, ConversionContext
+from .context import SPATIAL_KEY, TYPE_KEY, ConversionConfig, ConversionContext
 from .fields import FieldType
 from .grid import GridAnalysis, GridBreak
 from .input_fit import fit_input, invalid_size_error

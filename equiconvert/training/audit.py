@@ -31,7 +31,7 @@ from torch.func import functional_call, grad, vmap
 from ..errors import ParameterError, ParameterTypeError
 from ..privacy.audit_bound import epsilon_lower_bound
 from ..privacy.dp_step import per_sample_norms
-from .audit_options import AUDIT_DEFAULTS, CNN_MODEL, DEFAULT_BETA, GRADIENT_SCORE, LINEAR_MODEL, LOSS_SCORE
+from .audit_options import CNN_MODEL, DEFAULT_BETA, GRADIENT_SCORE, LINEAR_MODEL, LOSS_SCORE
 from .trainer import DPTrainer, ImagesAndLabels
 
 SCORE_CHUNK = 256  # canaries scored at once

@@ -13,7 +13,8 @@ from torch import nn
 from equiconvert.cli import main
 from equiconvert.data import load_dataset
 from equiconvert.training import audit
-from equiconvert.training.audit import AUDIT_DEFAULTS, SCORES, count_correct, make_canaries, run_audit
+from equiconvert.training.audit import SCORES, count_correct, make_canaries, run_audit
+from equiconvert.training.audit_options import AUDIT_DEFAULTS
 from equiconvert.privacy.audit_bound import epsilon_lower_bound, guess_tail_bound
 from equiconvert.training.trainer import DPTrainer
 

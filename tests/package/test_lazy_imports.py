@@ -53,10 +53,10 @@ import contextlib, importlib, io, json, runpy, sys
 for module in sys.argv[2:]:
     importlib.import_module(module)
 sys.argv = ['equiconvert', sys.argv[1], '--help']
-with contextlib.redirect_stdout(io.StringIO()) as help, contextlib.suppress(SystemExit):
+with contextlib.redirect_stdout(io.StringIO()) as out, contextlib.suppress(SystemExit):
     runpy.run_module('equiconvert', run_name='__main__')
 heavy = sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'opacus', 'escnn', 'torchvision', 'timm'})
-print(json.dumps({'help': help.getvalue(), 'heavy': heavy}))
+print(json.dumps({'help': out.getvalue(), 'heavy': heavy}))
 """
 
 

@@ -14,9 +14,8 @@ from functools import cached_property
 import torch
 
 from .errors import GroupSpecError
+from .group_names import GROUP_NAMES, MAX_ORDER
 
-MAX_ORDER = 16
-GROUP_NAMES = f"C1..C{MAX_ORDER} (rotations), D1..D{MAX_ORDER} (rotations and reflections), SO2 or O2"
 _NAME = re.compile(r"^(?P<kind>[CD])(?P<n>\d+)$")
 
 

@@ -1,6 +1,8 @@
 """Command line: `equiconvert convert|demo|train|recipes|audit`, each subcommand a module of this package.
 
-Only the subcommand being run is imported (each loads torch), so `equiconvert --help` and `--version` stay fast."""
+Only the subcommand being run is imported, so `equiconvert --help` and `--version` stay fast; a subcommand's parser
+loads no torch (its choices and defaults come from torch-free modules), so its `--help` is fast too, and its
+command imports torch once the arguments are parsed."""
 
 from __future__ import annotations
 

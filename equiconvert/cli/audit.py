@@ -8,8 +8,14 @@ import math
 from pathlib import Path
 from typing import Any, Callable
 
-import torch
-
+from ..training.audit_options import (
+    AUDIT_DEFAULTS,
+    DEFAULT_BETA,
+    GRADIENT_SCORE,
+    LINEAR_MODEL,
+    SCORE_NAMES,
+    SMALL_MODEL_NAMES,
+)
 from .common import CLIError
 from .commands import SUBCOMMANDS
 
@@ -43,8 +49,10 @@ def check_flags(args: argparse.Namespace) -> None:
 
 def _cmd_audit(args: argparse.Namespace) -> int:
     """One-run privacy audit (equiconvert.training.audit): print and write OUT/audit.json."""
+    import torch
+
     from ..data import load_dataset
-    from ..training.audit import AUDIT_DEFAULTS, SMALL_MODELS, make_canaries, run_audit
+    from ..training.audit import SMALL_MODELS, make_canaries, run_audit
 
     out = Path(args.out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
@@ -92,8 +100,6 @@ def _cmd_audit(args: argparse.Namespace) -> int:
 
 
 def add_parser(sub) -> None:
-    from ..training.audit import AUDIT_DEFAULTS, DEFAULT_BETA, SCORES, SMALL_MODELS
-
     audit = sub.add_parser(
         "audit",
         help=SUBCOMMANDS["audit"],
@@ -106,7 +112,7 @@ def add_parser(sub) -> None:
     audit.add_argument("--dataset", default="synthetic", help="any name `equiconvert train` takes (default synthetic)")
     audit.add_argument("--data-dir", default=None)
     audit.add_argument("--num-examples", type=int, default=None, help="use the first N training examples (default all)")
-    audit.add_argument("--model", choices=tuple(SMALL_MODELS), default="linear")
+    audit.add_argument("--model", choices=SMALL_MODEL_NAMES, default=LINEAR_MODEL)
     audit.add_argument("--canaries", type=int, default=1000, help="canaries m, each trained on with probability 1/2")
     audit.add_argument(
         "--guesses",
@@ -116,8 +122,8 @@ def add_parser(sub) -> None:
     )
     audit.add_argument(
         "--score",
-        choices=tuple(SCORES),
-        default="gradient",
+        choices=SCORE_NAMES,
+        default=GRADIENT_SCORE,
         help="gradient: white-box alignment of the weight change with each canary's gradient; "
         "loss: black-box, minus the trained model's loss",
     )

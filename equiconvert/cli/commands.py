@@ -1,7 +1,7 @@
 """The subcommands, in the order `--help` lists them, with their one-line help: read without importing them.
 
 Each name is a module of this package whose `add_parser(sub)` adds its full parser; `equiconvert --help` and
-`--version` import none of them (they load torch)."""
+`--version` import none of them."""
 
 from __future__ import annotations
 

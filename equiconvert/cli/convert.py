@@ -9,9 +9,8 @@ import sys
 import time
 from typing import Any
 
-from ..convert.context import HEADS
-from ..groups import GROUP_NAMES
-from ..convert.width import DEFAULT_WIDTH, PAPER_KAPPA, WIDTHS, resolve_width
+from ..conversion_options import DEFAULT_WIDTH, HEADS, PAPER_KAPPA, WIDTH_NAMES
+from ..group_names import GROUP_NAMES
 from .common import CLIError
 from .commands import SUBCOMMANDS
 
@@ -21,12 +20,12 @@ CHECK_BATCH_SIZE = 1  # the equivariance check's batch; the error does not depen
 
 def _width(text: str) -> str | float:
     """A width name or a float kappa; convert/width.resolve_width checks its value."""
-    if text in WIDTHS:
+    if text in WIDTH_NAMES:
         return text
     try:
         return float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not one of {', '.join(WIDTHS)} or a number") from None
+        raise argparse.ArgumentTypeError(f"{text!r} is not one of {', '.join(WIDTH_NAMES)} or a number") from None
 
 
 def _positive_int(text: str) -> int:
@@ -76,6 +75,7 @@ def convert_and_check(
     from .. import check_equivariance, make_equivariant, parse_group
     from ..models import create_model
     from ..models._registry import is_equivariant_model
+    from ..convert.width import resolve_width
     from ..progress import counting_basis_builds
 
     spec = parse_group(group)  # fail on a bad group or width before building anything
@@ -186,8 +186,8 @@ def add_parser(sub) -> None:
         "--width",
         type=_width,
         default=None,
-        metavar="|".join((*WIDTHS, "<float>")),
-        help=f"width policy: {', '.join(WIDTHS)} or a float kappa (default: {DEFAULT_WIDTH}, "
+        metavar="|".join((*WIDTH_NAMES, "<float>")),
+        help=f"width policy: {', '.join(WIDTH_NAMES)} or a float kappa (default: {DEFAULT_WIDTH}, "
         f"with kappa = {PAPER_KAPPA})",
     )
     convert.add_argument("--head", choices=HEADS, default=None)

@@ -7,10 +7,8 @@ import json
 import os
 from typing import Any, Callable
 
-import torch
-
-from ..groups import GROUP_NAMES
-from .launch import launch_train
+from ..group_names import GROUP_NAMES
+from ..privacy.accountant_names import ACCOUNTANTS
 from .recipe_flags import TRAIN_FLAGS, add_recipe_options, apply_flags, check_recipe, recipe_flag
 from .commands import SUBCOMMANDS
 
@@ -26,7 +24,10 @@ def train_recipe(args: argparse.Namespace):
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
+    import torch
+
     from ..recipes.runner import run_recipe
+    from .launch import launch_train
 
     recipe = train_recipe(args)
     check_recipe(recipe)
@@ -41,7 +42,6 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
 
 def add_parser(sub) -> None:
-    from ..privacy.accounting import ACCOUNTANTS
     from ..recipes.recipe import parse_kwargs
 
     train = sub.add_parser(

@@ -10,6 +10,7 @@ from typing import Any, Callable
 import torch.fx as fx
 from torch import nn
 
+from ..conversion_options import KEEP_HEAD
 from ..errors import EquivarianceBreakError, ParameterError, UnsupportedLayerError
 from ..groups import GroupSpec
 from .fields import FieldType
@@ -19,8 +20,6 @@ from .report import ConversionReport, EquivarianceWarning, LayerChange
 TYPE_KEY = "equiconvert_type"
 SPATIAL_KEY = "equiconvert_spatial"
 SHAPE_KEY = "equiconvert_shape"
-HEADS = ("keep", "invariant")  # the classifier head as it was, or preceded by global group pooling
-KEEP_HEAD, INVARIANT_HEAD = HEADS
 
 
 @dataclass

@@ -13,13 +13,14 @@ import torch
 import torch.fx as fx
 from torch import nn
 
+from ..conversion_options import HEADS
 from ..errors import NotAModuleError, ParameterError, UnsupportedLayerError
 from ..groups import GroupSpec, parse_group
 from ..nn.conv import standardization_scope
 from ..build_recipe import conversion_recipe, remember_recipe
 from ..progress import counting_basis_builds, progress_bar, require_progress
 from . import rules  # noqa: F401  (registers the built-in rules)
-from .context import HEADS, SPATIAL_KEY, TYPE_KEY, ConversionConfig, ConversionContext
+from .context import SPATIAL_KEY, TYPE_KEY, ConversionConfig, ConversionContext
 from .fields import FieldType
 from .grid import GridAnalysis, GridBreak
 from .input_fit import fit_input, invalid_size_error
@@ -243,7 +244,7 @@ def make_equivariant(
             "grow", which replaces a k x k conv with k even by a (k+1) x (k+1) one with the same stride and
             padding, reported per layer).
         strict: turn every equivariance warning into an error.
-        head: one of context.HEADS: "keep" the head as it is, or make the output "invariant" by group pooling
+        head: one of conversion_options.HEADS: "keep" the head as it is, or make the output "invariant" by group pooling
             before it; None: the model class's `equiconvert_head` if it declares one (ResNet9: "invariant"), else
             "keep".
         restrict: restrict the fields to a subgroup: "halved", "reflection", "invariant", a group name, a

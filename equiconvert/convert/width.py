@@ -11,10 +11,10 @@ from __future__ import annotations
 import math
 from typing import Callable, Union
 
+from ..conversion_options import CHANNELS_WIDTH, DEFAULT_WIDTH, KAPPA_WIDTH, PAPER_KAPPA, PARAMS
 from ..errors import ParameterError
 from ..groups import GroupSpec
 
-PAPER_KAPPA = 1.75  # Hölzl et al.: "divide the channels by sqrt(1.75 N)"
 RELEASED_CODE_KAPPA = 1.5  # hlzl/equivariant, reproduces the paper's Table 1 parameter counts
 
 WidthFn = Callable[[int, GroupSpec], int]
@@ -46,15 +46,12 @@ def multiplier_width(multiplier: float) -> WidthFn:
     return fields
 
 
-PARAMS = "params"  # no fixed function: make_equivariant solves for the width that keeps the parameter count
-
-# the named width policies; PARAMS stands for itself until make_equivariant solves it
+# the named width policies (conversion_options.WIDTH_NAMES); PARAMS stands for itself until make_equivariant solves it
 WIDTHS: dict[str, WidthFn | str] = {
-    "kappa": kappa_width(PAPER_KAPPA),
+    KAPPA_WIDTH: kappa_width(PAPER_KAPPA),
     PARAMS: PARAMS,
-    "channels": channels_width,
+    CHANNELS_WIDTH: channels_width,
 }
-DEFAULT_WIDTH = "kappa"
 
 
 def resolve_width(width: WidthSpec) -> WidthFn | str:

@@ -25,9 +25,11 @@ from torch import nn
 
 from ..errors import ParameterError
 from ..convert import make_equivariant
-from ..convert.context import KEEP_HEAD, ConversionConfig
+from ..conversion_options import KEEP_HEAD
+from ..convert.context import ConversionConfig
 from ..convert.model import EquivariantModel
-from ..convert.width import PAPER_KAPPA, RELEASED_CODE_KAPPA, kappa_width
+from ..conversion_options import PAPER_KAPPA
+from ..convert.width import RELEASED_CODE_KAPPA, kappa_width
 from ..groups import ContinuousGroupSpec, parse_group
 from ._registry import ModelNameError, register_model
 from .resnet9 import BlockOptions, ResNet9

@@ -22,6 +22,7 @@ from opacus.accountants import GaussianAccountant, IAccountant, PRVAccountant, R
 from opacus.accountants.utils import get_noise_multiplier
 
 from ..errors import ParameterError, ParameterTypeError, PrivacyError
+from .accountant_names import ACCOUNTANTS, PRV, RDP
 
 History = tuple[tuple[float, float, int], ...]
 
@@ -62,9 +63,8 @@ class WideRangeRDPAccountant(RDPAccountant):
     DEFAULT_ALPHAS = RDPAccountant.DEFAULT_ALPHAS + [80, 96, 128, 160, 192, 256, 320, 384, 512]
 
 
-# the accountants by name (DPConfig.accountant, --accountant): the one list of those there are
-ACCOUNTANT_FACTORIES: dict[str, Callable[[], IAccountant]] = {"rdp": WideRangeRDPAccountant, "prv": PRVAccountant}
-ACCOUNTANTS = tuple(ACCOUNTANT_FACTORIES)
+# the accountants by name (accountant_names.ACCOUNTANTS: DPConfig.accountant, --accountant)
+ACCOUNTANT_FACTORIES: dict[str, Callable[[], IAccountant]] = {RDP: WideRangeRDPAccountant, PRV: PRVAccountant}
 # Opacus' GDP accountant, a central-limit approximation that can underestimate epsilon: accepted only by the
 # Opacus-style front-end (engine.py, which warns), so that a script asking for it runs
 APPROXIMATE_ACCOUNTANT_FACTORIES: dict[str, Callable[[], IAccountant]] = {"gdp": GaussianAccountant}

@@ -11,7 +11,7 @@ from torch import nn
 
 from ..errors import ParameterError
 from ..convert import make_equivariant
-from ..convert.context import INVARIANT_HEAD, KEEP_HEAD
+from ..conversion_options import INVARIANT_HEAD, KEEP_HEAD
 from ..models.equivariant_resnet9 import PresetOptions
 from .run_spec import BASELINE_GROUP, PRESET_KEYS, RunSpec
 

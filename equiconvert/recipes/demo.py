@@ -18,8 +18,6 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from .recipe import Recipe, load_recipe
 
 SUMMARY_FILE = "demo.json"
@@ -45,6 +43,8 @@ def _clear_outputs(out: Path) -> None:
 def run_main_job(recipe: Recipe = MAIN_JOB_RECIPE) -> dict[str, Any]:
     """Train as `recipe` says (through run_recipe, steps planned to fit its time limit); returns the summary, also
     written to OUT/demo.json."""
+    import torch
+
     from .runner import run_recipe
 
     start = time.perf_counter()

@@ -17,7 +17,7 @@ from torch import nn
 
 from ..check import check_equivariance
 from ..errors import ParameterError
-from ..convert.context import INVARIANT_HEAD
+from ..conversion_options import INVARIANT_HEAD
 from ..nn.conv import SteerableConv2d
 from ..training import distributed
 from ..privacy.accounting import refuse_delta

@@ -31,23 +31,10 @@ from torch.func import functional_call, grad, vmap
 from ..errors import ParameterError, ParameterTypeError
 from ..privacy.audit_bound import epsilon_lower_bound
 from ..privacy.dp_step import per_sample_norms
+from .audit_options import CNN_MODEL, DEFAULT_BETA, GRADIENT_SCORE, LINEAR_MODEL, LOSS_SCORE
 from .trainer import DPTrainer, ImagesAndLabels
 
-DEFAULT_BETA = 0.05
 SCORE_CHUNK = 256  # canaries scored at once
-# DPConfig fields of the `equiconvert audit` command where DPConfig's (CIFAR-10-scale) defaults do not fit a
-# small audit: no augmentation or EMA (one clean signal per canary), batches a small data set can hold
-AUDIT_DEFAULTS: dict[str, Any] = {
-    "target_epsilon": 1.0,
-    "batch_size": 64,
-    "steps": 100,
-    "aug_mult": 1,
-    "augment_padding": 0,
-    "augment_flip": False,
-    "ema_decay": None,
-    "lr": 1.0,
-    "max_grad_norm": 1.0,
-}
 Parameters = dict[str, torch.Tensor]
 # (trained model, its parameters before training, normalized canary images, labels) -> score per canary, higher
 # meaning "more likely included"
@@ -132,7 +119,10 @@ def negative_loss_score(
         return -F.cross_entropy(model(images), labels, reduction="none")
 
 
-SCORES: dict[str, ScoreFn] = {"gradient": _chunked(gradient_alignment_score), "loss": _chunked(negative_loss_score)}
+SCORES: dict[str, ScoreFn] = {
+    GRADIENT_SCORE: _chunked(gradient_alignment_score),
+    LOSS_SCORE: _chunked(negative_loss_score),
+}
 
 
 def _linear(shape: tuple[int, int, int], num_classes: int) -> nn.Module:
@@ -151,7 +141,10 @@ def _cnn(shape: tuple[int, int, int], num_classes: int) -> nn.Module:
 
 
 # the small models `equiconvert audit` trains: (image shape C, H, W; classes) -> untrained model
-SMALL_MODELS: dict[str, Callable[[tuple[int, int, int], int], nn.Module]] = {"linear": _linear, "cnn": _cnn}
+SMALL_MODELS: dict[str, Callable[[tuple[int, int, int], int], nn.Module]] = {
+    LINEAR_MODEL: _linear,
+    CNN_MODEL: _cnn,
+}
 
 
 def _check_guesses(guesses_included: int, guesses_excluded: int, num_canaries: int) -> None:

@@ -4,6 +4,9 @@ check_config runs before any data is loaded, so an option that cannot train fail
 FIELD_LIMITS is the one table of each field's allowed values; the command line's recipe checks use it too.
 An option that can be off is off when None (OFF_OPTIONS); 0 is read as None (a recipe, TOML having no null,
 writes off as 0).
+
+Importing this module loads no torch (`equiconvert train --help` shows DPConfig's defaults): FIELD_LIMITS and
+PER_SAMPLE_METHODS are read from the privacy registries when used, and the optimizers import torch when built.
 """
 
 from __future__ import annotations
@@ -12,29 +15,29 @@ import dataclasses
 import math
 import numbers
 from dataclasses import dataclass
-from typing import Any, Callable
-
-import torch
+from typing import TYPE_CHECKING, Any, Callable
 
 from ..errors import ParameterError, UsageError
-from ..privacy.accounting import ACCOUNTANTS
-from ..privacy.backends import AUTO, PRECISIONS, backend_for, backend_methods
-from ..privacy.filter_gradients import FILTER_GRADIENT_METHODS
-from .augment import shift_set
-from .normalization import check_normalization
+from ..privacy.accountant_names import ACCOUNTANTS, RDP
+
+if TYPE_CHECKING:
+    import torch
 
 CUSTOM = "custom"  # a callable given to DPTrainer (optimizer factory, lr schedule)
-PER_SAMPLE_METHODS = (AUTO, *backend_methods())
 CUSTOM_SCHEDULE = CUSTOM  # a callable step -> lr given to DPTrainer
 LR_SCHEDULES = ("constant", "cosine", CUSTOM_SCHEDULE)
 DEFAULT_EMA_DECAY = 0.999
 
 
 def _sgd(params: list[torch.nn.Parameter], config: DPConfig) -> torch.optim.Optimizer:
+    import torch
+
     return torch.optim.SGD(params, lr=config.lr, momentum=config.momentum)
 
 
 def _nadam(params: list[torch.nn.Parameter], config: DPConfig) -> torch.optim.Optimizer:
+    import torch
+
     return torch.optim.NAdam(params, lr=config.lr)
 
 
@@ -60,7 +63,7 @@ class DPConfig:
     optimizer: str = "sgd"
     lr_schedule: str = "constant"  # "cosine": lr * (1 + cos(pi * step / steps)) / 2; "custom": a callable
     ema_decay: float | None = DEFAULT_EMA_DECAY
-    accountant: str = "rdp"
+    accountant: str = RDP
     noise_multiplier: float | None = None  # None: calibrated from target_epsilon
     physical_batch_size: int = 256
     augment_padding: int = 4
@@ -144,38 +147,63 @@ def _one_of(names: tuple[str, ...]) -> Limit:
     return (lambda v: v in names, f"must be one of {names}")
 
 
-# DPConfig field -> its limit; None is not tested in a field that may be None (its comment or OFF_OPTIONS says
-# what None means)
-FIELD_LIMITS: dict[str, Limit] = {
-    "target_epsilon": _above(0),
-    "delta": _within(0, 1),
-    "noise_multiplier": _above(0),
-    "batch_size": _at_least(1),
-    "steps": _at_least(0),
-    "aug_mult": _at_least(1),
-    "max_grad_norm": _above(0),
-    "lr": _above(0),
-    "momentum": _within(0, 1, low_open=False),
-    "optimizer": _one_of((*OPTIMIZERS, CUSTOM)),
-    "lr_schedule": _one_of(LR_SCHEDULES),
-    "ema_decay": _within(0, 1),
-    "accountant": _one_of(ACCOUNTANTS),
-    "physical_batch_size": _at_least(1),
-    "augment_padding": _at_least(0, "the crops' shift in pixels"),
-    # one value; per-channel values: check_normalization
-    "normalize_std": (lambda v: not _is_number(v) or v > 0, "must be > 0"),
-    "data_in_memory_bytes": _at_least(0, "0: always stream a Dataset"),
-    "eval_every": _at_least(1),
-    "eval_batch_size": _at_least(1),
-    "checkpoint_every": _at_least(1),
-    "epsilon_every": _at_least(1),
-    "per_sample_method": _one_of(PER_SAMPLE_METHODS),
-    "precision": _one_of(tuple(PRECISIONS)),
-    "filter_gradients": _one_of(FILTER_GRADIENT_METHODS),
-}
+def _per_sample_methods() -> tuple[str, ...]:
+    """AUTO and the registered back-ends' methods (privacy.backends)."""
+    from ..privacy.backends import AUTO, backend_methods
+
+    return (AUTO, *backend_methods())
+
+
+def _field_limits() -> dict[str, Limit]:
+    """DPConfig field -> its limit; None is not tested in a field that may be None (its comment or OFF_OPTIONS says
+    what None means)."""
+    from ..privacy.backends import PRECISIONS
+    from ..privacy.filter_gradients import FILTER_GRADIENT_METHODS
+
+    return {
+        "target_epsilon": _above(0),
+        "delta": _within(0, 1),
+        "noise_multiplier": _above(0),
+        "batch_size": _at_least(1),
+        "steps": _at_least(0),
+        "aug_mult": _at_least(1),
+        "max_grad_norm": _above(0),
+        "lr": _above(0),
+        "momentum": _within(0, 1, low_open=False),
+        "optimizer": _one_of((*OPTIMIZERS, CUSTOM)),
+        "lr_schedule": _one_of(LR_SCHEDULES),
+        "ema_decay": _within(0, 1),
+        "accountant": _one_of(ACCOUNTANTS),
+        "physical_batch_size": _at_least(1),
+        "augment_padding": _at_least(0, "the crops' shift in pixels"),
+        # one value; per-channel values: check_normalization
+        "normalize_std": (lambda v: not _is_number(v) or v > 0, "must be > 0"),
+        "data_in_memory_bytes": _at_least(0, "0: always stream a Dataset"),
+        "eval_every": _at_least(1),
+        "eval_batch_size": _at_least(1),
+        "checkpoint_every": _at_least(1),
+        "epsilon_every": _at_least(1),
+        "per_sample_method": _one_of(_per_sample_methods()),
+        "precision": _one_of(tuple(PRECISIONS)),
+        "filter_gradients": _one_of(FILTER_GRADIENT_METHODS),
+    }
 
 
 _OPTIONAL = frozenset(f.name for f in dataclasses.fields(DPConfig) if "None" in str(f.type))
+
+
+# the names read from the privacy registries (torch) when used: module attribute -> its builder
+_REGISTRY_NAMES: dict[str, Callable[[], Any]] = {
+    "FIELD_LIMITS": _field_limits,
+    "PER_SAMPLE_METHODS": _per_sample_methods,
+}
+
+
+def __getattr__(name: str) -> Any:
+    """FIELD_LIMITS and PER_SAMPLE_METHODS, built from the registries as they are now (PEP 562)."""
+    if name in _REGISTRY_NAMES:
+        return _REGISTRY_NAMES[name]()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 class ConfigError(UsageError, ValueError):
@@ -189,7 +217,11 @@ class ConfigError(UsageError, ValueError):
 
 def check_config(c: DPConfig) -> None:
     """Refuse options that cannot train (before any data is loaded); errors name the DPConfig field."""
-    for field, (valid, rule) in FIELD_LIMITS.items():
+    from ..privacy.backends import AUTO, backend_for
+    from .augment import shift_set
+    from .normalization import check_normalization
+
+    for field, (valid, rule) in _field_limits().items():
         value = getattr(c, field)
         if not (value is None and field in _OPTIONAL or valid(value)):
             raise ConfigError(field, value, rule)

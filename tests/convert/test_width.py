@@ -2,6 +2,7 @@
 
 import pytest
 
+from equiconvert.conversion_options import WIDTH_NAMES
 from equiconvert.convert.width import (
     DEFAULT_WIDTH,
     PAPER_KAPPA,
@@ -14,7 +15,7 @@ from equiconvert.groups import parse_group
 
 
 def test_every_width_name_resolves_to_its_registry_entry_and_none_to_the_default():
-    assert set(WIDTHS) == {"kappa", "params", "channels"} and DEFAULT_WIDTH in WIDTHS
+    assert tuple(WIDTHS) == WIDTH_NAMES == ("kappa", "params", "channels") and DEFAULT_WIDTH in WIDTHS
     for name, policy in WIDTHS.items():
         assert resolve_width(name) is policy
     assert resolve_width(None) is WIDTHS[DEFAULT_WIDTH]

@@ -1,14 +1,14 @@
-"""`import equiconvert` and `equiconvert --help` load neither torchvision, timm nor escnn (each costs seconds)."""
+"""`import equiconvert` and `equiconvert --help` load neither torchvision, timm nor escnn (each costs seconds), and
+each subcommand's `--help` loads neither torch nor opacus."""
 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 
-from tests.support.paths import REPO_ROOT, repo_env
+from equiconvert.cli import SUBCOMMANDS
+from tests.support.paths import run_python
 
 # one interpreter (importing torch is most of the cost): which heavy packages are loaded after each stage
 PROBE = """
@@ -31,9 +31,7 @@ print(json.dumps(stages))
 
 @pytest.fixture(scope="module")
 def stages() -> dict[str, list[str]]:
-    done = subprocess.run(
-        [sys.executable, "-c", PROBE], capture_output=True, text=True, env=repo_env(), cwd=REPO_ROOT, timeout=300
-    )
+    done = run_python("-c", PROBE, timeout=300)
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout.splitlines()[-1])
 
@@ -46,6 +44,39 @@ def test_import_and_help_load_no_heavy_package(stages):
         "train --help": [],
         "demo --help": [],
     }
+
+
+# `python -m equiconvert SUB --help` in a fresh interpreter (after importing the modules named after SUB): the heavy
+# packages loaded once the help is printed
+HELP_PROBE = """
+import contextlib, importlib, io, json, runpy, sys
+for module in sys.argv[2:]:
+    importlib.import_module(module)
+sys.argv = ['equiconvert', sys.argv[1], '--help']
+with contextlib.redirect_stdout(io.StringIO()) as out, contextlib.suppress(SystemExit):
+    runpy.run_module('equiconvert', run_name='__main__')
+heavy = sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'opacus', 'escnn', 'torchvision', 'timm'})
+print(json.dumps({'help': out.getvalue(), 'heavy': heavy}))
+"""
+
+
+def _help_probe(argv: list[str]) -> dict:
+    done = run_python("-c", HELP_PROBE, *argv, timeout=300)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout.splitlines()[-1])
+
+
+@pytest.mark.parametrize("command", SUBCOMMANDS)
+def test_subcommand_help_loads_neither_torch_nor_opacus(command):
+    """Every `--help` stays fast: the parsers take their choices and defaults from torch-free modules."""
+    probe = _help_probe([command])
+    assert probe["help"].startswith(f"usage: equiconvert {command}")
+    assert probe["heavy"] == []
+
+
+def test_the_help_probe_sees_a_heavy_import():
+    probe = _help_probe(["recipes", "torch"])
+    assert probe["help"].startswith("usage: equiconvert recipes") and probe["heavy"] == ["torch"]
 
 
 def test_the_probe_sees_a_heavy_import(stages):

@@ -13,7 +13,8 @@ from torch import nn
 from equiconvert.cli import main
 from equiconvert.data import load_dataset
 from equiconvert.training import audit
-from equiconvert.training.audit import AUDIT_DEFAULTS, SCORES, count_correct, make_canaries, run_audit
+from equiconvert.training.audit import SCORES, count_correct, make_canaries, run_audit
+from equiconvert.training.audit_options import AUDIT_DEFAULTS
 from equiconvert.privacy.audit_bound import epsilon_lower_bound, guess_tail_bound
 from equiconvert.training.trainer import DPTrainer
 
@@ -228,3 +229,10 @@ def test_audit_cli_refuses_bad_flags(tmp_path, capsys):
     assert main(["audit", "--out", str(tmp_path / "a"), "--confidence", "1"]) == 2
     assert "--confidence" in capsys.readouterr().err
     assert not (tmp_path / "a").exists()
+
+
+def test_the_command_lines_score_and_model_names_are_the_registries():
+    """`equiconvert audit --help` lists them from training.audit_options, which loads no torch."""
+    from equiconvert.training.audit_options import SCORE_NAMES, SMALL_MODEL_NAMES
+
+    assert tuple(audit.SCORES) == SCORE_NAMES and tuple(audit.SMALL_MODELS) == SMALL_MODEL_NAMES

@@ -1,0 +1,14 @@
+"""The names and defaults of make_equivariant's `head` and `width` options, without torch: the command line's
+help and choices show them (convert/context.py and convert/width.py give them their meaning)."""
+
+from __future__ import annotations
+
+HEADS = ("keep", "invariant")  # the classifier head as it was, or preceded by global group pooling
+KEEP_HEAD, INVARIANT_HEAD = HEADS
+
+PAPER_KAPPA = 1.75  # Hölzl et al.: "divide the channels by sqrt(1.75 N)"
+KAPPA_WIDTH = "kappa"  # fields = floor(C * sqrt(PAPER_KAPPA * |G|) / |G|)
+PARAMS = "params"  # no fixed function: make_equivariant solves for the width that keeps the parameter count
+CHANNELS_WIDTH = "channels"  # fields = floor(C / |G|)
+WIDTH_NAMES = (KAPPA_WIDTH, PARAMS, CHANNELS_WIDTH)  # the named width policies, in the order help lists them
+DEFAULT_WIDTH = KAPPA_WIDTH

@@ -142,7 +142,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--groups", type=_names, default=list(GROUPS))
     parser.add_argument("--widths", type=lambda t: tuple(int(w) for w in t.split(",")), default=(16, 32, 64))
     parser.add_argument("--examples", type=int, default=512, help="digits the scale and the sweep are measured on")
-    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--seeds", type=int, default=3, help="how many initialisations (seeds 0..N-1)")
     parser.add_argument("--lrs", type=_floats, default=[0.01, 0.05, 0.2])
     parser.add_argument("--sweep-groups", type=_names, default=[ORIGINAL, "C8", "O2"])
     parser.add_argument("--steps", type=int, default=100)
@@ -156,6 +156,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         args.examples, args.seeds, args.steps, args.batch_size, args.lrs = 32, 2, 2, 16, [0.05]
     if len(args.widths) != 3:
         parser.error(f"--widths takes 3 comma-separated ints, got {args.widths}")
+    for flag, value in (("--seeds", args.seeds), ("--steps", args.steps), ("--examples", args.examples)):
+        if value < 1:
+            parser.error(f"{flag} must be >= 1, got {value}")
     return args
 
 

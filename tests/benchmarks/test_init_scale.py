@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import math
 
+import pytest
+
 from tests.support.benchmark_scripts import load_benchmark
 
 
@@ -22,3 +24,10 @@ def test_tiny_run_reports_scales_layers_and_the_sweep(tmp_path, capsys):
     assert set(report["lr_sweep"]) == {"none", "C4"}
     for runs in report["lr_sweep"].values():
         assert set(runs) == {"0.05"} and 0.0 <= runs["0.05"]["accuracy"] <= 1.0
+
+
+@pytest.mark.parametrize("flag", ["--seeds", "--steps", "--examples"])
+def test_a_count_below_one_is_refused_naming_the_flag(flag, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        load_benchmark("init_scale").main([flag, "0"])
+    assert exit_info.value.code == 2 and f"{flag} must be >= 1" in capsys.readouterr().err

@@ -36,7 +36,7 @@ from fidelity_step import fixed_views  # noqa: E402
 from throughput import make_nonprivate_step, step_nested_vmap  # noqa: E402
 from wrn import WideResNet, jax_forward  # noqa: E402
 
-from equiconvert.training.dp_config import PRECISIONS  # noqa: E402
+from equiconvert.privacy.backends import PRECISIONS  # noqa: E402
 
 EXAMPLE_MEAN = "example (mean of its K views)"
 EXAMPLE_SUM = "example (sum of its K views)"

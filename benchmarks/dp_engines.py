@@ -33,7 +33,7 @@ from fidelity_step import naive_step, tiny_model  # noqa: E402
 from throughput import MAX_GRAD_NORM, NOISE, build_model  # noqa: E402
 from wrn import wrn  # noqa: E402
 
-from equiconvert.training.dp_config import PRECISIONS  # noqa: E402
+from equiconvert.privacy.backends import PRECISIONS  # noqa: E402
 
 # model name -> (full-size builder, --tiny builder, description); each builds on the CPU from the current seed
 MODELS: dict[str, tuple[Callable[[], nn.Module], Callable[[], nn.Module], str]] = {

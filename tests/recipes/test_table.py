@@ -132,9 +132,9 @@ def test_the_shipped_paper_table_has_the_papers_rows():
         ('name = "a/b"\nmodel = "m"\nrecipe = "tiny.toml"\nseeds = [0]', r"cells\[0\]: name 'a/b' must be"),
         (
             'name = "a"\nmodel = "m"\nrecipe = "tiny.toml"\nseeds = [0]\nset = ["dp.nope=1"]',
-            r"cells\[0\] \(a\): --set dp.nope=1: unknown recipe key 'dp.nope'",
+            r"cells\[0\] \(a\): assignments=dp.nope=1: unknown recipe key 'dp.nope'",
         ),
-        ('name = "a"\nmodel = "m"\nrecipe = "missing.toml"\nseeds = [0]', r"cells\[0\] \(a\): --recipe .*missing.toml"),
+        ('name = "a"\nmodel = "m"\nrecipe = "missing.toml"\nseeds = [0]', r"cells\[0\] \(a\): name_or_path=.*missing.toml"),
         (
             'name = "a"\nmodel = "m"\nrecipe = "tiny.toml"\nseeds = [0]\npaper = "81"',
             r"cells\[0\] \(a\): paper must be a number",
@@ -331,7 +331,8 @@ def test_summary_counts_finished_runs_and_sums_gpu_hours_over_parts():
     assert summary["notes"][0] == "static"
     assert "a_seed2: stopped at step 1000 of 2200 (time_limit); not counted until resumed." in summary["notes"]
     text = "\n".join(page.render_section(summary))
-    assert "| M | 8 | 255,675 | **79.70%** (2) | 0.72 | 1.09 | paper's + --set dp.precision=bf16 | 81.62% |" in text
+    assert "| M | 8 | 255,675 | **79.70%** (2) | 0.72 | 1.09 | 81.62% | -1.92 |" in text
+    assert "- M, epsilon 8: paper's + --set dp.precision=bf16\n" in text  # the setting, listed under the table
     assert (
         "- M, epsilon 8: `equiconvert train --recipe r --seed S`, S = 0, 1, 2 (run: seeds 0, 1; not run: seed 2)"
         in text

@@ -16,6 +16,16 @@ from equiconvert.training.trainer import DPTrainer
 from tests.support.tiny import linear_classifier, tiny_images
 from tests.support.train_args import tiny_train_args
 
+
+@pytest.fixture(autouse=True)
+def default_sigint_handler():
+    """Python's own SIGINT handler, as in a fresh process: DeferredInterrupt leaves any other handler in place (a
+    user's or a framework's), and a test elsewhere in the session may have left one installed."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
 OPTIONS = dict(noise_multiplier=1.0, target_epsilon=None, batch_size=8, steps=4, aug_mult=1, ema_decay=None)
 OPTIONS.update(augment_padding=0, augment_flip=False, progress=False, insecure_seeded_noise=True)
 

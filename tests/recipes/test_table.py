@@ -134,7 +134,10 @@ def test_the_shipped_paper_table_has_the_papers_rows():
             'name = "a"\nmodel = "m"\nrecipe = "tiny.toml"\nseeds = [0]\nset = ["dp.nope=1"]',
             r"cells\[0\] \(a\): assignments=dp.nope=1: unknown recipe key 'dp.nope'",
         ),
-        ('name = "a"\nmodel = "m"\nrecipe = "missing.toml"\nseeds = [0]', r"cells\[0\] \(a\): name_or_path=.*missing.toml"),
+        (
+            'name = "a"\nmodel = "m"\nrecipe = "missing.toml"\nseeds = [0]',
+            r"cells\[0\] \(a\): name_or_path=.*missing.toml",
+        ),
         (
             'name = "a"\nmodel = "m"\nrecipe = "tiny.toml"\nseeds = [0]\npaper = "81"',
             r"cells\[0\] \(a\): paper must be a number",

@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from equiconvert import CanonicalizedModel, canonicalize, make_equivariant, pose_prior_loss  # noqa: E402
 from equiconvert.data import load_dataset  # noqa: E402
-from equiconvert.adapt.canonicalize import IDENTITY, pose_scores  # noqa: E402
+from equiconvert.adapt.canonicalize import IDENTITY, identity_pose_loss, pose_scores  # noqa: E402
 from equiconvert.groups import parse_group  # noqa: E402
 from equiconvert.privacy.accounting import calibrate_noise_multiplier, default_delta  # noqa: E402
 from equiconvert.training.trainer import DPTrainer  # noqa: E402
@@ -147,12 +147,11 @@ def teach_upright_pose(model: CanonicalizedModel, images: torch.Tensor, steps: i
     canonicalizer = model.canonicalizer.to(device).train()
     optimizer = torch.optim.Adam(canonicalizer.parameters(), lr=2e-3)
     generator = torch.Generator().manual_seed(seed)
-    target = torch.full((128,), IDENTITY, device=device)
     for _ in range(steps):
         batch = torch.randint(0, len(images), (128,), generator=generator)
         scores = pose_scores(canonicalizer, _normalised(images[batch]).to(device), model.group.order)
         optimizer.zero_grad()
-        F.cross_entropy(scores / model.temperature, target).backward()
+        identity_pose_loss(scores, model.temperature).mean().backward()
         optimizer.step()
     canonicalizer.cpu()
 

@@ -244,6 +244,11 @@ def canonicalize(
     return remember_recipe(wrapped, None if built is None else {**copy.deepcopy(built), CANONICALIZE: arguments})
 
 
+def identity_pose_loss(scores: torch.Tensor, temperature: float) -> torch.Tensor:
+    """Per view, the cross-entropy of the softmax of its pose scores against the identity element (the prior)."""
+    return -torch.log_softmax(scores / temperature, dim=-1)[..., IDENTITY]
+
+
 def pose_prior_loss(model: nn.Module, weight: float = 1.0, loss_fn: PerExampleLoss | None = None) -> PerExampleLoss:
     """A per-example loss: loss_fn (default cross-entropy) plus `weight` times the pose prior.
 
@@ -272,8 +277,6 @@ def pose_prior_loss(model: nn.Module, weight: float = 1.0, loss_fn: PerExampleLo
     base = loss_fn or (lambda logits, labels: F.cross_entropy(logits, labels, reduction="none"))
 
     def loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        scores = target.take_scores()
-        prior = -torch.log_softmax(scores / target.temperature, dim=-1)[..., IDENTITY]
-        return base(logits, labels) + weight * prior
+        return base(logits, labels) + weight * identity_pose_loss(target.take_scores(), target.temperature)
 
     return loss

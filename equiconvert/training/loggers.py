@@ -50,14 +50,18 @@ class RecordLogger:
         """End of fit: release files and runs (a later record opens them again)."""
 
 
-class JsonlLogger(RecordLogger):
-    """One JSON object a line, the record as it is."""
+class FileLogger(RecordLogger):
+    """A logger writing into one file, each flush's records in one open (subclasses write log_records)."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
 
     def log_record(self, record: dict[str, Any], line: int) -> None:
         self.log_records([record], line)
+
+
+class JsonlLogger(FileLogger):
+    """One JSON object a line, the record as it is."""
 
     def log_records(self, records: list[dict[str, Any]], first_line: int) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -70,15 +74,9 @@ class JsonlLogger(RecordLogger):
             self.path.write_text("".join(line if line.endswith("\n") else line + "\n" for line in kept))
 
 
-class CsvLogger(RecordLogger):
+class CsvLogger(FileLogger):
     """A long table, one row per field: line (of log.jsonl), step, key ("eval/accuracy" for nested fields) and
     value (text as it is, anything else as JSON), so records with different fields share one header."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-
-    def log_record(self, record: dict[str, Any], line: int) -> None:
-        self.log_records([record], line)
 
     def log_records(self, records: list[dict[str, Any]], first_line: int) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)

@@ -64,7 +64,7 @@ def test_teaching_the_upright_pose_moves_held_out_public_images_toward_the_ident
     def prior_loss() -> float:  # cross-entropy of the pose scores against the identity pose
         with torch.no_grad():
             scores = module.pose_scores(model.canonicalizer, held_out, model.group.order)
-        return float(-torch.log_softmax(scores / model.temperature, dim=-1)[:, module.IDENTITY].mean())
+        return float(module.identity_pose_loss(scores, model.temperature).mean())
 
     before = prior_loss()
     module.teach_upright_pose(model, images, steps=40, seed=0, device="cpu")

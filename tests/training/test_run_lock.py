@@ -38,15 +38,25 @@ def _started(code: str, *args: str, env: dict[str, str] | None = None) -> subpro
     return subprocess.Popen([sys.executable, "-c", code, *args], stdout=subprocess.PIPE, text=True, env=env)
 
 
+def _thread_states(pid: int) -> list[str]:
+    """The scheduler state of every thread of process `pid` (empty once it is reaped)."""
+    states = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            states.append((task / "stat").read_text().rsplit(")", 1)[1].split()[0])
+        except (FileNotFoundError, ProcessLookupError):
+            continue  # this thread ended while the others were read
+    return states
+
+
 def _gone(pid: int, within_s: float) -> bool:
-    """Whether process `pid` has ended (or is a zombie) within `within_s` seconds."""
+    """Whether process `pid` has ended within `within_s` seconds: reaped, or every thread a zombie.
+
+    The main thread of a killed process can be a zombie while its other threads still exit and hold its open
+    files (a folder lock among them), so every thread is checked."""
     deadline = time.monotonic() + within_s
     while time.monotonic() < deadline:
-        try:
-            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        except FileNotFoundError:
-            return True
-        if state in ("Z", "X"):
+        if all(state in ("Z", "X") for state in _thread_states(pid)):
             return True
         time.sleep(0.05)
     return False

@@ -26,11 +26,24 @@ F = TypeVar("F", bound=ModelFactory)
 
 @dataclass(frozen=True)
 class ModelEntry:
-    """A registered factory; `equivariant` ones take the group as their first argument and return a converted model."""
+    """A registered factory; `equivariant` ones take the group as their first argument and return a converted model.
+
+    A preset (an equivariant factory with its own plain network) also names `baseline`, the registered factory of
+    the unconverted network that a run with group "none" trains, and `preset`, the options both factories are built
+    with (a class whose `resolve(**choices)` fills the preset's own defaults): the training runner reads them here
+    instead of knowing each preset by name."""
 
     name: str
     factory: ModelFactory
     equivariant: bool = False
+    baseline: str | None = None
+    preset: Any = None
+
+    @property
+    def default_head(self) -> str | None:
+        """The head the factory builds when none is asked for (its `head` keyword's default), None without one."""
+        head = inspect.signature(self.factory).parameters.get("head")
+        return None if head is None or head.default is inspect.Parameter.empty else head.default
 
 
 _MODELS: dict[str, ModelEntry] = {}
@@ -39,8 +52,17 @@ _MODELS: dict[str, ModelEntry] = {}
 @overload
 def register_model(factory: F) -> F: ...
 @overload
-def register_model(*, name: str | None = None, equivariant: bool = False) -> Callable[[F], F]: ...
-def register_model(factory: F | None = None, *, name: str | None = None, equivariant: bool = False) -> Any:
+def register_model(
+    *, name: str | None = None, equivariant: bool = False, baseline: str | None = None, preset: Any = None
+) -> Callable[[F], F]: ...
+def register_model(
+    factory: F | None = None,
+    *,
+    name: str | None = None,
+    equivariant: bool = False,
+    baseline: str | None = None,
+    preset: Any = None,
+) -> Any:
     """Register a model factory under its function name (or `name`): `@register_model` or
     `@register_model(equivariant=True)` for factories that take `group` and return an EquivariantModel.
 
@@ -48,6 +70,8 @@ def register_model(factory: F | None = None, *, name: str | None = None, equivar
         factory: the factory, when used as a bare decorator.
         name: the registry name; None for the factory's function name.
         equivariant: the factory takes `group` and returns an EquivariantModel.
+        baseline: for a preset, the registry name of its unconverted network (what group "none" trains).
+        preset: for a preset, the options class (`resolve(**choices)`) it and `baseline` are built with.
 
     Returns:
         The factory unchanged, or (without `factory`) a decorator that registers one.
@@ -62,7 +86,11 @@ def register_model(factory: F | None = None, *, name: str | None = None, equivar
             raise ModelNameError(
                 f"cannot register model {key!r}: " + ("names have no ':'" if ":" in key else "that name is taken")
             )
-        _MODELS[key] = ModelEntry(key, fn, equivariant)
+        if (baseline is None) != (preset is None) or (baseline is not None and not equivariant):
+            raise ModelNameError(
+                f"cannot register model {key!r}: a preset is equivariant and names both baseline= and preset="
+            )
+        _MODELS[key] = ModelEntry(key, fn, equivariant, baseline, preset)
         return fn
 
     return decorate(factory) if factory is not None else decorate
@@ -147,10 +175,21 @@ def resolve_model_name(name: str) -> str:
     return name
 
 
+def model_entry(name: str) -> ModelEntry | None:
+    """The registry entry of one of equiconvert's own models, None for torchvision's and timm's."""
+    source, _, model = resolve_model_name(name).partition(":")
+    return _MODELS[model] if source == "equiconvert" else None
+
+
+def preset_names() -> list[str]:
+    """The full names of the registered presets (ModelEntry.preset), e.g. "equiconvert:equivariant_resnet9"."""
+    return [f"equiconvert:{name}" for name, entry in sorted(_MODELS.items()) if entry.preset is not None]
+
+
 def is_equivariant_model(name: str) -> bool:
     """Whether `name` builds an already converted model (it takes the group; do not convert it again)."""
-    source, _, model = resolve_model_name(name).partition(":")
-    return source == "equiconvert" and _MODELS[model].equivariant
+    entry = model_entry(name)
+    return entry is not None and entry.equivariant
 
 
 def _check_keywords(full_name: str, factory: ModelFactory, kwargs: dict[str, Any]) -> None:

@@ -135,7 +135,7 @@ def plain_paper_resnet9(
     )
 
 
-@register_model(equivariant=True)
+@register_model(equivariant=True, baseline="plain_paper_resnet9", preset=PresetOptions)
 def equivariant_resnet9(
     group: str = "D4",
     num_classes: int = 10,

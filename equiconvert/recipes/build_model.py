@@ -11,7 +11,8 @@ from torch import nn
 
 from ..errors import ParameterError
 from ..convert import make_equivariant
-from ..conversion_options import INVARIANT_HEAD, KEEP_HEAD
+from ..conversion_options import INVARIANT_HEAD
+from ..models._registry import ModelEntry, model_entry, preset_names
 from ..models.equivariant_resnet9 import PresetOptions
 from .run_spec import BASELINE_GROUP, PRESET_KEYS, RunSpec
 
@@ -27,35 +28,31 @@ def replace_batch_norm(model: nn.Module) -> nn.Module:
     return ModuleValidator.fix(model)
 
 
-PAPER_MODEL = "equiconvert:equivariant_resnet9"
+def preset_entry(spec: RunSpec) -> ModelEntry | None:
+    """The registry entry of spec.model if it is a preset (an equivariant model with its own plain network)."""
+    entry = model_entry(spec.model)
+    return entry if entry is not None and entry.preset is not None else None
 
 
-def is_paper_model(spec: RunSpec) -> bool:
-    """Whether spec.model names the paper's preset (under any of its registry names)."""
-    from ..models._registry import resolve_model_name
-
-    return resolve_model_name(spec.model) == PAPER_MODEL
-
-
-def paper_model(spec: RunSpec, activation: str, num_classes: int, channels: int) -> tuple[nn.Module, int]:
-    """Hölzl et al.'s Equivariant-ResNet9 for spec.group (its own widths and head), or, for "none", the plain
-    network it is converted from, with `activation` (a PAPER_ACTIVATIONS name); also the plain network's size."""
+def preset_model(
+    spec: RunSpec, entry: ModelEntry, preset: PresetOptions, num_classes: int, channels: int
+) -> tuple[nn.Module, int]:
+    """The preset `entry` built for spec.group, or, for "none", the plain network it converts (entry.baseline),
+    both with `preset`'s options; also the plain network's size."""
     from ..models import create_model
 
     if "widths" in spec.model_kwargs:
         raise ParameterError(
-            f"{PAPER_MODEL} has the paper's layout (16, 32, 64); the keyword widths does not apply to "
-            "it (the recipe key conversion.width changes its conversion's width rule)"
+            f"{spec.model} has its own layout; the keyword widths does not apply to it (the recipe key "
+            "conversion.width changes its conversion's width rule)"
         )
-    norm_groups = norm_groups_of(spec)
+    built = {"act": preset.activation, "norm_groups": preset.norm_groups, **blocks_of(preset)}
     try:
         plain = create_model(
-            "plain_paper_resnet9",
+            entry.baseline,
             num_classes=num_classes,
             in_channels=channels,
-            act=activation,
-            norm_groups=norm_groups,
-            **blocks_of(spec),
+            **built,
             **{k: v for k, v in spec.passed_kwargs().items() if k not in spec.conversion_kwargs()},
         )
     except ValueError as exc:
@@ -64,15 +61,13 @@ def paper_model(spec: RunSpec, activation: str, num_classes: int, channels: int)
         return plain, count_parameters(plain)
     width = {} if spec.width is None else {"width": spec.width}
     model = create_model(
-        PAPER_MODEL,
+        entry.name,
         group=spec.group,
         num_classes=num_classes,
         in_channels=channels,
         head=head_of(spec),
-        act=activation,
         **width,
-        norm_groups=norm_groups,
-        **blocks_of(spec),
+        **built,
         **conversion_options(spec),
         **spec.passed_kwargs(),
     )
@@ -80,35 +75,28 @@ def paper_model(spec: RunSpec, activation: str, num_classes: int, channels: int)
 
 
 def preset_of(spec: RunSpec) -> PresetOptions | None:
-    """The paper preset's options as built from spec's model keywords; None for other models (their own)."""
-    if not is_paper_model(spec):
+    """A preset's options as built from spec's model keywords; None for other models (their own)."""
+    entry = preset_entry(spec)
+    if entry is None:
         return None
-    return PresetOptions.resolve(**{key: spec.preset(key) for key in PRESET_KEYS})
+    return entry.preset.resolve(**{key: spec.preset(key) for key in PRESET_KEYS})
 
 
-def activation_of(spec: RunSpec) -> str | None:
-    """The paper preset's activation, by name (None for other models: their own)."""
-    preset = preset_of(spec)
-    return None if preset is None else preset.activation
-
-
-def norm_groups_of(spec: RunSpec) -> int | None:
-    """The paper preset's GroupNorm groups as built (None for other models: their own norms)."""
-    preset = preset_of(spec)
-    return None if preset is None else preset.norm_groups
-
-
-def blocks_of(spec: RunSpec) -> dict[str, bool | None]:
-    """The paper preset's last-stage choices as built (res2, pool_after_res2); None for other models."""
-    preset = preset_of(spec)
+def blocks_of(preset: PresetOptions | None) -> dict[str, bool | None]:
+    """A preset's last-stage choices as built (res2, pool_after_res2); None for other models."""
     if preset is None:
         return {"res2": None, "pool_after_res2": None}
     return {"res2": preset.res2, "pool_after_res2": preset.pool_after_res2}
 
 
 def head_of(spec: RunSpec) -> str:
-    """The converted model's head: as asked, else the paper preset's own (its 2x2 grid), else global pooling."""
-    return spec.head or (KEEP_HEAD if is_paper_model(spec) else INVARIANT_HEAD)
+    """The converted model's head: as asked, else a registered model's own (the paper preset's 2x2 grid), else
+    global pooling."""
+    if spec.head is not None:
+        return spec.head
+    entry = model_entry(spec.model)
+    own = entry.default_head if entry is not None and entry.equivariant else None
+    return own or INVARIANT_HEAD
 
 
 # options that only a converted model has, and what each sets: refused for the unconverted baseline
@@ -120,20 +108,21 @@ _CONVERSION_KEYS = {
 
 
 def refuse_preset_options_for_other_models(spec: RunSpec) -> None:
-    if is_paper_model(spec):
+    if preset_entry(spec) is not None:
         return
+    presets = " or ".join(preset_names())
     for key in PRESET_KEYS:
         if spec.preset(key) is not None:
             raise ParameterError(
-                f"the model keyword {key} applies to {PAPER_MODEL} only (its conv -> activation -> norm "
-                f"blocks), not {spec.model!r}: drop it, or train {PAPER_MODEL}"
+                f"the model keyword {key} applies to {presets} only (its conv -> activation -> norm blocks), "
+                f"not {spec.model!r}: drop it, or train {presets}"
             )
 
 
 def refuse_conversion_options_for_baseline(spec: RunSpec) -> None:
     if spec.group.lower() != BASELINE_GROUP:
         return
-    if is_paper_model(spec) and spec.conversion_kwargs():  # its plain network is built without them
+    if preset_entry(spec) is not None and spec.conversion_kwargs():  # its plain network is built without them
         raise ParameterError(
             f"model.kwargs {sorted(spec.conversion_kwargs())} are conversion options; the unconverted baseline "
             "(group=none) has no conversion: drop them, or pick a group"
@@ -153,9 +142,9 @@ def build_model(spec: RunSpec, num_classes: int, channels: int) -> tuple[nn.Modu
     """The network the run trains, and the parameter count of the plain network it comes from."""
     from ..models import create_model
 
-    activation = activation_of(spec)
-    if activation is not None:  # the paper's preset
-        return paper_model(spec, activation, num_classes, channels)
+    entry = preset_entry(spec)
+    if entry is not None:
+        return preset_model(spec, entry, preset_of(spec), num_classes, channels)
     model = create_model(spec.model, num_classes=num_classes, in_channels=channels, **spec.passed_kwargs())
     params_before = count_parameters(model)
     if spec.group.lower() == BASELINE_GROUP:

@@ -30,13 +30,12 @@ from ..training.trainer import DPTrainer
 from ..saved_model import library_versions, save_trained
 from . import step_plan
 from .build_model import (
-    activation_of,
     blocks_of,
     build_model,
     count_parameters,
     head_of,
-    norm_groups_of,
     pad_images,
+    preset_of,
     padded_size,
     refuse_conversion_options_for_baseline,
     refuse_preset_options_for_other_models,
@@ -117,7 +116,7 @@ def _run_training(
 ) -> dict[str, Any]:
     from ..data import load_dataset
 
-    activation = activation_of(spec)
+    preset = preset_of(spec)
     if context.is_main:  # rank 0 alone writes the outputs
         prepare_out(Path(spec.out), resume=spec.resume, overwrite=spec.overwrite)
     start = time.perf_counter()
@@ -136,7 +135,7 @@ def _run_training(
         "group": spec.group,
         "dataset": spec.dataset,
         "width": spec.width,
-        "activation": activation,
+        "activation": None if preset is None else preset.activation,
     }
     # the model's initial weights come from the run's seed too, so one seed gives one run
     torch.manual_seed(trainer_options.get("seed", DPConfig.seed))
@@ -183,8 +182,8 @@ def _run_training(
         input_size=input_size,
         train_examples=len(train),
         test_examples=len(test),
-        norm_groups=norm_groups_of(spec),
-        **blocks_of(spec),
+        norm_groups=None if preset is None else preset.norm_groups,
+        **blocks_of(preset),
         wall_time_s=time.perf_counter() - start,
         world_size=context.world_size,
         versions=library_versions(),

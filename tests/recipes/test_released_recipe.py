@@ -9,7 +9,7 @@ import torch
 from equiconvert.nn import FieldGroupNorm, SteerableConv2d
 from equiconvert.privacy.accounting import PrivacyLedger
 from equiconvert.recipes.recipe import apply_overrides, load_recipe
-from equiconvert.recipes.build_model import paper_model
+from equiconvert.recipes.build_model import build_model
 from equiconvert.recipes.run_spec import spec_of, trainer_options
 
 NAME = "cifar10_paper_d4_eps8_released"
@@ -36,7 +36,7 @@ def test_the_released_recipe_resolves_to_the_released_codes_settings():
 
 def test_the_released_recipes_model_has_the_released_options():
     spec = spec_of(load_recipe(NAME))
-    model, plain_count = paper_model(spec, "mish", 10, 3)
+    model, plain_count = build_model(spec, 10, 3)
     norms = [m.num_groups for m in model.modules() if isinstance(m, FieldGroupNorm)]
     assert norms == [1, 1, 1, 1, 1, 3, 3, 3, 3, 3]  # stem, layer1, res1 x2 + scale, layer2, layer3, res2 x2 + scale
     convs = [m for m in model.modules() if isinstance(m, SteerableConv2d)]

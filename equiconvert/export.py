@@ -219,9 +219,11 @@ class _CanonicalizedOps(nn.Module):
         super().__init__()
         self.canonicalizer, self.backbone = canonicalizer, backbone
         self.order, self.temperature, self.elements = module.group.order, module.temperature, module.elements
+        self.reach = module.reach
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        choice = straight_through_choice(pose_scores(self.canonicalizer, x, self.order), self.temperature)
+        scores = pose_scores(self.canonicalizer, x, self.order, self.reach)
+        choice = straight_through_choice(scores, self.temperature)
         return self.backbone(canonical_pose(x, choice, self.elements))
 
 

@@ -71,7 +71,7 @@ def test_the_input_reaches_the_backbone_in_its_canonical_pose():
     x = torch.randn(3, 3, 16, 16)
     canonical = wrapped(x)
     for g in wrapped.elements:
-        assert torch.equal(wrapped(g.act_on_grid(x)), canonical), g.name  # bit for bit
+        assert torch.equal(wrapped(g.act(x)), canonical), g.name  # bit for bit
     # the canonical pose is a pose of the input, the inverse of the chosen element's
     for image, out, name in zip(x, canonical, wrapped.poses(x)):
         element = next(g for g in wrapped.elements if g.name == name)

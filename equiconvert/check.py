@@ -63,7 +63,9 @@ def _image_shape(images: torch.Tensor, input_size: int | None, in_channels: int 
     size, channels = images.shape[-1], images.shape[1]
     for name, given, actual in (("input_size", input_size, size), ("in_channels", in_channels, channels)):
         if given is not None and given != actual:
-            raise ParameterError(f"check_equivariance: {name}={given} contradicts images of shape {tuple(images.shape)}")
+            raise ParameterError(
+                f"check_equivariance: {name}={given} contradicts images of shape {tuple(images.shape)}"
+            )
     return size, channels
 
 

@@ -236,7 +236,7 @@ class _ChildrenAsLeaves(fx.Tracer):
 
 @register_exporter(CanonicalizedModel)
 def export_canonicalized_model(module: CanonicalizedModel, ctx: ExportContext) -> nn.Module:
-    """The canonicaliser and the backbone exported, and the pose choice (argmax, quarter turns, flips) as torch ops."""
+    """The canonicaliser and the backbone exported, and the pose choice (argmax, turns, flips) as torch ops."""
     canonicalizer = ctx.export_child(module.canonicalizer, "canonicalizer")
     backbone = ctx.export_child(module.backbone, "backbone")
     ops = _CanonicalizedOps(module, canonicalizer, backbone)

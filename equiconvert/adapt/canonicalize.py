@@ -10,12 +10,12 @@ interpolation and the canonicaliser's filters are only approximately equivariant
 those is approximate; check_equivariance measures it. `model` itself is kept as it is: the same module and
 parameter objects, untouched.
 
-The choice of pose is discrete. The forward takes the hard one-hot choice (so invariance is exact); the
-backward takes the gradient of the softmax of the scores (a straight-through estimator), so the canonicaliser
-learns from the task loss. Under DP-SGD this is sound whatever the estimator: every operation here acts on one
-example alone, so each example's gradient of every trained parameter (canonicaliser and backbone) is a function
-of that example only; DP-SGD clips that whole gradient jointly and adds noise, so the sensitivity bound holds
-for whatever vector the estimator produces. The estimator affects the quality of the update, never the privacy.
+The choice of pose is discrete. The forward takes the hard one-hot choice (the chosen pose, unblended, so the
+grid elements stay exact); the backward takes the gradient of the softmax of the scores (a straight-through
+estimator), so the canonicaliser learns from the task loss. Under DP-SGD this is sound whatever the estimator:
+every operation here (the interpolated turns included) acts on one example alone, so each example's gradient
+of every trained parameter (canonicaliser and backbone) is a function of that example only; DP-SGD clips that
+whole gradient jointly and adds noise, so the sensitivity bound holds for whatever vector the estimator produces. The estimator affects the quality of the update, never the privacy.
 """
 
 from __future__ import annotations

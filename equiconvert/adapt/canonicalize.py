@@ -15,7 +15,8 @@ grid elements stay exact); the backward takes the gradient of the softmax of the
 estimator), so the canonicaliser learns from the task loss. Under DP-SGD this is sound whatever the estimator:
 every operation here (the interpolated turns included) acts on one example alone, so each example's gradient
 of every trained parameter (canonicaliser and backbone) is a function of that example only; DP-SGD clips that
-whole gradient jointly and adds noise, so the sensitivity bound holds for whatever vector the estimator produces. The estimator affects the quality of the update, never the privacy.
+whole gradient jointly and adds noise, so the sensitivity bound holds for whatever vector the estimator
+produces. The estimator affects the quality of the update, never the privacy.
 """
 
 from __future__ import annotations

@@ -42,7 +42,7 @@ PerExampleLoss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 class CanonicalizationError(UsageError, ValueError):
-    """canonicalize was asked for something it cannot make exactly invariant."""
+    """canonicalize was given a model, number or input it cannot make invariant."""
 
 
 class PoseScoreCNN(nn.Module):
@@ -167,7 +167,7 @@ class _ScoreSlot:
 
 
 class CanonicalizedModel(nn.Module):
-    """`backbone` behind a canonicaliser: exactly invariant to `group`; see the module docstring.
+    """`backbone` behind a canonicaliser: invariant to `group` (exactly on the pixel grid); see the module docstring.
 
     Built by `canonicalize`, which checks its arguments.
 

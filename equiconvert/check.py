@@ -55,6 +55,20 @@ def _disk(size: int) -> torch.Tensor:
     return (radius <= (size - 1) / 2).float()
 
 
+def _image_shape(images: torch.Tensor, input_size: int | None, in_channels: int | None) -> tuple[int, int]:
+    """The (input_size, in_channels) of a batch of square images, refused where it contradicts those given."""
+    if not isinstance(images, torch.Tensor) or images.dim() != 4 or images.shape[-1] != images.shape[-2]:
+        got = tuple(images.shape) if isinstance(images, torch.Tensor) else type(images).__name__
+        raise ParameterError(f"check_equivariance: images must be a (B, C, S, S) tensor, got {got}")
+    size, channels = images.shape[-1], images.shape[1]
+    for name, given, actual in (("input_size", input_size, size), ("in_channels", in_channels, channels)):
+        if given is not None and given != actual:
+            raise ParameterError(
+                f"check_equivariance: {name}={given} contradicts images of shape {tuple(images.shape)}"
+            )
+    return size, channels
+
+
 def _require_positive(name: str, value: object) -> None:
     """Refuse a size or count that is not an int >= 1 (0 would otherwise mean "the default", < 0 a torch error)."""
     if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
@@ -87,16 +101,20 @@ def check_equivariance(
     *,
     in_channels: int | None = None,
     batch_size: int = 2,
-    angles: tuple[float, ...] = (),
+    angles: tuple[float, ...] | None = None,
+    images: torch.Tensor | None = None,
     seed: int = 0,
     progress: bool | None = None,
 ) -> EquivarianceResult:
     """Compare model(g.x) with g.model(x) for every element g acting exactly on the pixel grid.
 
     For an EquivariantModel, group, input size and channels default to its own; for a CanonicalizedModel
-    (adapt.canonicalize), group and channels do and the output is compared as invariant. `angles`
-    (degrees) adds the error of invariant outputs under rotations of a disk-masked input
-    by those angles (bilinear interpolation, so these errors are not at float precision).
+    (adapt.canonicalize), group and channels do, the output is compared as invariant, and `angles` default to
+    the group's turns off the pixel grid (45, 135, 225 and 315 degrees for C8). `angles` (degrees) adds the error
+    of invariant outputs under rotations of the inputs masked to their inscribed disc (so no content leaves the
+    image or enters at the corners), by bilinear interpolation: these errors are not at float precision, and on
+    random normal images they mostly measure what interpolation loses of white noise; pass real (smooth) images
+    for a realistic figure.
 
     Args:
         model: the model to check.
@@ -104,7 +122,9 @@ def check_equivariance(
         input_size: the square image size; None for an EquivariantModel's own.
         in_channels: the input channels; None for the model's own.
         batch_size: random images per check.
-        angles: rotations (degrees) for the off-grid error of invariant outputs.
+        angles: rotations (degrees) for the off-grid error of invariant outputs; None for a CanonicalizedModel's
+            turns off the pixel grid, none for other models.
+        images: (B, C, S, S) images to check on, e.g. a batch of data; None for batch_size random normal images.
         seed: the seed of the random images.
         progress: a bar on stderr per element and angle checked, for a check longer than progress.DELAY_S; None
             shows it only when stderr is a terminal.
@@ -114,11 +134,14 @@ def check_equivariance(
 
     Raises:
         ParameterError: a size, channel count or batch size below 1, group/input_size/in_channels missing for a
-            model equiconvert did not convert, or angles for an output that is not (batch, classes).
+            model equiconvert did not convert, images that are not (B, C, S, S) or disagree with input_size or
+            in_channels, or angles for an output that is not (batch, classes).
     """
     require_progress("check_equivariance", progress)
     for name, value in (("input_size", input_size), ("in_channels", in_channels), ("batch_size", batch_size)):
         _require_positive(name, value)
+    if images is not None:
+        input_size, in_channels = _image_shape(images, input_size, in_channels)
     output_type = None
     if isinstance(model, EquivariantModel):
         # a restricted model is equivariant to the subgroup its output fields live in
@@ -129,6 +152,8 @@ def check_equivariance(
     if isinstance(model, CanonicalizedModel):  # invariant: output_type None compares the outputs as they are
         group = group or model.group
         in_channels = model.in_channels if in_channels is None else in_channels
+        angles = model.off_grid_angles if angles is None else angles
+    angles = () if angles is None else angles
     if group is None or input_size is None or in_channels is None:
         raise ParameterError("pass group, input_size and in_channels for a model that equiconvert did not convert")
     report = getattr(model, "report", None)
@@ -139,7 +164,8 @@ def check_equivariance(
     device = parameter.device if parameter is not None else torch.device("cpu")
     generator = torch.Generator().manual_seed(seed)
     dtype = parameter.dtype if parameter is not None and parameter.is_floating_point() else None
-    x = torch.randn(batch_size, in_channels, input_size, input_size, generator=generator).to(device, dtype)
+    x = torch.randn(batch_size, in_channels, input_size, input_size, generator=generator) if images is None else images
+    x = x.to(device, dtype)
     was_training = model.training
     model.eval()
     bar = progress_bar("equivariance check", "element", progress, total=len(spec.grid_elements) + len(angles))

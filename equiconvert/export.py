@@ -219,9 +219,11 @@ class _CanonicalizedOps(nn.Module):
         super().__init__()
         self.canonicalizer, self.backbone = canonicalizer, backbone
         self.order, self.temperature, self.elements = module.group.order, module.temperature, module.elements
+        self.reach = module.reach
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        choice = straight_through_choice(pose_scores(self.canonicalizer, x, self.order), self.temperature)
+        scores = pose_scores(self.canonicalizer, x, self.order, self.reach)
+        choice = straight_through_choice(scores, self.temperature)
         return self.backbone(canonical_pose(x, choice, self.elements))
 
 
@@ -234,7 +236,7 @@ class _ChildrenAsLeaves(fx.Tracer):
 
 @register_exporter(CanonicalizedModel)
 def export_canonicalized_model(module: CanonicalizedModel, ctx: ExportContext) -> nn.Module:
-    """The canonicaliser and the backbone exported, and the pose choice (argmax, quarter turns, flips) as torch ops."""
+    """The canonicaliser and the backbone exported, and the pose choice (argmax, turns, flips) as torch ops."""
     canonicalizer = ctx.export_child(module.canonicalizer, "canonicalizer")
     backbone = ctx.export_child(module.backbone, "backbone")
     ops = _CanonicalizedOps(module, canonicalizer, backbone)

@@ -45,9 +45,9 @@ def test_wrapped_pretrained_models_are_exactly_invariant_and_keep_their_weights(
     assert _invariance_error(wrapped, x) <= 1e-5
 
 
-def test_groups_whose_elements_leave_the_grid_are_refused():
-    for group in ("C8", "D8", "SO2"):
-        with pytest.raises(GroupSpecError, match="pixel grid"):
+def test_continuous_groups_are_refused_with_the_discrete_group_to_use():
+    for group, use in (("SO2", "use C16"), ("O2", "use D16")):
+        with pytest.raises(GroupSpecError, match=f"continuous.*{use}"):
             canonicalize(nn.Identity(), group)
 
 
@@ -71,11 +71,11 @@ def test_the_input_reaches_the_backbone_in_its_canonical_pose():
     x = torch.randn(3, 3, 16, 16)
     canonical = wrapped(x)
     for g in wrapped.elements:
-        assert torch.equal(wrapped(g.act_on_grid(x)), canonical), g.name  # bit for bit
+        assert torch.equal(wrapped(g.act(x)), canonical), g.name  # bit for bit
     # the canonical pose is a pose of the input, the inverse of the chosen element's
     for image, out, name in zip(x, canonical, wrapped.poses(x)):
         element = next(g for g in wrapped.elements if g.name == name)
-        assert torch.equal(element.act_on_grid(out), image)
+        assert torch.equal(element.act(out), image)
 
 
 def test_straight_through_choice_is_one_hot_forward_and_softmax_backward():

@@ -18,8 +18,8 @@ from equiconvert.training.trainer import DPTrainer
 SIZE, CLASSES, PRIOR = 10, 3, 0.5
 
 
-def _model() -> nn.Module:
-    """A DP-safe "pretrained" plain CNN (GroupNorm) behind a C4 canonicaliser, weights away from their init."""
+def _model(group: str = "C4") -> nn.Module:
+    """A DP-safe "pretrained" plain CNN (GroupNorm) behind a canonicaliser, weights away from their init."""
     torch.manual_seed(0)
     backbone = nn.Sequential(
         nn.Conv2d(3, 6, 3, padding=1),
@@ -31,7 +31,7 @@ def _model() -> nn.Module:
         nn.Flatten(),
         nn.Linear(6, CLASSES),
     )
-    model = canonicalize(backbone, "C4", fields=1, kernel_size=3).train()
+    model = canonicalize(backbone, group, fields=1, kernel_size=3).train()
     with torch.no_grad():
         for p in model.parameters():
             p.add_(0.05 * torch.randn(p.shape))
@@ -65,11 +65,12 @@ def _views(examples: int = 4, views: int = 2) -> tuple[torch.Tensor, torch.Tenso
     )
 
 
+@pytest.mark.parametrize("group", ["C4", "C8"])  # C8: off-grid turns by interpolation (grid_sample)
 @pytest.mark.parametrize("method", ["bookkeeping", "vmap"])
-def test_dp_trainer_per_example_gradients_equal_a_naive_loop(method):
+def test_dp_trainer_per_example_gradients_equal_a_naive_loop(method, group):
     views, labels = _views()
-    expected = _naive(_model(), views, labels)
-    model = _model()
+    expected = _naive(_model(group), views, labels)
+    model = _model(group)
     options = dict(noise_multiplier=1.0, target_epsilon=None, batch_size=4, steps=1, aug_mult=2, ema_decay=None)
     trainer = DPTrainer(
         model, per_sample_method=method, loss_fn=pose_prior_loss(model, PRIOR), progress=False, **options

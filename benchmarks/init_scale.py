@@ -90,7 +90,7 @@ def _recorder(stds: dict[str, float], key: str) -> Callable:
 
 
 def init_scale(group: str, args, images, labels, classes) -> dict:
-    """Mean logit std, initial loss and per-layer output std over the seeds."""
+    """Mean logit std, initial loss and per-layer output std over the seeds, and each seed's logit std and loss."""
     x, y = images[: args.examples], labels[: args.examples]
     rows = []
     for seed in range(args.seeds):
@@ -98,7 +98,13 @@ def init_scale(group: str, args, images, labels, classes) -> dict:
         logits, stds = layer_stds(build(group, args, x.shape[1], classes, x.shape[-1]), x)
         rows.append((float(logits.std()), float(F.cross_entropy(logits, y)), stds))
     layers = {name: _mean([r[2][name] for r in rows if name in r[2]]) for name in rows[0][2]}
-    return {"logit_std": _mean([r[0] for r in rows]), "loss": _mean([r[1] for r in rows]), "layer_std": layers}
+    return {
+        "logit_std": _mean([r[0] for r in rows]),
+        "loss": _mean([r[1] for r in rows]),
+        "logit_std_runs": [r[0] for r in rows],
+        "loss_runs": [r[1] for r in rows],
+        "layer_std": layers,
+    }
 
 
 def lr_sweep(group: str, args, images, labels, classes) -> dict[str, dict]:

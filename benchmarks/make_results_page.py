@@ -363,6 +363,40 @@ def _pretrained_adaptation(s: Summary) -> list[str]:
     return _table(columns, rows)
 
 
+INIT_SCALE_ORIGINAL = "original"  # the unconverted network's row in an init_scale summary, first in each table
+INIT_SCALE_SETTINGS = {True: "Unit invariants on (the default)", False: "Unit invariants off (`unit_invariants=False`)"}
+
+
+@renderer("init_scale")
+def _init_scale(s: Summary) -> list[str]:
+    """Per unit_invariants setting, the original then each group: median logit std and initial loss over the
+    seeds, and the accuracy after the learning-rate sweep's steps at each learning rate."""
+    lrs = [f"{lr:g}" for lr in s["lrs"]]
+    columns = ["group", "logit std", "initial loss", *(f"accuracy, lr {lr}" for lr in lrs)]
+    blocks = []
+    for setting, label in INIT_SCALE_SETTINGS.items():
+        rows = [r for r in s["rows"] if r["unit_invariants"] is setting]
+        rows.sort(key=lambda r: r["group"] != INIT_SCALE_ORIGINAL)
+        cells = [
+            [
+                r["group"],
+                f"{_median(r['logit_std_runs']):.2f}",
+                f"{_median(r['loss_runs']):.2f}",
+                *(_swept(r["sweep"].get(lr)) for lr in lrs),
+            ]
+            for r in rows
+        ]
+        blocks.append([f"{label}:", "", *_table(columns, cells)] if rows else [])
+    return _blocks(*blocks)
+
+
+def _swept(run: dict | None) -> str:
+    """One sweep cell: the accuracy, marked when the loss diverged; "-" when the rate was not run."""
+    if run is None:
+        return "-"
+    return _pct(run["accuracy"]) + (" (diverged)" if run["loss"] is None else "")
+
+
 FIGURES: dict[str, Callable[[Summary, Path], None]] = {
     "paper_table": paper_table.plot,
     "pretrained_adaptation": adaptation_plot.plot,

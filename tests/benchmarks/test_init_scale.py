@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 
 import pytest
 
@@ -17,8 +18,12 @@ def test_tiny_run_reports_scales_layers_and_the_sweep(tmp_path, capsys):
     assert json.loads(capsys.readouterr().out) == report
     init = report["init"]
     assert set(init) == {"none", "C4", "SO2"} and report["settings"]["unit_invariants"] is True
+    seeds = report["settings"]["seeds"]
     for row in init.values():
         assert row["logit_std"] > 0 and math.isfinite(row["loss"])
+        assert len(row["logit_std_runs"]) == len(row["loss_runs"]) == seeds  # each seed's, for a median
+        assert math.isclose(statistics.mean(row["logit_std_runs"]), row["logit_std"])
+        assert math.isclose(statistics.mean(row["loss_runs"]), row["loss"])
         assert "stem.0" in row["layer_std"] and "head.2" in row["layer_std"]  # the converted names lose "network."
     assert any("group_pool" in name for name in init["C4"]["layer_std"])
     assert set(report["lr_sweep"]) == {"none", "C4"}

@@ -116,3 +116,29 @@ def test_no_table_is_wider_than_the_page():
     assert len(_tables(text)) > 10 and not wide, wide
     with pytest.raises(ValueError, match=f"a table of {page.MAX_COLUMNS + 1} columns .* does not fit the page"):
         page._table([f"c{i}" for i in range(page.MAX_COLUMNS + 1)], [])
+
+
+def test_init_scale_tables_put_the_original_first_with_medians_per_setting():
+    page = _load_script()
+
+    def row(group, on, stds, losses, sweep):
+        return {"group": group, "unit_invariants": on, "logit_std_runs": stds, "loss_runs": losses, "sweep": sweep}
+
+    ran = {"0.05": {"loss": 0.4, "accuracy": 80.0}, "0.2": {"loss": None, "accuracy": 9.5}}
+    summary = {
+        "kind": "init_scale",
+        "lrs": [0.05, 0.2],
+        "rows": [
+            row("O2", True, [0.7, 0.9, 0.8], [2.5, 2.6, 2.4], ran),
+            row("original", True, [0.8, 0.1, 0.9], [2.7, 2.9, 2.8], {"0.05": {"loss": 0.3, "accuracy": 89.1}}),
+            row("O2", False, [3.0, 3.2, 3.1], [5.6, 5.7, 5.8], ran),
+        ],
+    }
+    lines = page.RENDERERS["init_scale"](summary)
+    on, off = lines.index("Unit invariants on (the default):"), lines.index(next(x for x in lines if "off" in x))
+    assert lines[on + 2] == "| group | logit std | initial loss | accuracy, lr 0.05 | accuracy, lr 0.2 |"
+    assert lines[on + 4 : on + 6] == [
+        "| original | 0.80 | 2.80 | 89.10% | - |",
+        "| O2 | 0.80 | 2.50 | 80.00% | 9.50% (diverged) |",
+    ]
+    assert lines[off + 4 :] == ["| O2 | 3.10 | 5.70 | 80.00% | 9.50% (diverged) |"]

@@ -8,14 +8,15 @@ stays the original network. Mean group pooling before the head averages the copi
 head maps that average to the average of the pretrained logits over the group's moved inputs.
 
 Steerable convolutions hold basis coefficients: the block-diagonal filter is projected onto the layer's basis by
-least squares, exactly when it lies in the span (a basis_cutoff of 5 spans every 3x3 filter of C4 and D4).
+least squares, exactly when it lies in the span (a basis_cutoff of 5 spans every 3x3, 5x5 and 7x7 filter of C4
+and D4; escnn's default band limit does not).
 A field norm takes its statistics over all |G| copies of a field, not per copy as the pretrained norm: its affine
 parameters carry over, the network only approximates the average, and the report measures by how much.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -52,16 +53,16 @@ class LayerCarry:
     note: str
 
 
-@dataclass
+@dataclass(frozen=True)
 class CarryReport:
     """What carry_weights did: each layer, the logit error against the group-averaged pretrained model, the cost."""
 
     group: str
-    layers: list[LayerCarry] = field(default_factory=list)
-    logit_error: float = 0.0  # max |carried - group-averaged pretrained| logit on the probe images
-    logit_scale: float = 0.0  # max |group-averaged pretrained| logit there, to read logit_error against
-    pretrained_cost: ForwardCost | None = None  # per probe image
-    carried_cost: ForwardCost | None = None
+    layers: tuple[LayerCarry, ...]
+    logit_error: float  # max |carried - group-averaged pretrained| logit on the probe images
+    logit_scale: float  # max |group-averaged pretrained| logit there, to read logit_error against
+    pretrained_cost: ForwardCost  # per probe image
+    carried_cost: ForwardCost
 
     @property
     def exact(self) -> bool:
@@ -195,7 +196,7 @@ def carry_weights(
 
     `converted` must come from make_equivariant(pretrained, group, width=lambda channels, group: channels,
     head="invariant", config={"invariant_pool": "mean", "unit_invariants": False}) for a group of grid elements
-    (C4, D4, ...), with a basis_cutoff large enough to span the filters (5.0 for 3x3 kernels) for an exact carry.
+    (C4, D4, ...), with a basis_cutoff large enough to span the filters (5.0 for kernels up to 7x7) for an exact carry.
 
     Args:
         pretrained: the trained CNN (Conv2d, GroupNorm/BatchNorm/InstanceNorm, ReLU, pooling, a Linear head); left
@@ -220,7 +221,7 @@ def carry_weights(
     group = _check_group(converted)
     _check_pooling(converted.network)
     originals = dict(pretrained.named_modules())
-    report = CarryReport(group.name)
+    layers: list[LayerCarry] = []
     carried: set[str] = set()
     for name, module in converted.network.named_modules():
         owns_parameters = any(True for _ in module.parameters(recurse=False))
@@ -228,27 +229,29 @@ def carry_weights(
             continue
         if type(module) not in CARRIERS or name not in originals:
             raise _refuse(name, f"a {type(module).__name__} with parameters and no pretrained layer to carry from")
-        report.layers.append(CARRIERS[type(module)](name, originals[name], module, group))
+        layers.append(CARRIERS[type(module)](name, originals[name], module, group))
         carried.add(name)
     left = [n for n, m in originals.items() if n not in carried and any(True for _ in m.parameters(recurse=False))]
     if left:
         raise _refuse(left[0], "a pretrained layer with parameters that the converted model has no layer for")
-    _measure(pretrained, converted, _probe(converted, inputs), group, report)
-    return report
+    return CarryReport(group.name, tuple(layers), *_measure(pretrained, converted, _probe(converted, inputs), group))
 
 
 def _measure(
-    pretrained: nn.Module, converted: EquivariantModel, inputs: torch.Tensor, group: GroupSpec, report: CarryReport
-) -> None:
-    """Fill in the logit error and the costs, with both models in eval mode (their modes are restored)."""
+    pretrained: nn.Module, converted: EquivariantModel, inputs: torch.Tensor, group: GroupSpec
+) -> tuple[float, float, ForwardCost, ForwardCost]:
+    """(logit error, logit scale, pretrained cost, carried cost), both models in eval mode (their modes restored)."""
     modes = pretrained.training, converted.training
     pretrained.eval(), converted.eval()
     try:
         with torch.no_grad():
             reference = _group_average(pretrained, inputs, group)
             error = (converted(inputs) - reference).abs().max()
-        report.logit_error, report.logit_scale = float(error), float(reference.abs().max())
-        report.pretrained_cost = forward_cost(pretrained, inputs)
-        report.carried_cost = forward_cost(converted, inputs)
+        return (
+            float(error),
+            float(reference.abs().max()),
+            forward_cost(pretrained, inputs),
+            forward_cost(converted, inputs),
+        )
     finally:
         pretrained.train(modes[0]), converted.train(modes[1])

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from ..convert import EquivariantModel
+from ..convert.input_fit import FIT_MODULE
 from ..errors import UnsupportedLayerError, UsageError
 from ..groups import GroupSpec
 from ..nn.conv import SteerableConv2d
@@ -203,7 +204,8 @@ def carry_weights(
             as it is.
         converted: its converted model, whose parameters are overwritten.
         inputs: the images (N, C, H, W) on which the logit error is measured; None: a fixed batch of
-            standard-normal images of the converted model's default input size.
+            standard-normal images of the converted model's default input size. The pretrained model sees them
+            as the converted network does: after its input fit (pad_to_valid, crop_to_valid) if it has one.
 
     Returns:
         A CarryReport: per layer whether it carried exactly or approximately (with the filter's residual), the
@@ -244,8 +246,9 @@ def _measure(
     modes = pretrained.training, converted.training
     pretrained.eval(), converted.eval()
     try:
+        fit = getattr(converted.network, FIT_MODULE, None)  # pad_to_valid / crop_to_valid: what the network sees
         with torch.no_grad():
-            reference = _group_average(pretrained, inputs, group)
+            reference = _group_average(pretrained, inputs if fit is None else fit(inputs), group)
             error = (converted(inputs) - reference).abs().max()
         return (
             float(error),

@@ -38,11 +38,19 @@ class Tiny(nn.Module):
         return self.head(self.features(x).mean(dim=(2, 3)))
 
 
-def _convert(model: nn.Module, group: str, width=lambda channels, group: channels, **config) -> nn.Module:
+def _convert(
+    model: nn.Module, group: str, width=lambda channels, group: channels, size: int = SIZE, **config
+) -> nn.Module:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the report's note that pretrained weights do not survive conversion
         return equiconvert.make_equivariant(
-            model, group, width=width, head="invariant", input_size=SIZE, config={**CARRY_CONFIG, **config}
+            model,
+            group,
+            width=width,
+            head="invariant",
+            input_size=size,
+            pad_to_valid=size != SIZE,
+            config={**CARRY_CONFIG, **config},
         )
 
 
@@ -135,6 +143,14 @@ def test_the_default_probe_measures_on_the_converted_models_input_size():
     pretrained = _pretrained()
     report = equiconvert.carry_weights(pretrained, _convert(pretrained, "C4"))
     assert report.logit_error < 1e-5 and report.logit_scale > 0.1
+
+
+def test_a_padded_input_is_compared_with_the_pretrained_model_on_the_padded_images():
+    pretrained = _pretrained()
+    converted = _convert(pretrained, "C4", size=9)  # fitted to 11 by the converted network's input fit
+    report = equiconvert.carry_weights(pretrained, converted)
+    assert converted.report.input_fit is not None
+    assert report.exact and report.logit_error < 1e-5 and report.logit_scale > 0.1
 
 
 @pytest.mark.parametrize(

@@ -120,9 +120,8 @@ def _carry_conv(name: str, old: nn.Module, new: SteerableConv2d, group: GroupSpe
             new.bias.copy_(old.bias / new.bias_scale)
     if residual < EXACT_RESIDUAL:
         return LayerCarry(name, EXACT, residual, "one filter copy per group element")
-    return LayerCarry(
-        name, APPROXIMATE, residual, f"the basis spans {basis.shape[0]} of the filters: raise config basis_cutoff"
-    )
+    note = f"its basis of {basis.shape[0]} filters misses part of them: raise config basis_cutoff (5.0 spans 3x3-7x7)"
+    return LayerCarry(name, APPROXIMATE, residual, note)
 
 
 def _carry_norm(name: str, old: nn.Module, new: FieldGroupNorm, group: GroupSpec) -> LayerCarry:

@@ -1,14 +1,17 @@
 """Private fine-tuning of a pretrained CNN, plain or canonicalised, against a converted model from scratch.
 
-A small GroupNorm CNN is pretrained without privacy on public data, then each of three models is fine-tuned
+A small GroupNorm CNN is pretrained without privacy on public data, then each of four models is fine-tuned
 with DP-SGD (DPTrainer) on private data of another kind (--task):
   digits:        public: Fashion-MNIST (all 60,000); private: upright MNIST digits (mnist-10k.npz, its fixed
                  8,000 / 2,000 split). A quarter turn maps a 6 onto a 9, which costs any invariant model there.
   fashion_split: public: Fashion-MNIST's classes 0-4 (tops, trousers, dresses, coats); private: its classes
                  5-9 (sandals, shirts, sneakers, bags, ankle boots; 30,000 training and 5,000 test images).
-The three models:
+The four models:
   scratch_converted:        the same CNN, freshly initialised, converted by make_equivariant (invariant head);
   pretrained:               the pretrained CNN as it is;
+  pretrained_carried:       the pretrained CNN converted with one regular field per channel and its weights carried
+                            by equiconvert.carry_weights: at the start, the group average of the pretrained CNN (up
+                            to its GroupNorms, which pool statistics over whole fields; carry_logit_error measures it);
   pretrained_canonicalized: the pretrained CNN behind equiconvert.canonicalize, trained with pose_prior_loss;
                             its canonicaliser is first taught the upright pose on the public data (the prior
                             alone, no privacy needed), so the private steps start from a sensible pose.
@@ -37,7 +40,14 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from equiconvert import CanonicalizedModel, canonicalize, make_equivariant, pose_prior_loss  # noqa: E402
+from equiconvert import (  # noqa: E402
+    CanonicalizedModel,
+    CarryReport,
+    canonicalize,
+    carry_weights,
+    make_equivariant,
+    pose_prior_loss,
+)
 from equiconvert.data import load_dataset  # noqa: E402
 from equiconvert.adapt.canonicalize import IDENTITY, identity_pose_loss, pose_scores  # noqa: E402
 from equiconvert.groups import parse_group  # noqa: E402
@@ -49,6 +59,9 @@ FULL = dict(pretrain_steps=2000, pretrain_examples=None, train_examples=None, te
 TINY = dict(pretrain_steps=3, pretrain_examples=256, train_examples=64, test_examples=64, steps=2)
 PUBLIC_FASHION_CLASSES = (0, 1, 2, 3, 4)  # fashion_split: the rest, 5-9, are the private task
 ACCOUNTANT = "rdp"
+# pretrained_carried's conversion: one regular field per channel, mean group pooling, a basis spanning 3x3 filters
+CARRY_CONFIG = {"invariant_pool": "mean", "unit_invariants": False, "basis_cutoff": 5.0}
+CARRY_PROBE_IMAGES = 64  # public images on which the carried model's logit error is measured
 
 
 class SmallCNN(nn.Module):
@@ -156,10 +169,27 @@ def teach_upright_pose(model: CanonicalizedModel, images: torch.Tensor, steps: i
     canonicalizer.cpu()
 
 
+def carried(pretrained: nn.Module, group: str, public_images: torch.Tensor) -> tuple[nn.Module, CarryReport]:
+    """The pretrained CNN converted with one regular field per channel, its weights carried (carry_weights), and
+    the carry report: its logit error against the group-averaged CNN, measured on public images."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the report's notes on the padded input size and the weights
+        model = make_equivariant(
+            copy.deepcopy(pretrained),
+            group,
+            width=lambda channels, group: channels,
+            head="invariant",
+            input_size=SIZE,
+            pad_to_valid=True,
+            config=CARRY_CONFIG,
+        )
+    return model, carry_weights(pretrained, model, _normalised(public_images[:CARRY_PROBE_IMAGES]))
+
+
 def candidates(
     pretrained: nn.Module, public_images: torch.Tensor, args: argparse.Namespace, seed: int
-) -> dict[str, tuple[nn.Module, object]]:
-    """The three models to fine-tune, each with its loss_fn (None: cross-entropy)."""
+) -> dict[str, tuple[nn.Module, object, CarryReport | None]]:
+    """The four models to fine-tune, each with its loss_fn (None: cross-entropy) and its carry report (or None)."""
     group = args.group
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the report's notes on the padded input size
@@ -173,10 +203,12 @@ def candidates(
         )
     wrapped = canonicalize(copy.deepcopy(pretrained), group, in_channels=1, fields=2, kernel_size=5, pool=2)
     teach_upright_pose(wrapped, public_images, args.sizes["pose_steps"], seed, args.device)
+    carried_model, carry = carried(pretrained, group, public_images)
     return {
-        "scratch_converted": (scratch, None),
-        "pretrained": (copy.deepcopy(pretrained), None),
-        "pretrained_canonicalized": (wrapped, pose_prior_loss(wrapped, weight=args.prior_weight)),
+        "scratch_converted": (scratch, None, None),
+        "pretrained": (copy.deepcopy(pretrained), None, None),
+        "pretrained_carried": (carried_model, None, carry),
+        "pretrained_canonicalized": (wrapped, pose_prior_loss(wrapped, weight=args.prior_weight), None),
     }
 
 
@@ -253,7 +285,8 @@ def run_cell(args: argparse.Namespace, epsilon: float, seed: int) -> dict:
 
     sigma = noise_multiplier(args, epsilon, len(train[1]))
     results = {}
-    for name, (model, loss_fn) in candidates(pretrained, pretrain_set[0], args, seed).items():
+    for name, (model, loss_fn, carry) in candidates(pretrained, pretrain_set[0], args, seed).items():
+        before = accuracy(model, upright, labels) if carry is not None else None
         trainer = fine_tune(model, loss_fn, train, sigma, args, seed)
         results[name] = {
             "upright_accuracy": accuracy(trainer.model, upright, labels),
@@ -263,6 +296,12 @@ def run_cell(args: argparse.Namespace, epsilon: float, seed: int) -> dict:
             "per_sample_method": trainer.per_sample_method,
             "parameters": sum(p.numel() for p in trainer.model.parameters()),
         }
+        if carry is not None:  # where the carried model started: its logit error and its accuracy before fine-tuning
+            results[name]["carry_logit_error"] = carry.logit_error
+            results[name]["carry_logit_scale"] = carry.logit_scale
+            results[name]["upright_accuracy_before_fine_tuning"] = before
+            results[name]["multiply_adds"] = carry.carried_cost.multiply_adds
+            results[name]["pretrained_multiply_adds"] = carry.pretrained_cost.multiply_adds
         if isinstance(trainer.model, CanonicalizedModel):  # how often an upright image keeps its pose
             poses = trainer.model.poses(_normalised(upright).to(args.device))
             results[name]["upright_identity_pose_share"] = poses.count(trainer.model.elements[IDENTITY].name) / len(

@@ -13,6 +13,7 @@ from .errors import EquivarianceBreakError, EquiconvertError, TracingError, Unsu
 
 if TYPE_CHECKING:
     from .adapt import CanonicalizationError, CanonicalizedModel, canonicalize, pose_prior_loss
+    from .adapt.carry import CarryReport, carry_weights
     from .check import EquivarianceResult, check_equivariance
     from .convert import (
         ConversionConfig,
@@ -34,6 +35,7 @@ if TYPE_CHECKING:
 # public name -> the submodule defining it
 _EXPORTS = {
     **dict.fromkeys(("CanonicalizationError", "CanonicalizedModel", "canonicalize", "pose_prior_loss"), "adapt"),
+    **dict.fromkeys(("CarryReport", "carry_weights"), "adapt.carry"),
     **dict.fromkeys(("EquivarianceResult", "check_equivariance"), "check"),
     **dict.fromkeys(
         (
@@ -60,6 +62,7 @@ _EXPORTS = {
 __all__ = [
     "CanonicalizationError",
     "CanonicalizedModel",
+    "CarryReport",
     "ConversionConfig",
     "ConversionReport",
     "DPConfig",
@@ -73,6 +76,7 @@ __all__ = [
     "TracingError",
     "UnsupportedLayerError",
     "canonicalize",
+    "carry_weights",
     "check_equivariance",
     "create_model",
     "export",

@@ -4,7 +4,8 @@ A converted layer keeps its weights when every parameter it owns has the same
 qualified name, shape and values as in the original model. Steerable convolutions
 (basis coefficients), field norms (one scale per field) and layers whose input width
 changed (a Linear head after group pooling) have no counterpart and start from their
-initialisation: fine-tuning a converted pretrained model does not start from its weights.
+initialisation: fine-tuning a converted pretrained model does not start from its weights, unless
+equiconvert.carry_weights sets them (adapt/carry.py).
 """
 
 from __future__ import annotations

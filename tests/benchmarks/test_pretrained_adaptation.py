@@ -1,4 +1,4 @@
-"""benchmarks/pretrained_adaptation.py --tiny: pretraining, three private fine-tunings at one budget, JSON summary."""
+"""benchmarks/pretrained_adaptation.py --tiny: pretraining, four private fine-tunings at one budget, JSON summary."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ MNIST = Path("/work/shared/data/mnist-10k.npz")
 @pytest.mark.slow  # about a minute on two CPU cores: mostly DP-SGD's probes and the accountant
 @pytest.mark.skipif(not (FASHION.is_dir() and MNIST.is_file()), reason=f"needs Fashion-MNIST in {FASHION} and {MNIST}")
 @pytest.mark.parametrize("task", ["digits", "fashion_split"])
-def test_tiny_run_fine_tunes_three_models_privately_and_the_canonicalised_one_is_invariant(tmp_path, task):
+def test_tiny_run_fine_tunes_four_models_privately_and_the_carried_and_canonicalised_ones_are_invariant(tmp_path, task):
     out = tmp_path / "summary.json"
     args = ["--tiny", "--task", task, "--group", "D4", "--fashion-dir", str(FASHION), "--mnist", str(MNIST)]
     args += ["--out", str(out)]
@@ -27,14 +27,18 @@ def test_tiny_run_fine_tunes_three_models_privately_and_the_canonicalised_one_is
     (run,) = summary["runs"]
     assert run["noise_multiplier"] > 0 and run["seed"] == 0
     results = run["results"]
-    assert set(results) == {"scratch_converted", "pretrained", "pretrained_canonicalized"}
+    assert set(results) == {"scratch_converted", "pretrained", "pretrained_carried", "pretrained_canonicalized"}
     for name, result in results.items():
         assert result["steps"] == 2 and 0 < result["epsilon"] <= run["target_epsilon"], name
         assert 0 <= result["upright_accuracy"] <= 1 and 0 <= result["turned_accuracy"] <= 1, name
-    # both invariant models score the turned digits exactly as the upright ones
-    for name in ("scratch_converted", "pretrained_canonicalized"):
+    # the invariant models score the turned digits exactly as the upright ones
+    for name in ("scratch_converted", "pretrained_carried", "pretrained_canonicalized"):
         assert results[name]["turned_accuracy"] == results[name]["upright_accuracy"], name
     assert results["pretrained_canonicalized"]["parameters"] > results["pretrained"]["parameters"]
+    carried = results["pretrained_carried"]  # started near the group-averaged pretrained CNN (GroupNorms: not exactly)
+    assert 0 < carried["carry_logit_error"] < 0.1 * carried["carry_logit_scale"]
+    assert 0 <= carried["upright_accuracy_before_fine_tuning"] <= 1
+    assert carried["multiply_adds"] > 8 * carried["pretrained_multiply_adds"]  # D4: |G|^2 = 64 on hidden layers
     # the table holds one median row per model, here of the one seed's accuracies
     rows = {row["model"]: row for row in summary["table"]}
     assert set(rows) == set(results)

@@ -80,7 +80,7 @@ def layer_squared_norms(
         rows = slice(start * views, min(batch, start + step) * views)
         grads = layer_per_example_gradients(module, inputs[rows], grad_out[rows], views)
         flat = [g.reshape(g.shape[0], -1) for name, g in grads.items() if name in trainable]
-        squares.append(torch.stack([f.pow(2).sum(1) for f in flat]).sum(0))
+        squares.append(torch.stack([torch.linalg.vector_norm(f, dim=1).square() for f in flat]).sum(0))  # no copy
         finite.append(torch.stack([torch.isfinite(f).all(1) for f in flat]).all(0))
     return torch.cat(squares), torch.cat(finite)
 
@@ -119,13 +119,15 @@ class _TwoPasses:
         self.sums: dict[str, torch.Tensor] = {}
 
     def __call__(self, name: str, grad: torch.Tensor) -> None:
-        layer, inputs = self.record.layers[name], self.record.inputs[name]
+        layer = self.record.layers[name]
         if self.row_weights is None:
+            inputs = self.record.inputs[name]
             with record_function(f"equiconvert/ghost_norms/{type(layer).__name__}"):
                 self.squares[name], self.finite[name] = layer_squared_norms(
                     layer, inputs, grad, self.views, self.trainable[name]
                 )
             return
+        inputs = self.record.inputs.pop(name)  # the layer's last use of its input: released with its sum
         with record_function(f"equiconvert/ghost_sum/{type(layer).__name__}"):
             for param_name, value in layer_clipped_sum(
                 layer, inputs, grad, self.row_weights, self.trainable[name]

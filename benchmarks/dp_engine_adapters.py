@@ -138,27 +138,32 @@ def dptrainer(case: Case, precision: str, method: str = "bookkeeping") -> Runner
     )
 
 
-def make_private(case: Case, precision: str) -> Runner:
+def make_private(case: Case, precision: str, grad_sample_mode: str = "hooks") -> Runner:
     """equiconvert.privacy.make_private around the model and SGD, the user's own loop: zero_grad, forward on the
-    (B, K, ...) views, loss.backward(), optimizer.step(); its loader (one batch of B) sets the expected batch size."""
+    (B, K, ...) views, loss.backward(), optimizer.step(); its loader (one batch of B) sets the expected batch size.
+    grad_sample_mode="ghost": ghost clipping, the loss from the criterion make_private returns (as Opacus')."""
     from equiconvert.privacy.engine import make_private as wrap
 
     reference = copy.deepcopy(case.model)
-    batch, views = len(case.images), case.views
-    module, optimizer, _ = wrap(
+    batch = len(case.images)
+    views = case.views if case.aug_mult > 1 else case.images  # make_private takes (B, ...) without aug_mult
+    made = wrap(
         module=case.model,
         optimizer=torch.optim.SGD(case.model.parameters(), lr=case.lr),
         data_loader=DataLoader(TensorDataset(torch.arange(batch)), batch_size=batch),
         noise_multiplier=case.noise or 1.0,
         max_grad_norm=case.clip,
         aug_mult=case.aug_mult,
+        grad_sample_mode=grad_sample_mode,
     )
+    module, optimizer = made[0], made[1]
+    criterion = made[2] if len(made) == 4 else F.cross_entropy
     optimizer.noise_multiplier = case.noise  # sigma 0 (the noise-free check) is refused by make_private, not the step
     labels = case.labels.repeat_interleave(case.aug_mult)
 
     def step() -> None:
         optimizer.zero_grad(set_to_none=True)
-        F.cross_entropy(module(views), labels).backward()
+        criterion(module(views), labels).backward()
         optimizer.step()
 
     return _torch_runner(case.model, reference, step, EXAMPLE_MEAN)

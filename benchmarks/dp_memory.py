@@ -13,7 +13,9 @@ engine holds between steps (per-example gradients kept, optimizer state) and wha
   process, warm-up included, is used instead (`measured_by` says which).
 
 Engines: `bookkeeping` (DPTrainer, per_sample_method="bookkeeping": every per-example gradient at once), `ghost`
-(DPTrainer, per_sample_method="ghost": per-layer norms, then a second backward), `opacus_hooks` (Opacus'
+(DPTrainer, per_sample_method="ghost": per-layer norms, then a second backward), `make_private_ghost`
+(make_private(..., grad_sample_mode="ghost") under the user's loop: per-layer norms and clipped sums from its one
+backward), `opacus_hooks` (Opacus'
 GradSampleModule with equiconvert's registered samplers) and `opacus_ghost` (Opacus' ghost clipping), as
 dp_engine_adapters.py builds them; the subprocesses run side by side (memory is per process; the seconds are
 then those of a shared machine). JSON: per engine its memory (`engine_peak_mib`) and the whole process's peak
@@ -44,13 +46,14 @@ for _path in (BENCHMARKS.parent, BENCHMARKS):
     if str(_path) not in sys.path:
         sys.path.insert(0, str(_path))
 
-from dp_engine_adapters import Case, NotRun, dptrainer, opacus_ghost, opacus_hooks  # noqa: E402
+from dp_engine_adapters import Case, NotRun, dptrainer, make_private, opacus_ghost, opacus_hooks  # noqa: E402
 
 import equiconvert  # noqa: E402
 
 ENGINES = {
     "bookkeeping": partial(dptrainer, method="bookkeeping"),
     "ghost": partial(dptrainer, method="ghost"),
+    "make_private_ghost": partial(make_private, grad_sample_mode="ghost"),
     "opacus_hooks": opacus_hooks,
     "opacus_ghost": opacus_ghost,
 }

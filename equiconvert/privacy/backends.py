@@ -18,13 +18,14 @@ from torch import nn
 
 from ..errors import ParameterError, UsageError
 from .bookkeeping import (
+    LayerRecord,
     check_bookkeeping_supported,
     layer_per_example_gradients,
     per_sample_gradients_bookkeeping,
     verify_bookkeeping,
 )
 from .dp_step import clip_and_accumulate
-from .ghost import accumulate_clipped_ghost
+from .ghost import accumulate_clipped_ghost, recorded_clipped_sum
 from .per_sample import Gradients, LossFn, per_sample_gradients
 
 # forward/backward dtype under autocast (None: the model's own); per-sample gradients, clipping and noise stay fp32
@@ -55,6 +56,9 @@ ClippedSumFn = Callable[
     tuple[torch.Tensor, torch.Tensor | int],
 ]
 LayerFn = Callable[[nn.Module, torch.Tensor, torch.Tensor, int], dict[str, torch.Tensor]]
+# (record of the caller's forward and backward, views per example, scale to each example's mean loss, max_grad_norm,
+# into) -> non-finite examples
+RecordedSumFn = Callable[[LayerRecord, int, float, float, MutableMapping[nn.Parameter, torch.Tensor]], torch.Tensor]
 
 
 def _any_model(*_: object) -> None:
@@ -78,6 +82,9 @@ class Backend:
     layer_gradients: LayerFn | None = None
     # the clipped sum without forming every per-example gradient at once; None: clip `compute`'s gradients
     clipped_sum: ClippedSumFn | None = None
+    # the same from the record of a forward and backward the user ran (make_private); None: clip the gradients of
+    # `layer_gradients`
+    recorded_clipped_sum: RecordedSumFn | None = None
 
     def accumulate_clipped(
         self,
@@ -155,7 +162,7 @@ def _ghost(precision: str) -> Backend:
     the clipped sum from a second backward; peak memory near a non-private step's. Its per-example gradients, for a
     caller that asks for them, are book-keeping's. fp32 only: the clip bound needs the second backward to repeat
     the first's output gradients, which bf16 kernels with a non-deterministic order could round apart by far more
-    than fp32's rounding."""
+    than fp32's rounding. Under make_private the user's one backward is recorded and read twice (norms, then sum)."""
     dtype = PRECISIONS[precision]
     bookkeeping = _bookkeeping(precision)
     return Backend(
@@ -164,6 +171,8 @@ def _ghost(precision: str) -> Backend:
         compute=bookkeeping.compute,
         check_supported=check_bookkeeping_supported,
         verify=verify_bookkeeping,
+        layer_gradients=layer_per_example_gradients,
+        recorded_clipped_sum=recorded_clipped_sum,
         clipped_sum=lambda model, views, labels, loss_fn, max_grad_norm, into: accumulate_clipped_ghost(
             model, views, labels, loss_fn, max_grad_norm, into, autocast_dtype=dtype
         ),

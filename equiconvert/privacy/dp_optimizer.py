@@ -1,8 +1,8 @@
 """The optimizer make_private returns: clip per example, sum, add noise once per logical batch, step.
 
-`step()` takes the per-example gradients of the last forward/backward from the
-PrivateModule, clips each example's whole gradient to `max_grad_norm` and adds the
-clipped sum to an accumulator; an example whose gradient has a NaN or inf entry
+`step()` takes the clipped sum of the last forward/backward from the PrivateModule
+(each example's whole gradient clipped to `max_grad_norm`, by its back-end: book-keeping
+or ghost clipping) and adds it to an accumulator; an example whose gradient has a NaN or inf entry
 counts as zero, so one bad input cannot make the step NaN (dp_step.py, as DPTrainer). Unless
 BatchMemoryManager signalled that more physical batches of the same logical batch
 follow, it then adds N(0, (sigma C)^2) to each trainable parameter's sum once,
@@ -22,7 +22,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from .accounting import PrivacyBudgetError, PrivacyLedger, compute_epsilon
-from .dp_step import clip_and_accumulate, privatize
+from .dp_step import privatize
 from .lightning_guard import refuse_undrawn_batch
 from .private_module import PrivateModule
 from .secure_rng import RandomSource
@@ -138,7 +138,7 @@ class DPOptimizer(Optimizer):
         """Add the last physical batch's clipped per-example gradients to the running sum."""
         examples = self.module.recorded_examples
         if examples:
-            self._nonfinite += clip_and_accumulate(self.module.per_sample_gradients(), self.max_grad_norm, self._summed)
+            self._nonfinite += self.module.accumulate_clipped(self.max_grad_norm, self._summed)
             self._examples += examples
         self.module.clear_record()
 

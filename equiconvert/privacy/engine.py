@@ -1,4 +1,5 @@
-"""Opacus-style `make_private`: the user's model, optimizer and DataLoader, made DP-SGD by book-keeping.
+"""Opacus-style `make_private`: the user's model, optimizer and DataLoader, made DP-SGD by book-keeping or ghost
+clipping.
 
     model, optimizer, train_loader = make_private(module=model, optimizer=optimizer, data_loader=train_loader,
                                                   noise_multiplier=1.0, max_grad_norm=1.0)
@@ -6,7 +7,8 @@
 or `PrivacyEngine().make_private(...)` with Opacus' signature, so that an Opacus script
 changes only its import. The loop stays the user's: forward, `loss.backward()`,
 `optimizer.step()`. Per-example gradients come from book-keeping (private_module.py)
-instead of Opacus' hooks; the step from dp_optimizer.py (its clipping and noise: dp_step.py); Poisson
+instead of Opacus' hooks, or with grad_sample_mode="ghost" only their norms and the clipped sum, by ghost
+clipping (ghost.py), which never holds every per-example gradient at once; the step from dp_optimizer.py (its clipping and noise: dp_step.py); Poisson
 batches from dp_loader.py; epsilon from Opacus' accountants (accounting.py). Opacus' other arguments are
 served or refused by name (opacus_parity.py); checkpoints: engine_checkpoint.py.
 """
@@ -138,8 +140,9 @@ def make_private(
         accountant: "rdp", "prv" or "gdp" (accounting.py).
         loss_reduction: "mean" or "sum", as the loss the optimizer's step follows.
         criterion: Opacus' ghost-clipping criterion, for grad_sample_mode="ghost".
-        grad_sample_mode: Opacus' modes, served or refused as opacus_parity.py says; "ghost" returns (module,
-            optimizer, criterion, data_loader), as Opacus.
+        grad_sample_mode: Opacus' modes, served or refused as opacus_parity.py says; "ghost" runs ghost clipping
+            (fp32 only: a bf16 model or autocast forward is refused) and returns (module, optimizer, criterion,
+            data_loader), as Opacus.
         poisson_sampling: only True (the accountants assume Poisson sampling).
         clipping: only "flat" (each example's whole gradient); per-layer and adaptive clipping are refused.
         batch_first: only True (book-keeping takes the batch on the first dimension).
@@ -192,8 +195,17 @@ def make_private(
     check_optimizer_params(module, optimizer, caller="make_private")
     ghost_criterion = (
         DPLoss(nn.CrossEntropyLoss(reduction=loss_reduction) if criterion is None else criterion, loss_reduction)
-        if GRAD_SAMPLE_MODES[grad_sample_mode]
+        if GRAD_SAMPLE_MODES[grad_sample_mode].criterion
         else None
+    )
+    # before calibration: refuses models its back-end cannot train (by layer, or below fp32 for ghost clipping)
+    private = PrivateModule(
+        module,
+        aug_mult=aug_mult,
+        loss_reduction=loss_reduction,
+        verify=verify,
+        probe_batch=data_loader.batch_size,
+        grad_sample_mode=grad_sample_mode,
     )
     if debug_seed is not None:
         warn_not_private("debug_seed")
@@ -207,9 +219,6 @@ def make_private(
             target_epsilon, target_delta, loader.sample_rate, planned, accountant
         )
         budget = PrivacyLedger(accountant, target_delta, target_epsilon, loader.sample_rate, noise_multiplier)
-    private = PrivateModule(
-        module, aug_mult=aug_mult, loss_reduction=loss_reduction, verify=verify, probe_batch=data_loader.batch_size
-    )
     device = next(module.parameters()).device
     dp_optimizer = DPOptimizer(
         optimizer,

@@ -80,7 +80,7 @@ def layer_squared_norms(
         rows = slice(start * views, min(batch, start + step) * views)
         grads = layer_per_example_gradients(module, inputs[rows], grad_out[rows], views)
         flat = [g.reshape(g.shape[0], -1) for name, g in grads.items() if name in trainable]
-        squares.append(torch.stack([f.pow(2).sum(1) for f in flat]).sum(0))
+        squares.append(torch.stack([torch.linalg.vector_norm(f, dim=1).square() for f in flat]).sum(0))  # no copy
         finite.append(torch.stack([torch.isfinite(f).all(1) for f in flat]).all(0))
     return torch.cat(squares), torch.cat(finite)
 
@@ -119,18 +119,55 @@ class _TwoPasses:
         self.sums: dict[str, torch.Tensor] = {}
 
     def __call__(self, name: str, grad: torch.Tensor) -> None:
-        layer, inputs = self.record.layers[name], self.record.inputs[name]
+        layer = self.record.layers[name]
         if self.row_weights is None:
+            inputs = self.record.inputs[name]
             with record_function(f"equiconvert/ghost_norms/{type(layer).__name__}"):
                 self.squares[name], self.finite[name] = layer_squared_norms(
                     layer, inputs, grad, self.views, self.trainable[name]
                 )
             return
+        inputs = self.record.inputs.pop(name)  # the layer's last use of its input: released with its sum
         with record_function(f"equiconvert/ghost_sum/{type(layer).__name__}"):
             for param_name, value in layer_clipped_sum(
                 layer, inputs, grad, self.row_weights, self.trainable[name]
             ).items():
                 self.sums[f"{name}.{param_name}" if name else param_name] = value
+
+
+def recorded_clipped_sum(
+    record: LayerRecord,
+    views: int,
+    scale: float,
+    max_grad_norm: float,
+    into: MutableMapping[nn.Parameter, torch.Tensor],
+) -> torch.Tensor:
+    """The clipped sum of a forward and backward the caller ran (make_private's loop), from `record`'s layer inputs
+    and output gradients: add it to `into` by parameter (in place); returns how many examples were non-finite.
+
+    The output gradients are those of the caller's reduced loss; `scale` turns a layer's per-example gradient from
+    them into the gradient of the example's mean loss over its `views` rows. One backward suffices: each layer's
+    output gradient is kept (as book-keeping keeps it), so the norms and the sum read the same one. Each layer's
+    input and output gradient leave `record` once its sum is taken.
+    """
+    trainable = {name: trainable_names(layer) for name, layer in record.layers.items()}
+    squares, finite = [], []
+    for name, layer in record.layers.items():
+        with record_function(f"equiconvert/ghost_norms/{type(layer).__name__}"):
+            layer_squares, layer_finite = layer_squared_norms(
+                layer, record.inputs[name], record.grads[name], views, trainable[name]
+            )
+        squares.append(layer_squares)
+        finite.append(layer_finite)
+    all_finite = torch.stack(finite).all(0)
+    norms = torch.stack(squares).sum(0).sqrt() * scale
+    row_weights = (torch.where(all_finite, clip_factors(norms, max_grad_norm), 0.0) * scale).repeat_interleave(views)
+    for name, layer in record.layers.items():
+        inputs, grad = record.inputs.pop(name), record.grads.pop(name)
+        with record_function(f"equiconvert/ghost_sum/{type(layer).__name__}"):
+            sums = layer_clipped_sum(layer, inputs, grad, row_weights, trainable[name])
+        add_into(into, {getattr(layer, param_name): value for param_name, value in sums.items()})
+    return (~all_finite).sum()
 
 
 def accumulate_clipped_ghost(

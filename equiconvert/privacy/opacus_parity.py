@@ -1,13 +1,14 @@
 """Opacus 1.6 PrivacyEngine arguments that equiconvert's make_private maps or refuses (docs/make-private.md's table).
 
 An Opacus script runs after swapping its import only if every argument it passes is either served (mapped onto
-book-keeping, flat clipping and secret randomness) or refused here with one line saying why and what to do,
-never with a bare TypeError.
+book-keeping or ghost clipping, flat clipping and secret randomness) or refused here with one line saying why and
+what to do, never with a bare TypeError.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from ..errors import UsageError
@@ -46,9 +47,23 @@ _WHY: dict[str, str] = {
     "grad_clip_scheduler": "make_private's optimizer keeps one max_grad_norm; leave the clipping scheduler out",
 }
 
-# Opacus' per-sample gradient modes, all served by book-keeping's exact per-example gradients; True where Opacus
-# returns (module, optimizer, criterion, data_loader), the criterion a loss wrapper (dp_loss.py)
-GRAD_SAMPLE_MODES: dict[str, bool] = {"hooks": False, "functorch": False, "ew": False, "ghost": True}
+
+@dataclass(frozen=True)
+class GradSampleMode:
+    """How make_private serves one of Opacus' per-sample gradient modes."""
+
+    method: str  # the per-example back-end (backends.py) of the returned module and optimizer
+    criterion: bool  # True: (module, optimizer, criterion, data_loader) as Opacus, the criterion from dp_loss.py
+
+
+# Opacus' modes: its per-example gradient modes by book-keeping's exact per-example gradients; its ghost clipping
+# by ghost.py's (the same per-example norms, never every per-example gradient at once)
+GRAD_SAMPLE_MODES: dict[str, GradSampleMode] = {
+    "hooks": GradSampleMode("bookkeeping", criterion=False),
+    "functorch": GradSampleMode("bookkeeping", criterion=False),
+    "ew": GradSampleMode("bookkeeping", criterion=False),
+    "ghost": GradSampleMode("ghost", criterion=True),
+}
 DEFAULT_GRAD_SAMPLE_MODE = "hooks"  # Opacus' default
 
 _ADAPTIVE = "an option of clipping='adaptive', which equiconvert does not support (flat clipping only); leave it out"
@@ -79,8 +94,8 @@ def check_opacus_arguments(given: Mapping[str, Any]) -> None:
     grad_sample_mode = given.get("grad_sample_mode", DEFAULT_GRAD_SAMPLE_MODE)
     if grad_sample_mode not in GRAD_SAMPLE_MODES:
         raise OpacusArgumentError(
-            f"grad_sample_mode={grad_sample_mode!r} is not supported: choose one of {tuple(GRAD_SAMPLE_MODES)} (all "
-            "give exact per-example gradients by book-keeping; 'ghost' also returns the criterion, as Opacus does)"
+            f"grad_sample_mode={grad_sample_mode!r} is not supported: choose one of {tuple(GRAD_SAMPLE_MODES)} (exact "
+            "per-example gradients by book-keeping; 'ghost': ghost clipping, returning the criterion as Opacus does)"
         )
     if isinstance(given.get("max_grad_norm"), (list, tuple)):
         raise OpacusArgumentError(

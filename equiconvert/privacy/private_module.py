@@ -7,7 +7,11 @@ every layer that owns trainable parameters, its input and the gradient of its ou
 `per_sample_gradients()` then forms each example's gradient layer by layer with the
 book-keeping back-end of backends.py (closed forms for convolutions, steerable
 convolutions, linear layers and embeddings, the vmapped VJP of the layer alone for
-norms and any other layer that owns its parameters).
+norms and any other layer that owns its parameters). `accumulate_clipped()` gives the
+optimizer the clipped sum by the back-end of the Opacus grad_sample_mode: every
+per-example gradient at once (book-keeping), or ghost clipping (ghost.py: each layer's
+per-example norms a slice at a time, then the clipped sum as one weight gradient per
+layer), which runs in fp32 only.
 
 With aug_mult K > 1 the input is (B, K, ...): the K views of each example run as
 B*K rows and the loss takes one target per view (`y.repeat_interleave(K)`); each
@@ -24,15 +28,19 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import CallOrderError, ParameterError, PrivacyError
-from .backends import backend_for
+from .backends import BACKENDS, PRECISIONS, backend_for
 from .bookkeeping import BookkeepingUnsupportedError, LayerRecord, parametrised_layers, parameters_frozen
 from .buffer_guard import BufferGuard
 from .dp_safety import probe_dp_safety
+from .dp_step import clip_and_accumulate
+from .opacus_parity import DEFAULT_GRAD_SAMPLE_MODE, GRAD_SAMPLE_MODES
 from .validate import PrivacyValidationError
 
 LOSS_REDUCTIONS = ("mean", "sum")
-# the back-end (backends.py) of a forward and backward the user runs: book-keeping, in the model's own dtype
-BACKEND = ("bookkeeping", "fp32")
+# the precision (backends.py) of a forward and backward the user runs: the model's own dtype
+PRECISION = "fp32"
+LOW_PRECISIONS = tuple(name for name, dtype in PRECISIONS.items() if dtype is not None)
+HALF_DTYPES = (torch.bfloat16, torch.float16)
 
 
 class PerExampleGradientError(PrivacyError, RuntimeError):
@@ -49,18 +57,29 @@ class PrivateModule(nn.Module):
         loss_reduction: str = "mean",
         verify: bool = True,
         probe_batch: int | None = None,
+        grad_sample_mode: str = DEFAULT_GRAD_SAMPLE_MODE,
     ) -> None:
         """probe_batch: the examples of a batch the data loader draws (the DP-safety probe runs at that size
-        times aug_mult rows, or at the first input's rows where more)."""
+        times aug_mult rows, or at the first input's rows where more). grad_sample_mode: Opacus' name of the
+        back-end (opacus_parity.GRAD_SAMPLE_MODES)."""
         super().__init__()
         if aug_mult < 1:
             raise ParameterError(f"aug_mult must be >= 1, got {aug_mult}")
         if loss_reduction not in LOSS_REDUCTIONS:
             raise ParameterError(f"loss_reduction must be one of {LOSS_REDUCTIONS}, got {loss_reduction!r}")
-        self._backend = backend_for(*BACKEND)
+        if grad_sample_mode not in GRAD_SAMPLE_MODES:
+            raise ParameterError(
+                f"grad_sample_mode must be one of {tuple(GRAD_SAMPLE_MODES)}, got {grad_sample_mode!r}"
+            )
+        self.grad_sample_mode = grad_sample_mode
+        self._backend = backend_for(GRAD_SAMPLE_MODES[grad_sample_mode].method, PRECISION)
         if self._backend.layer_gradients is None:
-            raise ParameterError(f"make_private needs a back-end with per-layer rules; {BACKEND} has none")
+            raise ParameterError(
+                f"make_private needs a back-end with per-layer rules; {self._backend.method!r} has none"
+            )
         self._layer_gradients = self._backend.layer_gradients
+        if half := sorted({str(p.dtype) for p in module.parameters() if p.requires_grad and p.dtype in HALF_DTYPES}):
+            self._refuse_low_precision(f"the model's trainable parameters are {', '.join(half)}")
         self._backend.check_supported(module)  # refuses shared parameters and parametrised containers, by name
         self._module = module
         self.aug_mult = aug_mult
@@ -80,9 +99,28 @@ class PrivateModule(nn.Module):
         with self._guard.watch(x):  # a training forward sees private data: buffers may not keep anything of it
             return self._training_forward(x, *args, **kwargs)
 
+    @property
+    def method(self) -> str:
+        """The per-example gradient back-end in use (backends.py): "bookkeeping" or "ghost"."""
+        return self._backend.method
+
+    def _refuse_low_precision(self, where: str) -> None:
+        """A back-end registered for fp32 only (ghost clipping) refuses a model or forward below fp32, before it runs."""
+        if any((self._backend.method, precision) in BACKENDS for precision in LOW_PRECISIONS):
+            return
+        served = [m for m, mode in GRAD_SAMPLE_MODES.items() if (mode.method, LOW_PRECISIONS[0]) in BACKENDS]
+        raise ParameterError(
+            f"grad_sample_mode={self.grad_sample_mode!r} runs in fp32 only, but {where}: train in fp32 (no "
+            f"autocast), or use grad_sample_mode={served[0]!r} (book-keeping, which takes bf16 autocast)"
+        )
+
     def _training_forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():
             return self._module(x, *args, **kwargs)
+        if torch.is_autocast_enabled(x.device.type):
+            self._refuse_low_precision(
+                f"the forward runs under torch.autocast({torch.get_autocast_dtype(x.device.type)})"
+            )
         if self._record is not None and self._record.grads:
             raise CallOrderError(
                 "a second training forward before optimizer.step(): call optimizer.step() after each "
@@ -156,8 +194,8 @@ class PrivateModule(nn.Module):
                 f"make_private: the check that the model keeps examples apart could not run ({error})", stacklevel=3
             )
 
-    def per_sample_gradients(self) -> dict[nn.Parameter, torch.Tensor]:
-        """Each example's gradient (mean over its views) of every trainable parameter, from the last forward/backward."""
+    def _checked_record(self) -> LayerRecord:
+        """The last forward/backward's record, refused where it cannot give true per-example gradients."""
         record = self._record
         if record is None:
             raise CallOrderError("no recorded training forward: run the model in train mode and loss.backward() first")
@@ -172,7 +210,24 @@ class PrivateModule(nn.Module):
                 f"the inputs of layers {changed} were modified in place after those layers ran; their "
                 "per-example gradients would be wrong: make that operation out of place"
             )
-        scale = float(self._examples) if self.loss_reduction == "mean" else 1.0 / self.aug_mult
+        return record
+
+    @property
+    def _scale(self) -> float:
+        """From a layer's gradient of the reduced loss to each example's gradient of its mean loss over its views."""
+        return float(self._examples) if self.loss_reduction == "mean" else 1.0 / self.aug_mult
+
+    def accumulate_clipped(self, max_grad_norm: float, into: dict[nn.Parameter, torch.Tensor]) -> torch.Tensor | int:
+        """Add the last forward/backward's examples' gradients, each clipped to max_grad_norm (a non-finite one as
+        zero), to `into` by parameter, by this module's back-end; returns how many examples were non-finite."""
+        if self._backend.recorded_clipped_sum is None:
+            return clip_and_accumulate(self.per_sample_gradients(), max_grad_norm, into)
+        record = self._checked_record()
+        return self._backend.recorded_clipped_sum(record, self.aug_mult, self._scale, max_grad_norm, into)
+
+    def per_sample_gradients(self) -> dict[nn.Parameter, torch.Tensor]:
+        """Each example's gradient (mean over its views) of every trainable parameter, from the last forward/backward."""
+        record, scale = self._checked_record(), self._scale
         grads: dict[nn.Parameter, torch.Tensor] = {}
         for name, layer in record.layers.items():
             per_layer = self._layer_gradients(layer, record.inputs[name], record.grads[name], self.aug_mult)

@@ -21,7 +21,9 @@ def test_ratios_are_each_engines_step_peak_over_opacus():
 def test_tiny_run_writes_json(tmp_path):
     dp_memory = load_benchmark("dp_memory")
     out = tmp_path / "dp_memory.json"
-    assert dp_memory.main(["--tiny", "--device", "cpu", "--engines", "ghost", "--out", str(out)]) == 0
+    engines = ("ghost", "make_private_ghost")
+    assert dp_memory.main(["--tiny", "--device", "cpu", "--engines", ",".join(engines), "--out", str(out)]) == 0
     report = json.loads(out.read_text())
     assert report["model"] == "TinyNet -> C4" and report["batch"] == 4
-    assert report["engines"]["ghost"]["engine_peak_mib"] >= 0, report["engines"]["ghost"]
+    for engine in engines:
+        assert report["engines"][engine]["engine_peak_mib"] >= 0, report["engines"][engine]

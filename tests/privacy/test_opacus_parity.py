@@ -159,7 +159,7 @@ def test_opacus_grad_sample_modes_map_to_bookkeeping(mode):
         noise_generator=None,
         criterion=namespace["criterion"],
     )
-    assert len(made) == 3
+    assert len(made) == 3 and made[0].method == "bookkeeping"
 
 
 @pytest.mark.parametrize(

@@ -13,7 +13,7 @@ engine holds between steps (per-example gradients kept, optimizer state) and wha
   process, warm-up included, is used instead (`measured_by` says which).
 
 Engines: `bookkeeping` (DPTrainer, per_sample_method="bookkeeping": every per-example gradient at once), `ghost`
-(DPTrainer, per_sample_method="ghost": per-layer norms, then a second backward), `make_private_ghost`
+(DPTrainer, per_sample_method="ghost": per-layer norms, then the clipped sum, from one recorded backward), `make_private_ghost`
 (make_private(..., grad_sample_mode="ghost") under the user's loop: per-layer norms and clipped sums from its one
 backward), `opacus_hooks` (Opacus'
 GradSampleModule with equiconvert's registered samplers) and `opacus_ghost` (Opacus' ghost clipping), as

@@ -159,10 +159,9 @@ def _bookkeeping(precision: str) -> Backend:
 @register_backend("ghost", "fp32")
 def _ghost(precision: str) -> Backend:
     """Ghost clipping (ghost.py): book-keeping's rules for each layer's per-example norms, one layer at a time, then
-    the clipped sum from a second backward; peak memory near a non-private step's. Its per-example gradients, for a
-    caller that asks for them, are book-keeping's. fp32 only: the clip bound needs the second backward to repeat
-    the first's output gradients, which bf16 kernels with a non-deterministic order could round apart by far more
-    than fp32's rounding. Under make_private the user's one backward is recorded and read twice (norms, then sum)."""
+    the clipped sum, both read from one recorded backward; peak memory near a non-private step's. Its per-example
+    gradients, for a caller that asks for them, are book-keeping's. fp32 only: its bf16 path is not yet checked
+    against book-keeping's. Under make_private the user's own backward is the recorded one."""
     dtype = PRECISIONS[precision]
     bookkeeping = _bookkeeping(precision)
     return Backend(

@@ -177,12 +177,10 @@ def check_bookkeeping_supported(model: nn.Module) -> None:
 @dataclass
 class LayerRecord:
     """One forward's layer inputs and (after backward) output gradients, by layer path: what the per-layer rules
-    take. `twice` says what to do where a layer runs more than once in a forward (its caller's remedy).
-    `on_grad(name, grad)`, where given, receives each output gradient instead of `grads` (which then stays empty)."""
+    take. `twice` says what to do where a layer runs more than once in a forward (its caller's remedy)."""
 
     layers: dict[str, nn.Module]
     twice: str
-    on_grad: Callable[[str, torch.Tensor], None] | None = None
     inputs: dict[str, torch.Tensor] = field(default_factory=dict)
     grads: dict[str, torch.Tensor] = field(default_factory=dict)
     versions: dict[str, int] = field(default_factory=dict)  # of each kept input: an in-place change shows
@@ -211,16 +209,13 @@ class LayerRecord:
             if not output.requires_grad:  # nothing before this layer needs a gradient: the backward starts here
                 # a copy of a fresh leaf, so that in-place ops after the layer (ReLU(inplace=True)) stay allowed
                 output = replaced = output.detach().requires_grad_(True).clone()
-            output.register_hook(lambda grad: self._received(name, grad))
+            output.register_hook(lambda grad: self._keep_grad(name, grad))
             return replaced
 
         return hook
 
-    def _received(self, name: str, grad: torch.Tensor) -> None:
-        if self.on_grad is None:
-            self.grads[name] = grad
-        else:
-            self.on_grad(name, grad)
+    def _keep_grad(self, name: str, grad: torch.Tensor) -> None:
+        self.grads[name] = grad
 
     def inputs_changed(self) -> list[str]:
         """Layers whose kept input was modified in place after they ran: their gradients would be wrong."""

@@ -2,22 +2,21 @@
 
 Book-keeping (bookkeeping.py) forms every parameter's per-example gradient before clipping: B copies of the
 model's gradient at once. Here the batch runs through one forward (parameters frozen, each parametrised layer's
-input kept, as book-keeping) and two backwards that compute activation gradients only:
+input kept, as book-keeping) and one backward that computes activation gradients only and keeps each layer's
+output gradient (the graph is freed as it goes); then each layer's input and output gradient are read twice:
 
-1. as each layer's output gradient arrives, the layer's per-example gradient is formed by book-keeping's rule for
-   a slice of the examples at a time (SLICE_BYTES), reduced to each example's squared norm and whether it is
-   finite, and dropped, with the output gradient;
-2. the whole gradients' norms give the clip factors (dp_step.py); the second backward gives each layer its output
-   gradient again, and that gradient with each example's rows scaled by its factor (a non-finite example's rows,
-   and its inputs, zeroed) pulled back through the layer alone is the layer's clipped sum: an ordinary weight
-   gradient, with no per-example dimension.
+1. the layer's per-example gradient is formed by book-keeping's rule for a slice of the examples at a time
+   (SLICE_BYTES), reduced to each example's squared norm and whether it is finite, and dropped;
+2. the whole gradients' norms give the clip factors (dp_step.py); the output gradient with each example's rows
+   scaled by its factor (a non-finite example's rows, and its inputs, zeroed) pulled back through the layer alone
+   is the layer's clipped sum: an ordinary weight gradient, with no per-example dimension. The layer's input and
+   output gradient are released once its sum is taken.
 
 The norms are book-keeping's, exact for every layer type it serves (steerable convs: the norm of the basis
-coefficients' gradient, as DP-SGD clips). The bound relies on the second backward reproducing the first's output
-gradients: on the CPU it does exactly (the same deterministic computation); a CUDA kernel with a
-non-deterministic accumulation order may round them apart at fp32's rounding, the level of any float clipping.
-Under bf16 that difference would be about 0.4%, so the back-end is registered for fp32 only. Peak memory is that of a
-non-private step (activations, one layer's output gradient) plus one slice of one layer's per-example gradient.
+coefficients' gradient, as DP-SGD clips), and the norms and the sum read the same output gradients, so the clip
+bound holds to the rounding of one fp32 product. The back-end is registered for fp32; its bf16 path is not yet
+checked against book-keeping's. Peak memory is that of a non-private step's forward and backward (activations,
+then the layers' inputs and output gradients) plus one slice of one layer's per-example gradient.
 """
 
 from __future__ import annotations
@@ -107,34 +106,6 @@ def layer_clipped_sum(
     return dict(zip(params, sums))
 
 
-class _TwoPasses:
-    """The output-gradient hook of both backwards: squared norms in the first, clipped sums in the second."""
-
-    def __init__(self, record: LayerRecord, views: int) -> None:
-        self.record, self.views = record, views
-        self.trainable = {name: trainable_names(layer) for name, layer in record.layers.items()}
-        self.squares: dict[str, torch.Tensor] = {}
-        self.finite: dict[str, torch.Tensor] = {}
-        self.row_weights: torch.Tensor | None = None  # set between the passes
-        self.sums: dict[str, torch.Tensor] = {}
-
-    def __call__(self, name: str, grad: torch.Tensor) -> None:
-        layer = self.record.layers[name]
-        if self.row_weights is None:
-            inputs = self.record.inputs[name]
-            with record_function(f"equiconvert/ghost_norms/{type(layer).__name__}"):
-                self.squares[name], self.finite[name] = layer_squared_norms(
-                    layer, inputs, grad, self.views, self.trainable[name]
-                )
-            return
-        inputs = self.record.inputs.pop(name)  # the layer's last use of its input: released with its sum
-        with record_function(f"equiconvert/ghost_sum/{type(layer).__name__}"):
-            for param_name, value in layer_clipped_sum(
-                layer, inputs, grad, self.row_weights, self.trainable[name]
-            ).items():
-                self.sums[f"{name}.{param_name}" if name else param_name] = value
-
-
 def recorded_clipped_sum(
     record: LayerRecord,
     views: int,
@@ -182,25 +153,20 @@ def accumulate_clipped_ghost(
     """Add the sum of each example's gradient of its mean loss over its K views, clipped to max_grad_norm, to `into`
     (by parameter name, in place); an example with a non-finite gradient adds zero (nonfinite.py).
 
-    views (B, K, C, H, W) -> (losses (B,), how many examples were non-finite (a device tensor)).
+    views (B, K, C, H, W) -> (losses (B,), how many examples were non-finite (a device tensor)). One forward and
+    one backward that computes activation gradients only; the graph is freed by that backward, and each layer's
+    kept input and output gradient are then read twice by recorded_clipped_sum (norms, then the clipped sum).
     """
-    num_views = views.shape[1]
     record = LayerRecord(parametrised_layers(model), twice="use the vmap method")
-    passes = _TwoPasses(record, num_views)
-    record.on_grad = passes
     with parameters_frozen(model):
         inputs, losses = recorded_losses(model, record, views, labels, loss_fn, autocast_dtype)
         check_inputs_unchanged(record)
-        with record_function("equiconvert/ghost_backward_norms"):
-            torch.autograd.grad(losses.sum(), inputs, retain_graph=True)
-        if missing := [name for name in record.layers if name not in passes.squares]:
-            raise BookkeepingUnsupportedError(f"layers {missing} did not take part in the forward pass")
-        norms = torch.stack(list(passes.squares.values())).sum(0).sqrt()
-        finite = torch.stack(list(passes.finite.values())).all(0)
-        factors = torch.where(finite, clip_factors(norms, max_grad_norm), 0.0)
-        passes.row_weights = factors.repeat_interleave(num_views)
-        with record_function("equiconvert/ghost_backward_sums"):
+        with record_function("equiconvert/ghost_backward"):
             torch.autograd.grad(losses.sum(), inputs)
-    order = [name for name, p in model.named_parameters() if p.requires_grad]
-    add_into(into, {name: passes.sums[name] for name in order})
-    return losses.detach(), (~finite).sum()
+    if missing := [name for name in record.layers if name not in record.grads]:
+        raise BookkeepingUnsupportedError(f"layers {missing} did not take part in the forward pass")
+    names = {param: name for name, param in model.named_parameters() if param.requires_grad}
+    by_parameter: dict[nn.Parameter, torch.Tensor] = {}
+    nonfinite = recorded_clipped_sum(record, views.shape[1], 1.0, max_grad_norm, by_parameter)
+    add_into(into, {names[param]: value for param, value in by_parameter.items()})
+    return losses.detach(), nonfinite

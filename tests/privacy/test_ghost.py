@@ -124,7 +124,7 @@ def test_ghost_is_registered_for_fp32_only():
     backend = backend_for("ghost", "fp32")
     assert backend.clipped_sum is not None and backend.method == "ghost"
     assert "ghost" in PER_SAMPLE_METHODS
-    # bf16 kernels may round the second backward apart from the first: the clip bound would not hold
+    # its bf16 path is not checked against book-keeping's: refused rather than served unchecked
     with pytest.raises(UnknownBackendError, match="ghost"):
         backend_for("ghost", "bf16")
 

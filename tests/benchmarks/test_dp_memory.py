@@ -1,6 +1,7 @@
 """benchmarks/dp_memory.py: the ratios to Opacus, and the JSON of a --tiny run (an engine in its own subprocess)."""
 
 import json
+import math
 
 from tests.support.benchmark_scripts import load_benchmark
 
@@ -26,4 +27,8 @@ def test_tiny_run_writes_json(tmp_path):
     report = json.loads(out.read_text())
     assert report["model"] == "TinyNet -> C4" and report["batch"] == 4
     for engine in engines:
-        assert report["engines"][engine]["engine_peak_mib"] >= 0, report["engines"][engine]
+        record = report["engines"][engine]
+        # a tiny engine's memory is within the resident set's noise (freed pages can take it below zero): the
+        # engine ran and was measured, its size is for the full-size run
+        assert math.isfinite(record["engine_peak_mib"]) and record["process_peak_mib"] > 0, record
+        assert record["measured_by"].startswith(("VmHWM", "ru_maxrss")), record

@@ -2,7 +2,8 @@
 DPLossFastGradientClipping.
 
 Opacus' ghost clipping packs two backward passes into its loss wrapper; make_private's ghost clipping needs one
-ordinary backward (its norms and clipped sum read the layers' recorded output gradients: ghost.py). This wrapper reduces the loss as Opacus' does (each example's loss, a sequence's tokens averaged or summed into
+ordinary backward (its norms and clipped sum read the layers' recorded output gradients: ghost.py). This wrapper
+reduces the loss as Opacus' does (each example's loss, a sequence's tokens averaged or summed into
 one example where `shape` says so, then the mean or sum over the batch) and returns a plain tensor, so the loop
 `loss = criterion(model(x), y); loss.backward(); optimizer.step()` runs unchanged.
 """

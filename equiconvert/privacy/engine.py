@@ -8,9 +8,10 @@ or `PrivacyEngine().make_private(...)` with Opacus' signature, so that an Opacus
 changes only its import. The loop stays the user's: forward, `loss.backward()`,
 `optimizer.step()`. Per-example gradients come from book-keeping (private_module.py)
 instead of Opacus' hooks, or with grad_sample_mode="ghost" only their norms and the clipped sum, by ghost
-clipping (ghost.py), which never holds every per-example gradient at once; the step from dp_optimizer.py (its clipping and noise: dp_step.py); Poisson
-batches from dp_loader.py; epsilon from Opacus' accountants (accounting.py). Opacus' other arguments are
-served or refused by name (opacus_parity.py); checkpoints: engine_checkpoint.py.
+clipping (ghost.py), which never holds every per-example gradient at once; the step from dp_optimizer.py (its
+clipping and noise: dp_step.py); Poisson batches from dp_loader.py; epsilon from Opacus' accountants
+(accounting.py). Opacus' other arguments are served or refused by name (opacus_parity.py); checkpoints:
+engine_checkpoint.py.
 """
 
 from __future__ import annotations

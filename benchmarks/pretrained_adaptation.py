@@ -20,6 +20,7 @@ Each is tested on the upright test digits and on the same digits turned by a ran
 --workers parallel processes. JSON summary: every run, and per epsilon and model the median over seeds.
 Usage: python benchmarks/pretrained_adaptation.py --epsilons 1,3,8 --seeds 0,1,2 --out results/adaptation.json
        python benchmarks/pretrained_adaptation.py --tiny          # a smoke run of a few steps
+       ... --arms pretrained_carried --merge --out results/adaptation.json   # add one model to a summary
 """
 
 from __future__ import annotations
@@ -186,30 +187,53 @@ def carried(pretrained: nn.Module, group: str, public_images: torch.Tensor) -> t
     return model, carry_weights(pretrained, model, _normalised(public_images[:CARRY_PROBE_IMAGES]))
 
 
-def candidates(
+Candidate = tuple[nn.Module, object, CarryReport | None]  # the model, its loss_fn (None: cross-entropy), its carry
+
+
+def scratch_converted(
     pretrained: nn.Module, public_images: torch.Tensor, args: argparse.Namespace, seed: int
-) -> dict[str, tuple[nn.Module, object, CarryReport | None]]:
-    """The four models to fine-tune, each with its loss_fn (None: cross-entropy) and its carry report (or None)."""
-    group = args.group
+) -> Candidate:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the report's notes on the padded input size
-        scratch = make_equivariant(
+        model = make_equivariant(
             SmallCNN(),
-            group,
+            args.group,
             head="invariant",
             input_size=SIZE,
             pad_to_valid=True,
             config={"unit_invariants": args.unit_invariants == "on"},
         )
-    wrapped = canonicalize(copy.deepcopy(pretrained), group, in_channels=1, fields=2, kernel_size=5, pool=2)
+    return model, None, None
+
+
+def pretrained_as_is(
+    pretrained: nn.Module, public_images: torch.Tensor, args: argparse.Namespace, seed: int
+) -> Candidate:
+    return copy.deepcopy(pretrained), None, None
+
+
+def pretrained_carried(
+    pretrained: nn.Module, public_images: torch.Tensor, args: argparse.Namespace, seed: int
+) -> Candidate:
+    model, carry = carried(pretrained, args.group, public_images)
+    return model, None, carry
+
+
+def pretrained_canonicalized(
+    pretrained: nn.Module, public_images: torch.Tensor, args: argparse.Namespace, seed: int
+) -> Candidate:
+    wrapped = canonicalize(copy.deepcopy(pretrained), args.group, in_channels=1, fields=2, kernel_size=5, pool=2)
     teach_upright_pose(wrapped, public_images, args.sizes["pose_steps"], seed, args.device)
-    carried_model, carry = carried(pretrained, group, public_images)
-    return {
-        "scratch_converted": (scratch, None, None),
-        "pretrained": (copy.deepcopy(pretrained), None, None),
-        "pretrained_carried": (carried_model, None, carry),
-        "pretrained_canonicalized": (wrapped, pose_prior_loss(wrapped, weight=args.prior_weight), None),
-    }
+    return wrapped, pose_prior_loss(wrapped, weight=args.prior_weight), None
+
+
+# the models each cell fine-tunes, by name; built only when --arms asks for them
+ARMS = {
+    "scratch_converted": scratch_converted,
+    "pretrained": pretrained_as_is,
+    "pretrained_carried": pretrained_carried,
+    "pretrained_canonicalized": pretrained_canonicalized,
+}
 
 
 Split = tuple[torch.Tensor, torch.Tensor]
@@ -257,8 +281,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
     parser.add_argument("--workers", type=int, default=1, help="cells run in this many processes at once")
     parser.add_argument("--tiny", action="store_true", help="a few steps on a few examples (a smoke test)")
+    parser.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated models to fine-tune, of {list(ARMS)}")
     parser.add_argument("--out", default=None, help="JSON file (default: print only)")
+    parser.add_argument(
+        "--merge",
+        action="store_true",
+        help="keep the runs already in --out: a cell run again adds its arms to the same (epsilon, seed) run there",
+    )
     args = parser.parse_args(argv)
+    args.arms = args.arms.split(",")
+    if unknown := [name for name in args.arms if name not in ARMS]:
+        parser.error(f"--arms: unknown {unknown}; choose from {list(ARMS)}")
+    if args.merge and not args.out:
+        parser.error("--merge needs --out, the summary whose runs it keeps")
     args.epsilons = [float(value) for value in args.epsilons.split(",")]
     args.seeds = [int(value) for value in args.seeds.split(",")]
     if args.workers < 1:
@@ -274,7 +309,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def run_cell(args: argparse.Namespace, epsilon: float, seed: int) -> dict:
-    """Pretrain with `seed`, then fine-tune the three models privately at `epsilon`; their test accuracies."""
+    """Pretrain with `seed`, then fine-tune each model of --arms privately at `epsilon`; their test accuracies."""
     sizes = args.sizes
     public, public_test, private, private_test = TASKS[args.task](args)
     pretrain_set = subset(*public, sizes["pretrain_examples"], seed)
@@ -285,7 +320,8 @@ def run_cell(args: argparse.Namespace, epsilon: float, seed: int) -> dict:
 
     sigma = noise_multiplier(args, epsilon, len(train[1]))
     results = {}
-    for name, (model, loss_fn, carry) in candidates(pretrained, pretrain_set[0], args, seed).items():
+    for name in args.arms:
+        model, loss_fn, carry = ARMS[name](pretrained, pretrain_set[0], args, seed)
         before = accuracy(model, upright, labels) if carry is not None else None
         trainer = fine_tune(model, loss_fn, train, sigma, args, seed)
         results[name] = {
@@ -320,26 +356,41 @@ def run_cell(args: argparse.Namespace, epsilon: float, seed: int) -> dict:
 
 
 def medians(runs: list[dict]) -> list[dict]:
-    """Per epsilon and model: the median over seeds of the upright and the turned test accuracy."""
+    """Per epsilon and model: the median over the seeds that ran it of the upright and the turned test accuracy."""
     table = []
     for epsilon in sorted({run["target_epsilon"] for run in runs}):
         cells = [run for run in runs if run["target_epsilon"] == epsilon]
-        for name in cells[0]["results"]:
-            row = {"epsilon": epsilon, "model": name, "seeds": [run["seed"] for run in cells]}
+        names = [name for name in ARMS if any(name in run["results"] for run in cells)]
+        for name in names:
+            ran = [run for run in cells if name in run["results"]]
+            row = {"epsilon": epsilon, "model": name, "seeds": [run["seed"] for run in ran]}
             for key in ("upright_accuracy", "turned_accuracy"):
-                values = [run["results"][name][key] for run in cells]
+                values = [run["results"][name][key] for run in ran]
                 row[key] = statistics.median(values)
                 row[key.replace("accuracy", "range")] = [min(values), max(values)]
             table.append(row)
     return table
 
 
+def fine_tune_settings(args: argparse.Namespace) -> dict:
+    """What every fine-tuning of a summary shares (--merge refuses a summary whose settings differ)."""
+    return {
+        "steps": args.steps,
+        "batch_size": args.batch_size,
+        "lr": args.lr,
+        "momentum": args.momentum,
+        "prior_weight": args.prior_weight,
+        "accountant": ACCOUNTANT,
+        "unit_invariants": args.unit_invariants,
+    }
+
+
 def summarise(args: argparse.Namespace, runs: list[dict]) -> dict:
     return {
         "task": args.task,
         "group": args.group,
-        "epsilons": args.epsilons,
-        "seeds": args.seeds,
+        "epsilons": sorted({run["target_epsilon"] for run in runs}),
+        "seeds": sorted({run["seed"] for run in runs}),
         "tiny": args.tiny,
         "device": args.device,
         "pretrain": {
@@ -348,15 +399,7 @@ def summarise(args: argparse.Namespace, runs: list[dict]) -> dict:
             "batch_size": 128,
             "optimizer": "adam 2e-3",
         },
-        "fine_tune": {
-            "steps": args.steps,
-            "batch_size": args.batch_size,
-            "lr": args.lr,
-            "momentum": args.momentum,
-            "prior_weight": args.prior_weight,
-            "accountant": ACCOUNTANT,
-            "unit_invariants": args.unit_invariants,
-        },
+        "fine_tune": fine_tune_settings(args),
         "table": medians(runs),
         "runs": sorted(runs, key=lambda run: (run["target_epsilon"], run["seed"])),
     }
@@ -371,18 +414,41 @@ def write(args: argparse.Namespace, runs: list[dict]) -> str:
     return text
 
 
+def merged(earlier: list[dict], run: dict) -> list[dict]:
+    """`earlier` with `run`'s arms added to its (epsilon, seed) run (which must share its noise), or `run` appended."""
+    key = (run["target_epsilon"], run["seed"])
+    for kept in earlier:
+        if (kept["target_epsilon"], kept["seed"]) == key:
+            if kept["noise_multiplier"] != run["noise_multiplier"]:
+                raise SystemExit(f"--merge: epsilon {key[0]}, seed {key[1]} ran with other DP settings in --out")
+            kept["results"].update(run["results"])
+            return earlier
+    return [*earlier, run]
+
+
+def earlier_runs(args: argparse.Namespace) -> list[dict]:
+    """The runs --merge keeps: those of --out, read before any cell starts (a bad file fails at once)."""
+    if not args.merge or not Path(args.out).exists():
+        return []
+    earlier = json.loads(Path(args.out).read_text())
+    same = (earlier.get("task"), earlier.get("group"), earlier.get("tiny"), earlier.get("fine_tune"))
+    if same != (args.task, args.group, args.tiny, fine_tune_settings(args)):
+        raise SystemExit(f"--merge: {args.out} holds another task, group, size or fine-tuning; give a new --out")
+    return earlier["runs"]
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     cells = [(epsilon, seed) for epsilon in args.epsilons for seed in args.seeds]
-    runs: list[dict] = []
+    runs = earlier_runs(args)
     if args.workers == 1:
         for epsilon, seed in cells:
-            runs.append(run_cell(args, epsilon, seed))
+            runs = merged(runs, run_cell(args, epsilon, seed))
             text = write(args, runs)
     else:  # spawn: CUDA cannot be shared with forked children
         with ProcessPoolExecutor(args.workers, mp_context=get_context("spawn")) as pool:
             for future in as_completed([pool.submit(run_cell, args, epsilon, seed) for epsilon, seed in cells]):
-                runs.append(future.result())
+                runs = merged(runs, future.result())
                 text = write(args, runs)
     print(text)
     return 0

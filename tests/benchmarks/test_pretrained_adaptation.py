@@ -76,3 +76,33 @@ def test_teaching_the_upright_pose_moves_held_out_public_images_toward_the_ident
     assert after < before - 0.05, (before, after)  # from ln(4) = 1.386, the loss of four equal scores
     # quarter turns are the easy part: nearly every upright image is then read as rot0 or rot180
     assert sum(pose in ("rot0", "rot180") for pose in model.poses(held_out)) > 0.9 * len(held_out)
+
+
+@pytest.mark.skipif(not FASHION.is_dir(), reason=f"needs Fashion-MNIST in {FASHION}")
+def test_arms_run_alone_and_merge_adds_them_to_the_summarys_runs(tmp_path):
+    module = load_benchmark("pretrained_adaptation")
+    out = tmp_path / "summary.json"
+    common = ["--tiny", "--fashion-dir", str(FASHION), "--seeds", "0", "--out", str(out)]
+    assert module.main([*common, "--arms", "pretrained"]) == 0
+    (run,) = json.loads(out.read_text())["runs"]
+    assert set(run["results"]) == {"pretrained"}  # no other model was built or trained
+    assert module.main([*common, "--arms", "scratch_converted", "--merge"]) == 0
+    summary = json.loads(out.read_text())
+    (run,) = summary["runs"]
+    assert set(run["results"]) == {"pretrained", "scratch_converted"}
+    assert [row["model"] for row in summary["table"]] == ["scratch_converted", "pretrained"]
+    # without --merge the summary holds this invocation's runs only
+    assert module.main([*common, "--arms", "pretrained"]) == 0
+    assert set(json.loads(out.read_text())["runs"][0]["results"]) == {"pretrained"}
+    with pytest.raises(SystemExit, match="another task, group, size or fine-tuning"):
+        module.main([*common, "--arms", "pretrained", "--merge", "--lr", "0.5"])
+
+
+def test_unknown_arms_and_merge_without_out_are_refused_before_any_work(capsys):
+    module = load_benchmark("pretrained_adaptation")
+    with pytest.raises(SystemExit):
+        module.parse_args(["--arms", "pretrained,carried"])
+    assert "--arms: unknown ['carried']; choose from ['scratch_converted'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        module.parse_args(["--merge"])
+    assert "--merge needs --out" in capsys.readouterr().err

@@ -11,14 +11,17 @@ Usage: python benchmarks/shift_averaging.py --data-dir /usr/share/datasets/fashi
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 import torch
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+for _path in (Path(__file__).resolve().parents[1], Path(__file__).resolve().parent):  # the package, the siblings
+    if str(_path) not in sys.path:
+        sys.path.insert(0, str(_path))
+
+from json_output import emit  # noqa: E402
 
 from equiconvert.data import load_dataset  # noqa: E402
 from equiconvert.models.equivariant_resnet9 import equivariant_resnet9  # noqa: E402
@@ -71,11 +74,7 @@ def main(argv: list[str] | None = None) -> int:
         "plain": measure(None),
         "shift_averaged": {name: measure(shifts) for name, shifts in sets.items()},
     }
-    text = json.dumps(result, indent=2)
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(text + "\n")
-    print(text)
+    print(emit(result, args.out))
     return 0
 
 

@@ -23,7 +23,7 @@ if str(_HERE) not in sys.path:
     sys.path.insert(0, str(_HERE))
 
 from json_output import emit  # noqa: E402
-from pretrained_adaptation import TASKS, SmallCNN, _normalised, canonicalize, subset, teach_upright_pose  # noqa: E402
+from pretrained_adaptation import CANONICALIZER, TASKS, SmallCNN, _normalised, canonicalize, subset, teach_upright_pose  # noqa: E402
 
 from equiconvert.adapt.canonicalize import IDENTITY  # noqa: E402
 
@@ -37,7 +37,7 @@ def identity_share(model, images: torch.Tensor) -> float:
 def measure(args: argparse.Namespace, fields: int, steps: int, seed: int, splits) -> dict:
     public, public_test, _, private_test = splits
     torch.manual_seed(seed)
-    model = canonicalize(SmallCNN(), args.group, in_channels=1, fields=fields, kernel_size=5, pool=args.pool)
+    model = canonicalize(SmallCNN(), args.group, **{**CANONICALIZER, "fields": fields, "pool": args.pool})
     teach_upright_pose(model, public[0], steps, seed, "cpu")
     return {
         "fields": fields,
@@ -66,9 +66,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--mnist", default="/work/shared/data/mnist-10k.npz", help="mnist-10k.npz (or a folder)")
     parser.add_argument("--task", choices=sorted(TASKS), default="fashion_split")
     parser.add_argument("--group", default="C4", help="C4 or D4")
-    parser.add_argument("--fields", default="2", help="comma-separated canonicaliser widths (regular fields)")
+    parser.add_argument(
+        "--fields", default=str(CANONICALIZER["fields"]), help="comma-separated canonicaliser widths (regular fields)"
+    )
     parser.add_argument("--pose-steps", default="2000", help="comma-separated Adam steps of teaching")
-    parser.add_argument("--pool", type=int, default=2, help="the canonicaliser's input pooling")
+    parser.add_argument("--pool", type=int, default=CANONICALIZER["pool"], help="the canonicaliser's input pooling")
     parser.add_argument("--seeds", default="0")
     parser.add_argument("--test-examples", type=int, default=1000, help="upright test images per split")
     parser.add_argument("--out", default=None, help="JSON file (default: print only)")

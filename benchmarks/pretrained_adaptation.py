@@ -39,7 +39,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+for _path in (Path(__file__).resolve().parents[1], Path(__file__).resolve().parent):  # the package, the siblings
+    if str(_path) not in sys.path:
+        sys.path.insert(0, str(_path))
+
+from json_output import emit  # noqa: E402
 
 from equiconvert import (  # noqa: E402
     CanonicalizedModel,
@@ -63,6 +67,13 @@ ACCOUNTANT = "rdp"
 # pretrained_carried's conversion: one regular field per channel, mean group pooling, a basis spanning 3x3 filters
 CARRY_CONFIG = {"invariant_pool": "mean", "unit_invariants": False, "basis_cutoff": 5.0}
 CARRY_PROBE_IMAGES = 64  # public images on which the carried model's logit error is measured
+# pretrained_canonicalized's canonicaliser (pose_transfer.py varies its fields and pool)
+CANONICALIZER = {
+    "in_channels": 1,
+    "fields": 2,
+    "kernel_size": 5,
+    "pool": 2,
+}
 
 
 class SmallCNN(nn.Module):
@@ -222,7 +233,7 @@ def pretrained_carried(
 def pretrained_canonicalized(
     pretrained: nn.Module, public_images: torch.Tensor, args: argparse.Namespace, seed: int
 ) -> Candidate:
-    wrapped = canonicalize(copy.deepcopy(pretrained), args.group, in_channels=1, fields=2, kernel_size=5, pool=2)
+    wrapped = canonicalize(copy.deepcopy(pretrained), args.group, **CANONICALIZER)
     teach_upright_pose(wrapped, public_images, args.sizes["pose_steps"], seed, args.device)
     return wrapped, pose_prior_loss(wrapped, weight=args.prior_weight), None
 
@@ -407,11 +418,7 @@ def summarise(args: argparse.Namespace, runs: list[dict]) -> dict:
 
 def write(args: argparse.Namespace, runs: list[dict]) -> str:
     """The summary of the cells done so far, written to --out at once (a long grid keeps what it finished)."""
-    text = json.dumps(summarise(args, runs), indent=2)
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(text + "\n")
-    return text
+    return emit(summarise(args, runs), args.out)
 
 
 def merged(earlier: list[dict], run: dict) -> list[dict]:

@@ -22,6 +22,8 @@ from .bases import BUILDER_VERSION, canonical_basis, harmonic_span
 from .cache import cache_root, disk_cache_enabled
 from .groups import GroupSpec
 from .progress import basis_built
+from .errors import UnreadableFileError
+from .untrusted_file import load_weights_only
 
 BASIS_FORMAT = "v4"  # bump when the way bases are stored changes (BUILDER_VERSION: how they are built)
 _memory_cache: dict[str, torch.Tensor] = {}
@@ -138,8 +140,8 @@ def _load_or_build(
     path = basis_dir() / f"{key}.pt" if disk_cache_enabled() else None
     if path is not None and path.exists():
         try:
-            return torch.load(path, map_location="cpu", weights_only=True)
-        except Exception:  # a corrupt cache entry is rebuilt, never trusted
+            return load_weights_only(path, map_location="cpu")
+        except UnreadableFileError:  # a corrupt cache entry is rebuilt, never trusted
             pass
     basis = build_basis(group, in_repr, out_repr, kernel_size, cutoff=cutoff)
     basis_built()  # the slow case: a progress bar counts it (progress.counting_basis_builds)

@@ -78,5 +78,9 @@ class NameMismatchError(UsageError, KeyError):
         return str(self.args[0]) if self.args else ""
 
 
+class UnreadableFileError(DataError, ValueError):
+    """A file read with torch.load(weights_only=True) that is damaged, crafted or of another format."""
+
+
 class MissingFileError(DataError, FileNotFoundError):
     """A file the call needs is not where it was looked for; the message says where it looked and what to do."""

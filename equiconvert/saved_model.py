@@ -8,9 +8,6 @@ kernel bases: no escnn needed), then the weights are loaded strictly.
 from __future__ import annotations
 
 import importlib.metadata
-import pickle
-import warnings
-import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +15,8 @@ import torch
 from torch import nn
 
 from ._version import __version__
-from .errors import DataError
+from .errors import DataError, UnreadableFileError
+from .untrusted_file import load_weights_only
 from .build_recipe import CANONICALIZE, BuildRecipe, is_plain, recipe_of, remember_recipe
 
 FORMAT = "equiconvert-model"
@@ -106,17 +104,13 @@ def read(path: str | Path) -> dict[str, Any]:
             f"{path} is a directory: give the path of the model file in it (e.g. {path / 'model.pt'})"
         )
     try:
-        with warnings.catch_warnings():  # torch's note on the pickle protocol of a foreign file
-            warnings.filterwarnings("ignore", message="Detected pickle protocol")
-            state = torch.load(path, map_location="cpu", weights_only=True)
-    except FileNotFoundError:
-        raise
-    except (pickle.UnpicklingError, zipfile.BadZipFile, RuntimeError, EOFError, ValueError, OSError) as error:
+        state = load_weights_only(path, map_location="cpu")
+    except UnreadableFileError as error:
         # torch's own text suggests weights_only=False, which would run the file's code: keep it as the cause only
         raise SavedModelError(
             f"{path}: corrupt or not written by equiconvert.save (it is read with weights_only=True and never "
             "unpickled unsafely); re-save it"
-        ) from error
+        ) from error.__cause__
     if not isinstance(state, dict) or state.get("format") != FORMAT:
         raise SavedModelError(f"{path} is not an equiconvert model file (written by equiconvert.save?)")
     version = state.get("format_version")

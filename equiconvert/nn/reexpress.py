@@ -8,7 +8,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..errors import MissingFileError, NameMismatchError
+from ..errors import MissingFileError, NameMismatchError, UnreadableFileError
+from ..untrusted_file import load_weights_only
 from .conv import SteerableConv2d
 from ..bases.canonical import orthonormal_span, reexpress_coefficients
 
@@ -36,7 +37,13 @@ def legacy_bases(model: nn.Module, directory: str | Path) -> dict[str, torch.Ten
     """
     candidates = []
     for path in sorted(Path(directory).glob("*.pt")):
-        tensor = torch.load(path, map_location="cpu", weights_only=True)
+        try:
+            tensor = load_weights_only(path, map_location="cpu")
+        except UnreadableFileError as error:
+            raise UnreadableFileError(
+                f"{path}: not readable as a basis file (read with weights_only=True); remove it from {directory} "
+                "or give the directory of the old basis cache"
+            ) from error.__cause__
         if isinstance(tensor, torch.Tensor) and tensor.ndim == 5:
             candidates.append((path.name, tensor))
     found: dict[str, torch.Tensor] = {}

@@ -10,15 +10,14 @@ start (`remove_stale_temporaries`).
 from __future__ import annotations
 
 import os
-import pickle
 import tempfile
-import zipfile
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from ..errors import DataError
+from ..errors import DataError, UnreadableFileError
+from ..untrusted_file import load_weights_only
 
 OWNER_ONLY = 0o600
 _TMP_SUFFIX = ".tmp"
@@ -79,13 +78,13 @@ def load(path: str | Path) -> dict[str, Any]:
             f"checkpoint {path} is empty (a save was interrupted?): delete it and start again, or give another out="
         )
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except (pickle.UnpicklingError, zipfile.BadZipFile, RuntimeError, EOFError, OSError, ValueError) as exc:
-        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        state = load_weights_only(path, map_location="cpu")
+    except UnreadableFileError as error:
+        # torch's own text can suggest weights_only=False, which would run the file's code: keep it as the cause only
         raise CheckpointError(
-            f"checkpoint {path} cannot be read safely ({first_line}): it is truncated, corrupt "
+            f"checkpoint {path} cannot be read safely ({type(error.__cause__).__name__}): it is truncated, corrupt "
             "or not an equiconvert checkpoint; delete it and start again, or give another out="
-        ) from exc
+        ) from error.__cause__
     if not isinstance(state, dict):
         raise CheckpointError(f"checkpoint {path} holds a {type(state).__name__}, not an equiconvert checkpoint")
     return state

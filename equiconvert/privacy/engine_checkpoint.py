@@ -17,7 +17,8 @@ import torch
 from opacus.accountants import IAccountant
 from torch import nn
 
-from ..errors import ParameterTypeError
+from ..errors import ParameterTypeError, UnreadableFileError
+from ..untrusted_file import load_weights_only
 from .accounting import load_accountant_state
 from .checkpoint import CheckpointError, save_atomic
 from .dp_optimizer import DPOptimizer
@@ -84,7 +85,13 @@ def load_engine_checkpoint(
             "that would be dropped (epsilon under-reported): load the checkpoint into a new PrivacyEngine before "
             "training"
         )
-    state = torch.load(path, weights_only=True, **load_kwargs)
+    try:
+        state = load_weights_only(path, **load_kwargs)
+    except UnreadableFileError as error:
+        raise CheckpointError(
+            f"{path}: corrupt or not a PrivacyEngine checkpoint (it is read with weights_only=True and never "
+            "unpickled unsafely); save it again with PrivacyEngine.save_checkpoint"
+        ) from error.__cause__
     if not isinstance(state, dict) or MODULE not in state or ACCOUNTANT not in state:
         raise CheckpointError(f"{path} is not a PrivacyEngine checkpoint (no {MODULE!r} and {ACCOUNTANT!r})")
     if optimizer is not None and optimizer.budget is not None and BUDGET not in state:  # before changing anything

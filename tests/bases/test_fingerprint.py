@@ -6,6 +6,7 @@ import math
 import pytest
 import torch
 
+from equiconvert.errors import UnreadableFileError
 from equiconvert.bases.canonical import BasisMismatchError, basis_fingerprint, reexpress_coefficients
 from equiconvert.nn.reexpress import legacy_bases, reexpress_state_dict
 from equiconvert.basis import steerable_basis
@@ -81,6 +82,9 @@ def test_legacy_bases_found_in_an_old_cache_directory(tmp_path):
     assert torch.equal(found["0"], torch.load(tmp_path / "D4_regular_regular_k3_d1_fco3.pt", weights_only=True))
     (tmp_path / "D4_regular_regular_k3_d1_fco3.pt").unlink()
     with pytest.raises(FileNotFoundError, match="0: no basis of shape"):
+        legacy_bases(model, tmp_path)
+    (tmp_path / "damaged.pt").write_bytes(b"PK\x03\x04 cut short")
+    with pytest.raises(UnreadableFileError, match=r"damaged\.pt: not readable as a basis file.*remove it"):
         legacy_bases(model, tmp_path)
 
 

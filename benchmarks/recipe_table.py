@@ -180,7 +180,7 @@ def run_table(args: argparse.Namespace, extra: list[str], argv: list[str], scrip
     try:
         cells = list(table.select(split_list(args.cells)) if args.cells else table.cells)
     except ValueError as exc:
-        raise SystemExit(f"error: {exc}") from None
+        raise SystemExit(f"error: --{exc}") from None  # the library names the parameter, cells; the command its flag
     check_table_extra_args(extra, cells)
     if args.nproc_per_node < 1:
         raise SystemExit(f"error: --nproc-per-node {args.nproc_per_node}: give at least 1")

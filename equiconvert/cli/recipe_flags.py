@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import argparse
-from typing import Any, Callable
+from typing import Any
 
 from .common import CLIError
 
@@ -41,58 +41,25 @@ DEMO_FLAGS = {
     "--threads": "run.threads",
 }
 
-# the run's own settings checked with the trainer's (those: training.dp_config.FIELD_LIMITS), each with its test
-# and the error's rule
-_RUN_LIMITS: dict[str, tuple[Callable[[float], bool], str]] = {
-    "run.time_limit_s": (lambda v: v > 0, "must be > 0 seconds"),
-    "run.threads": (lambda v: v >= 1, "give at least 1 CPU thread"),
-}
-
-
-def _value(recipe: Any, key: str) -> Any:
-    from ..recipes.recipe import ALIASES, attribute_path
-
-    target = recipe
-    for part in attribute_path(ALIASES.get(key, key)).split("."):
-        target = getattr(target, part)
-    return target
-
 
 def _setting(key: str, value: Any) -> str:
-    """How the user gave `key`: its flag and value, else --set KEY=VALUE."""
+    """How the user gave `key`: its flag and value (the flag alone for a list), else --set KEY=VALUE."""
     shown = f"{value:g}" if isinstance(value, (int, float)) and not isinstance(value, bool) else str(value)
     flag = next((flag for flag, flag_key in TRAIN_FLAGS.items() if flag_key == key), None)
+    if flag is not None and isinstance(value, (list, tuple)):
+        return flag
     return f"{flag} {shown}" if flag else f"--set {key}={shown}"
 
 
-def check_recipe(recipe: Any) -> None:
-    """Every setting in range (the trainer's by training.dp_config.check_config), and the data set known, before
-    any data or model is touched; an error names the flag or key."""
-    from ..data import resolve_name
-    from ..training.devices import resolve_device
-    from ..training.dp_config import OFF_OPTIONS, ConfigError, DPConfig, check_config
-    from ..training.loggers import LoggerError, check_loggers
-    from ..recipes.recipe import trainer_fields
-    from ..recipes.run_spec import trainer_options
+def check_recipe(recipe: Any) -> tuple[Any, Any]:
+    """recipes.recipe_checks.check_recipe (the run's one check, before any data or model is touched), its errors
+    naming the flag or --set key the user gave; returns the checked (RunSpec, DPConfig)."""
+    from ..recipes.recipe_checks import RecipeSettingError, check_recipe as check
 
     try:
-        check_config(DPConfig(**trainer_options(recipe)))
-    except ConfigError as exc:
-        key = next(key for key, name in trainer_fields().items() if name == exc.field)
-        off = f" (0: {OFF_OPTIONS[exc.field]})" if exc.field in OFF_OPTIONS else ""
-        raise CLIError(f"{_setting(key, exc.value)}: {exc.rule}{off}") from None
-    for key, (valid, rule) in _RUN_LIMITS.items():
-        value = _value(recipe, key)
-        if isinstance(value, (int, float)) and not isinstance(value, bool) and not valid(value):
-            raise CLIError(f"{_setting(key, value)}: {rule}")
-    try:
-        check_loggers(recipe.run.loggers, parameter="--logger")
-    except LoggerError as exc:
-        raise CLIError(str(exc)) from None
-    dataset = resolve_name(recipe.data.dataset) if recipe.data.dataset is not None else None
-    if dataset == "synthetic" and recipe.data.data_dir is not None:
-        raise CLIError(f"--data-dir {recipe.data.data_dir}: the synthetic data set is generated, not read; drop it")
-    resolve_device(recipe.run.device)
+        return check(recipe)
+    except RecipeSettingError as exc:
+        raise CLIError(f"{_setting(exc.key, exc.value)}: {exc.rule}") from None
 
 
 def apply_flags(recipe: Any, args: argparse.Namespace, flags: dict[str, str]) -> None:
@@ -106,9 +73,9 @@ def apply_flags(recipe: Any, args: argparse.Namespace, flags: dict[str, str]) ->
 
 
 def _default_of(key: str, base: Any = None) -> str:
-    from ..recipes.recipe import Recipe
+    from ..recipes.recipe import Recipe, recipe_value
 
-    value = _value(base if base is not None else Recipe(), key)
+    value = recipe_value(base if base is not None else Recipe(), key)
     if isinstance(value, tuple):
         return ",".join(map(str, value))
     return "none" if value is None else str(value).lower() if isinstance(value, bool) else str(value)

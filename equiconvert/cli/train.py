@@ -26,16 +26,16 @@ def train_recipe(args: argparse.Namespace):
 def _cmd_train(args: argparse.Namespace) -> int:
     import torch
 
-    from ..recipes.runner import run_recipe
+    from ..recipes.runner import run_checked
     from .launch import launch_train
 
     recipe = train_recipe(args)
-    check_recipe(recipe)
+    spec, config = check_recipe(recipe)  # the run's one check: each worker of a launched job checks its own copy
     if getattr(args, "nproc_per_node", None) is not None:
         return launch_train(args, recipe.run.device)
     if recipe.run.threads is not None:
         torch.set_num_threads(recipe.run.threads)
-    result = run_recipe(recipe)
+    result = run_checked(spec, config)
     if os.environ.get("RANK", "0") == "0":  # one printout per job (torchrun numbers its workers in RANK)
         print(json.dumps(result, indent=2))
     return 0

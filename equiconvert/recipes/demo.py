@@ -1,6 +1,6 @@
 """The main job (`equiconvert demo`): convert ResNet9 to D4 and train it with DP-SGD on Fashion-MNIST.
 
-Everything goes through `recipes.runner.run_training` (the engine of `equiconvert train`):
+Everything goes through `recipes.runner.run_recipe` (the engine of `equiconvert train`):
 the model is converted, checked for equivariance at the padded input size (28 -> 32),
 trained by DPTrainer (Poisson sampling, per-sample clipping, RDP accounting) and
 evaluated on the whole test set. The demo trains the cpu_main_job recipe (`MAIN_JOB_RECIPE`); a timing

@@ -139,6 +139,14 @@ def attribute_path(key: str) -> str:
     return known[key]
 
 
+def recipe_value(recipe: Recipe, key: str) -> Any:
+    """The value of a dotted recipe key (e.g. "run.threads")."""
+    target: Any = recipe
+    for part in attribute_path(ALIASES.get(key, key)).split("."):
+        target = getattr(target, part)
+    return target
+
+
 def recipe_keys() -> list[str]:
     """Every dotted key a recipe file or --set accepts (model.kwargs.NAME takes any NAME the model takes)."""
     return sorted([*_section_fields(), *ALIASES, "model.kwargs.NAME"])

@@ -84,5 +84,5 @@ def spec_of(recipe: Recipe) -> RunSpec:
 
 
 def trainer_options(recipe: Recipe) -> dict[str, Any]:
-    """The recipe's DPConfig as run_training's keyword arguments, as DPConfig reads them (a recipe's 0: off, None)."""
+    """The recipe's DPConfig as DPTrainer's keyword arguments, as DPConfig reads them (a recipe's 0: off, None)."""
     return dataclasses.asdict(DPConfig(**dataclasses.asdict(recipe.trainer)))

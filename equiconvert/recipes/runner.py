@@ -7,6 +7,7 @@ OUT/result.json (result_record.py) and OUT/model.pt.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from pathlib import Path
@@ -21,9 +22,8 @@ from ..conversion_options import INVARIANT_HEAD
 from ..nn.conv import SteerableConv2d
 from ..training import distributed
 from ..privacy.accounting import refuse_delta
-from ..training.dp_config import DPConfig, check_config
+from ..training.dp_config import DPConfig
 from ..training.inputs import InvalidDataError
-from ..training.loggers import check_loggers
 from ..training.run_folder import prepare_out
 from ..training.run_lock import hold_run_folder
 from ..training.trainer import DPTrainer
@@ -37,12 +37,11 @@ from .build_model import (
     pad_images,
     preset_of,
     padded_size,
-    refuse_conversion_options_for_baseline,
-    refuse_preset_options_for_other_models,
 )
 from .recipe import Recipe
 from .result_record import trainer_record
-from .run_spec import BASELINE_GROUP, RunSpec, spec_of, trainer_options
+from .recipe_checks import check_recipe
+from .run_spec import BASELINE_GROUP, RunSpec
 
 
 def _refuse_resuming_another_model(out: Path, model: nn.Module, resume: bool, writes: bool) -> None:
@@ -67,40 +66,33 @@ def _refuse_resuming_another_model(out: Path, model: nn.Module, resume: bool, wr
         record.write_text(description)
 
 
-def _refuse_impossible_sizes(options: dict[str, Any], num_examples: int) -> None:
+def _refuse_impossible_sizes(config: DPConfig, num_examples: int) -> None:
     """Options that depend on the training set's size, checked before the model is built."""
-    batch_size = options.get("batch_size", DPConfig.batch_size)
-    if batch_size > num_examples:
+    if config.batch_size > num_examples:
         raise ParameterError(
-            f"batch_size={batch_size} exceeds the {num_examples} training examples: the Poisson "
+            f"batch_size={config.batch_size} exceeds the {num_examples} training examples: the Poisson "
             "sample rate batch_size / N must be <= 1"
         )
-    if options.get("delta") is not None:
-        refuse_delta(options["delta"], num_examples)
+    if config.delta is not None:
+        refuse_delta(config.delta, num_examples)
 
 
 def run_recipe(recipe: Recipe) -> dict[str, Any]:
-    """Train as the recipe says (run_training); returns the result record."""
-    return run_training(spec_of(recipe), **trainer_options(recipe))
+    """Train as the recipe says: checked once (recipe_checks.check_recipe), then run_checked."""
+    return run_checked(*check_recipe(recipe))
 
 
-def run_training(spec: RunSpec, **trainer_options: Any) -> dict[str, Any]:
-    """Train one model with DP-SGD on one data set; returns (and, on rank 0, writes) the result record.
+def run_checked(spec: RunSpec, config: DPConfig) -> dict[str, Any]:
+    """Train one model with DP-SGD on one data set as check_recipe returned it; returns (and, on rank 0, writes)
+    the result record.
 
     Under torchrun (WORLD_SIZE > 1) this process is one rank of a data-parallel job (distributed.py).
     """
-    from ..data import resolve_name
-
-    check_config(DPConfig(**trainer_options))  # every option before any data is read
-    check_loggers(spec.loggers)
-    resolve_name(spec.dataset)
-    refuse_conversion_options_for_baseline(spec)
-    refuse_preset_options_for_other_models(spec)
     context, device = distributed.from_environment(spec.device)
     out = Path(spec.out) if context.is_main else None  # rank 0 alone writes the outputs
     try:
         with hold_run_folder(out, create=not spec.resume):  # one job per output folder
-            return _run_training(spec, context, device, trainer_options)
+            return _run_training(spec, context, device, config)
     except RuntimeError as error:
         lost = distributed.lost_worker(error) if context.enabled else None
         if lost is None:
@@ -112,7 +104,7 @@ def run_training(spec: RunSpec, **trainer_options: Any) -> dict[str, Any]:
 
 
 def _run_training(
-    spec: RunSpec, context: distributed.DistributedContext, device: str | None, trainer_options: dict[str, Any]
+    spec: RunSpec, context: distributed.DistributedContext, device: str | None, config: DPConfig
 ) -> dict[str, Any]:
     from ..data import load_dataset
 
@@ -122,7 +114,7 @@ def _run_training(
     start = time.perf_counter()
     with context.main_first():  # rank 0 fills the decoded-data cache the other ranks read
         train = load_dataset(spec.dataset, spec.data_dir, split="train")
-        _refuse_impossible_sizes(trainer_options, len(train))
+        _refuse_impossible_sizes(config, len(train))
         test = load_dataset(spec.dataset, spec.data_dir, split="test")
     if len(test) == 0:
         raise InvalidDataError(
@@ -138,7 +130,7 @@ def _run_training(
         "activation": None if preset is None else preset.activation,
     }
     # the model's initial weights come from the run's seed too, so one seed gives one run
-    torch.manual_seed(trainer_options.get("seed", DPConfig.seed))
+    torch.manual_seed(config.seed)
     model, params_before = build_model(spec, len(train.classes), channels)
     if spec.group.lower() == BASELINE_GROUP:
         input_size = size
@@ -156,9 +148,9 @@ def _run_training(
         if context.world_size > 1:
             raise ParameterError("run.plan_steps times one process; drop it for a multi-process run")
         probe = step_plan.plan_steps(
-            model, tuple(images_train.shape[1:]), len(train.classes), device, trainer_options, spec.time_limit_s
+            model, tuple(images_train.shape[1:]), len(train.classes), device, config, spec.time_limit_s
         )
-        trainer_options = {**trainer_options, "steps": probe["planned_steps"]}
+        config = dataclasses.replace(config, steps=probe["planned_steps"])
         result["step_probe"] = probe
     trainer = DPTrainer(
         model,
@@ -167,7 +159,7 @@ def _run_training(
         progress=spec.progress,
         distributed=context,
         loggers=spec.loggers,
-        **trainer_options,
+        **dataclasses.asdict(config),  # DPTrainer's keyword API: DPConfig's fields
     )
     trainer.fit(
         (images_train, train.labels),

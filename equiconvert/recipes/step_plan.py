@@ -3,6 +3,7 @@ then calibrate the noise for the steps that fit (run.plan_steps)."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any
 
@@ -23,19 +24,19 @@ def probe_seconds_per_step(
     image_shape: tuple[int, ...],
     num_classes: int,
     device: str | None,
-    options: dict[str, Any],
+    config: DPConfig,
     steps: int = PROBE_STEPS,
 ) -> float:
     """Seconds per DP-SGD step of a copy of `model` with the run's batch options on this machine, timed on random
     images of the run's shape (one batch of batch_size examples a step; no data of the run is read)."""
     import copy
 
-    batch = options.get("batch_size", DPConfig.batch_size)
+    batch = config.batch_size
     generator = torch.Generator().manual_seed(0)
     images = torch.randint(0, 256, (batch, *image_shape), dtype=torch.uint8, generator=generator)
     labels = torch.randint(0, num_classes, (batch,), generator=generator)
     timing = {
-        **options,
+        **dataclasses.asdict(config),
         "steps": steps + 1,
         "target_epsilon": None,
         "noise_multiplier": 1.0,
@@ -66,13 +67,13 @@ def plan_steps(
     image_shape: tuple[int, ...],
     num_classes: int,
     device: str | None,
-    options: dict[str, Any],
+    config: DPConfig,
     time_budget_s: float,
 ) -> dict[str, Any]:
     """How many of the requested steps fit PLAN_SHARE of the time budget at the probe's pace (at least one); the
     noise is then calibrated for those steps, so the run spends its whole epsilon within the budget."""
-    seconds = probe_seconds_per_step(model, image_shape, num_classes, device, options)
-    requested = options.get("steps", DPConfig.steps)
+    seconds = probe_seconds_per_step(model, image_shape, num_classes, device, config)
+    requested = config.steps
     fitting = int(PLAN_SHARE * time_budget_s / seconds) if seconds > 0 else requested
     return {
         "probe_steps": PROBE_STEPS,

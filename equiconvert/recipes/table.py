@@ -69,7 +69,7 @@ class Table:
         known = [c.name for c in self.cells]
         unknown = [n for n in names if n not in known]
         if unknown:
-            raise TableError(f"--cells: {', '.join(unknown)} not in {self.source} (its cells: {', '.join(known)})")
+            raise TableError(f"cells: {', '.join(unknown)} not in {self.source} (its cells: {', '.join(known)})")
         return tuple(c for c in self.cells if c.name in names)
 
 

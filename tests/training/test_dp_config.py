@@ -103,8 +103,10 @@ def test_the_trainer_builds_its_optimizer_from_the_registry(name, kind):
         assert trainer.optimizer.defaults["momentum"] == 0.5
 
 
-def test_a_recipe_turns_an_option_off_by_zero():
+def test_a_recipe_turns_an_option_off_by_zero(tmp_path):
     recipe = Recipe()
+    set_key(recipe, "data.dataset", "synthetic")
+    set_key(recipe, "run.out", str(tmp_path))
     for name in OFF_OPTIONS:
         set_key(recipe, f"schedule.{name}", 0)
     config = DPConfig(**trainer_options(recipe))

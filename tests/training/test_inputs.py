@@ -15,6 +15,7 @@ from equiconvert.data._base import make_image_data
 from equiconvert.data.rotated_mnist import NPZ_NAMES
 from equiconvert.image_shape import ImageShapeError
 from equiconvert.privacy.accounting import PrivacyBudgetError, default_delta
+from equiconvert.training.dp_config import DPConfig
 from equiconvert.training.inputs import InvalidDataError
 from equiconvert.training.trainer import DPTrainer
 from equiconvert.privacy.validate import PrivacyValidationError
@@ -209,7 +210,7 @@ def test_empty_test_split_is_refused_before_training(tmp_path, monkeypatch):
         ),
     )
     with pytest.raises(ValueError, match="test split of 'synthetic' is empty"):
-        run.run_training(spec, batch_size=8, steps=1)
+        run.run_checked(spec, DPConfig(batch_size=8, steps=1))
 
 
 def test_first_step_over_budget_fails_with_a_message(tmp_path, capsys):

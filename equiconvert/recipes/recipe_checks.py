@@ -1,0 +1,62 @@
+"""The one check of a run description: a recipe becomes a (RunSpec, DPConfig) pair here or is refused.
+
+Everything a run reads from its recipe is checked before any data or model is touched, in one place, against the
+trainer's limits (training.dp_config) and the run's own (RUN_LIMITS). An error names the recipe key, so a front
+end (the command line) can show its own name for the setting: its flag.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+from ..data import resolve_name
+from ..training.devices import resolve_device
+from ..training.dp_config import OFF_OPTIONS, ConfigError, DPConfig, check_config
+from ..training.loggers import LoggerError, check_loggers
+from .build_model import refuse_conversion_options_for_baseline, refuse_preset_options_for_other_models
+from .recipe import Recipe, RecipeError, recipe_value, trainer_fields
+from .run_spec import RunSpec, spec_of
+
+# the run's own settings, each with its test and the error's rule (the trainer's: training.dp_config)
+RUN_LIMITS: dict[str, tuple[Callable[[float], bool], str]] = {
+    "run.time_limit_s": (lambda v: v > 0, "must be > 0 seconds"),
+    "run.threads": (lambda v: v >= 1, "give at least 1 CPU thread"),
+}
+
+
+class RecipeSettingError(RecipeError):
+    """A recipe key whose value cannot run; key, value and rule let a front end name the setting its own way."""
+
+    def __init__(self, key: str, value: Any, rule: str) -> None:
+        self.key, self.value, self.rule = key, value, rule
+        super().__init__(f"{key}={value!r}: {rule}")
+
+
+def check_recipe(recipe: Recipe) -> tuple[RunSpec, DPConfig]:
+    """The run the recipe describes, checked whole: its RunSpec and its trainer's DPConfig (a recipe's 0: off)."""
+    config = DPConfig(**dataclasses.asdict(recipe.trainer))
+    try:
+        check_config(config)
+    except ConfigError as exc:
+        key = next(key for key, name in trainer_fields().items() if name == exc.field)
+        off = f" (0: {OFF_OPTIONS[exc.field]})" if exc.field in OFF_OPTIONS else ""
+        raise RecipeSettingError(key, exc.value, f"{exc.rule}{off}") from None
+    for key, (valid, rule) in RUN_LIMITS.items():
+        value = recipe_value(recipe, key)
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and not valid(value):
+            raise RecipeSettingError(key, value, rule)
+    try:
+        check_loggers(recipe.run.loggers, parameter="run.loggers")
+    except LoggerError as exc:
+        raise RecipeSettingError("run.loggers", recipe.run.loggers, str(exc).removeprefix("run.loggers: ")) from None
+    dataset = resolve_name(recipe.data.dataset) if recipe.data.dataset is not None else None
+    if dataset == "synthetic" and recipe.data.data_dir is not None:
+        raise RecipeSettingError(
+            "data.data_dir", recipe.data.data_dir, "the synthetic data set is generated, not read; drop it"
+        )
+    resolve_device(recipe.run.device)
+    spec = spec_of(recipe)
+    refuse_conversion_options_for_baseline(spec)
+    refuse_preset_options_for_other_models(spec)
+    return spec, config

@@ -34,7 +34,19 @@ class RecipeSettingError(RecipeError):
 
 
 def check_recipe(recipe: Recipe) -> tuple[RunSpec, DPConfig]:
-    """The run the recipe describes, checked whole: its RunSpec and its trainer's DPConfig (a recipe's 0: off)."""
+    """The run the recipe describes, checked whole before any data or model is touched.
+
+    Args:
+        recipe: the run's description (recipes.recipe.load_recipe, then any overrides).
+
+    Returns:
+        The run's RunSpec and its trainer's DPConfig (a recipe's 0 read as off), for runner.run_checked.
+
+    Raises:
+        RecipeSettingError: a setting out of range, naming its recipe key, value and rule.
+        RecipeError: data.dataset or run.out not set.
+        UsageError: an unknown data set, a device this machine lacks, an option the model cannot take.
+    """
     config = DPConfig(**dataclasses.asdict(recipe.trainer))
     try:
         check_config(config)

@@ -78,15 +78,28 @@ def _refuse_impossible_sizes(config: DPConfig, num_examples: int) -> None:
 
 
 def run_recipe(recipe: Recipe) -> dict[str, Any]:
-    """Train as the recipe says: checked once (recipe_checks.check_recipe), then run_checked."""
+    """Train as the recipe says: checked once (recipe_checks.check_recipe), then run_checked.
+
+    Args:
+        recipe: the run's description.
+
+    Returns:
+        The result record (also written to run.out/result.json by rank 0), beside run.out/model.pt.
+    """
     return run_checked(*check_recipe(recipe))
 
 
 def run_checked(spec: RunSpec, config: DPConfig) -> dict[str, Any]:
-    """Train one model with DP-SGD on one data set as check_recipe returned it; returns (and, on rank 0, writes)
-    the result record.
+    """Train one model with DP-SGD on one data set, as check_recipe returned it.
 
     Under torchrun (WORLD_SIZE > 1) this process is one rank of a data-parallel job (distributed.py).
+
+    Args:
+        spec: the run's model, data, output folder and device.
+        config: the trainer's options.
+
+    Returns:
+        The result record (also written to spec.out/result.json by rank 0).
     """
     context, device = distributed.from_environment(spec.device)
     out = Path(spec.out) if context.is_main else None  # rank 0 alone writes the outputs

@@ -7,7 +7,6 @@ end (the command line) can show its own name for the setting: its flag.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any, Callable
 
 from ..data import resolve_name
@@ -16,7 +15,7 @@ from ..training.dp_config import OFF_OPTIONS, ConfigError, DPConfig, check_confi
 from ..training.loggers import LoggerError, check_loggers
 from .build_model import refuse_conversion_options_for_baseline, refuse_preset_options_for_other_models
 from .recipe import Recipe, RecipeError, recipe_value, trainer_fields
-from .run_spec import RunSpec, spec_of
+from .run_spec import RunSpec, spec_of, trainer_config
 
 # the run's own settings, each with its test and the error's rule (the trainer's: training.dp_config)
 RUN_LIMITS: dict[str, tuple[Callable[[float], bool], str]] = {
@@ -47,7 +46,7 @@ def check_recipe(recipe: Recipe) -> tuple[RunSpec, DPConfig]:
         RecipeError: data.dataset or run.out not set.
         UsageError: an unknown data set, a device this machine lacks, an option the model cannot take.
     """
-    config = DPConfig(**dataclasses.asdict(recipe.trainer))
+    config = trainer_config(recipe)
     try:
         check_config(config)
     except ConfigError as exc:

@@ -83,6 +83,11 @@ def spec_of(recipe: Recipe) -> RunSpec:
     )
 
 
+def trainer_config(recipe: Recipe) -> DPConfig:
+    """The recipe's DPConfig as DPConfig reads it (a recipe's 0: off, None; the recipe itself is left as set)."""
+    return DPConfig(**dataclasses.asdict(recipe.trainer))
+
+
 def trainer_options(recipe: Recipe) -> dict[str, Any]:
-    """The recipe's DPConfig as DPTrainer's keyword arguments, as DPConfig reads them (a recipe's 0: off, None)."""
-    return dataclasses.asdict(DPConfig(**dataclasses.asdict(recipe.trainer)))
+    """The recipe's DPConfig as DPTrainer's keyword arguments (trainer_config's fields)."""
+    return dataclasses.asdict(trainer_config(recipe))

@@ -284,7 +284,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--lr", type=float, default=2.0)
     parser.add_argument("--momentum", type=float, default=0.0)
     parser.add_argument("--prior-weight", type=float, default=0.5, help="pose_prior_loss's weight")
-    parser.add_argument("--steps", type=int, default=None, help="DP-SGD steps (default: 150; --tiny: 2)")
+    parser.add_argument("--steps", type=int, default=None, help="DP-SGD steps (default: 600; --tiny: 2)")
     parser.add_argument("--pretrain-steps", type=int, default=None, help="default: 2000; --tiny: 3")
     parser.add_argument(
         "--unit-invariants", choices=("on", "off"), default="on", help="scratch_converted's group pooling scale"

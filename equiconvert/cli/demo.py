@@ -94,10 +94,10 @@ def demo_settings(args: argparse.Namespace):
 def _demo_training(args: argparse.Namespace) -> int:
     """The main job: ResNet9 -> D4, DP-SGD on Fashion-MNIST, as the cpu_main_job recipe says unless flags differ."""
     from ..data import DatasetNotFoundError
-    from ..recipes.demo import format_summary, run_main_job
+    from ..recipes.demo import format_summary, fresh_run, run_main_job
 
-    r = demo_settings(args)
-    check_recipe(r)
+    r = fresh_run(demo_settings(args))
+    checked = check_recipe(r)
     if not args.json:
         t = r.trainer
         cap = f"training capped at {r.run.time_limit_s:.0f} s" if r.run.time_limit_s else "no time cap"
@@ -111,7 +111,7 @@ def _demo_training(args: argparse.Namespace) -> int:
         )
     try:
         with contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext():
-            summary = run_main_job(r)
+            summary = run_main_job(r, checked)
     except DatasetNotFoundError as exc:
         raise DatasetNotFoundError(
             f"{exc} For the demo: pass --data-dir DIR, or install the Debian package "

@@ -1,6 +1,6 @@
 """The main job (`equiconvert demo`): convert ResNet9 to D4 and train it with DP-SGD on Fashion-MNIST.
 
-Everything goes through `recipes.runner.run_recipe` (the engine of `equiconvert train`):
+Everything goes through `recipes.runner.run_checked` (the engine of `equiconvert train`):
 the model is converted, checked for equivariance at the padded input size (28 -> 32),
 trained by DPTrainer (Poisson sampling, per-sample clipping, RDP accounting) and
 evaluated on the whole test set. The demo trains the cpu_main_job recipe (`MAIN_JOB_RECIPE`); a timing
@@ -16,9 +16,13 @@ import os
 import time
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .recipe import Recipe, load_recipe
+
+if TYPE_CHECKING:
+    from ..training.dp_config import DPConfig
+    from .run_spec import RunSpec
 
 SUMMARY_FILE = "demo.json"
 STALE_FILES = ("log.jsonl", "checkpoint.pt", "result.json", SUMMARY_FILE)  # a demo run always starts fresh
@@ -40,22 +44,35 @@ def _clear_outputs(out: Path) -> None:
         (out / name).unlink(missing_ok=True)
 
 
-def run_main_job(recipe: Recipe = MAIN_JOB_RECIPE) -> dict[str, Any]:
-    """Train as `recipe` says (through run_recipe, steps planned to fit its time limit); returns the summary, also
-    written to OUT/demo.json."""
+def fresh_run(recipe: Recipe) -> Recipe:
+    """A copy of `recipe` that replaces an earlier demo's files in run.out (a demo run always starts fresh)."""
+    recipe = copy.deepcopy(recipe)
+    recipe.run.overwrite = True
+    return recipe
+
+
+def run_main_job(recipe: Recipe = MAIN_JOB_RECIPE, checked: tuple[RunSpec, DPConfig] | None = None) -> dict[str, Any]:
+    """Train as `recipe` says (steps planned to fit its time limit); returns the summary, also written to OUT/demo.json.
+
+    Args:
+        recipe: the demo's recipe (MAIN_JOB_RECIPE and any flags).
+        checked: recipe_checks.check_recipe(fresh_run(recipe)), when the caller has already checked it; None checks
+            it here.
+    """
     import torch
 
-    from .runner import run_recipe
+    from .recipe_checks import check_recipe
+    from .runner import run_checked
 
     start = time.perf_counter()
-    recipe = copy.deepcopy(recipe)
+    recipe = fresh_run(recipe)
+    spec, config = checked if checked is not None else check_recipe(recipe)
     threads = recipe.run.threads or cpu_threads()
     torch.set_num_threads(threads)
-    out = Path(recipe.run.out)
+    out = Path(spec.out)
     out.mkdir(parents=True, exist_ok=True)
     _clear_outputs(out)
-    recipe.run.overwrite = True
-    result = run_recipe(recipe)
+    result = run_checked(spec, config)
     summary = {
         "test_accuracy": result["test_accuracy"],
         "test_examples": result["test_examples"],

@@ -172,7 +172,7 @@ def _run_training(
         progress=spec.progress,
         distributed=context,
         loggers=spec.loggers,
-        **dataclasses.asdict(config),  # DPTrainer's keyword API: DPConfig's fields
+        config=config,
     )
     trainer.fit(
         (images_train, train.labels),

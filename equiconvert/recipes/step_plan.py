@@ -35,19 +35,21 @@ def probe_seconds_per_step(
     generator = torch.Generator().manual_seed(0)
     images = torch.randint(0, 256, (batch, *image_shape), dtype=torch.uint8, generator=generator)
     labels = torch.randint(0, num_classes, (batch,), generator=generator)
-    timing = {
-        **dataclasses.asdict(config),
-        "steps": steps + 1,
-        "target_epsilon": None,
-        "noise_multiplier": 1.0,
-        "eval_every": None,
-        "checkpoint_every": None,
-        "epsilon_every": 1,
-        "delta": None,
-        "ema_decay": None,
-    }
+    timing = dataclasses.replace(
+        config,
+        steps=steps + 1,
+        target_epsilon=None,
+        noise_multiplier=1.0,
+        eval_every=None,
+        checkpoint_every=None,
+        epsilon_every=1,
+        delta=None,
+        ema_decay=None,
+    )
     clock = _StepClock()
-    trainer = DPTrainer(copy.deepcopy(model), device=device, out_dir=None, progress=False, callbacks=[clock], **timing)
+    trainer = DPTrainer(
+        copy.deepcopy(model), device=device, out_dir=None, progress=False, callbacks=[clock], config=timing
+    )
     trainer.fit((images, labels))
     return (clock.times[-1] - clock.times[0]) / steps
 

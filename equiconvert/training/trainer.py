@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import time
 import warnings
 from pathlib import Path
@@ -58,8 +59,40 @@ from .trainer_checkpoint import TrainerCheckpoint
 ImagesAndLabels = tuple[torch.Tensor, torch.Tensor]  # (images, labels)
 
 
+def trainer_config(
+    config: DPConfig | None, options: dict[str, Any], lr_schedule: str | Callable[[int], float], custom: bool
+) -> DPConfig:
+    """DPTrainer's DPConfig: `config` as given, or one built from DPConfig's fields given as keywords (not both).
+
+    A callable `lr_schedule` or an optimizer factory (`custom`) sets the field to its "custom" name.
+    """
+    hooks = {
+        **({"lr_schedule": CUSTOM_SCHEDULE} if not isinstance(lr_schedule, str) else {}),
+        **({"optimizer": CUSTOM} if custom else {}),
+    }
+    if config is None:
+        unknown = set(options) - set(DPConfig.__dataclass_fields__)
+        if unknown:
+            raise ParameterError(
+                f"unknown DPTrainer options {sorted(unknown)}; known: {sorted(DPConfig.__dataclass_fields__)}"
+            )
+        return DPConfig(**{"lr_schedule": lr_schedule, **options, **hooks})
+    if not isinstance(config, DPConfig):
+        raise ParameterTypeError(f"config must be a DPConfig, got {type(config).__name__}")
+    if options:
+        raise ParameterError(
+            f"give DPTrainer's options either as config= or as keywords, not both: config= and {sorted(options)}"
+        )
+    if isinstance(lr_schedule, str) and lr_schedule != DPConfig.lr_schedule:
+        raise ParameterError(
+            f"lr_schedule={lr_schedule!r} with config=: name the schedule in config.lr_schedule "
+            "(the keyword beside config= takes a callable)"
+        )
+    return dataclasses.replace(config, **hooks) if hooks else config
+
+
 class DPTrainer(TrainerCheckpoint):
-    """Train a model with DP-SGD; see DPConfig for the options (passed as keyword arguments).
+    """Train a model with DP-SGD; see DPConfig for the options (a DPConfig as `config`, or its fields as keywords).
 
     Images are (N, C, H, W): uint8 pixels, or floats that are pixels in [0, 1] or already normalised (inputs.py).
 
@@ -76,8 +109,10 @@ class DPTrainer(TrainerCheckpoint):
         loggers: where the log records go, as names in loggers.LOGGERS (jsonl, csv, tensorboard, wandb; each
             writes into out_dir) or logger objects; every logger gets the records log.jsonl gets and nothing else.
         metrics_logger: one more logger object (a MetricsLogger).
-        **options: DPConfig's fields; `optimizer` is a name in dp_config.OPTIMIZERS or a factory
-            params -> torch.optim.Optimizer (e.g. functools.partial(AdamW, lr=1e-3)).
+        config: the run's options as one DPConfig (what a checked recipe gives); then **options holds at most
+            an optimizer factory.
+        **options: DPConfig's fields, when `config` is not given; `optimizer` is a name in dp_config.OPTIMIZERS
+            or a factory params -> torch.optim.Optimizer (e.g. functools.partial(AdamW, lr=1e-3)).
 
     Raises:
         ParameterError: an option out of range or unknown, named by its parameter, before any data is read.
@@ -97,22 +132,16 @@ class DPTrainer(TrainerCheckpoint):
         callbacks: Sequence[Callback] = (),
         loggers: Sequence[LoggerSpec] = DEFAULT_LOGGERS,
         metrics_logger: MetricsLogger | None = None,
+        config: DPConfig | None = None,
         **options: Any,
     ) -> None:
         optimizer_factory: OptimizerFactory | None = (
             options.pop("optimizer") if callable(options.get("optimizer")) else None
         )
-        if optimizer_factory is not None:
-            options["optimizer"] = CUSTOM
         check_hooks(loss_fn, augment, callbacks, metrics_logger)
         check_loggers(loggers)
-        unknown = set(options) - set(DPConfig.__dataclass_fields__)
-        if unknown:
-            raise ParameterError(
-                f"unknown DPTrainer options {sorted(unknown)}; known: {sorted(DPConfig.__dataclass_fields__)}"
-            )
         custom_schedule = None if isinstance(lr_schedule, str) else lr_schedule
-        self.config = DPConfig(lr_schedule=CUSTOM_SCHEDULE if custom_schedule else lr_schedule, **options)
+        self.config = trainer_config(config, options, lr_schedule, custom=optimizer_factory is not None)
         check_config(self.config)
         if self.config.optimizer == CUSTOM and optimizer_factory is None:
             raise ParameterError(f"optimizer {CUSTOM!r} means a factory: pass optimizer=<callable params -> Optimizer>")

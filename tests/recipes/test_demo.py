@@ -7,6 +7,7 @@ import json
 from equiconvert import cli
 from equiconvert.cli import main
 from equiconvert.cli.demo import demo_settings
+from equiconvert.recipes import recipe_checks
 from equiconvert.recipes.demo import MAIN_JOB_RECIPE, SUMMARY_FILE, format_summary
 
 TINY = [
@@ -79,8 +80,12 @@ def test_demo_time_limit_says_where_it_stopped(tmp_path, capsys):
     assert "STOPPED EARLY at step 1 of 5" in format_summary(summary)
 
 
-def test_demo_readable_output(tmp_path, capsys):
+def test_demo_readable_output(tmp_path, capsys, monkeypatch):
+    checks = []
+    checked = recipe_checks.check_recipe
+    monkeypatch.setattr(recipe_checks, "check_recipe", lambda recipe: checks.append(recipe) or checked(recipe))
     assert main(["demo", *TINY, "--set", "schedule.steps=1", "--out", str(tmp_path)]) == 0
+    assert len(checks) == 1 and checks[0].run.overwrite  # the recipe is checked once, as it runs
     out = capsys.readouterr().out
     assert out.startswith("equiconvert demo: equiconvert:resnet9 (widths 4,8,16) -> D4")
     assert "test accuracy:" in out and "privacy: epsilon" in out and "max error" in out

@@ -3,6 +3,7 @@ augmentation callables and per-channel normalisation."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import numpy as np
@@ -13,7 +14,9 @@ from PIL import Image
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from equiconvert.errors import ParameterError, ParameterTypeError
 from equiconvert.training.callbacks import Callback, flat_metrics
+from equiconvert.training.dp_config import CUSTOM, CUSTOM_SCHEDULE, ConfigError, DPConfig
 from equiconvert.training.trainer import DPTrainer
 
 SIZE, CLASSES, PER_CLASS = 6, 2, 6
@@ -201,3 +204,47 @@ def test_tensor_data_is_one_name_for_one_thing():
 
     assert trainer.TensorData is train_data.TensorData
     assert audit.ImagesAndLabels == trainer.ImagesAndLabels == tuple[torch.Tensor, torch.Tensor]
+
+
+def _trained_weights(**arguments) -> torch.Tensor:
+    images = torch.randint(0, 256, (PER_CLASS * CLASSES, 3, SIZE, SIZE), dtype=torch.uint8)
+    labels = torch.arange(CLASSES).repeat_interleave(PER_CLASS)
+    trainer = DPTrainer(_model(), progress=False, **arguments)
+    trainer.fit((images, labels))
+    return torch.cat([p.detach().flatten() for p in trainer.model.parameters()])
+
+
+def test_a_dpconfig_trains_exactly_as_its_fields_given_as_keywords():
+    options = {k: v for k, v in OPTIONS.items() if k != "progress"}
+    torch.manual_seed(0)
+    by_keywords = _trained_weights(**options)
+    torch.manual_seed(0)
+    by_config = _trained_weights(config=DPConfig(**options))
+    assert torch.equal(by_keywords, by_config)
+    assert not torch.equal(by_config, torch.cat([p.detach().flatten() for p in _model().parameters()]))
+
+
+def test_config_is_kept_as_given_and_still_checked():
+    config = DPConfig(**{k: v for k, v in OPTIONS.items() if k != "progress"})
+    assert DPTrainer(_model(), progress=False, config=config).config is config
+    with pytest.raises(ConfigError, match="lr"):
+        DPTrainer(_model(), progress=False, config=dataclasses.replace(config, lr=-1.0))
+
+
+def test_config_and_keyword_options_together_are_refused_naming_both():
+    config = DPConfig(**{k: v for k, v in OPTIONS.items() if k != "progress"})
+    with pytest.raises(ParameterError, match=r"config= and \['lr'\]"):
+        DPTrainer(_model(), progress=False, config=config, lr=0.1)
+    with pytest.raises(ParameterError, match="config.lr_schedule"):
+        DPTrainer(_model(), progress=False, config=config, lr_schedule="cosine")
+    with pytest.raises(ParameterTypeError, match="config must be a DPConfig, got dict"):
+        DPTrainer(_model(), progress=False, config=dataclasses.asdict(config))
+
+
+def test_config_takes_a_schedule_callable_and_an_optimizer_factory_beside_it():
+    config = DPConfig(**{k: v for k, v in OPTIONS.items() if k != "progress"})
+    factory = functools.partial(torch.optim.SGD, lr=0.25)
+    trainer = DPTrainer(_model(), progress=False, config=config, lr_schedule=lambda step: 0.25, optimizer=factory)
+    assert (trainer.config.lr_schedule, trainer.config.optimizer) == (CUSTOM_SCHEDULE, CUSTOM)
+    assert trainer.lr_schedule(0) == 0.25 and isinstance(trainer.optimizer, torch.optim.SGD)
+    assert config.lr_schedule == DPConfig.lr_schedule  # the caller's config is not changed

@@ -284,11 +284,12 @@ def _methods(s: Summary) -> list[str]:
 @renderer("dp_engines")
 def _dp_engines(s: Summary) -> list[str]:
     """Measured steps in the table; why an engine has none in a list under it."""
-    columns = ["model", "engine", "clipping unit", "step", "vs its non-private step", "peak memory (GiB)"]
+    columns = ["model", "engine", "precision", "clipping unit", "step", "vs its non-private step", "peak memory (GiB)"]
     rows, reasons = [], []
     for r in s["rows"]:
         if "ms" in r:
             cells = [
+                r["precision"],
                 r["clipping_unit"],
                 f"{r['ms']:.1f} ms",
                 f"{r['vs_nonprivate']:.2f}x",
@@ -296,7 +297,7 @@ def _dp_engines(s: Summary) -> list[str]:
             ]
         else:
             outcome = "not run" if "not_run" in r else "error"
-            cells = ["-", outcome, "-", "-"]
+            cells = ["-", "-", outcome, "-", "-"]
             reasons.append(f"{r['model']}, {r['engine']}: {outcome}: {r.get('not_run') or r['error']}")
         rows.append([r["model"], r["engine"], *cells])
     return _blocks(_table(columns, rows), _details("Engines without a measured step:", reasons))

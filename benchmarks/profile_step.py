@@ -23,9 +23,12 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from throughput import build_model, make_equiconvert_step, make_nonprivate_step  # noqa: E402
+from wrn import wrn  # noqa: E402
 
 from equiconvert.training.augment import augment_views  # noqa: E402
 from equiconvert.privacy.backends import PRECISIONS  # noqa: E402
+
+WRN = "wrn16_4"
 
 
 def _device_ms(event) -> float:
@@ -67,7 +70,12 @@ def profile_method(step, model, views, labels, device: torch.device, steps: int,
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--model", choices=("resnet9", "paper"), default="paper")
+    parser.add_argument(
+        "--model",
+        choices=("resnet9", "paper", WRN),
+        default="paper",
+        help=f"{WRN}: De et al.'s plain WRN-16-4 of benchmarks/dp_engines.py (--group unused)",
+    )
     parser.add_argument("--group", default="D4")
     parser.add_argument("--batch", type=int, default=512)
     parser.add_argument("--aug-mult", type=int, default=4)
@@ -91,7 +99,11 @@ def main(argv: list[str] | None = None) -> int:
     }
     results = {}
     for method, step in steps.items():
-        model = build_model(args.model, (16, 32, 64), 1.5, device, args.group)
+        model = (
+            wrn(16, 4).to(device).train()
+            if args.model == WRN
+            else build_model(args.model, (16, 32, 64), 1.5, device, args.group)
+        )
         results[method] = profile_method(step, model, views, labels, device, args.steps, args.top)
         print(f"== {method}: kernels {results[method]['kernel_device_ms_total']:.2f} ms/step")
         for name, phase in results[method]["phases"].items():

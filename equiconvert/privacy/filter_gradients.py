@@ -108,20 +108,28 @@ def per_example_filter_gradients(
 
 
 def _products(inputs: torch.Tensor, grad_out: torch.Tensor, views: int, geometry: ConvGeometry) -> torch.Tensor:
-    """Batched products: one per filter tap for stride-1 ungrouped convs, an unfold and one einsum otherwise."""
+    """Batched products: one per filter tap for stride-1 ungrouped convs, one einsum over the patches otherwise."""
     g = geometry
     if g.dense_stride1:
         return _shifted_products(inputs, grad_out, views, g.kernel, g.padding)
-    columns = F.unfold(
-        inputs.to(grad_out.dtype), g.kernel, dilation=g.dilation, padding=g.padding, stride=g.stride
-    )  # (N, C_in k k, L)
-    batch, positions = inputs.shape[0] // views, columns.shape[2]
-    columns = columns.reshape(batch, views, g.groups, columns.shape[1] // g.groups, positions)
-    grad_out = grad_out.reshape(
-        batch, views, g.groups, grad_out.shape[1] // g.groups, positions
-    )  # (B, K, G, C_out/G, L)
-    dense = torch.einsum("bkgol,bkgdl->bgod", grad_out, columns)
-    return dense.reshape(batch, grad_out.shape[2] * grad_out.shape[3], inputs.shape[1] // g.groups, *g.kernel)
+    patches = _patches(inputs.to(grad_out.dtype), g)  # (N, C_in, H', W', kh, kw)
+    batch, channels_in, channels_out = inputs.shape[0] // views, inputs.shape[1], grad_out.shape[1]
+    patches = patches.reshape(batch, views, g.groups, channels_in // g.groups, *patches.shape[2:])
+    grad_out = grad_out.reshape(batch, views, g.groups, channels_out // g.groups, *grad_out.shape[2:])
+    dense = torch.einsum("bkgohw,bkgdhwij->bgodij", grad_out, patches)
+    return dense.reshape(batch, channels_out, channels_in // g.groups, *g.kernel)
+
+
+def _patches(inputs: torch.Tensor, geometry: ConvGeometry) -> torch.Tensor:
+    """(N, C, H', W', kh, kw): every output position's input patch, a strided view of the zero-padded input.
+
+    Unlike F.unfold, whose CUDA kernel is launched once per image (thousands of launches for a batch of views),
+    the view costs no kernel; the einsum that reads it copies it once.
+    """
+    (ph, pw), (kh, kw), (sh, sw), (dh, dw) = geometry.padding, geometry.kernel, geometry.stride, geometry.dilation
+    padded = F.pad(inputs, (pw, pw, ph, ph)) if ph or pw else inputs
+    windows = padded.unfold(2, (kh - 1) * dh + 1, sh).unfold(3, (kw - 1) * dw + 1, sw)
+    return windows[..., ::dh, ::dw]
 
 
 def _grouped_convolution(

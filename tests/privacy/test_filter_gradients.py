@@ -84,6 +84,8 @@ GEOMETRIES = [  # (C_in, C_out, size, conv arguments)
     (4, 6, 6, dict(kernel=1)),
     (4, 6, 9, dict(kernel=3, padding=2, dilation=2)),
     (4, 6, 6, dict(kernel=3, padding=1, groups=2)),
+    (4, 6, 9, dict(kernel=1, stride=2)),  # a wide ResNet's strided shortcut
+    (6, 6, 9, dict(kernel=3, padding=1, stride=2, groups=3)),
     (3, 4, 6, dict(kernel=3, padding=1, padding_mode="circular")),
     (10, 3, 9, dict(kernel=5, padding=2)),  # fewer output channels: the gradient is placed once per column shift
     (3, 6, 8, dict(kernel=5, padding=2)),  # fewer input channels: the input is copied once per column shift
@@ -277,4 +279,20 @@ def test_unfolded_products_over_slices_of_the_examples_equal_the_loop(monkeypatc
         got = per_example_filter_gradients(inputs, grad_out, 2, kernel=3, padding=1)
     assert seen == [2, 2, 1]
     expected = naive_filter_gradients(inputs, grad_out, 2, (4, 3, 3, 3), padding=1)
+    torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("method", ["products", "unfolded"])
+def test_strided_convs_read_patches_as_a_view_not_through_unfold(monkeypatch, method):
+    """F.unfold launches one CUDA kernel per image; the strided path must not call it."""
+    from equiconvert.privacy.filter_gradients import filter_gradient_method
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("F.unfold called")
+
+    monkeypatch.setattr(torch.nn.functional, "unfold", refuse)
+    inputs, grad_out = torch.randn(4, 3, 8, 8, dtype=torch.float64), torch.randn(4, 5, 4, 4, dtype=torch.float64)
+    with filter_gradient_method(method):
+        got = per_example_filter_gradients(inputs, grad_out, 2, kernel=3, padding=1, stride=2)
+    expected = naive_filter_gradients(inputs, grad_out, 2, (5, 3, 3, 3), padding=1, stride=2)
     torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-10)

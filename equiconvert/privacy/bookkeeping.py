@@ -12,8 +12,9 @@ then formed from those two:
   the input, no unfolding), summed over the example's K views; a
   steerable filter gradient then goes to coefficient space by the transpose of the
   basis expansion and the vector-Jacobian product of the weight standardization;
-- any other layer with parameters (norms): the vmapped vector-Jacobian product of that
-  layer alone, on the example's K inputs.
+- GroupNorm: the output gradient times the normalised input, recomputed in one pass;
+- any other layer with parameters (equiconvert's field norms): the vmapped vector-Jacobian
+  product of that layer alone, on the example's K inputs.
 
 The result equals `per_sample.per_sample_gradients` (each example's gradient of its mean
 loss over its K views). Under bf16 autocast (`autocast_dtype`) the forward and backward run
@@ -121,6 +122,21 @@ def _layer_vjp_rule(
     )
 
 
+def _group_norm_rule(
+    module: nn.GroupNorm, inputs: torch.Tensor, grad_out: torch.Tensor, views: int
+) -> dict[str, torch.Tensor]:
+    """Per-example gradient of GroupNorm's per-channel scale and shift, without a per-example VJP.
+
+    The scale's is the output gradient times the normalised input (recomputed in one pass over the batch), the
+    shift's the output gradient, each summed over the example's views and positions; in the parameters' dtype.
+    """
+    batch, dtype = inputs.shape[0] // views, module.weight.dtype
+    gradient = grad_out.to(dtype)
+    normalized = F.group_norm(inputs.to(dtype), module.num_groups, eps=module.eps)
+    per_view = {"weight": (gradient * normalized).flatten(2).sum(-1), "bias": gradient.flatten(2).sum(-1)}
+    return {name: sums.reshape(batch, views, -1).sum(dim=1) for name, sums in per_view.items()}
+
+
 def _embedding_rule(
     module: nn.Embedding, indices: torch.Tensor, grad_out: torch.Tensor, views: int
 ) -> dict[str, torch.Tensor]:
@@ -140,6 +156,7 @@ RULES: dict[type[nn.Module], PerSampleRule] = {
     nn.Conv2d: _conv_rule,
     nn.Linear: _linear_rule,
     nn.Embedding: _embedding_rule,
+    nn.GroupNorm: _group_norm_rule,
 }
 
 

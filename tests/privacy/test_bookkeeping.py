@@ -69,14 +69,14 @@ def test_bookkeeping_equals_vmap_per_sample_gradients(name):
     assert all(p.requires_grad and p.grad is None for p in model.parameters())  # restored, nothing accumulated
 
 
-CONV_SHAPES = {  # kernel, stride, padding, dilation, padding_mode: the shifted-product path and the unfold path
+CONV_SHAPES = {  # kernel, stride, padding, dilation, padding_mode: the shifted-product path and the patches path
     "3x3 pad 1": dict(kernel_size=3, padding=1),
     "3x3 no padding": dict(kernel_size=3, padding=0),
     "1x1": dict(kernel_size=1),
     "5x3 pad (3, 2), wider than needed": dict(kernel_size=(5, 3), padding=(3, 2)),
     "3x3 circular": dict(kernel_size=3, padding=1, padding_mode="circular"),
-    "3x3 stride 2 (unfold)": dict(kernel_size=3, padding=1, stride=2),
-    "3x3 dilation 2 (unfold)": dict(kernel_size=3, padding=2, dilation=2),
+    "3x3 stride 2 (patches view)": dict(kernel_size=3, padding=1, stride=2),
+    "3x3 dilation 2 (patches view)": dict(kernel_size=3, padding=2, dilation=2),
 }
 
 
@@ -300,3 +300,22 @@ def test_bookkeeping_refuses_a_layer_input_changed_in_place_after_the_layer_ran(
     views, labels = torch.randn(3, 2, 3, 8, 8), torch.tensor([0, 1, 0])
     with pytest.raises(BookkeepingUnsupportedError, match=r"inputs of layers \['head'\] are modified in place"):
         per_sample_gradients_bookkeeping(InPlaceAfterLinear(), views, labels)
+
+
+@pytest.mark.parametrize("views", [1, 3])
+@pytest.mark.parametrize("shape", [(8, 5, 5), (8, 7)])
+def test_group_norm_gradients_equal_the_per_example_vjp(views, shape):
+    from equiconvert.privacy.bookkeeping import _group_norm_rule, _layer_vjp_rule
+
+    generator = torch.Generator().manual_seed(0)
+    norm = nn.GroupNorm(4, 8).double()
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(8, generator=generator, dtype=torch.float64))
+        norm.bias.copy_(torch.randn(8, generator=generator, dtype=torch.float64))
+    inputs = 3 * torch.randn(4 * views, *shape, generator=generator, dtype=torch.float64) + 1
+    grad_out = torch.randn(4 * views, *shape, generator=generator, dtype=torch.float64)
+    got, expected = _group_norm_rule(norm, inputs, grad_out, views), _layer_vjp_rule(norm, inputs, grad_out, views)
+    assert set(got) == set(expected) == {"weight", "bias"}
+    for name in got:
+        assert got[name].shape == (4, 8)
+        torch.testing.assert_close(got[name], expected[name], rtol=1e-10, atol=1e-10)

@@ -59,7 +59,7 @@ from .trainer_checkpoint import TrainerCheckpoint
 ImagesAndLabels = tuple[torch.Tensor, torch.Tensor]  # (images, labels)
 
 
-def trainer_config(
+def _resolved_config(
     config: DPConfig | None, options: dict[str, Any], lr_schedule: str | Callable[[int], float], custom: bool
 ) -> DPConfig:
     """DPTrainer's DPConfig: `config` as given, or one built from DPConfig's fields given as keywords (not both).
@@ -141,7 +141,7 @@ class DPTrainer(TrainerCheckpoint):
         check_hooks(loss_fn, augment, callbacks, metrics_logger)
         check_loggers(loggers)
         custom_schedule = None if isinstance(lr_schedule, str) else lr_schedule
-        self.config = trainer_config(config, options, lr_schedule, custom=optimizer_factory is not None)
+        self.config = _resolved_config(config, options, lr_schedule, custom=optimizer_factory is not None)
         check_config(self.config)
         if self.config.optimizer == CUSTOM and optimizer_factory is None:
             raise ParameterError(f"optimizer {CUSTOM!r} means a factory: pass optimizer=<callable params -> Optimizer>")

@@ -12,7 +12,8 @@ repeats); its standard error says how sure the estimate is, and the recorded per
 estimate a lower bound).
 
 Both a non-private arm (plain SGD, crops and flips) and a private arm (DPTrainer, Poisson sampling, clipping,
-secret noise) train the same model on each generation.
+secret noise) train the same model on each generation; the private arm once per target epsilon (`--epsilons`),
+since the copy's cost may change with the noise.
 
     python benchmarks/jpeg_generations.py --data-dir DIR --generations 0,1,2,3 --seeds 0,1 --device cuda \\
         --out benchmarks/results/jpeg_generations.json
@@ -191,7 +192,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--epochs", type=int, default=15, help="non-private epochs")
     parser.add_argument("--private-steps", type=int, default=300)
     parser.add_argument("--private-batch", type=int, default=4096)
-    parser.add_argument("--epsilon", type=float, default=8.0)
+    parser.add_argument("--epsilons", default="8", help="the private arm's target epsilons, comma-separated")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--workers", type=int, default=8, help="processes for the JPEG encoding")
     parser.add_argument("--tiny", action="store_true", help="512 training and 256 test images, a few steps (tests)")
@@ -203,6 +204,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     wanted = sorted({int(g) for g in args.generations.split(",")})
     seeds = [int(s) for s in args.seeds.split(",")]
     arms = args.arms.split(",")
+    epsilons = [float(e) for e in args.epsilons.split(",")]
     train, test = (load_dataset("cifar10", args.data_dir, split=s) for s in ("train", "test"))
     train_x, train_y, test_x, test_y = train.images, train.labels, test.images, test.labels
     if args.tiny:
@@ -217,7 +219,6 @@ def main(argv: Sequence[str] | None = None) -> None:
     train_gens, train_mse = generations(train_x, max(wanted), args.workers)
     test_gens, test_mse = generations(test_x, max(wanted), args.workers)
     private_options = {
-        "target_epsilon": args.epsilon,
         "delta": 1e-5,
         "batch_size": args.private_batch,
         "steps": args.private_steps,
@@ -228,17 +229,6 @@ def main(argv: Sequence[str] | None = None) -> None:
         "physical_batch_size": min(args.private_batch, 1024),
         "precision": "bf16" if args.device.startswith("cuda") else "fp32",
     }
-    runs = []
-    for generation in wanted:
-        data_train, data_test = (train_gens[generation], train_y), (test_gens[generation], test_y)
-        for seed in seeds:
-            for arm in arms:
-                if arm == "nonprivate":
-                    acc = train_nonprivate(data_train, data_test, seed, args.epochs, args.device)
-                else:
-                    acc = train_private(data_train, data_test, seed, private_options, args.device)
-                runs.append({"arm": arm, "generation": generation, "seed": seed, "accuracy": acc})
-                print(json.dumps(runs[-1]), flush=True)
     summary = {
         "command": "python benchmarks/jpeg_generations.py " + " ".join(sys.argv[1:] if argv is None else argv),
         "date": _dt.date.today().isoformat(),
@@ -246,27 +236,45 @@ def main(argv: Sequence[str] | None = None) -> None:
         "quality": QUALITY,
         "added_mse_per_generation": {"train": train_mse, "test": test_mse},
         "non_private": {"model": "D4 Equivariant-ResNet9", "epochs": args.epochs, "optimizer": "SGD 0.1 one-cycle"},
-        "private": private_options,
-        "runs": runs,
+        "private": private_options | {"epsilons": epsilons},
+        "runs": [],
     }
-    write_summary(summary, Path(args.out))
+    for generation in wanted:
+        data_train, data_test = (train_gens[generation], train_y), (test_gens[generation], test_y)
+        for seed in seeds:
+            for arm in arms:
+                for epsilon in [None] if arm == "nonprivate" else epsilons:
+                    if epsilon is None:
+                        acc = train_nonprivate(data_train, data_test, seed, args.epochs, args.device)
+                    else:
+                        options = private_options | {"target_epsilon": epsilon}
+                        acc = train_private(data_train, data_test, seed, options, args.device)
+                    run = {"arm": arm, "generation": generation, "seed": seed, "accuracy": acc}
+                    summary["runs"].append(run if epsilon is None else run | {"epsilon": epsilon})
+                    print(json.dumps(summary["runs"][-1]), flush=True)
+                    write_summary(summary, Path(args.out))  # after every run: a cut-short call keeps its runs
+
+
+def arm_of(run: dict) -> str:
+    """A run's group in the fits: "nonprivate", or the private arm with its epsilon ("private, epsilon 8")."""
+    return run["arm"] if "epsilon" not in run else f"{run['arm']}, epsilon {run['epsilon']:g}"
 
 
 def write_summary(summary: dict, out: Path) -> None:
     """Add the per-generation medians and the fits (with two generations or more) and write `out`."""
     runs = summary["runs"]
-    arms = sorted({r["arm"] for r in runs})
+    arms = sorted({arm_of(r) for r in runs})
     summary["medians_percent"] = {
         arm: {
-            g: statistics.median(100 * r["accuracy"] for r in runs if r["arm"] == arm and r["generation"] == g)
-            for g in sorted({r["generation"] for r in runs if r["arm"] == arm})
+            g: statistics.median(100 * r["accuracy"] for r in runs if arm_of(r) == arm and r["generation"] == g)
+            for g in sorted({r["generation"] for r in runs if arm_of(r) == arm})
         }
         for arm in arms
     }
     summary["fit_percent"] = {
-        arm: fit_line([(r["generation"], 100 * r["accuracy"]) for r in runs if r["arm"] == arm])
+        arm: fit_line([(r["generation"], 100 * r["accuracy"]) for r in runs if arm_of(r) == arm])
         for arm in arms
-        if len({r["generation"] for r in runs if r["arm"] == arm}) > 1
+        if len({r["generation"] for r in runs if arm_of(r) == arm}) > 1
     }
     added = [0.0, *summary["added_mse_per_generation"]["train"]]
     summary["rows"] = [
@@ -279,7 +287,7 @@ def write_summary(summary: dict, out: Path) -> None:
     )
     summary["cost_by_distortion_percent"] = {
         arm: mse_based_cost(
-            [(r["generation"], 100 * r["accuracy"]) for r in runs if r["arm"] == arm],
+            [(r["generation"], 100 * r["accuracy"]) for r in runs if arm_of(r) == arm],
             summary["added_mse_per_generation"]["train"],
         )
         for arm in summary["fit_percent"]
@@ -293,7 +301,15 @@ def write_summary(summary: dict, out: Path) -> None:
 def merge(parts: Sequence[str], out: str) -> None:
     """One summary from the summaries of runs made in parallel (one process per generation, say)."""
     loaded = [json.loads(Path(p).read_text()) for p in parts]
+    for part in loaded:  # a summary written for one epsilon names it in its private options, not in its runs
+        single = part["private"].get("target_epsilon")
+        part["runs"] = [
+            run | {"epsilon": single} if run["arm"] == "private" and "epsilon" not in run and single else run
+            for run in part["runs"]
+        ]
     summary = {**loaded[0], "runs": [run for part in loaded for run in part["runs"]]}
+    summary["private"] = {key: value for key, value in summary["private"].items() if key != "target_epsilon"}
+    summary["private"]["epsilons"] = sorted({run["epsilon"] for run in summary["runs"] if "epsilon" in run})
     longest = max(loaded, key=lambda part: len(part["added_mse_per_generation"]["train"]))
     summary["added_mse_per_generation"] = longest["added_mse_per_generation"]
     summary["command"] = " ; ".join(part["command"] for part in loaded)

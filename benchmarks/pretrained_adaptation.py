@@ -349,11 +349,8 @@ def run_cell(args: argparse.Namespace, epsilon: float, seed: int) -> dict:
             results[name]["upright_accuracy_before_fine_tuning"] = before
             results[name]["multiply_adds"] = carry.carried_cost.multiply_adds
             results[name]["pretrained_multiply_adds"] = carry.pretrained_cost.multiply_adds
-        if isinstance(trainer.model, CanonicalizedModel):  # how often an upright image keeps its pose
-            poses = trainer.model.poses(_normalised(upright).to(args.device))
-            results[name]["upright_identity_pose_share"] = poses.count(trainer.model.elements[IDENTITY].name) / len(
-                poses
-            )
+        if isinstance(trainer.model, CanonicalizedModel):
+            results[name] |= pose_breakdown(trainer.model, upright, labels)
     public_test_subset = subset(*public_test, sizes["test_examples"], seed)
     return {
         "target_epsilon": epsilon,
@@ -363,6 +360,24 @@ def run_cell(args: argparse.Namespace, epsilon: float, seed: int) -> dict:
         "train_examples": len(train[1]),
         "test_examples": len(labels),
         "results": results,
+    }
+
+
+def pose_breakdown(model: CanonicalizedModel, upright: torch.Tensor, labels: torch.Tensor) -> dict[str, float]:
+    """Where the canonicalised model's upright accuracy goes: the share of upright images the canonicaliser keeps
+    in the identity pose, the accuracy on those and on the rest, and the fine-tuned backbone's own accuracy on the
+    upright images (what a canonicaliser that never turned an upright image would score)."""
+    device = next(model.parameters()).device
+    with torch.no_grad():
+        x = _normalised(upright.to(device))
+        kept = torch.tensor([pose == model.elements[IDENTITY].name for pose in model.poses(x)])
+        right = (model.eval()(x).argmax(-1).cpu() == labels).float()
+        backbone_right = (model.backbone.eval()(x).argmax(-1).cpu() == labels).float()
+    return {
+        "upright_identity_pose_share": float(kept.float().mean()),
+        "upright_accuracy_identity_posed": float(right[kept].mean()) if kept.any() else None,
+        "upright_accuracy_turned_posed": float(right[~kept].mean()) if (~kept).any() else None,
+        "backbone_upright_accuracy": float(backbone_right.mean()),
     }
 
 

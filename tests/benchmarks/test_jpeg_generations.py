@@ -59,17 +59,40 @@ def test_tiny_run_trains_both_arms_on_each_generation_and_writes_the_fits(tmp_pa
     jpeg.main(
         [
             *("--data-dir", str(tmp_path / "data"), "--tiny", "--generations", "0,1", "--seeds", "0"),
-            *("--device", "cpu", "--workers", "1", "--out", str(out)),
+            *("--epsilons", "8,3", "--device", "cpu", "--workers", "1", "--out", str(out)),
         ]
     )
     summary = json.loads(out.read_text())
-    assert {(r["arm"], r["generation"]) for r in summary["runs"]} == {
-        (arm, g) for arm in ("nonprivate", "private") for g in (0, 1)
+    assert {(r["arm"], r.get("epsilon"), r["generation"]) for r in summary["runs"]} == {
+        (arm, eps, g) for arm, eps in (("nonprivate", None), ("private", 8.0), ("private", 3.0)) for g in (0, 1)
     }
     assert all(0.0 <= r["accuracy"] <= 1.0 for r in summary["runs"])
     assert len(summary["added_mse_per_generation"]["train"]) == 1
     assert summary["added_mse_per_generation"]["train"][0] > 0
-    assert set(summary["fit_percent"]) == {"nonprivate", "private"}
+    assert set(summary["fit_percent"]) == {"nonprivate", "private, epsilon 8", "private, epsilon 3"}
     merged = tmp_path / "merged.json"
     jpeg.main(["--merge", str(out), str(out), "--out", str(merged)])
     assert len(json.loads(merged.read_text())["runs"]) == 2 * len(summary["runs"])
+
+
+def test_merge_reads_a_one_epsilon_summary_as_that_epsilons_private_arm(tmp_path):
+    run = {"generation": 0, "seed": 0, "accuracy": 0.7}
+    single = {
+        "command": "a",
+        "added_mse_per_generation": {"train": [50.0], "test": [50.0]},
+        "private": {"target_epsilon": 8.0, "steps": 300},
+        "runs": [run | {"arm": "private"}, run | {"arm": "private", "generation": 1, "accuracy": 0.69}],
+    }
+    several = single | {
+        "command": "b",
+        "private": {"steps": 300, "epsilons": [3.0]},
+        "runs": [run | {"arm": "private", "epsilon": 3.0}, run | {"arm": "private", "epsilon": 3.0, "generation": 1}],
+    }
+    parts = [tmp_path / "single.json", tmp_path / "several.json"]
+    for path, part in zip(parts, (single, several)):
+        path.write_text(json.dumps(part))
+    jpeg.merge([str(p) for p in parts], str(tmp_path / "merged.json"))
+    merged = json.loads((tmp_path / "merged.json").read_text())
+    assert merged["private"] == {"steps": 300, "epsilons": [3.0, 8.0]}
+    assert merged["fit_percent"]["private, epsilon 8"]["cost_of_copy"] == pytest.approx(1.0)
+    assert merged["fit_percent"]["private, epsilon 3"]["cost_of_copy"] == pytest.approx(0.0, abs=1e-9)

@@ -106,3 +106,27 @@ def test_unknown_arms_and_merge_without_out_are_refused_before_any_work(capsys):
     with pytest.raises(SystemExit):
         module.parse_args(["--merge"])
     assert "--merge needs --out" in capsys.readouterr().err
+
+
+def test_pose_breakdown_splits_the_upright_accuracy_by_the_pose_the_canonicaliser_picks():
+    module = load_benchmark("pretrained_adaptation")
+    torch.manual_seed(0)
+    model = module.canonicalize(module.SmallCNN(), "C4", in_channels=1, fields=2, kernel_size=5, pool=2)
+    images = torch.randint(0, 256, (64, 1, 28, 28), dtype=torch.uint8)
+    labels = torch.randint(0, 10, (64,))
+    breakdown = module.pose_breakdown(model, images, labels)
+    share = breakdown["upright_identity_pose_share"]
+    assert 0 < share < 1  # an untaught canonicaliser turns some of the images and keeps others
+    overall = module.accuracy(model, images, labels)
+    split = (
+        share * breakdown["upright_accuracy_identity_posed"] + (1 - share) * breakdown["upright_accuracy_turned_posed"]
+    )
+    assert split == pytest.approx(overall, abs=1e-6)
+    # on the images kept in the identity pose the wrapped model is its backbone
+    kept = torch.tensor([pose == "rot0" for pose in model.poses(module._normalised(images))])
+    with torch.no_grad():
+        backbone = model.backbone(module._normalised(images)).argmax(-1)
+    assert breakdown["backbone_upright_accuracy"] == pytest.approx(float((backbone == labels).float().mean()))
+    assert breakdown["upright_accuracy_identity_posed"] == pytest.approx(
+        float((backbone[kept] == labels[kept]).float().mean())
+    )

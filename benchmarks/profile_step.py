@@ -35,6 +35,18 @@ def _device_ms(event) -> float:
     return getattr(event, "device_time_total", 0.0) / 1e3
 
 
+def phase_times(events, steps: int) -> dict[str, dict[str, float]]:
+    """Each equiconvert range's device time: the kernels launched inside its CPU span (not the span its kernels
+    cover on the device, which also counts the gaps between them), and its CPU time, in ms per step."""
+    phases: dict[str, dict[str, float]] = {}
+    for e in events:
+        if e.name.startswith("equiconvert/") and e.device_type == torch.autograd.DeviceType.CPU:
+            phase = phases.setdefault(e.name, {"device_ms": 0.0, "cpu_ms": 0.0})
+            phase["device_ms"] += _device_ms(e) / steps
+            phase["cpu_ms"] += e.cpu_time_total / 1e3 / steps
+    return phases
+
+
 def profile_method(step, model, views, labels, device: torch.device, steps: int, top: int) -> dict:
     """Kernels and equiconvert phases of `steps` profiled steps (after two warm-up steps), in ms per step."""
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
@@ -48,11 +60,7 @@ def profile_method(step, model, views, labels, device: torch.device, steps: int,
             torch.cuda.synchronize()
     events = prof.key_averages()
     ranges = [e for e in events if e.key.startswith("equiconvert/")]
-    phases: dict[str, dict[str, float]] = {}
-    for e in ranges:  # a range appears twice on CUDA: its CPU span and its span over the kernels it launched
-        phase = phases.setdefault(e.key, {"device_ms": 0.0, "cpu_ms": 0.0})
-        phase["device_ms"] = max(phase["device_ms"], _device_ms(e) / steps)
-        phase["cpu_ms"] = max(phase["cpu_ms"], e.cpu_time_total / 1e3 / steps)
+    phases = phase_times(prof.events(), steps)
     kernels = sorted(
         (e for e in events if e.device_type == torch.autograd.DeviceType.CUDA and e not in ranges),
         key=_device_ms,

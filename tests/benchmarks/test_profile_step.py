@@ -36,3 +36,27 @@ def test_profile_of_the_plain_wrn_finds_its_conv_and_norm_layers(tmp_path):
     phases = json.loads(out.read_text())["results"]["bookkeeping"]["phases"]
     assert {"equiconvert/per_example/Conv2d", "equiconvert/per_example/GroupNorm"} <= set(phases)
     assert "equiconvert/per_example/SteerableConv2d" not in phases
+
+
+def test_a_phases_device_time_is_its_kernels_not_the_span_they_cover():
+    from torch.autograd import DeviceType
+    from torch.autograd.profiler_util import FunctionEvent
+
+    def event(id_: int, name: str, start: int, end: int, device_type=DeviceType.CPU) -> FunctionEvent:
+        return FunctionEvent(id_, name, 0, start, end, use_device="cuda", device_type=device_type)
+
+    profile_step = load_benchmark("profile_step")
+    steps = []
+    for step in range(2):  # two steps: the phase's times add up over them and are reported per step
+        phase = event(10 * step, "equiconvert/per_example/Conv2d", 0, 5_000)
+        op = event(10 * step + 1, "aten::einsum", 100, 200)
+        op.append_kernel("gemm", 0, 1_000)  # 1 ms of kernels launched by an op inside the range
+        phase.append_cpu_child(op)
+        phase.append_kernel("copy", 0, 500)
+        # the range's span on the device: 9 ms from its first kernel's start to its last one's end
+        span = event(10 * step + 2, "equiconvert/per_example/Conv2d", 0, 9_000, DeviceType.CUDA)
+        steps += [phase, op, span]
+    phases = profile_step.phase_times(steps, steps=2)
+    assert set(phases) == {"equiconvert/per_example/Conv2d"}
+    assert phases["equiconvert/per_example/Conv2d"]["device_ms"] == 1.5
+    assert phases["equiconvert/per_example/Conv2d"]["cpu_ms"] == 5.0

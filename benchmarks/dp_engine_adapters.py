@@ -280,17 +280,20 @@ def _released_pair(case: Case) -> tuple[nn.Module, nn.Module]:
         raise NotRun("needs --released DIR: a checkout of github.com/hlzl/equivariant at 3dd7cd0")
     if case.model_name != "paper":
         raise NotRun("the released code builds only its Equivariant-ResNet9 (--models paper)")
-    prototype = _released_prototype(case.released, case.device.type == "cpu")
-    return tuple(copy.deepcopy(prototype).to(case.device) for _ in range(2))
+    from released_code import moved_everywhere
+
+    prototype = _released_prototype(case.released)
+    return tuple(moved_everywhere(copy.deepcopy(prototype), case.device) for _ in range(2))
 
 
 @cache
-def _released_prototype(root: str, on_cpu: bool) -> nn.Module:
-    """The released model, built once per process (its code builds its bases anew for each model: minutes), in train
-    mode: in eval mode its escnn modules keep expanded filters, non-leaf tensors that deepcopy refuses."""
+def _released_prototype(root: str) -> nn.Module:
+    """The released model, built once per process (its code builds its bases anew for each model: minutes) on the
+    CPU, in train mode: in eval mode its escnn modules keep expanded filters, non-leaf tensors that deepcopy refuses.
+    Its modules keep bases and indices in plain dicts, so the pair moves to the device with moved_everywhere."""
     from released_code import released_dir, released_model
 
-    return released_model(released_dir(root), on_cpu=on_cpu).train()
+    return released_model(released_dir(root)).train()
 
 
 def released(case: Case, precision: str) -> Runner:

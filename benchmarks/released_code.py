@@ -125,22 +125,39 @@ def import_released(root: Path) -> types.ModuleType:
     return networks
 
 
-def released_model(root: Path, seed: int = 0, on_cpu: bool = True) -> nn.Module:
+def released_model(root: Path, seed: int = 0) -> nn.Module:
     """The released EquivariantResNet9 with its CIFAR-10 configuration (layout, GroupNorm groups, group, rotation,
-    restriction, fix_params read from conf/setup), built on the CPU (on_cpu=False: where the released code puts its
-    constants, the current CUDA device)."""
+    restriction, fix_params read from conf/setup), built on the CPU (moved_everywhere takes it to a device)."""
     networks = import_released(root)
     config = released_config(root)
     net = config["network"]
     kwargs = {k: net[k] for k in ("group", "rotation", "restrict", "fix_params")}
     torch.manual_seed(seed)
-    with (
-        _cpu_device() if on_cpu else contextlib.nullcontext(),
-        contextlib.redirect_stdout(sys.stderr),
-    ):  # its GroupNorm prints the groups it adapts
+    with _cpu_device(), contextlib.redirect_stdout(sys.stderr):  # its GroupNorm prints the groups it adapts
         return networks.EquivariantResNet9(
             **kwargs, layout=tuple(net["layout"]), num_groups=tuple(net["num_groups"]), num_classes=10
         ).eval()
+
+
+def moved_everywhere(module: nn.Module, device: torch.device | str) -> nn.Module:
+    """`module` on `device` with every tensor it holds: its parameters and buffers, and the tensors its released
+    modules keep in plain attributes, dicts and lists (sampled bases, indices), which `Module.to` leaves behind."""
+    module.to(device)
+
+    def moved(value: Any) -> Any:
+        if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter):
+            return value.to(device)
+        if isinstance(value, dict):
+            return {key: moved(item) for key, item in value.items()}
+        if isinstance(value, (list, tuple)):
+            return type(value)(moved(item) for item in value)
+        return value
+
+    for sub in module.modules():
+        for name, value in list(vars(sub).items()):
+            if name not in ("_parameters", "_buffers", "_modules") and isinstance(value, (torch.Tensor, dict, list)):
+                setattr(sub, name, moved(value))
+    return module
 
 
 def released_config(root: Path) -> dict[str, Any]:

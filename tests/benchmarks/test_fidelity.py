@@ -149,3 +149,30 @@ def test_the_released_model_is_ours_with_its_weights_mapped(released_root, summa
         assert fidelity_model.relative_difference(ours(x), released(x)) < 1e-4
         fidelity_model.our_convs(ours)[0].bias_scale = 1.0  # escnn's bias / sqrt(field size) left out: seen
         assert fidelity_model.relative_difference(ours(x), released(x)) > 1e-2
+
+
+def test_moved_everywhere_takes_the_tensors_modules_keep_outside_their_buffers():
+    """The released modules keep sampled bases and indices in plain dicts and lists, which Module.to leaves."""
+
+    class KeepsBases(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.ones(2))
+            self.register_buffer("scale", torch.ones(1))
+            self.bases = {"irrep_0": torch.ones(3), "nested": {"irrep_1": [torch.zeros(2), torch.ones(1)]}}
+            self.indices = [torch.arange(3)]
+            self.filter = torch.ones(2, 2)
+
+    outer = torch.nn.Sequential(KeepsBases())
+    inner = outer[0]
+    assert released_code.moved_everywhere(outer, "meta") is outer
+    tensors = [
+        inner.weight,
+        inner.scale,
+        inner.bases["irrep_0"],
+        *inner.bases["nested"]["irrep_1"],
+        *inner.indices,
+        inner.filter,
+    ]
+    assert all(t.device.type == "meta" for t in tensors)
+    assert isinstance(inner.weight, torch.nn.Parameter) and [n for n, _ in outer.named_parameters()] == ["0.weight"]

@@ -140,18 +140,20 @@ def train_private(train, test, seed: int, options: dict, device: str) -> float:
     return float(trainer.history[-1]["final_eval"]["accuracy"])
 
 
-def fit_line(points: Sequence[tuple[int, float]]) -> dict[str, float]:
-    """Least squares acc = a + b k over (k, acc) points; the value at k = -1 and the cost acc(-1) - acc(0), with SEs."""
+def fit_line(points: Sequence[tuple[int, float]]) -> dict[str, float | None]:
+    """Least squares acc = a + b k over (k, acc) points; the value at k = -1 and the cost acc(-1) - acc(0), with SEs
+    (None from two points: a line through them leaves no residual to estimate the spread from)."""
     k = np.array([p[0] for p in points], dtype=float)
     y = np.array([p[1] for p in points], dtype=float)
     design = np.stack([np.ones_like(k), k], axis=1)
     coef, *_ = np.linalg.lstsq(design, y, rcond=None)
-    dof = max(len(y) - 2, 1)
-    sigma2 = float(((y - design @ coef) ** 2).sum() / dof)
-    cov = sigma2 * np.linalg.inv(design.T @ design)
-    slope_se = math.sqrt(cov[1, 1])
     at_minus_one = coef[0] - coef[1]
-    at_minus_one_se = math.sqrt(cov[0, 0] + cov[1, 1] - 2 * cov[0, 1])
+    slope_se = at_minus_one_se = None
+    if len(y) > 2:
+        sigma2 = float(((y - design @ coef) ** 2).sum() / (len(y) - 2))
+        cov = sigma2 * np.linalg.inv(design.T @ design)
+        slope_se = math.sqrt(cov[1, 1])
+        at_minus_one_se = math.sqrt(cov[0, 0] + cov[1, 1] - 2 * cov[0, 1])
     return {
         "intercept": float(coef[0]),
         "slope_per_generation": float(coef[1]),
@@ -163,7 +165,7 @@ def fit_line(points: Sequence[tuple[int, float]]) -> dict[str, float]:
     }
 
 
-def mse_based_cost(points: Sequence[tuple[int, float]], added_mse: Sequence[float]) -> dict[str, float]:
+def mse_based_cost(points: Sequence[tuple[int, float]], added_mse: Sequence[float]) -> dict[str, float | None]:
     """Accuracy as a line in the cumulative added MSE; the cost of one more encoding of the first generation's MSE.
 
     Later generations add less distortion than the first (the copy loses detail each time), and an encoding of
@@ -174,12 +176,14 @@ def mse_based_cost(points: Sequence[tuple[int, float]], added_mse: Sequence[floa
     y = np.array([acc for _, acc in points])
     design = np.stack([np.ones_like(x), x], axis=1)
     coef, *_ = np.linalg.lstsq(design, y, rcond=None)
-    sigma2 = float(((y - design @ coef) ** 2).sum() / max(len(y) - 2, 1))
-    slope_se = math.sqrt(sigma2 * np.linalg.inv(design.T @ design)[1, 1])
+    lower_bound_se = None  # as fit_line's: none from two points
+    if len(y) > 2:
+        sigma2 = float(((y - design @ coef) ** 2).sum() / (len(y) - 2))
+        lower_bound_se = math.sqrt(sigma2 * np.linalg.inv(design.T @ design)[1, 1]) * added_mse[0]
     return {
         "slope_per_mse": float(coef[1]),
         "cost_of_copy_lower_bound": float(-coef[1] * added_mse[0]),
-        "cost_of_copy_lower_bound_se": slope_se * added_mse[0],
+        "cost_of_copy_lower_bound_se": lower_bound_se,
     }
 
 

@@ -242,6 +242,11 @@ def _headline(s: Summary) -> list[str]:
     ]
 
 
+def _se(se: float | None) -> str:
+    """A fit's standard error; "no SE" for a line through two points."""
+    return "no SE" if se is None else f"{se:.2f}"
+
+
 @renderer("jpeg_generations")
 def _jpeg_generations(s: Summary) -> list[str]:
     arms = list(s["fit_percent"])
@@ -253,12 +258,12 @@ def _jpeg_generations(s: Summary) -> list[str]:
     fits, costs = s["fit_percent"], s["cost_by_distortion_percent"]
     rows.append(
         ["cost of the copy, per generation (SE)", ""]
-        + [f"{fits[arm]['cost_of_copy']:.2f} ({fits[arm]['cost_of_copy_se']:.2f})" for arm in arms]
+        + [f"{fits[arm]['cost_of_copy']:.2f} ({_se(fits[arm]['cost_of_copy_se'])})" for arm in arms]
     )
     rows.append(
         ["cost of the copy, by distortion: lower bound (SE)", ""]
         + [
-            f"{costs[arm]['cost_of_copy_lower_bound']:.2f} ({costs[arm]['cost_of_copy_lower_bound_se']:.2f})"
+            f"{costs[arm]['cost_of_copy_lower_bound']:.2f} ({_se(costs[arm]['cost_of_copy_lower_bound_se'])})"
             for arm in arms
         ]
     )

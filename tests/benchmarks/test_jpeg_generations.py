@@ -21,6 +21,13 @@ def test_fit_line_extrapolates_a_line_to_one_generation_before_the_copy():
     assert fit["slope_se"] == pytest.approx(0.0, abs=1e-9)
 
 
+def test_a_line_through_two_points_has_no_standard_error():
+    fit = jpeg.fit_line([(0, 70.0), (1, 68.0)])
+    assert fit["cost_of_copy"] == pytest.approx(2.0)
+    assert fit["slope_se"] is None and fit["lossless_estimate_se"] is None
+    assert jpeg.mse_based_cost([(0, 70.0), (1, 68.0)], [50.0])["cost_of_copy_lower_bound_se"] is None
+
+
 def test_distortion_based_cost_scales_the_accuracy_slope_by_the_first_generations_error():
     added = [50.0, 40.0, 30.0]
     cumulative = [0.0, 50.0, 90.0, 120.0]

@@ -259,6 +259,21 @@ def main(argv: Sequence[str] | None = None) -> None:
                     write_summary(summary, Path(args.out))  # after every run: a cut-short call keeps its runs
 
 
+def pooled_cost(fits: dict[str, dict]) -> dict | None:
+    """The per-generation cost of the arms' fits pooled by inverse variance (the arms with a standard error), with
+    its standard error: one estimate of the copy's cost for the private arms at all their epsilons together."""
+    weighted = {arm: fit for arm, fit in fits.items() if fit["cost_of_copy_se"]}
+    if not weighted:
+        return None
+    weights = {arm: fit["cost_of_copy_se"] ** -2 for arm, fit in weighted.items()}
+    total = sum(weights.values())
+    return {
+        "cost_of_copy": sum(weights[arm] * fit["cost_of_copy"] for arm, fit in weighted.items()) / total,
+        "cost_of_copy_se": total**-0.5,
+        "arms": sorted(weighted),
+    }
+
+
 def arm_of(run: dict) -> str:
     """A run's group in the fits: "nonprivate", or the private arm with its epsilon ("private, epsilon 8")."""
     return run["arm"] if "epsilon" not in run else f"{run['arm']}, epsilon {run['epsilon']:g}"
@@ -297,6 +312,9 @@ def write_summary(summary: dict, out: Path) -> None:
         for arm in summary["fit_percent"]
         if first_mse is not None
     }
+    summary["pooled_private_cost_percent"] = pooled_cost(
+        {arm: fit for arm, fit in summary["fit_percent"].items() if arm != "nonprivate"}
+    )
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(summary, indent=2) + "\n")
     print(json.dumps(summary["fit_percent"], indent=2))

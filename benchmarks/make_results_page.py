@@ -39,7 +39,7 @@ clipping, unless its section says otherwise.
 """
 MAX_COLUMNS = 8  # wider tables do not fit the page: renderers split them or move long details out
 HEADLINE_KIND = "paper_table"  # the page opens with the first summary of this kind, as ours / paper / gap
-HEADLINE_COLUMNS = ["model", "epsilon", "ours: median (seeds)", "paper", "gap (points)"]
+HEADLINE_COLUMNS = ["model", "epsilon", "ours: median (seeds)", "paper", "gap (points)", "explained", "left"]
 
 Summary = dict[str, Any]
 Renderer = Callable[[Summary], list[str]]
@@ -228,14 +228,27 @@ def _paper_table(s: Summary) -> list[str]:
     )
 
 
+def _explained_and_left(r: dict) -> list[str]:
+    """A cell's measured effects summed, and the part of its gap they leave; "-" for a row without measurements."""
+    if not r.get("explained") or not r["accuracy"]:
+        return ["-", "-"]
+    explained = sum(effect["points"] for effect in r["explained"])
+    return [f"{explained:+.2f}", f"{_median(r['accuracy']) - r['paper'] - explained:+.2f}"]
+
+
 def _headline(s: Summary) -> list[str]:
     """The page's first table: each paper-table row with a number from the paper, ours against it."""
-    rows = [[r["model"], r["epsilon"], _ours(r), _pct(r["paper"]), _gap(r)] for r in s["rows"] if r.get("paper")]
+    rows = [
+        [r["model"], r["epsilon"], _ours(r), _pct(r["paper"]), _gap(r), *_explained_and_left(r)]
+        for r in s["rows"]
+        if r.get("paper")
+    ]
     return [
         "## Headline",
         "",
-        "Ours (median accuracy, with the number of seeds) against the paper's, and the gap in points. The section "
-        f"'{s['title']}' below gives each row's data, setting and command, and what explains the gaps.",
+        "Ours (median accuracy, with the number of seeds) against the paper's, and the gap in points; 'explained' "
+        "is the sum of the gap's measured causes and 'left' what no measurement explains. The section "
+        f"'{s['title']}' below gives each row's data, setting and command, and each measured cause with its source.",
         "",
         *_table(HEADLINE_COLUMNS, rows),
         "",

@@ -21,6 +21,19 @@ def test_fit_line_extrapolates_a_line_to_one_generation_before_the_copy():
     assert fit["slope_se"] == pytest.approx(0.0, abs=1e-9)
 
 
+def test_pooled_cost_weights_each_arm_by_its_inverse_variance_and_leaves_out_arms_without_one():
+    fits = {
+        "private, epsilon 3": {"cost_of_copy": 1.0, "cost_of_copy_se": 0.1},
+        "private, epsilon 8": {"cost_of_copy": 2.0, "cost_of_copy_se": 0.2},
+        "private, epsilon 1": {"cost_of_copy": 9.0, "cost_of_copy_se": None},
+    }
+    pooled = jpeg.pooled_cost(fits)
+    assert pooled["cost_of_copy"] == pytest.approx((100 * 1.0 + 25 * 2.0) / 125)
+    assert pooled["cost_of_copy_se"] == pytest.approx(125**-0.5)
+    assert pooled["arms"] == ["private, epsilon 3", "private, epsilon 8"]
+    assert jpeg.pooled_cost({"private, epsilon 1": fits["private, epsilon 1"]}) is None
+
+
 def test_a_line_through_two_points_has_no_standard_error():
     fit = jpeg.fit_line([(0, 70.0), (1, 68.0)])
     assert fit["cost_of_copy"] == pytest.approx(2.0)

@@ -107,6 +107,11 @@ def test_the_page_opens_with_the_headline_table():
     for r, row in zip(rows, quoted):  # ours, and the gap to the paper in points
         ours = statistics.median(row["accuracy"])
         assert r[2] == f"**{ours:.2f}%** ({len(row['accuracy'])})" and r[4] == f"{ours - row['paper']:+.2f}"
+        if row.get("explained"):  # the measured causes summed, and what they leave of the gap
+            explained = sum(effect["points"] for effect in row["explained"])
+            assert r[5] == f"{explained:+.2f}" and r[6] == f"{ours - row['paper'] - explained:+.2f}"
+        else:
+            assert r[5] == r[6] == "-"
 
 
 def test_no_table_is_wider_than_the_page():

@@ -139,13 +139,22 @@ def released_model(root: Path, seed: int = 0) -> nn.Module:
         ).eval()
 
 
-def moved_everywhere(module: nn.Module, device: torch.device | str) -> nn.Module:
-    """`module` on `device` with every tensor it holds: its parameters and buffers, and the tensors its released
-    modules keep in plain attributes, dicts and lists (sampled bases, indices), which `Module.to` leaves behind."""
-    module.to(device)
+def moved_everywhere(module: nn.Module, device: torch.device | str, _seen: set[int] | None = None) -> nn.Module:
+    """`module` on `device` with every tensor it holds: its parameters and buffers, and the tensors and modules its
+    released modules keep in plain attributes, dicts and lists (sampled bases, indices).
+
+    The walk goes by identity through each module's own dicts. `Module.to` walks the children through a set, and the
+    released basis modules compare equal when their indices are: it moves one of each equal set and leaves the rest.
+    """
+    seen = set() if _seen is None else _seen
+    if id(module) in seen:
+        return module
+    seen.add(id(module))
 
     def moved(value: Any) -> Any:
-        if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter):
+        if isinstance(value, nn.Module):
+            return moved_everywhere(value, device, seen)
+        if isinstance(value, torch.Tensor):
             return value.to(device)
         if isinstance(value, dict):
             return {key: moved(item) for key, item in value.items()}
@@ -153,10 +162,18 @@ def moved_everywhere(module: nn.Module, device: torch.device | str) -> nn.Module
             return type(value)(moved(item) for item in value)
         return value
 
-    for sub in module.modules():
-        for name, value in list(vars(sub).items()):
-            if name not in ("_parameters", "_buffers", "_modules") and isinstance(value, (torch.Tensor, dict, list)):
-                setattr(sub, name, moved(value))
+    for name, param in module._parameters.items():
+        if param is not None:
+            module._parameters[name] = nn.Parameter(param.detach().to(device), requires_grad=param.requires_grad)
+    for name, buffer in module._buffers.items():
+        if buffer is not None:
+            module._buffers[name] = buffer.to(device)
+    for child in module._modules.values():
+        if child is not None:
+            moved_everywhere(child, device, seen)
+    for name, value in list(vars(module).items()):
+        if name not in ("_parameters", "_buffers", "_modules") and isinstance(value, (torch.Tensor, dict, list)):
+            setattr(module, name, moved(value))
     return module
 
 

@@ -152,7 +152,20 @@ def test_the_released_model_is_ours_with_its_weights_mapped(released_root, summa
 
 
 def test_moved_everywhere_takes_the_tensors_modules_keep_outside_their_buffers():
-    """The released modules keep sampled bases and indices in plain dicts and lists, which Module.to leaves."""
+    """The released modules keep sampled bases, indices and basis modules in plain dicts and lists, which Module.to
+    leaves behind, and compare their tensors in __eq__ (which a half-moved model could not)."""
+
+    class Basis(torch.nn.Module):  # equal when their tensors are: the module set of modules() compares them
+        def __init__(self) -> None:
+            super().__init__()
+            self.register_buffer("B", torch.ones(2))
+            self.indices = torch.arange(2)
+
+        def __eq__(self, other: object) -> bool:
+            return isinstance(other, Basis) and bool(torch.all(self.indices == other.indices))
+
+        def __hash__(self) -> int:
+            return 0
 
     class KeepsBases(torch.nn.Module):
         def __init__(self) -> None:
@@ -162,6 +175,8 @@ def test_moved_everywhere_takes_the_tensors_modules_keep_outside_their_buffers()
             self.bases = {"irrep_0": torch.ones(3), "nested": {"irrep_1": [torch.zeros(2), torch.ones(1)]}}
             self.indices = [torch.arange(3)]
             self.filter = torch.ones(2, 2)
+            self.expansions = {"regular": Basis()}
+            self.first, self.second = Basis(), Basis()
 
     outer = torch.nn.Sequential(KeepsBases())
     inner = outer[0]
@@ -173,6 +188,10 @@ def test_moved_everywhere_takes_the_tensors_modules_keep_outside_their_buffers()
         *inner.bases["nested"]["irrep_1"],
         *inner.indices,
         inner.filter,
+        inner.expansions["regular"].B,
+        inner.expansions["regular"].indices,
+        inner.first.indices,
+        inner.second.B,
     ]
     assert all(t.device.type == "meta" for t in tensors)
-    assert isinstance(inner.weight, torch.nn.Parameter) and [n for n, _ in outer.named_parameters()] == ["0.weight"]
+    assert isinstance(inner.weight, torch.nn.Parameter) and list(inner._parameters) == ["weight"]

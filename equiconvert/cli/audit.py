@@ -92,7 +92,7 @@ def _cmd_audit(args: argparse.Namespace) -> int:
         device=args.device,
         **options,
     )
-    record = json.dumps(result.to_dict(), indent=2)
+    record = json.dumps(result.to_dict() | {"model": args.model, "dataset": args.dataset}, indent=2)
     out.mkdir(parents=True, exist_ok=True)
     (out / "audit.json").write_text(record + "\n")
     print(record)

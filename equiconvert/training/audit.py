@@ -31,7 +31,8 @@ from torch.func import functional_call, grad, vmap
 from ..errors import ParameterError, ParameterTypeError
 from ..privacy.audit_bound import epsilon_lower_bound
 from ..privacy.dp_step import per_sample_norms
-from .audit_options import CNN_MODEL, DEFAULT_BETA, GRADIENT_SCORE, LINEAR_MODEL, LOSS_SCORE
+from ..adapt.canonicalize import canonicalize
+from .audit_options import CANONICALIZED_MODEL, CNN_MODEL, DEFAULT_BETA, GRADIENT_SCORE, LINEAR_MODEL, LOSS_SCORE
 from .trainer import DPTrainer, ImagesAndLabels
 
 SCORE_CHUNK = 256  # canaries scored at once
@@ -140,10 +141,16 @@ def _cnn(shape: tuple[int, int, int], num_classes: int) -> nn.Module:
     )
 
 
+def _canonicalized_cnn(shape: tuple[int, int, int], num_classes: int) -> nn.Module:
+    """The small CNN behind a C4 canonicaliser: an audit of the adapted models' training (square images only)."""
+    return canonicalize(_cnn(shape, num_classes), "C4", in_channels=shape[0])
+
+
 # the small models `equiconvert audit` trains: (image shape C, H, W; classes) -> untrained model
 SMALL_MODELS: dict[str, Callable[[tuple[int, int, int], int], nn.Module]] = {
     LINEAR_MODEL: _linear,
     CNN_MODEL: _cnn,
+    CANONICALIZED_MODEL: _canonicalized_cnn,
 }
 
 

@@ -24,4 +24,5 @@ LOSS_SCORE = "loss"  # black-box: minus the trained model's loss on each canary
 SCORE_NAMES = (GRADIENT_SCORE, LOSS_SCORE)
 LINEAR_MODEL = "linear"
 CNN_MODEL = "cnn"
-SMALL_MODEL_NAMES = (LINEAR_MODEL, CNN_MODEL)  # the small models an audit trains
+CANONICALIZED_MODEL = "canonicalized_cnn"  # the small CNN behind a C4 canonicaliser (equiconvert.canonicalize)
+SMALL_MODEL_NAMES = (LINEAR_MODEL, CNN_MODEL, CANONICALIZED_MODEL)  # the small models an audit trains

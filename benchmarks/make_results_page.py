@@ -189,10 +189,15 @@ def _ours(r: dict) -> str:
     return f"**{_pct(_median(runs))}** ({len(runs)})" if runs else "not run"
 
 
-def _gap(r: dict) -> str:
-    """Our median minus the paper's number, in points; "-" where either is missing."""
+def _gap_points(r: dict) -> float | None:
+    """Our median minus the paper's number, in points; None where either is missing."""
     runs = r["accuracy"]
-    return f"{_median(runs) - r['paper']:+.2f}" if runs and r.get("paper") is not None else "-"
+    return _median(runs) - r["paper"] if runs and r.get("paper") is not None else None
+
+
+def _gap(r: dict) -> str:
+    gap = _gap_points(r)
+    return "-" if gap is None else f"{gap:+.2f}"
 
 
 def _row_name(r: dict) -> str:
@@ -230,10 +235,11 @@ def _paper_table(s: Summary) -> list[str]:
 
 def _explained_and_left(r: dict) -> list[str]:
     """A cell's measured effects summed, and the part of its gap they leave; "-" for a row without measurements."""
-    if not r.get("explained") or not r["accuracy"]:
+    gap = _gap_points(r)
+    if not r.get("explained") or gap is None:
         return ["-", "-"]
     explained = sum(effect["points"] for effect in r["explained"])
-    return [f"{explained:+.2f}", f"{_median(r['accuracy']) - r['paper'] - explained:+.2f}"]
+    return [f"{explained:+.2f}", f"{gap - explained:+.2f}"]
 
 
 def _headline(s: Summary) -> list[str]:

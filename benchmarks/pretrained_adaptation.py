@@ -21,6 +21,7 @@ Each is tested on the upright test digits and on the same digits turned by a ran
 Usage: python benchmarks/pretrained_adaptation.py --epsilons 1,3,8 --seeds 0,1,2 --out results/adaptation.json
        python benchmarks/pretrained_adaptation.py --tiny          # a smoke run of a few steps
        ... --arms pretrained_carried --merge --out results/adaptation.json   # add one model to a summary
+       ... --task fashion_split --seeds 0 --pretrain-only pretrained/   # the weights the adaptation recipes load
 """
 
 from __future__ import annotations
@@ -52,20 +53,21 @@ from equiconvert import (  # noqa: E402
     carry_weights,
     make_equivariant,
     pose_prior_loss,
+    teach_upright_pose,
 )
 from equiconvert.data import load_dataset  # noqa: E402
-from equiconvert.adapt.canonicalize import IDENTITY, identity_pose_loss, pose_scores  # noqa: E402
+from equiconvert.adapt.canonicalize import IDENTITY  # noqa: E402
+from equiconvert.adapt.carry import convert_for_carrying  # noqa: E402
+from equiconvert.models import SmallCNN  # noqa: E402
 from equiconvert.groups import parse_group  # noqa: E402
 from equiconvert.privacy.accounting import calibrate_noise_multiplier, default_delta  # noqa: E402
 from equiconvert.training.trainer import DPTrainer  # noqa: E402
 
-SIZE, CLASSES, MEAN, STD = 28, 10, 0.5, 0.5  # DPTrainer's default normalisation, used for pretraining too
+SIZE, MEAN, STD = 28, 0.5, 0.5  # DPTrainer's default normalisation, used for pretraining too
 FULL = dict(pretrain_steps=2000, pretrain_examples=None, train_examples=None, test_examples=None, steps=600)
 TINY = dict(pretrain_steps=3, pretrain_examples=256, train_examples=64, test_examples=64, steps=2)
 PUBLIC_FASHION_CLASSES = (0, 1, 2, 3, 4)  # fashion_split: the rest, 5-9, are the private task
 ACCOUNTANT = "rdp"
-# pretrained_carried's conversion: one regular field per channel, mean group pooling, a basis spanning 3x3 filters
-CARRY_CONFIG = {"invariant_pool": "mean", "unit_invariants": False, "basis_cutoff": 5.0}
 CARRY_PROBE_IMAGES = 64  # public images on which the carried model's logit error is measured
 # pretrained_canonicalized's canonicaliser (pose_transfer.py varies its fields and pool)
 CANONICALIZER = {
@@ -74,23 +76,6 @@ CANONICALIZER = {
     "kernel_size": 5,
     "pool": 2,
 }
-
-
-class SmallCNN(nn.Module):
-    """Four 3x3 convolutions with GroupNorm (DP-safe), global average pooling and a linear classifier."""
-
-    def __init__(self, widths: tuple[int, ...] = (16, 32, 64, 64), strides: tuple[int, ...] = (1, 2, 2, 2)) -> None:
-        super().__init__()
-        layers: list[nn.Module] = []
-        c_in = 1
-        for c_out, stride in zip(widths, strides):
-            layers += [nn.Conv2d(c_in, c_out, 3, stride=stride, padding=1), nn.GroupNorm(4, c_out), nn.ReLU()]
-            c_in = c_out
-        self.features = nn.Sequential(*layers)
-        self.head = nn.Linear(c_in, CLASSES)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.features(x).mean(dim=(2, 3)))
 
 
 def _normalised(images: torch.Tensor) -> torch.Tensor:
@@ -166,35 +151,12 @@ def fine_tune(model: nn.Module, loss_fn, train, sigma: float, args: argparse.Nam
     return trainer
 
 
-def teach_upright_pose(model: CanonicalizedModel, images: torch.Tensor, steps: int, seed: int, device: str) -> None:
-    """The canonicaliser trained (Adam, no privacy: public images) to put upright images in the identity pose."""
-    torch.manual_seed(seed)
-    canonicalizer = model.canonicalizer.to(device).train()
-    optimizer = torch.optim.Adam(canonicalizer.parameters(), lr=2e-3)
-    generator = torch.Generator().manual_seed(seed)
-    for _ in range(steps):
-        batch = torch.randint(0, len(images), (128,), generator=generator)
-        scores = pose_scores(canonicalizer, _normalised(images[batch]).to(device), model.group.order)
-        optimizer.zero_grad()
-        identity_pose_loss(scores, model.temperature).mean().backward()
-        optimizer.step()
-    canonicalizer.cpu()
-
-
 def carried(pretrained: nn.Module, group: str, public_images: torch.Tensor) -> tuple[nn.Module, CarryReport]:
     """The pretrained CNN converted with one regular field per channel, its weights carried (carry_weights), and
     the carry report: its logit error against the group-averaged CNN, measured on public images."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the report's notes on the padded input size and the weights
-        model = make_equivariant(
-            copy.deepcopy(pretrained),
-            group,
-            width=lambda channels, group: channels,
-            head="invariant",
-            input_size=SIZE,
-            pad_to_valid=True,
-            config=CARRY_CONFIG,
-        )
+        model = convert_for_carrying(pretrained, group, input_size=SIZE, pad_to_valid=True)
     return model, carry_weights(pretrained, model, _normalised(public_images[:CARRY_PROBE_IMAGES]))
 
 
@@ -234,7 +196,7 @@ def pretrained_canonicalized(
     pretrained: nn.Module, public_images: torch.Tensor, args: argparse.Namespace, seed: int
 ) -> Candidate:
     wrapped = canonicalize(copy.deepcopy(pretrained), args.group, **CANONICALIZER)
-    teach_upright_pose(wrapped, public_images, args.sizes["pose_steps"], seed, args.device)
+    teach_upright_pose(wrapped, _normalised(public_images), args.sizes["pose_steps"], seed=seed, device=args.device)
     return wrapped, pose_prior_loss(wrapped, weight=args.prior_weight), None
 
 
@@ -294,6 +256,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--tiny", action="store_true", help="a few steps on a few examples (a smoke test)")
     parser.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated models to fine-tune, of {list(ARMS)}")
     parser.add_argument("--out", default=None, help="JSON file (default: print only)")
+    parser.add_argument(
+        "--pretrain-only",
+        metavar="DIR",
+        default=None,
+        help="pretrain the CNN of each seed on the task's public data, write DIR/TASK_seedS.pt (its state dict, "
+        "the adapt.weights of the adaptation recipes) and fine-tune nothing",
+    )
     parser.add_argument(
         "--merge",
         action="store_true",
@@ -459,8 +428,25 @@ def earlier_runs(args: argparse.Namespace) -> list[dict]:
     return earlier["runs"]
 
 
+def save_pretrained(args: argparse.Namespace) -> list[Path]:
+    """--pretrain-only: each seed's pretrained CNN, as run_cell pretrains it, saved as a state dict."""
+    folder = Path(args.pretrain_only)
+    folder.mkdir(parents=True, exist_ok=True)
+    public = TASKS[args.task](args)[0]
+    written = []
+    for seed in args.seeds:
+        pretrain_set = subset(*public, args.sizes["pretrain_examples"], seed)
+        pretrained = pretrain(*pretrain_set, args.sizes["pretrain_steps"], 128, seed, args.device)
+        written.append(folder / f"{args.task}_seed{seed}.pt")
+        torch.save(pretrained.state_dict(), written[-1])
+    return written
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.pretrain_only is not None:
+        print("\n".join(str(path) for path in save_pretrained(args)))
+        return 0
     cells = [(epsilon, seed) for epsilon in args.epsilons for seed in args.seeds]
     runs = earlier_runs(args)
     if args.workers == 1:

@@ -12,8 +12,8 @@ from ._version import __version__ as __version__
 from .errors import EquivarianceBreakError, EquiconvertError, TracingError, UnsupportedLayerError
 
 if TYPE_CHECKING:
-    from .adapt import CanonicalizationError, CanonicalizedModel, canonicalize, pose_prior_loss
-    from .adapt.carry import CarryReport, carry_weights
+    from .adapt import CanonicalizationError, CanonicalizedModel, canonicalize, pose_prior_loss, teach_upright_pose
+    from .adapt.carry import CarryReport, carry_weights, convert_for_carrying
     from .check import EquivarianceResult, check_equivariance
     from .convert import (
         ConversionConfig,
@@ -34,8 +34,11 @@ if TYPE_CHECKING:
 
 # public name -> the submodule defining it
 _EXPORTS = {
-    **dict.fromkeys(("CanonicalizationError", "CanonicalizedModel", "canonicalize", "pose_prior_loss"), "adapt"),
-    **dict.fromkeys(("CarryReport", "carry_weights"), "adapt.carry"),
+    **dict.fromkeys(
+        ("CanonicalizationError", "CanonicalizedModel", "canonicalize", "pose_prior_loss", "teach_upright_pose"),
+        "adapt",
+    ),
+    **dict.fromkeys(("CarryReport", "carry_weights", "convert_for_carrying"), "adapt.carry"),
     **dict.fromkeys(("EquivarianceResult", "check_equivariance"), "check"),
     **dict.fromkeys(
         (
@@ -78,6 +81,7 @@ __all__ = [
     "canonicalize",
     "carry_weights",
     "check_equivariance",
+    "convert_for_carrying",
     "create_model",
     "export",
     "list_models",
@@ -90,6 +94,7 @@ __all__ = [
     "register_model",
     "register_module_rule",
     "save",
+    "teach_upright_pose",
 ]
 
 

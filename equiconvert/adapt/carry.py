@@ -16,16 +16,17 @@ parameters carry over, the network only approximates the average, and the report
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 from torch import nn
 
-from ..convert import EquivariantModel
+from ..convert import EquivariantModel, make_equivariant
 from ..convert.input_fit import FIT_MODULE
 from ..errors import UnsupportedLayerError, UsageError
-from ..groups import GroupSpec
+from ..groups import GroupSpec, parse_group
 from ..nn.conv import SteerableConv2d
 from ..nn.norm import FieldGroupNorm
 from ..nn.pooling import GroupPool
@@ -33,9 +34,12 @@ from .cost import ForwardCost, forward_cost
 
 EXACT, APPROXIMATE = "exact", "approximate"
 EXACT_RESIDUAL = 1e-6  # a filter projection's relative residual below this is float rounding: carried exactly
+# the conversion whose model carry_weights can fill: one regular field per channel, mean group pooling, a basis that
+# spans every filter up to 7x7 (convert_for_carrying)
+CARRY_CONVERSION = {"invariant_pool": "mean", "unit_invariants": False, "basis_cutoff": 5.0}
 CONVERSION_HINT = (
-    "convert with make_equivariant(model, group, width=lambda channels, group: channels, head='invariant', "
-    "config={'invariant_pool': 'mean', 'unit_invariants': False, 'basis_cutoff': 5.0})"
+    "convert with convert_for_carrying(model, group), i.e. make_equivariant(model, group, width=lambda channels, "
+    f"group: channels, head='invariant', config={CARRY_CONVERSION})"
 )
 PROBE_IMAGES = 4  # images of the default probe batch that measures the logit error
 
@@ -187,6 +191,25 @@ def _probe(converted: EquivariantModel, inputs: torch.Tensor | None) -> torch.Te
     size = converted.default_input_size()
     generator = torch.Generator().manual_seed(0)  # a fixed probe: the report is reproducible
     return torch.randn(PROBE_IMAGES, converted.in_channels, size, size, generator=generator)
+
+
+def convert_for_carrying(model: nn.Module, group: str | GroupSpec, **options: Any) -> EquivariantModel:
+    """`model` converted so that carry_weights can fill it (CARRY_CONVERSION, one regular field per channel, an
+    invariant head); `model` itself is left as it is.
+
+    Args:
+        model: the pretrained CNN.
+        group: a group of grid elements (C4, D4, ...).
+        **options: further make_equivariant keywords (input_size, pad_to_valid, ...).
+
+    Returns:
+        The converted model, its parameters still to be carried.
+    """
+    spec = parse_group(group) if isinstance(group, str) else group
+    # width kappa = |G|: floor(C * sqrt(|G| * |G|) / |G|) = C fields, a plain number that save/load can rebuild
+    return make_equivariant(
+        copy.deepcopy(model), spec, width=float(spec.order), head="invariant", config=dict(CARRY_CONVERSION), **options
+    )
 
 
 def carry_weights(

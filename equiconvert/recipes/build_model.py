@@ -109,6 +109,11 @@ _CONVERSION_KEYS = {
 
 def refuse_preset_options_for_other_models(spec: RunSpec) -> None:
     if preset_entry(spec) is not None:
+        if spec.pad_to_valid:
+            raise ParameterError(
+                f"conversion.pad_to_valid applies to converted registry models, not the preset {spec.model!r} "
+                "(its images are padded to a valid size by the run): drop it"
+            )
         return
     presets = " or ".join(preset_names())
     for key in PRESET_KEYS:
@@ -122,11 +127,13 @@ def refuse_preset_options_for_other_models(spec: RunSpec) -> None:
 def refuse_conversion_options_for_baseline(spec: RunSpec) -> None:
     if spec.group.lower() != BASELINE_GROUP:
         return
-    if preset_entry(spec) is not None and spec.conversion_kwargs():  # its plain network is built without them
+    if spec.conversion_kwargs():  # the plain network is built without them
         raise ParameterError(
             f"model.kwargs {sorted(spec.conversion_kwargs())} are conversion options; the unconverted baseline "
             "(group=none) has no conversion: drop them, or pick a group"
         )
+    if spec.pad_to_valid:
+        raise ParameterError("conversion.pad_to_valid fits a converted model's input; group=none has none: drop it")
     for name, (key, what) in _CONVERSION_KEYS.items():
         if getattr(spec, name) is not None:
             raise ParameterError(
@@ -138,19 +145,28 @@ def conversion_options(spec: RunSpec) -> dict[str, Any]:
     return {} if spec.init_gain is None else {"init_gain": spec.init_gain}
 
 
-def build_model(spec: RunSpec, num_classes: int, channels: int) -> tuple[nn.Module, int]:
-    """The network the run trains, and the parameter count of the plain network it comes from."""
+def build_model(spec: RunSpec, num_classes: int, channels: int, image_size: int | None = None) -> tuple[nn.Module, int]:
+    """The network the run trains, and the parameter count of the plain network it comes from; with
+    spec.pad_to_valid, a converted registry model takes `image_size` and pads it to its nearest valid size itself."""
     from ..models import create_model
 
     entry = preset_entry(spec)
     if entry is not None:
         return preset_model(spec, entry, preset_of(spec), num_classes, channels)
-    model = create_model(spec.model, num_classes=num_classes, in_channels=channels, **spec.passed_kwargs())
+    conversion = spec.conversion_kwargs()  # ConversionConfig fields among the model keywords go to the conversion
+    built = {k: v for k, v in spec.passed_kwargs().items() if k not in conversion}
+    model = create_model(spec.model, num_classes=num_classes, in_channels=channels, **built)
     params_before = count_parameters(model)
     if spec.group.lower() == BASELINE_GROUP:
         return replace_batch_norm(model), params_before
+    fit = {"input_size": image_size, "pad_to_valid": True} if spec.pad_to_valid else {}
     converted = make_equivariant(
-        model, spec.group, width=spec.width, head=head_of(spec), config=conversion_options(spec)
+        model,
+        spec.group,
+        width=spec.width,
+        head=head_of(spec),
+        config={**conversion, **conversion_options(spec)},
+        **fit,
     )
     return converted, params_before
 

@@ -1,8 +1,9 @@
 """Typed experiment recipes: what one `equiconvert train` run does, loadable from TOML and overridable by dotted keys.
 
-A recipe has five sections: [model] (registry name and keyword arguments), [conversion] (group and the
-conversion's options), [dp], [schedule] and [data] (the fields of training.dp_config.DPConfig, grouped by what
-they set), and [run] (output folder, device, time limit). DPConfig and the dataclasses below are the one source of
+A recipe has these sections: [model] (registry name and keyword arguments), [conversion] (group and the
+conversion's options), [adapt] (pretrained weights and how they are kept), [dp], [schedule] and [data] (the fields
+of training.dp_config.DPConfig, grouped by what they set; [data] also names the data set), and [run] (output
+folder, device, time limit). DPConfig and the dataclasses below are the one source of
 every default: the command line fills only what it was given.
 """
 
@@ -51,14 +52,36 @@ class ConversionOptions:
     width: str | float | None = None
     head: str | None = None
     init_gain: float | None = None
+    pad_to_valid: bool = False  # fit the images' size inside the model (make_equivariant's pad_to_valid)
 
 
 @dataclass
 class DataOptions:
-    """The data set (any name equiconvert.data resolves) and its folder (None: the data set's default places)."""
+    """The data set (any name equiconvert.data resolves) and its folder (None: the data set's default places);
+    classes keeps only the examples of these labels, in both splits (the model keeps every class's logit)."""
 
     dataset: str | None = None
     data_dir: str | None = None
+    classes: tuple[int, ...] | None = None
+
+
+@dataclass
+class AdaptOptions:
+    """Pretrained weights and how the run keeps them (recipes.adapt_model.ADAPT_METHODS).
+
+    weights is a state-dict file of the model as [model] builds it, read with weights_only=True. The public data set
+    (public_* keys) must hold no private example: canonicalize teaches its canonicaliser the upright pose on it
+    (pose_steps Adam steps, no privacy spent), carry_weights measures its logit error on it.
+    """
+
+    method: str = "none"
+    weights: str | None = None
+    prior_weight: float = 0.5  # canonicalize: pose_prior_loss's weight
+    canonicalizer_pool: int | None = None  # canonicalize: average pooling of the canonicaliser's input (None: its own)
+    public_dataset: str | None = None
+    public_data_dir: str | None = None
+    public_classes: tuple[int, ...] | None = None
+    pose_steps: int = 2000
 
 
 @dataclass
@@ -83,6 +106,7 @@ class Recipe:
     model: ModelOptions = field(default_factory=ModelOptions)
     conversion: ConversionOptions = field(default_factory=ConversionOptions)
     data: DataOptions = field(default_factory=DataOptions)
+    adapt: AdaptOptions = field(default_factory=AdaptOptions)
     trainer: DPConfig = field(default_factory=DPConfig)
     run: RunOptions = field(default_factory=RunOptions)
 
@@ -121,6 +145,7 @@ def _section_fields() -> dict[str, str]:
         ("model", ModelOptions),
         ("conversion", ConversionOptions),
         ("data", DataOptions),
+        ("adapt", AdaptOptions),
         ("run", RunOptions),
     ):
         for f in dataclasses.fields(cls):
@@ -182,7 +207,7 @@ def _flatten(table: dict[str, Any]) -> dict[str, Any]:
     for section, body in table.items():
         if not isinstance(body, dict):
             raise RecipeError(
-                f"{section!r} must be a section ([model], [conversion], [data], [dp], [schedule], "
+                f"{section!r} must be a section ([model], [conversion], [data], [adapt], [dp], [schedule], "
                 f"[run]), not a top-level value"
             )
         flat.update({f"{section}.{key}": value for key, value in body.items()})

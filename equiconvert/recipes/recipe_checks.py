@@ -13,6 +13,7 @@ from ..data import resolve_name
 from ..training.devices import resolve_device
 from ..training.dp_config import OFF_OPTIONS, ConfigError, DPConfig, check_config
 from ..training.loggers import LoggerError, check_loggers
+from .adapt_model import refuse_bad_adaptation
 from .build_model import refuse_conversion_options_for_baseline, refuse_preset_options_for_other_models
 from .recipe import Recipe, RecipeError, recipe_value, trainer_fields
 from .run_spec import RunSpec, spec_of, trainer_config
@@ -68,6 +69,7 @@ def check_recipe(recipe: Recipe) -> tuple[RunSpec, DPConfig]:
         )
     resolve_device(recipe.run.device)
     spec = spec_of(recipe)
+    refuse_bad_adaptation(spec)
     refuse_conversion_options_for_baseline(spec)
     refuse_preset_options_for_other_models(spec)
     return spec, config

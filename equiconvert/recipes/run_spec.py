@@ -8,7 +8,7 @@ from typing import Any
 
 from ..training.dp_config import DPConfig
 from ..training.loggers import DEFAULT_LOGGERS
-from .recipe import Recipe, RecipeError
+from .recipe import AdaptOptions, Recipe, RecipeError
 
 BASELINE_GROUP = "none"  # --group none: the unconverted network
 
@@ -32,8 +32,11 @@ class RunSpec:
     time_limit_s: float | None = None  # stop (with a checkpoint) after this much training time; --resume continues
     init_gain: float | None = None  # ConversionConfig.init_gain; None keeps the model's default
     head: str | None = None  # "keep" or "invariant"; None: the paper preset's own head, "invariant" for other models
+    pad_to_valid: bool = False  # the model pads the images to its nearest valid size (else the runner pads them)
     plan_steps: bool = False  # fit the steps to time_limit_s by a timing probe before the noise is calibrated
     loggers: tuple[str, ...] = DEFAULT_LOGGERS  # where the log records go (training.loggers.LOGGERS)
+    classes: tuple[int, ...] | None = None  # keep only these labels (None: every example)
+    adapt: AdaptOptions = field(default_factory=AdaptOptions)  # pretrained weights and how they are kept
 
     def preset(self, key: str) -> Any:
         """A paper-preset keyword argument as given (None: the preset's own)."""
@@ -44,8 +47,8 @@ class RunSpec:
         return {k: v for k, v in self.model_kwargs.items() if k not in PRESET_KEYS}
 
     def conversion_kwargs(self) -> dict[str, Any]:
-        """The model keyword arguments that are ConversionConfig fields (e.g. weight_standardization): the paper
-        preset passes them to its conversion, so its plain network is built without them."""
+        """The model keyword arguments that are ConversionConfig fields (e.g. weight_standardization, unit_invariants):
+        they go to the conversion, so the plain network is built without them."""
         from ..convert.context import ConversionConfig
 
         names = {f.name for f in dataclasses.fields(ConversionConfig)}
@@ -78,8 +81,11 @@ def spec_of(recipe: Recipe) -> RunSpec:
         time_limit_s=r.time_limit_s,
         init_gain=c.init_gain,
         head=c.head,
+        pad_to_valid=c.pad_to_valid,
         plan_steps=r.plan_steps,
         loggers=tuple(r.loggers),
+        classes=recipe.data.classes,
+        adapt=dataclasses.replace(recipe.adapt),
     )
 
 

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from ..check import check_equivariance
+from ..convert import EquivariantModel
 from ..errors import ParameterError
 from ..conversion_options import INVARIANT_HEAD
 from ..nn.conv import SteerableConv2d
@@ -29,6 +30,7 @@ from ..training.run_lock import hold_run_folder
 from ..training.trainer import DPTrainer
 from ..saved_model import library_versions, save_trained
 from . import step_plan
+from .adapt_model import adapt_model, adapts, keep_classes
 from .build_model import (
     blocks_of,
     build_model,
@@ -126,9 +128,9 @@ def _run_training(
         prepare_out(Path(spec.out), resume=spec.resume, overwrite=spec.overwrite)
     start = time.perf_counter()
     with context.main_first():  # rank 0 fills the decoded-data cache the other ranks read
-        train = load_dataset(spec.dataset, spec.data_dir, split="train")
+        train = keep_classes(load_dataset(spec.dataset, spec.data_dir, split="train"), spec.classes, "data.classes")
         _refuse_impossible_sizes(config, len(train))
-        test = load_dataset(spec.dataset, spec.data_dir, split="test")
+        test = keep_classes(load_dataset(spec.dataset, spec.data_dir, split="test"), spec.classes, "data.classes")
     if len(test) == 0:
         raise InvalidDataError(
             f"the test split of {spec.dataset!r} is empty: the run could not be evaluated; give a data "
@@ -144,11 +146,18 @@ def _run_training(
     }
     # the model's initial weights come from the run's seed too, so one seed gives one run
     torch.manual_seed(config.seed)
-    model, params_before = build_model(spec, len(train.classes), channels)
+    loss_fn = None
+    if adapts(spec):
+        adapted = adapt_model(spec, config, len(train.classes), channels, size, device)
+        model, params_before, loss_fn = adapted.model, adapted.params_before, adapted.loss_fn
+        result["adaptation"] = adapted.record
+    else:
+        model, params_before = build_model(spec, len(train.classes), channels, size)
     if spec.group.lower() == BASELINE_GROUP:
         input_size = size
     else:
-        input_size = padded_size(model, size)
+        # a canonicalised model is invariant at any square size; a converted one at its valid sizes
+        input_size = padded_size(model, size) if isinstance(model, EquivariantModel) else size
         result["init_gain"] = next((m.init_gain for m in model.modules() if isinstance(m, SteerableConv2d)), None)
         check = check_equivariance(model, input_size=input_size, batch_size=1)
         result["max_equivariance_error"] = check.max_error
@@ -172,6 +181,7 @@ def _run_training(
         progress=spec.progress,
         distributed=context,
         loggers=spec.loggers,
+        loss_fn=loss_fn,
         config=config,
     )
     trainer.fit(

@@ -31,6 +31,7 @@ from ._base import (
     cache_dir,
     register,
     resolve_name,
+    select_classes,
 )
 from . import cifar, imagefolder, imagenet, mnist, rotated_mnist, synthetic  # noqa: F401  (fill DATASETS)
 from .imagefolder import decode_images, load_image_folder
@@ -51,6 +52,7 @@ __all__ = [
     "read_idx",
     "register",
     "rotate_images",
+    "select_classes",
 ]
 
 

@@ -98,6 +98,20 @@ def make_image_data(images: np.ndarray, labels: np.ndarray, classes: Sequence[st
     return ImageData(torch.from_numpy(images), torch.from_numpy(labels), [str(c) for c in classes], name, dict(meta))
 
 
+def select_classes(data: ImageData, classes: Sequence[int] | None, parameter: str = "classes") -> ImageData:
+    """`data` with only the examples whose label is in `classes` (None: `data` itself); the class list is kept whole,
+    so a model keeps one logit per class of the data set. `parameter` names the setting in errors."""
+    if classes is None:
+        return data
+    if not classes or any(not 0 <= label < len(data.classes) for label in classes):
+        raise ParameterError(
+            f"{parameter}={list(classes)}: give labels of {data.name} in 0..{len(data.classes) - 1} (its classes: "
+            f"{', '.join(data.classes)})"
+        )
+    keep = torch.isin(data.labels, torch.tensor(list(classes)))
+    return ImageData(data.images[keep], data.labels[keep], data.classes, data.name, dict(data.meta))
+
+
 def refuse_non_finite(images: np.ndarray, where: str) -> None:
     """Float images (before any cast to uint8, which would turn NaN into some pixel value) must be finite."""
     if images.dtype.kind in "fc" and len(images):

@@ -7,7 +7,6 @@ the upright pose from it and the carried model's logit error is measured on it, 
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -15,7 +14,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from ..data import ImageData
+from ..data import select_classes
 from ..errors import ParameterError
 from ..privacy.per_sample_method import PerExampleLoss
 from ..training.devices import resolve_device
@@ -59,20 +58,6 @@ def adapts(spec: RunSpec) -> bool:
     return spec.adapt.method != NO_ADAPTATION or spec.adapt.weights is not None
 
 
-def keep_classes(data: ImageData, classes: tuple[int, ...] | None, key: str) -> ImageData:
-    """`data` with only the examples whose label is in `classes` (None: all); the class list is kept whole, so the
-    model keeps a logit per class of the data set. `key` names the recipe key in errors."""
-    if classes is None:
-        return data
-    if not classes or any(not 0 <= label < len(data.classes) for label in classes):
-        raise ParameterError(
-            f"{key}={list(classes)}: give labels of {data.name} in 0..{len(data.classes) - 1} (its classes: "
-            f"{', '.join(data.classes)})"
-        )
-    keep = torch.isin(data.labels, torch.tensor(classes))
-    return dataclasses.replace(data, images=data.images[keep], labels=data.labels[keep])
-
-
 def pretrained_model(spec: RunSpec, num_classes: int, channels: int) -> nn.Module:
     """The model as [model] builds it, with adapt.weights loaded whole (every parameter and buffer, by name)."""
     from ..models import create_model
@@ -102,7 +87,7 @@ def public_images(spec: RunSpec, config: DPConfig) -> torch.Tensor | None:
     if adapt.public_dataset is None:
         return None
     public = load_dataset(adapt.public_dataset, adapt.public_data_dir, split="train")
-    public = keep_classes(public, adapt.public_classes, "adapt.public_classes")
+    public = select_classes(public, adapt.public_classes, "adapt.public_classes")
     return Normalize(config.normalize_mean, config.normalize_std, torch.device("cpu"))(public.images)
 
 

@@ -30,7 +30,7 @@ from ..training.run_lock import hold_run_folder
 from ..training.trainer import DPTrainer
 from ..saved_model import library_versions, save_trained
 from . import step_plan
-from .adapt_model import adapt_model, adapts, keep_classes
+from .adapt_model import adapt_model, adapts
 from .build_model import (
     blocks_of,
     build_model,
@@ -121,16 +121,16 @@ def run_checked(spec: RunSpec, config: DPConfig) -> dict[str, Any]:
 def _run_training(
     spec: RunSpec, context: distributed.DistributedContext, device: str | None, config: DPConfig
 ) -> dict[str, Any]:
-    from ..data import load_dataset
+    from ..data import load_dataset, select_classes
 
     preset = preset_of(spec)
     if context.is_main:  # rank 0 alone writes the outputs
         prepare_out(Path(spec.out), resume=spec.resume, overwrite=spec.overwrite)
     start = time.perf_counter()
     with context.main_first():  # rank 0 fills the decoded-data cache the other ranks read
-        train = keep_classes(load_dataset(spec.dataset, spec.data_dir, split="train"), spec.classes, "data.classes")
+        train = select_classes(load_dataset(spec.dataset, spec.data_dir, split="train"), spec.classes, "data.classes")
         _refuse_impossible_sizes(config, len(train))
-        test = keep_classes(load_dataset(spec.dataset, spec.data_dir, split="test"), spec.classes, "data.classes")
+        test = select_classes(load_dataset(spec.dataset, spec.data_dir, split="test"), spec.classes, "data.classes")
     if len(test) == 0:
         raise InvalidDataError(
             f"the test split of {spec.dataset!r} is empty: the run could not be evaluated; give a data "

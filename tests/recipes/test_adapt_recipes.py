@@ -167,9 +167,9 @@ def test_weights_that_do_not_fit_the_model_are_refused_naming_the_file_and_the_e
 
 
 def test_data_classes_outside_the_data_set_are_refused_by_key(tmp_path):
-    from equiconvert.recipes.adapt_model import keep_classes
+    from equiconvert.data import select_classes
 
     data = load_dataset("synthetic", split="test")
     with pytest.raises(ParameterError, match=r"data.classes=\[3, 10\]: give labels of synthetic in 0..9"):
-        keep_classes(data, (3, 10), "data.classes")
-    assert keep_classes(data, None, "data.classes") is data
+        select_classes(data, (3, 10), "data.classes")
+    assert select_classes(data, None, "data.classes") is data

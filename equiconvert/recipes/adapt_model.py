@@ -22,9 +22,8 @@ from ..training.dp_config import DPConfig
 from ..training.normalization import Normalize
 from ..untrusted_file import load_weights_only
 from .build_model import count_parameters
+from .recipe import NO_ADAPTATION
 from .run_spec import BASELINE_GROUP, RunSpec
-
-NO_ADAPTATION = "none"
 
 
 @dataclass

@@ -30,6 +30,7 @@ else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
 RECIPE_DIR = "files"
+NO_ADAPTATION = "none"  # adapt.method: a model built afresh, or pretrained weights trained as they are
 
 
 class RecipeError(UsageError, ValueError):
@@ -74,7 +75,7 @@ class AdaptOptions:
     (pose_steps Adam steps, no privacy spent), carry_weights measures its logit error on it.
     """
 
-    method: str = "none"
+    method: str = NO_ADAPTATION
     weights: str | None = None
     prior_weight: float = 0.5  # canonicalize: pose_prior_loss's weight
     canonicalizer_pool: int | None = None  # canonicalize: average pooling of the canonicaliser's input (None: its own)

@@ -23,9 +23,11 @@ if str(_HERE) not in sys.path:
     sys.path.insert(0, str(_HERE))
 
 from json_output import emit  # noqa: E402
-from pretrained_adaptation import CANONICALIZER, TASKS, SmallCNN, _normalised, canonicalize, subset, teach_upright_pose  # noqa: E402
+from pretrained_adaptation import CANONICALIZER, TASKS, _normalised, subset  # noqa: E402
 
+from equiconvert import canonicalize, teach_upright_pose  # noqa: E402
 from equiconvert.adapt.canonicalize import IDENTITY  # noqa: E402
+from equiconvert.models import SmallCNN  # noqa: E402
 
 
 def identity_share(model, images: torch.Tensor) -> float:
@@ -38,7 +40,7 @@ def measure(args: argparse.Namespace, fields: int, steps: int, seed: int, splits
     public, public_test, _, private_test = splits
     torch.manual_seed(seed)
     model = canonicalize(SmallCNN(), args.group, **{**CANONICALIZER, "fields": fields, "pool": args.pool})
-    teach_upright_pose(model, public[0], steps, seed, "cpu")
+    teach_upright_pose(model, _normalised(public[0]), steps, seed=seed, device="cpu")
     return {
         "fields": fields,
         "pose_steps": steps,

@@ -77,18 +77,23 @@ def test_every_method_starts_from_the_weights_in_the_file(tmp_path, method, grou
     assert (adapted.loss_fn is not None) == (method == "canonicalize")  # pose_prior_loss
 
 
-def test_a_canonicalised_run_trains_privately_saves_and_reloads_an_invariant_model(tmp_path, capsys):
+@pytest.mark.parametrize("method", ["canonicalize", "carry_weights"])
+def test_an_adapted_run_trains_privately_saves_and_reloads_an_invariant_model(tmp_path, capsys, method):
     _weights(tmp_path / "w.pt")
     out = tmp_path / "run"
     args = tiny_train_args(out, model="equiconvert:small_cnn", group="C4", batch_size=16, physical_batch_size=16)
-    adapt = ["adapt.method=canonicalize", f"adapt.weights={tmp_path / 'w.pt'}", "adapt.public_dataset=synthetic"]
+    adapt = [f"adapt.method={method}", f"adapt.weights={tmp_path / 'w.pt'}", "adapt.public_dataset=synthetic"]
     adapt += ["adapt.public_classes=[0, 1, 2, 3, 4]", "adapt.pose_steps=2"]
     assert main([*args, *(word for key in adapt for word in ("--set", key))]) == 0
     result = json.loads((out / "result.json").read_text())
-    assert result["adaptation"] == {"method": "canonicalize", "prior_weight": 0.5, "pose_steps": 2}
+    assert result["adaptation"]["method"] == method
+    if method == "canonicalize":
+        assert result["adaptation"] == {"method": "canonicalize", "prior_weight": 0.5, "pose_steps": 2}
+    else:  # the logit error is measured on the public images: small against the logits
+        assert result["adaptation"]["carry_logit_error"] < 0.05 * result["adaptation"]["carry_logit_scale"]
     assert result["max_equivariance_error"] <= 1e-5 and result["steps"] == 1 and 0 < result["epsilon"] <= 8
-    loaded = equiconvert.load(out / "model.pt")
-    assert isinstance(loaded, CanonicalizedModel)
+    loaded = equiconvert.load(out / "model.pt")  # both remember how they were built
+    assert isinstance(loaded, CanonicalizedModel if method == "canonicalize" else equiconvert.EquivariantModel)
     check = equiconvert.check_equivariance(loaded, input_size=32, batch_size=2)
     assert check.max_error <= 1e-5
     capsys.readouterr()

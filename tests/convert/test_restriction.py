@@ -135,7 +135,9 @@ def test_per_sample_gradients_through_restriction_match_naive_loop():
     model = equiconvert.make_equivariant(
         resnet9(widths=(8, 16, 32)), "D4", head="invariant", restrict="halved", input_size=32
     ).eval()
-    assert_per_sample_gradients_match_loop(model, torch.randn(3, 3, 32, 32), torch.tensor([1, 4, 7]))
+    # float64: the bound tests the gradients' arithmetic, not float32 rounding (which varies with the CPU's kernels)
+    x = torch.randn(3, 3, 32, 32, dtype=torch.float64)
+    assert_per_sample_gradients_match_loop(model.double(), x, torch.tensor([1, 4, 7]), tolerance=1e-10)
 
 
 def test_default_placement_restricts_bottleneck_and_resnet_d_blocks_at_their_input():
@@ -254,8 +256,9 @@ def test_o2_reflection_restriction_keeps_flip_invariant_logits_typed_stages_and_
         f"stages {stage_errors}, rot90 {_relative(model(torch.rot90(x, 1, (-2, -1))).detach(), logits):.2e}"
     )
     assert result.max_error <= 1e-5 and _relative(flipped, logits) <= 1e-5
-    # the restriction itself is exact; what it receives carries the O(2) convs' float noise, deeper layers more
-    assert stage_errors[point.target] <= 1e-6 and stage_errors[d1_maps[-1].target] <= 1e-5, stage_errors
+    # the restriction itself is exact; what it receives carries the O(2) convs' float32 noise (about 1e-6, with the
+    # CPU's kernels), deeper layers more
+    assert stage_errors[point.target] <= 5e-6 and stage_errors[d1_maps[-1].target] <= 1e-5, stage_errors
     assert same and {type(m).__module__.split(".")[0] for m in exported.modules()} == {"torch"}
 
 

@@ -7,7 +7,7 @@ the upright pose from it and the carried model's logit error is measured on it, 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Callable
 
@@ -22,8 +22,10 @@ from ..training.dp_config import DPConfig
 from ..training.normalization import Normalize
 from ..untrusted_file import load_weights_only
 from .build_model import count_parameters
-from .recipe import NO_ADAPTATION
+from .recipe import NO_ADAPTATION, AdaptOptions
 from .run_spec import BASELINE_GROUP, RunSpec
+
+CARRY_PROBE_IMAGES = 64  # public images on which a carried model's logit error is measured
 
 
 @dataclass
@@ -121,7 +123,7 @@ def carried(inputs: AdaptInputs) -> AdaptedModel:
     from ..adapt.carry import carry_weights, convert_for_carrying
 
     model = convert_for_carrying(inputs.pretrained, inputs.spec.group, input_size=inputs.size, pad_to_valid=True)
-    probe = None if inputs.public_images is None else inputs.public_images[:64]
+    probe = None if inputs.public_images is None else inputs.public_images[:CARRY_PROBE_IMAGES]
     report = carry_weights(inputs.pretrained, model, probe)
     record = {
         "method": "carry_weights",
@@ -140,6 +142,28 @@ ADAPT_METHODS: dict[str, Callable[[AdaptInputs], AdaptedModel]] = {
 }
 # the methods that make the model invariant to conversion.group (the others need group "none")
 EQUIVARIANT_METHODS = ("canonicalize", "carry_weights")
+_PUBLIC_KEYS = ("public_dataset", "public_data_dir", "public_classes")
+# the [adapt] keys each method reads besides method and weights: any other key set away from its default is refused
+METHOD_KEYS: dict[str, tuple[str, ...]] = {
+    NO_ADAPTATION: (),
+    "canonicalize": ("prior_weight", "canonicalizer_pool", "pose_steps", *_PUBLIC_KEYS),
+    "carry_weights": _PUBLIC_KEYS,
+}
+
+
+def _refuse_unread_keys(spec: RunSpec) -> None:
+    """An [adapt] key the run would not read is an error, not a silently dropped setting."""
+    adapt, defaults = spec.adapt, AdaptOptions()
+    read = {"method", "weights", *METHOD_KEYS[adapt.method]}
+    unread = [
+        f.name
+        for f in fields(AdaptOptions)
+        if f.name not in read and getattr(adapt, f.name) != getattr(defaults, f.name)
+    ]
+    if unread:
+        raise ParameterError(
+            f"adapt.{unread[0]}={getattr(adapt, unread[0])!r}: adapt.method={adapt.method!r} does not read it; drop it"
+        )
 
 
 def refuse_bad_adaptation(spec: RunSpec) -> None:
@@ -147,6 +171,7 @@ def refuse_bad_adaptation(spec: RunSpec) -> None:
     adapt = spec.adapt
     if adapt.method not in ADAPT_METHODS:
         raise ParameterError(f"adapt.method={adapt.method!r}: choose one of {list(ADAPT_METHODS)}")
+    _refuse_unread_keys(spec)
     if not adapts(spec):
         return
     if adapt.weights is None:
@@ -179,6 +204,8 @@ def refuse_bad_adaptation(spec: RunSpec) -> None:
     for key in ("width", "init_gain", "head"):
         if getattr(spec, key) is not None:
             raise ParameterError(f"conversion.{key} does not apply to adapted pretrained weights; drop it")
+    if spec.pad_to_valid:
+        raise ParameterError("conversion.pad_to_valid does not apply to adapted pretrained weights; drop it")
 
 
 def adapt_model(

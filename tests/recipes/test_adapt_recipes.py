@@ -83,7 +83,7 @@ def test_an_adapted_run_trains_privately_saves_and_reloads_an_invariant_model(tm
     out = tmp_path / "run"
     args = tiny_train_args(out, model="equiconvert:small_cnn", group="C4", batch_size=16, physical_batch_size=16)
     adapt = [f"adapt.method={method}", f"adapt.weights={tmp_path / 'w.pt'}", "adapt.public_dataset=synthetic"]
-    adapt += ["adapt.public_classes=[0, 1, 2, 3, 4]", "adapt.pose_steps=2"]
+    adapt += ["adapt.public_classes=[0, 1, 2, 3, 4]"] + (["adapt.pose_steps=2"] if method == "canonicalize" else [])
     assert main([*args, *(word for key in adapt for word in ("--set", key))]) == 0
     result = json.loads((out / "result.json").read_text())
     assert result["adaptation"]["method"] == method
@@ -137,6 +137,9 @@ WEIGHTS = "WEIGHTS"  # stands for the file a case's test writes
         ("canonicalize", "C4", {"weights": "missing.pt"}, r"adapt.weights=missing.pt: no such file"),
         ("canonicalize", "C4", {"weights": WEIGHTS, "pose_steps": -1}, r"adapt.pose_steps=-1: must be >= 0"),
         ("canonicalize", "C4", {"weights": WEIGHTS, "public_classes": [0]}, r"need adapt.public_dataset"),
+        ("carry_weights", "C4", {"weights": WEIGHTS, "prior_weight": 2.0}, r"adapt.prior_weight=2.0: adapt.method="),
+        ("none", "none", {"weights": WEIGHTS, "public_dataset": "synthetic"}, r"adapt.public_dataset='synthetic': "),
+        ("none", "C4", {"pose_steps": 10}, r"adapt.pose_steps=10: adapt.method='none' does not read it"),
     ],
 )
 def test_a_bad_adaptation_is_refused_before_any_data_is_read(tmp_path, method, group, adapt, message):
@@ -151,6 +154,10 @@ def test_conversion_options_are_refused_for_adapted_weights(tmp_path):
     recipe = _recipe(tmp_path, "carry_weights", "C4", weights=str(tmp_path / "w.pt"))
     recipe.conversion.width = 2.0
     with pytest.raises(ParameterError, match="conversion.width does not apply"):
+        check_recipe(recipe)
+    recipe = _recipe(tmp_path, "carry_weights", "C4", weights=str(tmp_path / "w.pt"))
+    recipe.conversion.pad_to_valid = True
+    with pytest.raises(ParameterError, match="conversion.pad_to_valid does not apply"):
         check_recipe(recipe)
     recipe = _recipe(tmp_path, "canonicalize", "C4", weights=str(tmp_path / "w.pt"))
     recipe.model.kwargs = {"unit_invariants": False}

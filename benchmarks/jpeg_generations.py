@@ -31,7 +31,7 @@ import math
 import platform
 import statistics
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
@@ -60,15 +60,18 @@ def one_generation(images: np.ndarray, shift: tuple[int, int], quality: int = QU
     return out
 
 
-def generations(images: torch.Tensor, count: int, workers: int) -> tuple[list[torch.Tensor], list[float]]:
-    """[images after k generations for k = 0..count] (N, C, H, W uint8) and each generation's added MSE (0-255)."""
+def generations(
+    images: torch.Tensor, count: int, workers: int, shifts: Sequence[tuple[int, int]] = SHIFTS
+) -> tuple[list[torch.Tensor], list[float]]:
+    """[images after k generations for k = 0..count] (N, C, H, W uint8) and each generation's added MSE (0-255);
+    generation k shifts the block grid by shifts[k - 1]."""
     current = images.permute(0, 2, 3, 1).contiguous().numpy()
     chunks = max(1, workers)
     result, added = [images], []
     for k in range(count):
         parts = np.array_split(current, chunks)
         with ProcessPoolExecutor(max_workers=chunks) as pool:
-            encoded = np.concatenate(list(pool.map(one_generation, parts, [SHIFTS[k % len(SHIFTS)]] * len(parts))))
+            encoded = np.concatenate(list(pool.map(one_generation, parts, [shifts[k % len(shifts)]] * len(parts))))
         added.append(float(((encoded.astype(np.float64) - current.astype(np.float64)) ** 2).mean()))
         current = encoded
         result.append(torch.from_numpy(encoded).permute(0, 3, 1, 2).contiguous())
@@ -80,10 +83,11 @@ def normalise(images: torch.Tensor) -> torch.Tensor:
 
 
 def crop_flip(batch: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-    """Random 4-pixel-padded crops and horizontal flips, on the batch's device."""
+    """Random crops padded by an eighth of the side (4 pixels at 32) and horizontal flips, on the batch's device."""
     n, _, h, w = batch.shape
-    padded = F.pad(batch, (4, 4, 4, 4))
-    dy, dx = (torch.randint(0, 9, (n,), generator=generator) for _ in range(2))
+    pad = h // 8
+    padded = F.pad(batch, (pad, pad, pad, pad))
+    dy, dx = (torch.randint(0, 2 * pad + 1, (n,), generator=generator) for _ in range(2))
     rows = (torch.arange(h)[None, :] + dy[:, None]).to(batch.device)
     cols = (torch.arange(w)[None, :] + dx[:, None]).to(batch.device)
     out = padded[
@@ -110,8 +114,8 @@ def accuracy(model: torch.nn.Module, images: torch.Tensor, labels: torch.Tensor,
 def train_nonprivate(train, test, seed: int, epochs: int, device: str) -> float:
     """Plain SGD (momentum 0.9, cosine, weight decay 5e-4, batch 512) with crops and flips; test accuracy."""
     torch.manual_seed(seed)
-    model = equivariant_resnet9("D4").to(device)
     images, labels = train
+    model = equivariant_resnet9("D4", input_size=images.shape[-1]).to(device)
     steps = epochs * math.ceil(len(images) / 512)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, nesterov=True, weight_decay=5e-4)
     schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=0.1, total_steps=steps)
@@ -135,7 +139,8 @@ def train_nonprivate(train, test, seed: int, epochs: int, device: str) -> float:
 def train_private(train, test, seed: int, options: dict, device: str) -> float:
     """DPTrainer with `options` (DPConfig fields); the final test accuracy of its EMA weights."""
     torch.manual_seed(seed)
-    trainer = DPTrainer(equivariant_resnet9("D4"), device=device, progress=False, seed=seed, **options)
+    model = equivariant_resnet9("D4", input_size=train[0].shape[-1])
+    trainer = DPTrainer(model, device=device, progress=False, seed=seed, **options)
     trainer.fit(train, eval_set=test)
     return float(trainer.history[-1]["final_eval"]["accuracy"])
 
@@ -187,10 +192,9 @@ def mse_based_cost(points: Sequence[tuple[int, float]], added_mse: Sequence[floa
     }
 
 
-def main(argv: Sequence[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_training_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options this ladder and jpeg_first_encoding.py's share: what trains, on which device, and where it goes."""
     parser.add_argument("--data-dir", help="the CIFAR-10 copy (ImageFolder or pickle layout)")
-    parser.add_argument("--generations", default="0,1,2,3", help="extra q75 generations to train on")
     parser.add_argument("--seeds", default="0,1")
     parser.add_argument("--arms", default="nonprivate,private")
     parser.add_argument("--epochs", type=int, default=15, help="non-private epochs")
@@ -202,27 +206,28 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--tiny", action="store_true", help="512 training and 256 test images, a few steps (tests)")
     parser.add_argument("--out", required=True)
     parser.add_argument("--merge", nargs="+", metavar="JSON", help="merge these summaries into --out, train nothing")
-    args = parser.parse_args(argv)
-    if args.merge:
-        return merge(args.merge, args.out)
-    wanted = sorted({int(g) for g in args.generations.split(",")})
-    seeds = [int(s) for s in args.seeds.split(",")]
-    arms = args.arms.split(",")
-    epsilons = [float(e) for e in args.epsilons.split(",")]
+
+
+def load_copy(args: argparse.Namespace) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(train images, train labels, test images, test labels) of the copy; with --tiny 512 / 256 random images and
+    a few steps of training (the options are shortened in place)."""
     train, test = (load_dataset("cifar10", args.data_dir, split=s) for s in ("train", "test"))
     train_x, train_y, test_x, test_y = train.images, train.labels, test.images, test.labels
     if args.tiny:
-        every_train, every_test = torch.randperm(len(train_x))[:512], torch.randperm(len(test_x))[:256]
+        keep_train, keep_test = torch.randperm(len(train_x))[:512], torch.randperm(len(test_x))[:256]
         train_x, train_y, test_x, test_y = (
-            train_x[every_train],
-            train_y[every_train],
-            test_x[every_test],
-            test_y[every_test],
+            train_x[keep_train],
+            train_y[keep_train],
+            test_x[keep_test],
+            test_y[keep_test],
         )
         args.epochs, args.private_steps, args.private_batch = 1, 3, max(4, len(train_x) // 4)
-    train_gens, train_mse = generations(train_x, max(wanted), args.workers)
-    test_gens, test_mse = generations(test_x, max(wanted), args.workers)
-    private_options = {
+    return train_x, train_y, test_x, test_y
+
+
+def private_options(args: argparse.Namespace) -> dict:
+    """The private arm's DPConfig fields (its target epsilon is added per run)."""
+    return {
         "delta": 1e-5,
         "batch_size": args.private_batch,
         "steps": args.private_steps,
@@ -233,6 +238,43 @@ def main(argv: Sequence[str] | None = None) -> None:
         "physical_batch_size": min(args.private_batch, 1024),
         "precision": "bf16" if args.device.startswith("cuda") else "fp32",
     }
+
+
+def train_arms(
+    args: argparse.Namespace,
+    generation: int,
+    train: tuple[torch.Tensor, torch.Tensor],
+    test: tuple[torch.Tensor, torch.Tensor],
+    summary: dict,
+    write: Callable[[dict, Path], None],
+) -> None:
+    """Train every (seed, arm, epsilon) on one generation, appending each run to summary["runs"] and writing the
+    summary after each (a cut-short call keeps its runs)."""
+    options = private_options(args)
+    for seed in (int(s) for s in args.seeds.split(",")):
+        for arm in args.arms.split(","):
+            for epsilon in [None] if arm == "nonprivate" else [float(e) for e in args.epsilons.split(",")]:
+                if epsilon is None:
+                    acc = train_nonprivate(train, test, seed, args.epochs, args.device)
+                else:
+                    acc = train_private(train, test, seed, options | {"target_epsilon": epsilon}, args.device)
+                run = {"arm": arm, "generation": generation, "seed": seed, "accuracy": acc}
+                summary["runs"].append(run if epsilon is None else run | {"epsilon": epsilon})
+                print(json.dumps(summary["runs"][-1]), flush=True)
+                write(summary, Path(args.out))
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_training_arguments(parser)
+    parser.add_argument("--generations", default="0,1,2,3", help="extra q75 generations to train on")
+    args = parser.parse_args(argv)
+    if args.merge:
+        return merge(args.merge, args.out)
+    wanted = sorted({int(g) for g in args.generations.split(",")})
+    train_x, train_y, test_x, test_y = load_copy(args)
+    train_gens, train_mse = generations(train_x, max(wanted), args.workers)
+    test_gens, test_mse = generations(test_x, max(wanted), args.workers)
     summary = {
         "command": "python benchmarks/jpeg_generations.py " + " ".join(sys.argv[1:] if argv is None else argv),
         "date": _dt.date.today().isoformat(),
@@ -240,23 +282,13 @@ def main(argv: Sequence[str] | None = None) -> None:
         "quality": QUALITY,
         "added_mse_per_generation": {"train": train_mse, "test": test_mse},
         "non_private": {"model": "D4 Equivariant-ResNet9", "epochs": args.epochs, "optimizer": "SGD 0.1 one-cycle"},
-        "private": private_options | {"epsilons": epsilons},
+        "private": private_options(args) | {"epsilons": [float(e) for e in args.epsilons.split(",")]},
         "runs": [],
     }
     for generation in wanted:
-        data_train, data_test = (train_gens[generation], train_y), (test_gens[generation], test_y)
-        for seed in seeds:
-            for arm in arms:
-                for epsilon in [None] if arm == "nonprivate" else epsilons:
-                    if epsilon is None:
-                        acc = train_nonprivate(data_train, data_test, seed, args.epochs, args.device)
-                    else:
-                        options = private_options | {"target_epsilon": epsilon}
-                        acc = train_private(data_train, data_test, seed, options, args.device)
-                    run = {"arm": arm, "generation": generation, "seed": seed, "accuracy": acc}
-                    summary["runs"].append(run if epsilon is None else run | {"epsilon": epsilon})
-                    print(json.dumps(summary["runs"][-1]), flush=True)
-                    write_summary(summary, Path(args.out))  # after every run: a cut-short call keeps its runs
+        train_arms(
+            args, generation, (train_gens[generation], train_y), (test_gens[generation], test_y), summary, write_summary
+        )
 
 
 def pooled_cost(fits: dict[str, dict]) -> dict | None:

@@ -289,6 +289,52 @@ def _jpeg_generations(s: Summary) -> list[str]:
     return _table(columns, rows)
 
 
+@renderer("jpeg_first_encoding")
+def _jpeg_first_encoding(s: Summary) -> list[str]:
+    """The 16x16 ladder's accuracies, the true cost against the ladder's predictions, the distortion ratios, and the
+    32x32 estimates."""
+    arms = list(s["validation_percent"])
+    names = {0: "0: lossless", 1: "1: first encoding"}
+    ladder = [
+        [
+            names.get(r["generation"], r["generation"]),
+            "-" if r["added_mse_train"] is None else f"{r['added_mse_train']:.1f}",
+        ]
+        + [_pct(r.get(arm)) for arm in arms]
+        for r in s["rows"]
+    ]
+    test = [
+        [
+            arm,
+            f"{v['true_cost']:.2f} ({_se(v['true_cost_se'])})",
+            f"{v['predicted_per_generation']:.2f} ({_se(v['predicted_per_generation_se'])})",
+            f"{v['predicted_by_distortion']:.2f}",
+        ]
+        for arm, v in s["validation_percent"].items()
+    ]
+    distortion = [
+        [source, d["images"], f"{d['first_encoding_mse']:.1f}", f"{d['next_generation_mse']:.1f}"]
+        + [f"{d['ratio']:.2f} ({d['ratio_se']:.3f})"]
+        for source, d in s["distortion"].items()
+    ]
+    factor = s["first_encoding_factor"]
+    carried = [
+        [
+            arm,
+            f"{c['ladder_cost']:.2f}",
+            f"{factor['factor']:.2f}",
+            f"{c['estimated_cost']:.2f} ({_se(c['estimated_cost_se'])})",
+        ]
+        for arm, c in s["carried_over_percent"].items()
+    ]
+    return _blocks(
+        _table(["16x16 generation", "added MSE (train)"] + [f"{arm}: mean accuracy" for arm in arms], ladder),
+        _table(["16x16 arm", "true cost (SE)", "ladder: per generation (SE)", "ladder: by distortion"], test),
+        _table(["lossless images", "count", "first encoding MSE", "next generation MSE", "ratio (SE)"], distortion),
+        _table(["32x32 arm", "ladder cost per generation", "x first-encoding factor", "estimated cost (SE)"], carried),
+    )
+
+
 @renderer("methods")
 def _methods(s: Summary) -> list[str]:
     base = s["rows"][0]["ms"]

@@ -63,6 +63,9 @@ LADDER_SHIFTS = (ALIGNED, *SHIFTS)  # generation 1 is the first encoding, 2 and 
 COPY_FACTOR = 2  # the copy averaged 2x2: 16x16 images that stand for lossless ones
 PHOTO_EXTENSIONS = (".png", ".jpg", ".jpeg", ".ppm", ".tif", ".tiff")
 MIN_PHOTO_FACTOR = 4  # a photograph shrunk less than this keeps its own compression's detail
+RGB_TO_YCBCR = np.array(  # JPEG's (JFIF's) colour transform, offsets left out: errors only
+    [[0.299, 0.587, 0.114], [-0.168736, -0.331264, 0.5], [0.5, -0.418688, -0.081312]]
+)
 POOLED = "private, pooled"  # the ladder's private arms pooled: the estimate for an epsilon without its own arm
 
 
@@ -102,11 +105,18 @@ def per_image_mse(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return ((a.astype(np.float64) - b.astype(np.float64)) ** 2).reshape(len(a), -1).mean(axis=1)
 
 
-def distortion_ratio(lossless: np.ndarray) -> dict[str, float | int]:
+def channel_mse(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """The MSE between (N, H, W, 3) RGB images in each of JPEG's channels: luma Y and chroma Cb, Cr."""
+    difference = (a.astype(np.float64) - b.astype(np.float64)) @ RGB_TO_YCBCR.T
+    return (difference**2).reshape(-1, 3).mean(axis=0)
+
+
+def distortion_ratio(lossless: np.ndarray) -> dict[str, float | int | dict[str, float]]:
     """The first encoding's added MSE against the next generation's on (N, H, W, C) lossless images, and their
-    ratio of means with its delta-method standard error over the images."""
+    ratio of means with its delta-method standard error over the images; the same ratio per JPEG channel."""
     first = one_generation(lossless, ALIGNED)
     second = one_generation(first, SHIFTS[0])
+    by_channel = channel_mse(first, lossless) / channel_mse(second, first)
     a, b = per_image_mse(first, lossless), per_image_mse(second, first)
     ma, mb = float(a.mean()), float(b.mean())
     ratio = ma / mb
@@ -118,6 +128,7 @@ def distortion_ratio(lossless: np.ndarray) -> dict[str, float | int]:
         "next_generation_mse": mb,
         "ratio": ratio,
         "ratio_se": math.sqrt(max(variance, 0.0)),
+        "ratio_by_channel": dict(zip(("Y", "Cb", "Cr"), map(float, by_channel))),
     }
 
 

@@ -314,7 +314,7 @@ def _jpeg_first_encoding(s: Summary) -> list[str]:
     ]
     distortion = [
         [source, d["images"], f"{d['first_encoding_mse']:.1f}", f"{d['next_generation_mse']:.1f}"]
-        + [f"{d['ratio']:.2f} ({d['ratio_se']:.3f})"]
+        + [f"{d['ratio']:.2f} ({d['ratio_se']:.3f})", " / ".join(f"{r:.2f}" for r in d["ratio_by_channel"].values())]
         for source, d in s["distortion"].items()
     ]
     factor = s["first_encoding_factor"]
@@ -330,7 +330,17 @@ def _jpeg_first_encoding(s: Summary) -> list[str]:
     return _blocks(
         _table(["16x16 generation", "added MSE (train)"] + [f"{arm}: mean accuracy" for arm in arms], ladder),
         _table(["16x16 arm", "true cost (SE)", "ladder: per generation (SE)", "ladder: by distortion"], test),
-        _table(["lossless images", "count", "first encoding MSE", "next generation MSE", "ratio (SE)"], distortion),
+        _table(
+            [
+                "lossless images",
+                "count",
+                "first encoding MSE",
+                "next generation MSE",
+                "ratio (SE)",
+                "ratio Y / Cb / Cr",
+            ],
+            distortion,
+        ),
         _table(["32x32 arm", "ladder cost per generation", "x first-encoding factor", "estimated cost (SE)"], carried),
     )
 

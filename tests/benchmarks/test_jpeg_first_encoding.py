@@ -37,6 +37,18 @@ def test_the_first_encoding_adds_more_error_than_the_next_generation():
     assert ratio["first_encoding_mse"] > ratio["next_generation_mse"] > 0
     assert ratio["ratio"] == pytest.approx(ratio["first_encoding_mse"] / ratio["next_generation_mse"])
     assert 0 < ratio["ratio_se"] < ratio["ratio"] - 1  # many noisy images: the ratio is clearly above one
+    assert set(ratio["ratio_by_channel"]) == {"Y", "Cb", "Cr"}
+
+
+def test_channel_mse_separates_luma_from_chroma_errors():
+    base = np.full((2, 8, 8, 3), 100, dtype=np.uint8)
+    grey = base + 10  # the same change in R, G and B: luma only
+    luma = first.channel_mse(grey, base)
+    assert luma[0] == pytest.approx(100.0) and luma[1:] == pytest.approx([0.0, 0.0], abs=1e-9)
+    blue = base.copy()
+    blue[..., 2] += 10
+    chroma = first.channel_mse(blue, base)
+    assert chroma == pytest.approx([(0.114 * 10) ** 2, 25.0, (0.081312 * 10) ** 2])
 
 
 def test_photo_tiles_shrink_each_photograph_and_cut_whole_tiles(tmp_path):

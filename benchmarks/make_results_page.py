@@ -238,7 +238,7 @@ def _explained_and_left(r: dict) -> list[str]:
     gap = _gap_points(r)
     if not r.get("explained") or gap is None:
         return ["-", "-"]
-    explained = sum(effect["points"] for effect in r["explained"])
+    explained = paper_table.explained_points(r)
     return [f"{explained:+.2f}", f"{gap - explained:+.2f}"]
 
 

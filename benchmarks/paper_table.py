@@ -167,8 +167,14 @@ def epsilon_axis(ax: Any, epsilons: list[float]) -> None:
     ax.set_xlabel("epsilon")
 
 
+def explained_points(row: dict[str, Any]) -> float:
+    """The sum of a row's measured effects on its gap to the paper, in points (negative: they cost accuracy)."""
+    return sum(effect["points"] for effect in row.get("explained", []))
+
+
 def plot(summary: dict[str, Any], path: Path) -> None:
-    """Test accuracy vs epsilon: our median per cell (bars: min-max over seeds), the paper's points beside it."""
+    """Test accuracy vs epsilon: our median per cell (bars: min-max over seeds), the same with the cell's measured
+    effects removed (hollow, dashed) where it has any, and the paper's points beside them."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -191,6 +197,16 @@ def plot(summary: dict[str, Any], path: Path) -> None:
             ax.errorbar(
                 [r["epsilon"] for r in ours], med, yerr=err, marker="o", capsize=3, color=color, label=f"ours: {model}"
             )
+            corrected = [(r["epsilon"], m - explained_points(r)) for m, r in zip(med, ours) if r.get("explained")]
+            if corrected:
+                ax.plot(
+                    *zip(*corrected),
+                    marker="o",
+                    markerfacecolor="none",
+                    linestyle="--",
+                    color=color,
+                    label=f"ours, measured effects removed: {model}",
+                )
         paper = [
             r
             for r in mine

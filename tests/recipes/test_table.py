@@ -371,3 +371,24 @@ def test_the_plot_ticks_near_epsilons_once_and_draws_a_shared_paper_number_once(
     paper_lines = [(label, x) for label, x in drawn if label.startswith("paper")]
     assert paper_lines == [("paper: ours", [8]), ("paper: released", [3])]
     assert (tmp_path / "p.png").is_file()
+
+
+def test_the_plot_draws_each_cell_with_its_measured_effects_removed(tmp_path, monkeypatch):
+    import matplotlib.axes
+
+    drawn: list[tuple[str, list[float], list[float]]] = []
+    original = matplotlib.axes.Axes.plot
+
+    def recording_plot(self, x, y, *args, **kwargs):
+        drawn.append((kwargs.get("label", ""), list(x), list(y)))
+        return original(self, x, y, *args, **kwargs)
+
+    effects = [{"effect": "a", "points": -1.5, "source": "s"}, {"effect": "b", "points": -0.25, "source": "s"}]
+    rows = [
+        {"model": "ours", "epsilon": 3, "accuracy": [70.0], "paper": 73.0},
+        {"model": "ours", "epsilon": 8, "accuracy": [78.0, 79.0, 80.0], "paper": 81.0, "explained": effects},
+    ]
+    monkeypatch.setattr(matplotlib.axes.Axes, "plot", recording_plot)
+    accuracy.paper_table.plot({"title": "t", "rows": rows}, tmp_path / "p.png")
+    removed = [(x, y) for label, x, y in drawn if label.startswith("ours, measured effects removed")]
+    assert removed == [([8], [80.75])]  # the median 79 with 1.75 points added back; the cell without effects not drawn

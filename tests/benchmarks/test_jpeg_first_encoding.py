@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -10,6 +11,8 @@ from PIL import Image
 
 from tests.benchmarks.test_jpeg_generations import _image_folder
 from tests.support.benchmark_scripts import load_benchmark
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 first = load_benchmark("jpeg_first_encoding")
 
@@ -179,3 +182,19 @@ def test_ladder_without_merge_is_refused(tmp_path):
         first.main(
             ["--data-dir", str(tmp_path), "--ladder", str(tmp_path / "x.json"), "--out", str(tmp_path / "o.json")]
         )
+
+
+def test_the_paper_tables_jpeg_entries_are_this_benchmarks_estimates():
+    summaries = REPO_ROOT / "benchmarks" / "results" / "summaries"
+    estimates = json.loads((summaries / "jpeg_first_encoding.json").read_text())["carried_over_percent"]
+    table = json.loads((summaries / "cifar10_paper_table.json").read_text())
+    checked = 0
+    for row in table["rows"]:
+        for effect in row.get("explained", []):
+            if effect["effect"].startswith("JPEG copy"):
+                own = f"private, epsilon {row['epsilon']:g}"
+                arm = own if own in estimates else first.POOLED
+                assert effect["points"] == pytest.approx(-estimates[arm]["estimated_cost"], abs=0.005), row["epsilon"]
+                assert (arm == first.POOLED) == ("pooled" in effect["effect"])
+                checked += 1
+    assert checked == 5  # epsilon 1, 3, 4, 6 and 8

@@ -43,6 +43,12 @@ def test_the_first_encoding_adds_more_error_than_the_next_generation():
     assert set(ratio["ratio_by_channel"]) == {"Y", "Cb", "Cr"}
 
 
+def test_averaging_leaves_less_error_than_encoding_the_averaged_images():
+    residual = first.averaging_residual(_textured(24, 32))
+    assert 0 < residual["residual_mse"] < residual["first_encoding_mse"]
+    assert set(residual["residual_by_channel"]) == set(residual["first_encoding_by_channel"]) == {"Y", "Cb", "Cr"}
+
+
 def test_channel_mse_separates_luma_from_chroma_errors():
     base = np.full((2, 8, 8, 3), 100, dtype=np.uint8)
     grey = base + 10  # the same change in R, G and B: luma only

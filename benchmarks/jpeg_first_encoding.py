@@ -52,12 +52,11 @@ from jpeg_generations import (  # noqa: E402
     fit_line,
     generations,
     load_copy,
+    mse_based_cost,
     one_generation,
     private_options,
     train_arms,
 )
-
-from equiconvert.data import load_dataset  # noqa: E402
 
 ALIGNED = (0, 0)  # the copy's own encoding: the block grid on the image's corner
 LADDER_SHIFTS = (ALIGNED, *SHIFTS)  # generation 1 is the first encoding, 2 and 3 the ladder's generations
@@ -149,12 +148,9 @@ def averaging_residual(lossless: np.ndarray) -> dict[str, float | dict[str, floa
     }
 
 
-def distortion(photos: Path | None, copy: np.ndarray | None) -> dict[str, dict]:
-    """distortion_ratio for the photographs' 32x32 and 16x16 tiles and for the copy averaged 2x2."""
-    found = {}
-    if photos is not None:
-        for size in (32, 16):
-            found[f"photographs, {size}x{size}"] = distortion_ratio(photo_tiles(photos, size))
+def distortion(tiles: dict[int, np.ndarray], copy: np.ndarray | None) -> dict[str, dict]:
+    """distortion_ratio for the photographs' tiles of each size and for the copy averaged 2x2."""
+    found = {f"photographs, {size}x{size}": distortion_ratio(images) for size, images in tiles.items()}
     if copy is not None:
         found[f"CIFAR-10 copy averaged {COPY_FACTOR}x{COPY_FACTOR}"] = distortion_ratio(copy)
     return found
@@ -186,9 +182,7 @@ def validation(runs: Sequence[dict], added_mse: Sequence[float]) -> dict[str, di
         (lossless, lossless_se), (first, first_se) = mean_and_se(by_generation[0]), mean_and_se(by_generation[1])
         ladder = [(g - 1, acc) for g in (1, 2, 3) for acc in by_generation[g]]
         per_generation = fit_line(ladder)
-        cumulative = np.cumsum([0.0, *added_mse[1:3]])
-        x = np.array([cumulative[k] for k, _ in ladder])
-        slope_per_mse = float(np.polyfit(x, [acc for _, acc in ladder], 1)[0])
+        slope_per_mse = mse_based_cost(ladder, added_mse[1:])["slope_per_mse"]
         true_cost = lossless - first
         result[arm] = {
             "lossless": lossless,
@@ -203,9 +197,12 @@ def validation(runs: Sequence[dict], added_mse: Sequence[float]) -> dict[str, di
     return result
 
 
-def train_ladder(args: argparse.Namespace, summary: dict) -> None:
-    """Train every (generation, seed, arm) of the 16x16 ladder, writing the summary after each run."""
-    train_x, train_y, test_x, test_y = load_copy(args)
+def train_ladder(
+    args: argparse.Namespace, copy: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], summary: dict
+) -> None:
+    """Train every (generation, seed, arm) of the 16x16 ladder on `copy` (load_copy's), writing the summary after
+    each run."""
+    train_x, train_y, test_x, test_y = copy
     wanted = sorted({int(g) for g in args.generations.split(",")})
     lossless_train, lossless_test = (nchw(box_downsample(nhwc(x), COPY_FACTOR)) for x in (train_x, test_x))
     train_gens, train_mse = generations(lossless_train, max(wanted), args.workers, LADDER_SHIFTS)
@@ -318,22 +315,21 @@ def main(argv: Sequence[str] | None = None) -> None:
         parser.error("give --photos DIR, --data-dir DIR or both")
     if args.photos is not None and not args.photos.is_dir():
         parser.error(f"--photos {args.photos}: not a folder")
-    copy = None
-    if args.data_dir is not None:
-        copy = box_downsample(nhwc(load_dataset("cifar10", args.data_dir, split="train").images), COPY_FACTOR)
-        copy = copy[: 512 if args.tiny else 10_000]
+    data = load_copy(args) if args.data_dir is not None else None
+    averaged = None if data is None else box_downsample(nhwc(data[0][:10_000]), COPY_FACTOR)
+    tiles = {} if args.photos is None else {size: photo_tiles(args.photos, size) for size in (COPY_SIZE, 16)}
     summary = {
         "command": "python benchmarks/jpeg_first_encoding.py " + " ".join(sys.argv[1:] if argv is None else argv),
         "date": _dt.date.today().isoformat(),
         "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
-        "distortion": distortion(args.photos, copy),
+        "distortion": distortion(tiles, averaged),
         "runs": [],
     }
     if args.photos is not None:
-        summary["averaged_copy_residual"] = averaging_residual(photo_tiles(args.photos, COPY_SIZE))
+        summary["averaged_copy_residual"] = averaging_residual(tiles[COPY_SIZE])
     write_summary(summary, Path(args.out))
-    if args.data_dir is not None and not args.distortion_only:
-        train_ladder(args, summary)
+    if data is not None and not args.distortion_only:
+        train_ladder(args, data, summary)
 
 
 if __name__ == "__main__":

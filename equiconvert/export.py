@@ -296,7 +296,7 @@ class _FieldGroupNormOps(nn.Module):
 
     Normalises with an nn.GroupNorm(affine=False) submodule when the groups are
     even (FieldGroupNorm calls the same F.group_norm), else with normalize_field_groups,
-    traced into its torch ops: the forward ops FieldGroupNorm._normalize_uneven runs
+    traced into its torch ops: the forward ops FieldGroupNorm._standardize runs
     (inside an autograd.Function that only replaces the backward). The per-field
     affine step is the same separate multiply and add, on the (batch, field, rest)
     view so that it works at any rank: bit-identical outputs, and weight/bias stay

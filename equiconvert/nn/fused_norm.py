@@ -2,8 +2,8 @@
 
 PyTorch runs the norm's per-(sample, field) affine maps as broadcast addcmuls, which its
 TensorIterator cannot vectorize, and under bf16 autocast it first copies the activations to fp32.
-These kernels read the activations in their own dtype, accumulate in fp32, and make one pass
-for the statistics, one for the output, and two for the backward (sums, then the input gradient).
+These kernels read and write the activations in their own dtype, accumulate in fp32, and make one
+pass for the statistics, one for the output, and two for the backward (sums, then the input gradient).
 Rows are (sample, field) pairs of a contiguous (rows, length) view. Without Triton, off CUDA, or
 under torch.func transforms FieldGroupNorm keeps its plain-torch path. The tests run these kernels
 on CPU tensors in Triton's interpreter.
@@ -132,8 +132,9 @@ def _elementwise_grid(numel: int) -> tuple[int]:
 
 
 def row_affine(rows: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
-    """rows * scale[:, None] + shift[:, None] in fp32; scale and shift are fp32 per row."""
-    out = torch.empty(rows.shape, device=rows.device, dtype=torch.float32)
+    """rows * scale[:, None] + shift[:, None], computed in fp32 and written in the dtype of rows; scale and shift
+    are fp32 per row."""
+    out = torch.empty_like(rows)
     if rows.numel():
         _row_affine_kernel[_elementwise_grid(rows.numel())](
             rows, scale, shift, out, rows.numel(), rows.shape[1], BLOCK=_ELEMENTWISE_BLOCK

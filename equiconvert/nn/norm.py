@@ -143,11 +143,11 @@ class _FieldGroupStandardization(torch.autograd.Function):
 
 
 class _FusedFieldGroupStandardization(torch.autograd.Function):
-    """_FieldGroupStandardization on Triton kernels (fused_norm): the input read in its own dtype (bf16 under
-    autocast, never copied to fp32), statistics and output in fp32, one vectorized pass per step.
+    """_FieldGroupStandardization on Triton kernels (fused_norm): the input read and the output written in the
+    input's dtype (bf16 under autocast, never copied to fp32), statistics in fp32, one vectorized pass per step.
 
-    The output is fp32 like the torch path's; the input gradient comes back in the input's dtype.
-    Without Triton, off CUDA and under torch.func FieldGroupNorm uses _FieldGroupStandardization.
+    The input gradient comes back in the input's dtype too. Without Triton, off CUDA and under torch.func
+    FieldGroupNorm uses _FieldGroupStandardization.
     """
 
     @staticmethod
@@ -211,30 +211,32 @@ class FieldGroupNorm(nn.Module):
         apply_to_constants(self, fn, ("assignment",))
         return self
 
-    def _normalize_uneven(self, x: torch.Tensor) -> torch.Tensor:
-        """Standardize over uneven groups of fields: fp32 output, statistics in fp32 from x in any float dtype."""
+    def _standardize(self, x: torch.Tensor) -> torch.Tensor:
+        """Standardize over groups of fields, statistics in at least fp32 from x in any float dtype: on the fused
+        kernels (any grouping) the output is written in x's dtype, on the torch path it is at least fp32."""
         fields = x.reshape(x.shape[0], self.num_fields, math.prod(x.shape[1:]) // self.num_fields)  # 0 samples too
-        to_groups, to_fields = self.assignment / self.assignment.sum(0), self.assignment.T
         if fused_norm.fused_norm_usable(fields):
             standardization = _FusedFieldGroupStandardization
+        elif self.num_fields % self.num_groups == 0:
+            return F.group_norm(at_least_fp32(x), self.num_groups, None, None, self.eps)
         else:
             standardization, fields = _FieldGroupStandardization, at_least_fp32(fields)
+        to_groups, to_fields = self.assignment / self.assignment.sum(0), self.assignment.T
         normalized, _, _ = standardization.apply(fields.contiguous(), to_groups, to_fields, self.eps)
         return normalized.reshape(x.shape)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # statistics in at least fp32 under bf16 autocast (CUDA's autocast does so for F.group_norm, CPU's does not)
+        # Statistics in at least fp32 under bf16 autocast (CUDA's autocast does so for F.group_norm, CPU's does not).
+        # The output keeps x's dtype: under autocast the activation, pooling and residual sums that follow move half
+        # the bytes, and the next convolution, which casts its input to bf16 anyway, casts nothing.
         with torch.autocast(x.device.type, enabled=False):
-            if self.num_fields % self.num_groups == 0:
-                x = F.group_norm(at_least_fp32(x), self.num_groups, None, None, self.eps)
-            else:
-                x = self._normalize_uneven(x)
-        if self.weight is None:
-            return x
-        shape = (1, -1) + (1,) * (x.ndim - 2)
-        weight = self.weight.repeat_interleave(self.field_size).reshape(shape)
-        bias = self.bias.repeat_interleave(self.field_size).reshape(shape)
-        return x * weight + bias
+            normalized = self._standardize(x)
+        if self.weight is not None:
+            shape = (1, -1) + (1,) * (x.ndim - 2)
+            weight = self.weight.repeat_interleave(self.field_size).reshape(shape)
+            bias = self.bias.repeat_interleave(self.field_size).reshape(shape)
+            normalized = normalized * weight + bias
+        return normalized.to(x.dtype)
 
     def extra_repr(self) -> str:
         return (

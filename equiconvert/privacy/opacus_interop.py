@@ -63,7 +63,6 @@ except ModuleNotFoundError as _missing:  # only a missing Opacus becomes a frien
 from typing import Any, Callable, Dict, List  # noqa: E402
 
 import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
 from opacus.grad_sample import register_grad_sampler  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.func import vjp, vmap  # noqa: E402
@@ -147,13 +146,6 @@ def compute_steerable_conv_grad_sample(
     return ret
 
 
-def _normalized(layer: FieldGroupNorm, x: torch.Tensor) -> torch.Tensor:
-    """The layer's output before its affine map (same branches as its forward)."""
-    if layer.num_fields % layer.num_groups == 0:
-        return F.group_norm(x, layer.num_groups, None, None, layer.eps)
-    return layer._normalize_uneven(x)
-
-
 @register_grad_sampler(FieldGroupNorm)
 def compute_field_group_norm_grad_sample(
     layer: FieldGroupNorm, activations: List[torch.Tensor], backprops: torch.Tensor
@@ -163,7 +155,7 @@ def compute_field_group_norm_grad_sample(
     per_field = backprops.unflatten(1, (layer.num_fields, layer.field_size)).flatten(2)
     ret: GradSamples = {}
     if layer.weight is not None and layer.weight.requires_grad:
-        x_hat = _normalized(layer, x).unflatten(1, (layer.num_fields, layer.field_size)).flatten(2)
+        x_hat = layer._standardize(x).unflatten(1, (layer.num_fields, layer.field_size)).flatten(2)
         ret[layer.weight] = (x_hat * per_field).sum(-1)
     if layer.bias is not None and layer.bias.requires_grad:
         ret[layer.bias] = per_field.sum(-1)

@@ -60,9 +60,12 @@ def _forward_backward(norm: FieldGroupNorm, x: torch.Tensor, upstream: torch.Ten
     return out, grad, inputs
 
 
-@pytest.mark.parametrize("num_fields, field_size, num_groups, size", [(13, 8, 8, 6), (5, 4, 2, 3), (39, 8, 8, 2)])
+@pytest.mark.parametrize(
+    "num_fields, field_size, num_groups, size", [(13, 8, 8, 6), (5, 4, 2, 3), (39, 8, 8, 2), (6, 8, 6, 4)]
+)
 def test_fused_norm_equals_the_torch_path_in_float64(interpreted, num_fields, field_size, num_groups, size):
-    """Forward and input gradient of the fused fp32 path within 1e-5 of the torch path run in float64."""
+    """Forward and input gradient of the fused fp32 path within 1e-5 of the torch path run in float64 (uneven
+    groups; and even ones, where the torch path is F.group_norm)."""
     generator = torch.Generator().manual_seed(2)
     x = 3 + 2 * torch.randn(3, num_fields * field_size, size, size, generator=generator, dtype=torch.float64)
     upstream = torch.randn(x.shape, generator=generator, dtype=torch.float64)
@@ -91,9 +94,10 @@ def _fused_in_graph(out: torch.Tensor) -> bool:
     return False
 
 
-def test_fused_norm_takes_bf16_in_and_returns_fp32_out_with_a_bf16_gradient(interpreted):
-    """Under autocast the activations arrive in bf16: read as they are (no fp32 copy), output in fp32 like the
-    torch path's, input gradient in bf16, both within bf16 rounding of the torch path on the same bf16 input."""
+def test_fused_norm_takes_bf16_in_and_returns_bf16_out_with_a_bf16_gradient(interpreted):
+    """Under autocast the activations arrive in bf16: read as they are (no fp32 copy), output and input gradient
+    written in bf16, the output exactly the torch path's fp32 result rounded once (statistics in fp32), the
+    gradient within bf16 rounding of float64."""
     generator = torch.Generator().manual_seed(3)
     x = (1 + torch.randn(2, 13 * 8, 4, 4, generator=generator)).bfloat16()
     upstream = torch.randn(x.shape, generator=generator)
@@ -101,9 +105,11 @@ def test_fused_norm_takes_bf16_in_and_returns_fp32_out_with_a_bf16_gradient(inte
     with torch.autocast("cpu", dtype=torch.bfloat16):
         out, grad, _ = _forward_backward(norm, x, upstream)
     assert _fused_in_graph(out)
-    assert out.dtype == torch.float32 and grad.dtype == torch.bfloat16
+    assert out.dtype == torch.bfloat16 and grad.dtype == torch.bfloat16
+    fp32_out = norm(x.float()).bfloat16()  # the same kernels on the exact fp32 values, rounded once
+    assert (out.float() - fp32_out.float()).abs().max() <= fp32_out.float().abs().max() * 2**-7
     expected_out, expected_grad, _ = _forward_backward(norm.double(), x.double(), upstream.double())
-    assert _relative(out, expected_out) < 1e-5  # statistics in fp32 from exact bf16 values
+    assert _relative(out, expected_out) < 1e-2  # one bf16 rounding of statistics taken in fp32
     assert _relative(grad, expected_grad) < 1e-2  # one bf16 rounding of the gradient
 
 

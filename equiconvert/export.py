@@ -40,6 +40,7 @@ from .nn import (
     NormMaxPool2d,
     ReflectionRestriction,
     SteerableConv2d,
+    WindowMaxPool2d,
 )
 from .nn.input_fit import apply_fit
 
@@ -448,3 +449,9 @@ def export_irrep_field_layer(module: nn.Module, ctx: ExportContext) -> nn.Module
     and torch submodules only, so symbolic tracing re-homes it into a GraphModule of torch classes
     (same ops, same outputs)."""
     return _trace_torch_only(module, type(module).__name__ + "Ops")
+
+
+@register_exporter(WindowMaxPool2d)
+def export_window_max_pool(module: WindowMaxPool2d, ctx: ExportContext) -> nn.Module:
+    """The plain max pool it computes: only its backward differs."""
+    return nn.MaxPool2d(module.kernel_size, module.stride)

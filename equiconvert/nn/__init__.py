@@ -6,6 +6,7 @@ from .irrep_fields import GatedNonlinearity, GroupStandardization, InvariantMap,
 from .norm import FieldGroupNorm
 from .pooling import GroupPool
 from .restriction import FieldRestriction, ReflectionRestriction
+from .window_pool import WindowMaxPool2d
 
 __all__ = [
     "SteerableConv2d",
@@ -18,4 +19,5 @@ __all__ = [
     "InvariantMap",
     "NormMaxPool2d",
     "InputFit",
+    "WindowMaxPool2d",
 ]

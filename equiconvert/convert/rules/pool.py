@@ -3,6 +3,8 @@
 A 2x2 stride-2 pool with ceil_mode=True (timm's ResNet-D shortcut) is replaced by
 a 3x3 stride-2 pool with padding 1: same output size at every input size, and
 symmetric windows at the odd sizes that the stride-2 convs beside it need.
+A max pool over non-overlapping windows becomes WindowMaxPool2d: the same
+function with a faster backward.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
 
-from ...nn import NormMaxPool2d
+from ...nn import NormMaxPool2d, WindowMaxPool2d
 from ..context import ConversionContext
 from ..fields import FieldType
 from ..grid import AdaptiveOp, WindowOp
@@ -58,8 +60,17 @@ def convert_window_pool(ctx: ConversionContext, node: fx.Node) -> FieldType:
         kernel, padding, ceil_mode = 3, 1, False
     else:
         ceil_mode = pool.ceil_mode
+        if _is_window_max_pool(pool, kernel, stride, padding, dilation):
+            ctx.replace_module(node, WindowMaxPool2d(kernel))
     ctx.set_spatial(node, WindowOp(kernel, stride, padding, dilation, ceil_mode))
     return t_in
+
+
+def _is_window_max_pool(pool: nn.Module, kernel: int, stride: int, padding: int, dilation: int) -> bool:
+    """A max pool whose windows tile the input: each element in exactly one window."""
+    if not isinstance(pool, nn.MaxPool2d) or pool.ceil_mode or pool.return_indices:
+        return False
+    return kernel == stride and padding == 0 and dilation == 1
 
 
 NORM_POOLED = ("field",)  # representations whose max pooling must compare invariant norms

@@ -32,8 +32,8 @@ class _WindowMaxPool(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor, _indices_grad: torch.Tensor | None):
         (indices,) = ctx.saved_tensors
-        zeros = grad.new_zeros(ctx.input_shape)
-        grad_input = zeros.flatten(2).scatter(2, indices.flatten(2), grad.flatten(2))  # one window per element
+        zeros = grad.new_zeros(ctx.input_shape)  # (N, C, H, W) or unbatched (C, H, W): indices run over H * W
+        grad_input = zeros.flatten(-2).scatter(-1, indices.flatten(-2), grad.flatten(-2))  # one window per element
         return grad_input.view(ctx.input_shape), None
 
 

@@ -32,6 +32,18 @@ def test_values_and_gradients_equal_max_pool2d(dtype, kernel, size):
     assert grad.dtype == dtype
 
 
+@pytest.mark.parametrize(
+    "x",
+    [torch.randn(5, 6, 6), torch.randn(2, 5, 6, 6).to(memory_format=torch.channels_last)],
+    ids=["unbatched", "nhwc"],
+)
+def test_unbatched_and_channels_last_inputs_equal_max_pool2d(x):
+    upstream = torch.randn(F.max_pool2d(x, 2).shape)
+    out, grad = _value_and_grad(WindowMaxPool2d(2), x, upstream)
+    expected_out, expected_grad = _value_and_grad(nn.MaxPool2d(2), x, upstream)
+    assert torch.equal(out, expected_out) and torch.equal(grad, expected_grad)
+
+
 def test_the_scatter_backward_runs_when_a_gradient_is_needed():
     x = torch.randn(2, 3, 4, 4, requires_grad=True)
     assert "_WindowMaxPool" in type(WindowMaxPool2d(2)(x).grad_fn).__name__

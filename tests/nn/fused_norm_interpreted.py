@@ -96,8 +96,8 @@ def _fused_in_graph(out: torch.Tensor) -> bool:
 
 def test_fused_norm_takes_bf16_in_and_returns_bf16_out_with_a_bf16_gradient(interpreted):
     """Under autocast the activations arrive in bf16: read as they are (no fp32 copy), output and input gradient
-    written in bf16, the output exactly the torch path's fp32 result rounded once (statistics in fp32), the
-    gradient within bf16 rounding of float64."""
+    written in bf16, the output within one bf16 rounding of the same kernels' fp32 output (statistics in fp32),
+    the gradient within bf16 rounding of float64."""
     generator = torch.Generator().manual_seed(3)
     x = (1 + torch.randn(2, 13 * 8, 4, 4, generator=generator)).bfloat16()
     upstream = torch.randn(x.shape, generator=generator)

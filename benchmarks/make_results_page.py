@@ -39,7 +39,7 @@ clipping, unless its section says otherwise.
 """
 MAX_COLUMNS = 8  # wider tables do not fit the page: renderers split them or move long details out
 HEADLINE_KIND = "paper_table"  # the page opens with the first summary of this kind, as ours / paper / gap
-HEADLINE_COLUMNS = ["model", "epsilon", "ours: median (seeds)", "paper", "gap (points)", "explained", "left"]
+HEADLINE_COLUMNS = ["model", "epsilon", "ours: median (seeds)", "paper", "gap (points)", "explained", "left (SE)"]
 
 Summary = dict[str, Any]
 Renderer = Callable[[Summary], list[str]]
@@ -180,7 +180,11 @@ def _seeds_not_run(row: dict) -> str:
 
 def _explained(effects: list[dict]) -> str:
     """A cell's measured effects, '-1.2: JPEG copy (summary jpeg_generations.json); ...'."""
-    return "; ".join(f"{e['points']:+.2f}: {e['effect']} ({e['source']})" for e in effects)
+    return "; ".join(f"{e['points']:+.2f}{_effect_se(e)}: {e['effect']} ({e['source']})" for e in effects)
+
+
+def _effect_se(effect: dict) -> str:
+    return "" if effect.get("se") is None else f" (SE {effect['se']:.2f})"
 
 
 def _ours(r: dict) -> str:
@@ -207,7 +211,16 @@ def _row_name(r: dict) -> str:
 @renderer("paper_table")
 def _paper_table(s: Summary) -> list[str]:
     """The numbers in the table; each row's setting, explained gap and command in lists under it."""
-    columns = ["model", "epsilon", "params", "ours: median (seeds)", "std", "GPU-hours", "paper (median of 5)", "gap"]
+    columns = [
+        "model",
+        "epsilon",
+        "params",
+        "ours: median (seeds)",
+        "std",
+        "GPU-hours",
+        f"paper (median of {paper_table.PAPER_SEEDS})",
+        "gap",
+    ]
     rows = []
     for r in s["rows"]:
         runs = r["accuracy"]
@@ -233,27 +246,32 @@ def _paper_table(s: Summary) -> list[str]:
     )
 
 
-def _explained_and_left(r: dict) -> list[str]:
-    """A cell's measured effects summed, and the part of its gap they leave; "-" for a row without measurements."""
+def _explained_and_left(r: dict, seed_std: float | None) -> list[str]:
+    """A cell's measured effects summed, and the part of its gap they leave with its SE; "-" without measurements."""
     gap = _gap_points(r)
     if not r.get("explained") or gap is None:
         return ["-", "-"]
     explained = paper_table.explained_points(r)
-    return [f"{explained:+.2f}", f"{gap - explained:+.2f}"]
+    se = paper_table.left_standard_error(r, seed_std)
+    return [f"{explained:+.2f}", f"{gap - explained:+.2f}" + ("" if se is None else f" ({se:.2f})")]
 
 
 def _headline(s: Summary) -> list[str]:
     """The page's first table: each paper-table row with a number from the paper, ours against it."""
+    seed_std = paper_table.pooled_seed_std(s["rows"])
     rows = [
-        [r["model"], r["epsilon"], _ours(r), _pct(r["paper"]), _gap(r), *_explained_and_left(r)]
+        [r["model"], r["epsilon"], _ours(r), _pct(r["paper"]), _gap(r), *_explained_and_left(r, seed_std)]
         for r in s["rows"]
         if r.get("paper")
     ]
+    spread = "" if seed_std is None else f" ({seed_std:.2f} points, pooled over the rows with two or more seeds)"
     return [
         "## Headline",
         "",
         "Ours (median accuracy, with the number of seeds) against the paper's, and the gap in points; 'explained' "
-        "is the sum of the gap's measured causes and 'left' what no measurement explains. The section "
+        "is the sum of the gap's measured causes and 'left' what no measurement explains. Its SE combines the "
+        f"causes' standard errors with the seed noise of both medians: our runs' spread{spread} over our seeds and "
+        f"over the paper's {paper_table.PAPER_SEEDS}, its runs assumed to spread like ours. The section "
         f"'{s['title']}' below gives each row's data, setting and command, and each measured cause with its source.",
         "",
         *_table(HEADLINE_COLUMNS, rows),

@@ -172,6 +172,32 @@ def explained_points(row: dict[str, Any]) -> float:
     return sum(effect["points"] for effect in row.get("explained", []))
 
 
+PAPER_SEEDS = 5  # the paper's numbers are medians of five runs
+
+
+def pooled_seed_std(rows: list[dict[str, Any]]) -> float | None:
+    """The seed-to-seed standard deviation of one run, pooled over the rows with two or more seeds (points)."""
+    runs = [r["accuracy"] for r in rows if len(r.get("accuracy") or []) > 1]
+    freedom = sum(len(a) - 1 for a in runs)
+    if not freedom:
+        return None
+    return (sum((len(a) - 1) * statistics.variance(a) for a in runs) / freedom) ** 0.5
+
+
+def left_standard_error(row: dict[str, Any], seed_std: float | None) -> float | None:
+    """The standard error of a row's unexplained gap: its effects' SEs, our median's and the paper's seed noise.
+
+    Both medians are treated as means of their runs (seed_std / sqrt(runs)), the paper's runs assumed to spread
+    like ours. None when an effect has no SE or no seed spread is known: a partial error would read as a full one.
+    """
+    effects = row.get("explained", [])
+    if not effects or seed_std is None or any(e.get("se") is None for e in effects):
+        return None
+    variance = sum(e["se"] ** 2 for e in effects)
+    variance += seed_std**2 * (1 / len(row["accuracy"]) + 1 / PAPER_SEEDS)
+    return variance**0.5
+
+
 def plot(summary: dict[str, Any], path: Path) -> None:
     """Test accuracy vs epsilon: our median per cell (bars: min-max over seeds), the same with the cell's measured
     effects removed (hollow, dashed) where it has any, and the paper's points beside them."""

@@ -201,6 +201,7 @@ def test_the_paper_tables_jpeg_entries_are_this_benchmarks_estimates():
                 own = f"private, epsilon {row['epsilon']:g}"
                 arm = own if own in estimates else first.POOLED
                 assert effect["points"] == pytest.approx(-estimates[arm]["estimated_cost"], abs=0.005), row["epsilon"]
+                assert effect["se"] == pytest.approx(estimates[arm]["estimated_cost_se"], abs=0.005), row["epsilon"]
                 assert (arm == first.POOLED) == ("pooled" in effect["effect"])
                 checked += 1
     assert checked == 5  # epsilon 1, 3, 4, 6 and 8

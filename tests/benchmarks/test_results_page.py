@@ -103,13 +103,21 @@ def test_the_page_opens_with_the_headline_table():
     )
     quoted = [row for row in paper_table["rows"] if row.get("paper")]
     rows = [_cells(line) for line in first[2:]]
+    # one run's seed spread, pooled over the rows with several seeds: the paper table has two such rows
+    spread = [row["accuracy"] for row in paper_table["rows"] if len(row["accuracy"]) > 1]
+    assert len(spread) >= 2
+    seed_variance = sum(statistics.variance(a) * (len(a) - 1) for a in spread) / sum(len(a) - 1 for a in spread)
     assert [(r[0], r[3]) for r in rows] == [(row["model"], f"{row['paper']:.2f}%") for row in quoted]
     for r, row in zip(rows, quoted):  # ours, and the gap to the paper in points
         ours = statistics.median(row["accuracy"])
         assert r[2] == f"**{ours:.2f}%** ({len(row['accuracy'])})" and r[4] == f"{ours - row['paper']:+.2f}"
         if row.get("explained"):  # the measured causes summed, and what they leave of the gap
             explained = sum(effect["points"] for effect in row["explained"])
-            assert r[5] == f"{explained:+.2f}" and r[6] == f"{ours - row['paper'] - explained:+.2f}"
+            # its SE: the effects' SEs and the seed noise of our median and of the paper's median of five runs
+            variance = sum(e["se"] ** 2 for e in row["explained"])
+            variance += seed_variance * (1 / len(row["accuracy"]) + 1 / 5)
+            left = f"{ours - row['paper'] - explained:+.2f} ({variance**0.5:.2f})"
+            assert r[5] == f"{explained:+.2f}" and r[6] == left
         else:
             assert r[5] == r[6] == "-"
 

@@ -393,3 +393,20 @@ def test_the_plot_draws_each_cell_with_its_measured_effects_removed(tmp_path, mo
     accuracy.paper_table.plot({"title": "t", "rows": rows}, tmp_path / "p.png")
     removed = [(x, y) for label, x, y in drawn if label.startswith("ours, measured effects removed")]
     assert removed == [([8], [80.75])]  # the median 79 with 1.75 points added back; the cell without effects not drawn
+
+
+def test_the_unexplained_gaps_standard_error_adds_effects_and_both_medians_seed_noise():
+    table = accuracy.paper_table
+    rows = [
+        {"accuracy": [70.0, 72.0]},  # variance 2, one degree of freedom
+        {"accuracy": [80.0, 81.0, 82.0]},  # variance 1, two
+        {"accuracy": [60.0]},  # one seed: no spread
+    ]
+    seed_std = table.pooled_seed_std(rows)
+    assert seed_std == pytest.approx((4 / 3) ** 0.5)  # (1 * 2 + 2 * 1) / 3
+    cell = {"accuracy": [75.0, 76.0], "explained": [{"points": -1.0, "se": 0.3}, {"points": -0.5, "se": 0.4}]}
+    expected = (0.3**2 + 0.4**2 + (4 / 3) * (1 / 2 + 1 / table.PAPER_SEEDS)) ** 0.5
+    assert table.left_standard_error(cell, seed_std) == pytest.approx(expected)
+    # a partial error would read as a whole one: an effect without an SE, or no spread known, gives none
+    assert table.left_standard_error({**cell, "explained": [{"points": -1.0}]}, seed_std) is None
+    assert table.left_standard_error(cell, table.pooled_seed_std([{"accuracy": [60.0]}])) is None

@@ -201,7 +201,6 @@ class LayerRecord:
     inputs: dict[str, torch.Tensor] = field(default_factory=dict)
     grads: dict[str, torch.Tensor] = field(default_factory=dict)
     versions: dict[str, int] = field(default_factory=dict)  # of each kept input: an in-place change shows
-    starts: list[torch.Tensor] = field(default_factory=list)  # fresh leaves: the outputs where the backward begins
 
     @contextlib.contextmanager
     def attached(self) -> Iterator[LayerRecord]:
@@ -225,10 +224,8 @@ class LayerRecord:
             self.versions[name] = args[0]._version
             replaced = None
             if not output.requires_grad:  # nothing before this layer needs a gradient: the backward starts here
-                start = output.detach().requires_grad_(True)
-                self.starts.append(start)
-                # a copy of the fresh leaf, so that in-place ops after the layer (ReLU(inplace=True)) stay allowed
-                output = replaced = start.clone()
+                # a copy of a fresh leaf, so that in-place ops after the layer (ReLU(inplace=True)) stay allowed
+                output = replaced = output.detach().requires_grad_(True).clone()
             output.register_hook(lambda grad: self._keep_grad(name, grad))
             return replaced
 
@@ -236,15 +233,6 @@ class LayerRecord:
 
     def _keep_grad(self, name: str, grad: torch.Tensor) -> None:
         self.grads[name] = grad
-
-    def backward(self, loss: torch.Tensor) -> None:
-        """Output gradients of every layer from `loss`, and nothing before the first layers: no input gradient."""
-        if not self.starts:
-            raise BookkeepingUnsupportedError(
-                "no layer with trainable parameters starts the backward: the model's input requires grad, or a "
-                "tensor made in its forward does; detach it, or use the vmap method"
-            )
-        torch.autograd.grad(loss, self.starts)
 
     def inputs_changed(self) -> list[str]:
         """Layers whose kept input was modified in place after they ran: their gradients would be wrong."""
@@ -297,19 +285,18 @@ def recorded_losses(
     labels: torch.Tensor,
     loss_fn: LossFn,
     autocast_dtype: torch.dtype | None,
-) -> torch.Tensor:
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The forward of all B*K views with `record` attached (under autocast in autocast_dtype where given), and each
-    example's mean loss over its views (B,). The views do not require grad: the backward (record.backward) begins
-    at the first layers' outputs, so the input gradient, which no parameter needs, is never computed."""
+    example's mean loss over its views: (the input rows, which require grad for the backward; losses (B,))."""
     batch, num_views = views.shape[:2]
-    inputs = views.reshape(batch * num_views, *views.shape[2:]).detach()
+    inputs = views.reshape(batch * num_views, *views.shape[2:]).detach().requires_grad_(True)
     autocast = torch.autocast(views.device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None)
     with record.attached(), autocast, record_function("equiconvert/forward"):
         logits = model(inputs)
     if autocast_dtype is not None:
         logits = logits.float()  # the loss in fp32, as autocast itself would compute it
     per_view = loss_fn(logits, labels.repeat_interleave(num_views), reduction="none")
-    return per_view.reshape(batch, num_views).mean(dim=1)
+    return inputs, per_view.reshape(batch, num_views).mean(dim=1)
 
 
 def check_inputs_unchanged(record: LayerRecord) -> None:
@@ -337,9 +324,9 @@ def per_sample_gradients_bookkeeping(
     layers = parametrised_layers(model)
     record = LayerRecord(layers, twice="use the vmap method")
     with parameters_frozen(model):
-        losses = recorded_losses(model, record, views, labels, loss_fn, autocast_dtype)
+        inputs, losses = recorded_losses(model, record, views, labels, loss_fn, autocast_dtype)
         with record_function("equiconvert/backward"):
-            record.backward(losses.sum())
+            torch.autograd.grad(losses.sum(), inputs)
     check_inputs_unchanged(record)
     grads: Gradients = {}
     for name, module in layers.items():

@@ -159,10 +159,10 @@ def accumulate_clipped_ghost(
     """
     record = LayerRecord(parametrised_layers(model), twice="use the vmap method")
     with parameters_frozen(model):
-        losses = recorded_losses(model, record, views, labels, loss_fn, autocast_dtype)
+        inputs, losses = recorded_losses(model, record, views, labels, loss_fn, autocast_dtype)
         check_inputs_unchanged(record)
         with record_function("equiconvert/ghost_backward"):
-            record.backward(losses.sum())
+            torch.autograd.grad(losses.sum(), inputs)
     if missing := [name for name in record.layers if name not in record.grads]:
         raise BookkeepingUnsupportedError(f"layers {missing} did not take part in the forward pass")
     names = {param: name for name, param in model.named_parameters() if param.requires_grad}

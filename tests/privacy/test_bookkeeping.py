@@ -107,57 +107,6 @@ def test_sample_gradient_does_not_depend_on_the_others():
         assert torch.allclose(first[key][0], second[key][0], rtol=1e-5, atol=1e-7), key
 
 
-class _BackwardSpy(torch.autograd.Function):
-    """The identity; counts its backward calls (the gradient of what it was applied to)."""
-
-    calls = 0
-
-    @staticmethod
-    def forward(ctx, x):
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        _BackwardSpy.calls += 1
-        return grad
-
-
-class SpiedInputNet(nn.Module):
-    """A conv net whose input passes through _BackwardSpy: an input gradient would call its backward."""
-
-    def __init__(self, offset: torch.Tensor | None = None):
-        super().__init__()
-        self.stem = nn.Conv2d(3, 4, 3, padding=1)
-        self.head = nn.Linear(4, 3)
-        self.offset = offset  # a plain tensor attribute, not a parameter
-        self.spied = True  # off for torch.func, which needs a Function with setup_context
-
-    def forward(self, x):
-        x = x if self.offset is None else x + self.offset
-        x = _BackwardSpy.apply(x) if self.spied else x
-        return self.head(F.relu(self.stem(x)).mean((2, 3)))
-
-
-def test_the_backward_begins_at_the_first_layer_and_computes_no_input_gradient():
-    model = SpiedInputNet()
-    views, labels = torch.randn(3, 2, 3, 8, 8), torch.randint(0, 3, (3,))
-    _BackwardSpy.calls = 0
-    kept, _ = per_sample_gradients_bookkeeping(model, views, labels)
-    assert _BackwardSpy.calls == 0
-    model.spied = False
-    params = {n: p.detach() for n, p in model.named_parameters()}
-    exact, _ = per_sample_gradients(model, params, dict(model.named_buffers()), views, labels)
-    for name, value in kept.items():
-        torch.testing.assert_close(value, exact[name], rtol=1e-5, atol=1e-6)
-
-
-def test_a_forward_whose_input_already_requires_grad_is_refused():
-    model = SpiedInputNet(offset=torch.zeros(3, 1, 1, requires_grad=True))
-    views, labels = torch.randn(3, 1, 3, 8, 8), torch.randint(0, 3, (3,))
-    with pytest.raises(BookkeepingUnsupportedError, match="no layer with trainable parameters starts the backward"):
-        per_sample_gradients_bookkeeping(model, views, labels)
-
-
 class TwiceNet(nn.Module):
     def __init__(self):
         super().__init__()

@@ -155,3 +155,28 @@ def test_init_scale_tables_put_the_original_first_with_medians_per_setting():
         "| O2 | 0.80 | 2.50 | 80.00% | 9.50% (diverged) |",
     ]
     assert lines[off + 4 :] == ["| O2 | 3.10 | 5.70 | 80.00% | 9.50% (diverged) |"]
+
+
+def test_the_paper_tables_paired_effects_are_their_rows_differences_with_the_pooled_pair_se():
+    """A paired effect's points are its preset run minus the paired row's run, its SE the difference of two runs."""
+    paper_table = json.loads(
+        (REPO_ROOT / "benchmarks" / "results" / "summaries" / "cifar10_paper_table.json").read_text()
+    )
+    rows = paper_table["rows"]
+    spread = [row["accuracy"] for row in rows if len(row["accuracy"]) > 1]
+    pooled = (sum(statistics.variance(a) * (len(a) - 1) for a in spread) / sum(len(a) - 1 for a in spread)) ** 0.5
+    by_name = {(row["model"], row["epsilon"]): row for row in rows}
+    checked = 0
+    for row in rows:
+        for effect in row.get("explained", []):
+            if "(paired, seed " not in effect["source"]:
+                continue
+            model = effect["source"].split("'")[1]
+            seed = int(effect["source"].split("(paired, seed ")[1].rstrip(")"))
+            paired = by_name[(model, row["epsilon"])]
+            preset = row["accuracy"][row["seeds"].index(seed)]
+            assert paired["seeds"] == [seed], effect["source"]
+            assert effect["points"] == pytest.approx(preset - paired["accuracy"][0], abs=0.005), effect["source"]
+            assert effect["se"] == pytest.approx(pooled * 2**0.5, abs=0.005), effect["source"]
+            checked += 1
+    assert checked == 3  # epsilon 8: bf16 and EMA; epsilon 3: EMA

@@ -31,6 +31,7 @@ from .nn.norm import normalize_field_groups
 from .nn.pooling import NORM_POOL_EPS, REDUCTIONS
 from .nn import (
     FieldGroupNorm,
+    FieldGroupNormMaxPool2d,
     FieldRestriction,
     GatedNonlinearity,
     GroupPool,
@@ -449,6 +450,13 @@ def export_irrep_field_layer(module: nn.Module, ctx: ExportContext) -> nn.Module
     and torch submodules only, so symbolic tracing re-homes it into a GraphModule of torch classes
     (same ops, same outputs)."""
     return _trace_torch_only(module, type(module).__name__ + "Ops")
+
+
+@register_exporter(FieldGroupNormMaxPool2d)
+def export_field_group_norm_max_pool(module: FieldGroupNormMaxPool2d, ctx: ExportContext) -> nn.Module:
+    """The norm and the plain max pool it fuses, one after the other."""
+    kernel = module.kernel_size
+    return nn.Sequential(ctx.export_child(module.norm, "norm"), nn.MaxPool2d(kernel, kernel))
 
 
 @register_exporter(WindowMaxPool2d)

@@ -4,6 +4,7 @@ from .conv import SteerableConv2d
 from .input_fit import InputFit
 from .irrep_fields import GatedNonlinearity, GroupStandardization, InvariantMap, NormMaxPool2d
 from .norm import FieldGroupNorm
+from .norm_pool import FieldGroupNormMaxPool2d
 from .pooling import GroupPool
 from .restriction import FieldRestriction, ReflectionRestriction
 from .window_pool import WindowMaxPool2d
@@ -11,6 +12,7 @@ from .window_pool import WindowMaxPool2d
 __all__ = [
     "SteerableConv2d",
     "FieldGroupNorm",
+    "FieldGroupNormMaxPool2d",
     "GroupPool",
     "FieldRestriction",
     "ReflectionRestriction",

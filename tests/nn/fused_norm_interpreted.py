@@ -150,3 +150,30 @@ def test_fused_norm_handles_an_empty_batch(interpreted):
     out = FieldGroupNorm(5, 4, 2)(x)
     out.sum().backward()
     assert out.shape == x.shape and x.grad.shape == x.shape
+
+
+@pytest.mark.parametrize("num_fields, field_size, num_groups, size", [(13, 8, 8, 8), (6, 8, 6, 6), (39, 4, 8, 5)])
+def test_norm_then_pool_on_the_kernels_equals_the_pair_in_float64(
+    interpreted, monkeypatch, num_fields, field_size, num_groups, size
+):
+    """FieldGroupNormMaxPool2d on the kernels (fp32): output and input gradient within 1e-5 of FieldGroupNorm then
+    the window max pool, run in float64 on the torch path."""
+    from torch import nn
+
+    from equiconvert.nn import FieldGroupNormMaxPool2d, WindowMaxPool2d
+
+    generator = torch.Generator().manual_seed(5)
+    x = 3 + 2 * torch.randn(2, num_fields * field_size, size, size, generator=generator, dtype=torch.float64)
+    upstream = torch.randn(2, num_fields * field_size, size // 2, size // 2, generator=generator, dtype=torch.float64)
+    norm = FieldGroupNorm(num_fields, field_size, num_groups, affine=False)
+    expected_out, expected_grad, _ = _forward_backward(nn.Sequential(norm, WindowMaxPool2d(2)).double(), x, upstream)
+    norm.float()
+    called: list[str] = []
+    for name in ("row_moments", "row_affine", "row_sums", "row_affine2"):
+        kernel = getattr(fused_norm, name)
+        monkeypatch.setattr(fused_norm, name, lambda *a, _k=kernel, _n=name: called.append(_n) or _k(*a))
+    out, grad, _ = _forward_backward(FieldGroupNormMaxPool2d(norm, 2), x.float(), upstream)
+    assert sorted(set(called)) == ["row_affine", "row_affine2", "row_moments", "row_sums"]
+    assert out.dtype == grad.dtype == torch.float32
+    assert _relative(out, expected_out) < 1e-5
+    assert _relative(grad, expected_grad) < 1e-5

@@ -63,7 +63,7 @@ def schedule(checkouts: list[str], gpus: list[str | None], rounds: int) -> list[
 
 
 def run_one(run: Run, folder: Path, throughput_args: list[str], timeout: float) -> dict[str, Any]:
-    """throughput.py of `folder` on the run's GPU; its JSON report."""
+    """throughput.py of `folder` on the run's GPU; its JSON report, refused unless it timed that folder's code."""
     env = dict(os.environ)
     if run.gpu is not None:
         env["CUDA_VISIBLE_DEVICES"] = run.gpu
@@ -73,7 +73,14 @@ def run_one(run: Run, folder: Path, throughput_args: list[str], timeout: float) 
         done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
         if done.returncode != 0:
             raise RuntimeError(f"checkout {run.checkout!r}, round {run.round}: throughput.py failed:\n{done.stderr}")
-        return json.loads(out.read_text())
+        report = json.loads(out.read_text())
+    imported = Path(report.get("equiconvert", "")).resolve()
+    if imported != (folder / "equiconvert").resolve():
+        raise RuntimeError(
+            f"checkout {run.checkout!r}: throughput.py imported equiconvert from {imported}, not from {folder}; "
+            "a checkout must hold its own benchmarks/ beside its equiconvert/"
+        )
+    return report
 
 
 def summarize(records: list[dict[str, Any]], checkouts: list[str]) -> dict[str, dict[str, Any]]:

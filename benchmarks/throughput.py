@@ -319,6 +319,7 @@ def main(argv: list[str] | None = None) -> int:
         "command": " ".join(["python", "benchmarks/throughput.py", *(argv if argv is not None else sys.argv[1:])]),
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
         "torch": torch.__version__,
+        "equiconvert": str(Path(equiconvert.__file__).resolve().parent),  # which checkout ran: crossover.py checks it
         "model": {
             "name": args.model,
             "widths": widths if args.model == "resnet9" else None,

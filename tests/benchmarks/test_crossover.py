@@ -63,7 +63,23 @@ def test_two_checkouts_on_cpu_give_each_runs_times_and_their_ratio(tmp_path, cap
     before, after = (report["summary"][n]["bookkeeping"]["median_ms_per_step"] for n in ("before", "after"))
     assert report["summary"]["after"]["bookkeeping"]["vs_first"] == pytest.approx(after / before, abs=1e-4)
     assert report["summary"]["before"]["nonprivate"]["vs_first"] == 1.0
-    assert report["devices"] == ["cpu"]
+    assert len(report["devices"]) == 1
+
+
+def test_a_run_that_timed_another_checkouts_code_is_refused(tmp_path, monkeypatch):
+    """A report naming an equiconvert/ outside the checkout means the comparison compared nothing."""
+    folder = tmp_path / "before"
+    (folder / "equiconvert").mkdir(parents=True)
+
+    def fake_run(command, **kwargs):
+        out = command[command.index("--out") + 1]
+        (tmp_path / "report").write_text(json.dumps({"equiconvert": str(REPO_ROOT / "equiconvert"), "results": {}}))
+        (tmp_path / "report").replace(out)
+        return crossover.subprocess.CompletedProcess(command, 0, "", "")
+
+    monkeypatch.setattr(crossover.subprocess, "run", fake_run)
+    with pytest.raises(RuntimeError, match="imported equiconvert from .*, not from .*before"):
+        crossover.run_one(crossover.Run("before", 0, None), folder, [], timeout=10)
 
 
 def test_the_throughput_arguments_may_not_set_out(tmp_path, capsys):

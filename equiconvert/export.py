@@ -312,9 +312,9 @@ class _FieldGroupNormOps(nn.Module):
         if self.even:
             self.norm = nn.GroupNorm(norm.num_groups, norm.num_fields * norm.field_size, norm.eps, affine=False)
         else:
-            assignment = norm.assignment.detach()  # as FieldGroupNorm computes them, held as named buffers
-            self.register_buffer("to_groups", assignment / assignment.sum(0))  # (not traced constants)
-            self.register_buffer("to_fields", assignment.T.clone())  # clone keeps the transposed strides
+            to_groups, to_fields = norm.group_maps()  # held as named buffers (not traced constants)
+            self.register_buffer("to_groups", to_groups.detach())
+            self.register_buffer("to_fields", to_fields.detach().clone())  # clone keeps the transposed strides
         self.weight = None if norm.weight is None else _parameter(norm.weight.clone(), norm.weight)
         self.bias = None if norm.bias is None else _parameter(norm.bias.clone(), norm.bias)
 

@@ -211,6 +211,10 @@ class FieldGroupNorm(nn.Module):
         apply_to_constants(self, fn, ("assignment",))
         return self
 
+    def group_maps(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(to_groups, to_fields): field values averaged into their groups, and group values handed back to fields."""
+        return self.assignment / self.assignment.sum(0), self.assignment.T
+
     def _standardize(self, x: torch.Tensor) -> torch.Tensor:
         """Standardize over groups of fields, statistics in at least fp32 from x in any float dtype: on the fused
         kernels (any grouping) the output is written in x's dtype, on the torch path it is at least fp32."""
@@ -221,8 +225,7 @@ class FieldGroupNorm(nn.Module):
             return F.group_norm(at_least_fp32(x), self.num_groups, None, None, self.eps)
         else:
             standardization, fields = _FieldGroupStandardization, at_least_fp32(fields)
-        to_groups, to_fields = self.assignment / self.assignment.sum(0), self.assignment.T
-        normalized, _, _ = standardization.apply(fields.contiguous(), to_groups, to_fields, self.eps)
+        normalized, _, _ = standardization.apply(fields.contiguous(), *self.group_maps(), self.eps)
         return normalized.reshape(x.shape)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -39,10 +39,15 @@ def _affine(rows: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, kernel
 
 
 def _affine2(
-    grad: torch.Tensor, rows: torch.Tensor, grad_scale: torch.Tensor, rows_scale: torch.Tensor, shift: torch.Tensor
+    grad: torch.Tensor,
+    rows: torch.Tensor,
+    grad_scale: torch.Tensor,
+    rows_scale: torch.Tensor,
+    shift: torch.Tensor,
+    kernels: bool,
 ) -> torch.Tensor:
     """grad * grad_scale + rows * rows_scale + shift per row, in the dtype of rows."""
-    if fused_norm.fused_norm_usable(rows):
+    if kernels:
         return fused_norm.row_affine2(grad, rows, grad_scale, rows_scale, shift)
     wide = torch.addcmul(shift.unsqueeze(-1), at_least_fp32(grad), grad_scale.unsqueeze(-1))
     return torch.addcmul(wide, at_least_fp32(rows), rows_scale.unsqueeze(-1)).to(rows.dtype)
@@ -88,7 +93,7 @@ class _PooledStandardization(torch.autograd.Function):
         )
         x_scale, constant = (slope * scale).reshape(-1), constant.reshape(-1)
         x_grad = _affine(rows, x_scale, constant, kernels)  # everywhere but the maxima: no output gradient
-        at_maxima = _affine2(grad_rows, pooled_rows, scale.reshape(-1), x_scale, constant)
+        at_maxima = _affine2(grad_rows, pooled_rows, scale.reshape(-1), x_scale, constant, kernels)
         x_grad.view(*x.shape[:2], -1).scatter_(-1, indices.flatten(-2), at_maxima.view(*x.shape[:2], -1))
         return x_grad.view(x.shape), None, None, None, None, None
 
@@ -111,10 +116,9 @@ class FieldGroupNormMaxPool2d(nn.Module):
         if torch._C._functorch.is_functorch_wrapped_tensor(x):
             return window_max_pool2d(self.norm(x), self.kernel_size)
         norm = self.norm
-        to_groups, to_fields = norm.assignment / norm.assignment.sum(0), norm.assignment.T
         with torch.autocast(x.device.type, enabled=False):  # statistics in at least fp32, output in x's dtype
             out, *_ = _PooledStandardization.apply(
-                x.contiguous(), self.kernel_size, norm.num_fields, to_groups, to_fields, norm.eps
+                x.contiguous(), self.kernel_size, norm.num_fields, *norm.group_maps(), norm.eps
             )
         return out
 

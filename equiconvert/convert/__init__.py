@@ -2,6 +2,7 @@
 
 from .context import ConversionConfig
 from .core import make_equivariant
+from .fuse import fuse_norm_pools
 from .model import EquivariantModel
 from .registry import register_function_rule, register_module_rule
 from .report import ConversionReport, EquivarianceWarning
@@ -11,6 +12,7 @@ __all__ = [
     "ConversionReport",
     "EquivariantModel",
     "EquivarianceWarning",
+    "fuse_norm_pools",
     "make_equivariant",
     "register_function_rule",
     "register_module_rule",

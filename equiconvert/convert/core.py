@@ -22,7 +22,6 @@ from ..progress import counting_basis_builds, progress_bar, require_progress
 from . import rules  # noqa: F401  (registers the built-in rules)
 from .context import SPATIAL_KEY, TYPE_KEY, ConversionConfig, ConversionContext
 from .fields import FieldType
-from .fuse import fuse_norm_pools
 from .grid import GridAnalysis, GridBreak
 from .input_fit import fit_input, invalid_size_error
 from .norm_groups import norm_group_rule
@@ -171,7 +170,6 @@ def _convert_once(
     ctx.width_groups = width_groups(gm, points, group)
     with torch.device(device) if device else contextlib.nullcontext():
         output_type = _rewrite(gm, ctx, in_channels, bar)
-    fuse_norm_pools(gm)
     report.invariant_output = bool(output_type is not None and output_type.is_invariant and not ctx.spatial_flatten)
     return gm, report, output_type
 

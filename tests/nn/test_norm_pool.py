@@ -1,4 +1,5 @@
-"""FieldGroupNormMaxPool2d equals FieldGroupNorm then the window max pool; conversion fuses the pair; export splits it."""
+"""FieldGroupNormMaxPool2d equals FieldGroupNorm then the window max pool; fuse_norm_pools fuses the pair on request;
+export splits it."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from equiconvert.convert.fuse import fuse_norm_pools
+from equiconvert.convert import fuse_norm_pools
 from equiconvert.errors import ParameterError
 from equiconvert.export import export
 from equiconvert.models import equivariant_resnet9
@@ -104,14 +105,25 @@ def test_only_an_affine_free_norm_feeding_only_the_pool_is_fused(affine, second_
     torch.testing.assert_close(gm(x), before, rtol=1e-12, atol=1e-12)
 
 
-def test_the_paper_model_is_fused_and_exports_to_norm_then_max_pool():
+def test_conversion_does_not_fuse_and_fuse_norm_pools_fuses_the_paper_model_which_exports_to_norm_then_max_pool():
     model = equivariant_resnet9("D4").double().eval()
+    assert not any(isinstance(m, FieldGroupNormMaxPool2d) for m in model.modules())
+    x = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    with torch.no_grad():
+        unfused_out = model(x)
+    assert fuse_norm_pools(model) == 3
     fused = [name for name, m in model.named_modules() if isinstance(m, FieldGroupNormMaxPool2d)]
     assert [name.rsplit(".", 2)[-2:] for name in fused] == [["layer1", "3"], ["layer2", "3"], ["layer3", "3"]]
     assert model.state_dict().keys() == equivariant_resnet9("D4").state_dict().keys()  # the fusion adds no state
-    x = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), unfused_out, rtol=1e-9, atol=1e-9)
     exported = export(model)
     assert not any(isinstance(m, (FieldGroupNormMaxPool2d, FieldGroupNorm)) for m in exported.modules())
     assert sum(type(m) is nn.MaxPool2d for m in exported.modules()) >= 3
     with torch.no_grad():
         torch.testing.assert_close(exported(x), model(x), rtol=1e-9, atol=1e-9)
+
+
+def test_fuse_norm_pools_refuses_a_model_with_no_traced_graph():
+    with pytest.raises(ParameterError, match="fuse_norm_pools: Sequential holds no torch.fx GraphModule"):
+        fuse_norm_pools(nn.Sequential(FieldGroupNorm(4, 2, 2), WindowMaxPool2d(2)))

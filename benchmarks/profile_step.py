@@ -5,6 +5,10 @@ over the profiled steps, per step) and of the step's phases, which equiconvert m
 ranges: `equiconvert/forward`, `equiconvert/backward` (activation gradients only; on CUDA the autograd engine
 launches its kernels from its own thread, so they land in "other"), `equiconvert/per_example/<layer type>` (each
 layer's per-example gradients), `equiconvert/clip_and_sum`; "other" is every kernel outside those ranges.
+Also the host's share: every ATen operator the step dispatches (one unprofiled step, counted by a
+TorchDispatchMode), by the innermost equiconvert function that called it. A step whose CPU time exceeds its
+kernels' time is bound by the host, and these counts say where its launches come from (Triton kernels are not
+ATen operators and are not counted; on CPU the norms run as plain torch ops, so their counts are higher there).
 Writes JSON; prints the tables.
 Usage: python benchmarks/profile_step.py --device cuda --model paper --batch 512 --aug-mult 4 --precision bf16
 """
@@ -12,23 +16,29 @@ Usage: python benchmarks/profile_step.py --device cuda --model paper --batch 512
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import sys
+import traceback
 from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile
+from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from throughput import build_model, make_equiconvert_step, make_nonprivate_step  # noqa: E402
 from wrn import wrn  # noqa: E402
 
+import equiconvert  # noqa: E402
 from equiconvert.training.augment import augment_views  # noqa: E402
 from equiconvert.privacy.backends import PRECISIONS  # noqa: E402
 
 WRN = "wrn16_4"
+PACKAGE = Path(equiconvert.__file__).resolve().parent
+_COMPREHENSIONS = frozenset({"<listcomp>", "<dictcomp>", "<setcomp>", "<genexpr>"})
 
 
 def _device_ms(event) -> float:
@@ -45,6 +55,39 @@ def phase_times(events, steps: int) -> dict[str, dict[str, float]]:
             phase["device_ms"] += _device_ms(e) / steps
             phase["cpu_ms"] += e.cpu_time_total / 1e3 / steps
     return phases
+
+
+class _OperatorCounter(TorchDispatchMode):
+    """Counts each dispatched ATen operator by the innermost frame of an equiconvert/ file above it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.by_source: collections.Counter[str] = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.by_source[_equiconvert_caller()] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _equiconvert_caller() -> str:
+    """'path/in/package.py:function' of the innermost function in the equiconvert package, or 'outside equiconvert'.
+
+    Comprehensions count as the function that holds them (Python 3.12 inlines them, earlier versions do not).
+    """
+    for frame in reversed(traceback.extract_stack()):
+        path = Path(frame.filename)
+        if frame.name not in _COMPREHENSIONS and path.is_relative_to(PACKAGE):
+            return f"{path.relative_to(PACKAGE).as_posix()}:{frame.name}"
+    return "outside equiconvert"
+
+
+def count_host_operators(step, model, views, labels, top: int) -> dict:
+    """ATen operators dispatched by one step (after the profiled ones): the total and the `top` sources."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    with _OperatorCounter() as counter:
+        step(model, optimizer, views, labels)
+    rows = [{"source": source, "operators": n} for source, n in counter.by_source.most_common(top)]
+    return {"total": sum(counter.by_source.values()), "by_source": rows}
 
 
 def profile_method(step, model, views, labels, device: torch.device, steps: int, top: int) -> dict:
@@ -113,11 +156,15 @@ def main(argv: list[str] | None = None) -> int:
             else build_model(args.model, (16, 32, 64), 1.5, device, args.group)
         )
         results[method] = profile_method(step, model, views, labels, device, args.steps, args.top)
+        results[method]["host_operators"] = count_host_operators(step, model, views, labels, args.top)
         print(f"== {method}: kernels {results[method]['kernel_device_ms_total']:.2f} ms/step")
+        print(f"   {results[method]['host_operators']['total']} ATen operators dispatched per step")
         for name, phase in results[method]["phases"].items():
             print(f"   {phase['device_ms']:8.2f} ms device {phase.get('cpu_ms', float('nan')):8.2f} ms cpu  {name}")
         for row in results[method]["kernels"]:
             print(f"   {row['device_ms']:8.2f} ms {row['calls']:4d}x  {row['name'][:110]}")
+        for row in results[method]["host_operators"]["by_source"]:
+            print(f"   {row['operators']:8d} ops      {row['source']}")
     report = {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "command": " ".join(["python", "benchmarks/profile_step.py", *(argv if argv is not None else sys.argv[1:])]),

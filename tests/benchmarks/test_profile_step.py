@@ -2,6 +2,8 @@
 
 import json
 
+import torch
+
 from tests.support.benchmark_scripts import load_benchmark
 
 
@@ -10,7 +12,7 @@ def test_profile_reports_the_dp_steps_phases(tmp_path):
     profile_step = load_benchmark("profile_step")
     assert (
         profile_step.main(
-            ["--device", "cpu", "--batch", "2", "--aug-mult", "2", "--steps", "1", "--top", "3", "--out", str(out)]
+            ["--device", "cpu", "--batch", "2", "--aug-mult", "2", "--steps", "1", "--top", "30", "--out", str(out)]
         )
         == 0
     )
@@ -27,6 +29,9 @@ def test_profile_reports_the_dp_steps_phases(tmp_path):
     assert all(phase["cpu_ms"] > 0 for phase in phases.values())
     assert report["results"]["nonprivate"]["phases"] == {}  # the non-private step runs none of book-keeping's code
     assert report["device"] == "cpu" and report["batch"] == 2
+    host = {method: result["host_operators"] for method, result in report["results"].items()}
+    assert host["bookkeeping"]["total"] > host["nonprivate"]["total"] > 0  # the DP step dispatches more
+    assert "privacy/dp_step.py:clip_and_sum" in {row["source"] for row in host["bookkeeping"]["by_source"]}
 
 
 def test_profile_of_the_plain_wrn_finds_its_conv_and_norm_layers(tmp_path):
@@ -60,3 +65,20 @@ def test_a_phases_device_time_is_its_kernels_not_the_span_they_cover():
     assert set(phases) == {"equiconvert/per_example/Conv2d"}
     assert phases["equiconvert/per_example/Conv2d"]["device_ms"] == 1.5
     assert phases["equiconvert/per_example/Conv2d"]["cpu_ms"] == 5.0
+
+
+def test_host_operators_are_counted_by_the_equiconvert_function_that_dispatched_them():
+    profile_step = load_benchmark("profile_step")
+
+    def step(model, optimizer, views, labels):
+        model(views).sum().backward()  # outside equiconvert
+        dp_step.per_sample_norms({"w": views})  # reshape's view, pow, sum, stack, sum, sqrt: from dp_step.py
+
+    from equiconvert.privacy import dp_step
+
+    model = torch.nn.Linear(3, 1)
+    views = torch.ones(2, 3)
+    counted = profile_step.count_host_operators(step, model, views, torch.zeros(2), top=5)
+    sources = {row["source"]: row["operators"] for row in counted["by_source"]}
+    assert sources["privacy/dp_step.py:per_sample_norms"] == 6
+    assert counted["total"] == sum(sources.values()) and sources["outside equiconvert"] > 0

@@ -7,6 +7,8 @@ Compares, and writes as one JSON summary:
   dp_step   one DP step with the noise off: our trainer against a naive per-example loop of our formula, and of the
             released formula (sum of view gradients clipped at C, divided by its batch) on our model; with the
             checkout, the released step run on the released model against ours on the mapped model;
+  escnn     (in model) the released function, weight standardization on, against ours standardizing in escnn's
+            coordinates (standardization_coordinates="escnn") with the released raw coefficients mapped onto ours;
   settings  everything around the step, read from the released code's configuration and source (value and
             file:line) and from ours (the paper preset and the released-settings recipe).
 
@@ -90,10 +92,20 @@ def check_rows(summary: dict[str, Any]) -> list[dict[str, str]]:
         return rows
     model, left = summary["model"], summary["differences_left_by_released_recipe"]
     counts_equal = all(layer["released_params"] == layer["our_params"] for layer in model["layers"])
+    escnn = model["escnn_coordinates"]
     return [
         {
             "check": "model function: the released model against ours with its weights mapped",
             "result": f"logits: relative difference {model['logits_relative_difference']:.1e}",
+        },
+        {
+            "check": "model function, weight standardization on: the released model against ours standardizing in "
+            "escnn's coordinates",
+            "result": f"logits: max difference {escnn['logits_max_abs_difference']:.1e}; "
+            f"{escnn['released_coordinates']['logits_max_abs_difference']:.1e} in its escnn fork's coordinates "
+            "(conv4's are not per field pair), "
+            f"{escnn['released_coordinates_conv4_given_the_released_filter']['logits_max_abs_difference']:.1e} "
+            "with conv4's filter given",
         },
         {
             "check": "parameters per layer",

@@ -1,5 +1,6 @@
 """The released model against ours: the released weights mapped onto our preset with the released code's options
-through their dense filters, each stage's activations and the logits compared, parameter counts per layer."""
+through their dense filters, each stage's activations and the logits compared, parameter counts per layer; and the
+released function itself, weight standardization on in both, with ours standardizing in escnn's coordinates."""
 
 from __future__ import annotations
 
@@ -21,8 +22,10 @@ for _path in (REPO, REPO / "benchmarks"):  # the package and the sibling modules
 
 from released_code import released_model  # noqa: E402
 
+from equiconvert.conversion_options import CANONICAL_COORDINATES, ESCNN_COORDINATES  # noqa: E402
 from equiconvert.models import equivariant_resnet9  # noqa: E402
 from equiconvert.nn import SteerableConv2d  # noqa: E402
+from equiconvert.nn.conv import coordinate_change  # noqa: E402
 from equiconvert.recipes.recipe import load_recipe  # noqa: E402
 from equiconvert.recipes.run_spec import spec_of  # noqa: E402
 
@@ -108,13 +111,17 @@ class Mapping:
     biases: list[torch.Tensor]
 
 
-def map_released(released: nn.Module, ours: nn.Module) -> Mapping:
-    """Dense filters of the released convs (after its weight standardization) in our channel layout; the released
-    restriction + disentangle and our FieldRestriction are folded into the first conv after them."""
+def map_released(released: nn.Module, ours: nn.Module, standardized: bool = True) -> Mapping:
+    """Dense filters of the released convs (after its weight standardization, or of its raw coefficients) in our
+    channel layout; the released restriction + disentangle and our FieldRestriction are folded into the first conv
+    after them."""
     rel_convs, mine = released_convs(released), our_convs(ours)
     with torch.no_grad():
         expanded = [conv.expand_parameters() for conv in rel_convs]
-        filters = [f.detach() for f, _ in expanded]
+        if standardized:
+            filters = [f.detach() for f, _ in expanded]
+        else:
+            filters = [conv.basisexpansion(conv.weights).reshape(f.shape) for conv, (f, _) in zip(rel_convs, expanded)]
         biases = [b.detach() for _, b in expanded]
         disentangle = _probe(
             lambda x: released.restrict(_group_tensor(x, released.restrict.in_type)).tensor,
@@ -162,11 +169,13 @@ def coefficients_for(conv: SteerableConv2d, target: torch.Tensor) -> tuple[torch
     return coeffs.reshape(out_f, in_f, nb).float(), residual
 
 
-def our_released_settings_model(standardize: bool) -> nn.Module:
-    """Our preset with the released recipe's model options; weight standardization off to load mapped filters."""
+def our_released_settings_model(standardize: bool, coordinates: str = CANONICAL_COORDINATES) -> nn.Module:
+    """Our preset with the released recipe's model options; weight standardization off to load mapped filters, or
+    on in the given coordinates ("escnn": the released code's)."""
     kwargs = dict(spec_of(load_recipe(RELEASED_RECIPE)).model_kwargs)
     if not standardize:
         kwargs["weight_standardization"] = False
+    kwargs["standardization_coordinates"] = coordinates
     return equivariant_resnet9("D4", **kwargs).eval()
 
 
@@ -249,9 +258,88 @@ def our_parameter_counts() -> dict[str, int]:
     return dict(zip(OUR_LAYERS, parameter_counts(model, OUR_LAYERS)))
 
 
+def released_coordinates(released_conv: nn.Module, conv: SteerableConv2d, mapping: Mapping) -> torch.Tensor:
+    """A with released_coefficients = our_coefficients @ A for one field pair: the checkout's R2Conv basis of the
+    layer's first block (its weights 0..n-1) in our channel order, against ours (as escnn_coordinates for escnn)."""
+    with torch.no_grad():
+        unit = torch.eye(released_conv.basisexpansion.dimension())[: conv.num_basis]
+        shape = (released_conv.out_type.size, released_conv.in_type.size, conv.kernel_size, conv.kernel_size)
+        filters = torch.stack([released_conv.basisexpansion(e).reshape(shape) for e in unit])
+    out_index = mapping.d4_index if conv.out_size == 8 else mapping.d2_index
+    in_index = {1: torch.zeros(1, dtype=torch.long), 8: mapping.d4_index, 4: mapping.d2_index}[conv.in_size]
+    block = filters[:, out_index][:, :, in_index].flatten(1).double()
+    return torch.linalg.lstsq(block.T, conv.basis.flatten(1).double().T).solution.T
+
+
+def compare_escnn_coordinates(
+    released: nn.Module, standardized_targets: list[torch.Tensor], x: torch.Tensor, released_logits: torch.Tensor
+) -> dict[str, Any]:
+    """The released function (its standardization on) against ours standardizing in escnn's coordinates, loaded with
+    the released raw coefficients mapped onto ours: each conv's standardized filter against the released one, and
+    the logits. Then each conv but conv4 given the coordinates of the checkout's own basis (its escnn fork's), and
+    conv4 also the released standardized filter (its standardization off): what is left of the difference."""
+    ours = our_released_settings_model(standardize=True, coordinates=ESCNN_COORDINATES)
+    raw = map_released(released, ours, standardized=False)
+    layers = load_mapping(ours, released, raw)
+    convs, conv4 = our_convs(ours), RELEASED_CONVS.index("conv4")
+    with torch.no_grad():
+        logits = ours(x)
+        for i, (row, conv, released_conv, target) in enumerate(
+            zip(layers, convs, released_convs(released), standardized_targets)
+        ):
+            del row["bias_spread_within_field"]
+            row["standardized_filter_relative_difference"] = relative_difference(conv.expand_filter(), target)
+            if i == conv4:
+                continue
+            coordinates = released_coordinates(released_conv, conv, raw)
+            signs = torch.linalg.solve(conv.standardization_coordinates.double(), coordinates)  # escnn's -> released
+            row["released_basis_is_escnns_up_to_signs"] = bool(
+                torch.allclose(signs.abs(), torch.eye(len(signs), dtype=signs.dtype), atol=1e-5)
+            )
+            row["released_basis_signs_flipped"] = int((signs.diagonal() < 0).sum())
+            conv.standardization_coordinates, conv.standardization_coordinates_inverse = coordinate_change(
+                coordinates, conv.num_basis
+            )
+            row["standardized_filter_relative_difference_in_released_coordinates"] = relative_difference(
+                conv.expand_filter(), target
+            )
+        in_released_coordinates = ours(x)
+        convs[conv4].weight_standardization = None
+        convs[conv4].standardization_coordinates = convs[conv4].standardization_coordinates_inverse = None
+        convs[conv4].weight.copy_(coefficients_for(convs[conv4], standardized_targets[conv4])[0])
+        conv4_given = ours(x)
+    return {
+        "note": "our model standardizing in escnn's coordinates (standardization_coordinates='escnn', escnn "
+        f"{escnn_version()}) with the released raw coefficients mapped onto ours, against the released model, "
+        "standardization on in both. The released code's escnn fork expands the D4 layers with escnn's basis up to "
+        "the signs of some basis filters (released_basis_signs_flipped), which it draws from numpy's generator when "
+        "it builds the model (seeded here) and which change a layer's mean and so its standardization; its conv4 reads each restricted D4 field (8 channels) as one field, so its coordinates mix "
+        "the coefficients of the two D2 fields ours reads it as, which one change of coordinates per field pair cannot "
+        "express",
+        "layers": layers,
+        **_logit_differences(logits, released_logits),
+        "released_coordinates": _logit_differences(in_released_coordinates, released_logits),
+        "released_coordinates_conv4_given_the_released_filter": _logit_differences(conv4_given, released_logits),
+    }
+
+
+def _logit_differences(logits: torch.Tensor, released_logits: torch.Tensor) -> dict[str, float]:
+    return {
+        "logits_relative_difference": relative_difference(logits, released_logits),
+        "logits_max_abs_difference": float((logits - released_logits).abs().max()),
+    }
+
+
+def escnn_version() -> str:
+    from equiconvert._escnn_compat import import_escnn
+
+    return import_escnn().__version__
+
+
 def compare_models(root: Path, batch: int = 4, seed: int = 0) -> tuple[dict[str, Any], nn.Module, nn.Module]:
     """The released model against ours with its weights mapped: per-layer counts, mapping residuals, each stage's
-    activations and the logits; then what our weight standardization does to the mapped coefficients."""
+    activations and the logits; then what our weight standardization does to the mapped coefficients, and the
+    released function against ours standardizing in escnn's coordinates."""
     released = randomize_biases(released_model(root, seed), seed)
     ours = our_released_settings_model(standardize=False)
     mapping = map_released(released, ours)
@@ -296,5 +384,6 @@ def compare_models(root: Path, batch: int = 4, seed: int = 0) -> tuple[dict[str,
             "layers": ws_layers,
             "logits_relative_difference": relative_difference(ws_logits, rel_out["logits"]),
         },
+        "escnn_coordinates": compare_escnn_coordinates(released, mapping.targets, x, rel_out["logits"]),
     }
     return summary, released, ours

@@ -127,12 +127,19 @@ def import_released(root: Path) -> types.ModuleType:
 
 def released_model(root: Path, seed: int = 0) -> nn.Module:
     """The released EquivariantResNet9 with its CIFAR-10 configuration (layout, GroupNorm groups, group, rotation,
-    restriction, fix_params read from conf/setup), built on the CPU (moved_everywhere takes it to a device)."""
+    restriction, fix_params read from conf/setup), built on the CPU (moved_everywhere takes it to a device).
+
+    Its escnn fork draws the signs of some D4 basis filters from numpy's global generator (which the released
+    configuration leaves unseeded, hardware.deterministic: False), so numpy is seeded as well: the same model, and
+    the same coordinates under its weight standardization, every run."""
+    import numpy as np
+
     networks = import_released(root)
     config = released_config(root)
     net = config["network"]
     kwargs = {k: net[k] for k in ("group", "rotation", "restrict", "fix_params")}
     torch.manual_seed(seed)
+    np.random.seed(seed)
     with _cpu_device(), contextlib.redirect_stdout(sys.stderr):  # its GroupNorm prints the groups it adapts
         return networks.EquivariantResNet9(
             **kwargs, layout=tuple(net["layout"]), num_groups=tuple(net["num_groups"]), num_classes=10

@@ -1,7 +1,7 @@
 """Make escnn 1.0.11 (the optional `escnn` extra) usable on today's stacks, for cross-checks only.
 
 equiconvert builds its bases without escnn; escnn serves as the reference they
-are checked against. Three defects are handled:
+are checked against and gives the coordinates of standardization_coordinates="escnn". Three defects are handled:
 
 * escnn imports lie_learn (for SO(3) Wigner matrices only) when it is imported;
   lie_learn has no NumPy 2 release. Without lie_learn installed we register a
@@ -78,7 +78,8 @@ def import_escnn() -> ModuleType:
         import escnn.group.irrep as irrep
     except ImportError as exc:  # pragma: no cover - depends on the environment
         raise ImportError(
-            f"escnn is needed only to cross-check equiconvert's bases against escnn ({exc}). Install the extra with "
+            f"escnn is needed only to cross-check equiconvert's bases against escnn and to standardize in its "
+            f"coordinates (standardization_coordinates='escnn') ({exc}). Install the extra with "
             "`pip install equiconvert[escnn]` (NumPy 1, builds py3nj with a Fortran compiler), or without compiling: "
             "`pip install --no-deps escnn==1.0.11 && pip install scipy joblib` (see docs/bases.md)."
         ) from exc

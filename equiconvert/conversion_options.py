@@ -12,3 +12,8 @@ PARAMS = "params"  # no fixed function: make_equivariant solves for the width th
 CHANNELS_WIDTH = "channels"  # fields = floor(C / |G|)
 WIDTH_NAMES = (KAPPA_WIDTH, PARAMS, CHANNELS_WIDTH)  # the named width policies, in the order help lists them
 DEFAULT_WIDTH = KAPPA_WIDTH
+
+# The coordinates a weight standardization acts on: the canonical basis' coefficients (the layer's parameters) or
+# escnn's R2Conv coefficients of the same filters (the paper's released code; needs the escnn extra).
+STANDARDIZATION_COORDINATES = ("canonical", "escnn")
+CANONICAL_COORDINATES, ESCNN_COORDINATES = STANDARDIZATION_COORDINATES

@@ -10,7 +10,7 @@ from typing import Any, Callable
 import torch.fx as fx
 from torch import nn
 
-from ..conversion_options import KEEP_HEAD
+from ..conversion_options import CANONICAL_COORDINATES, KEEP_HEAD
 from ..errors import EquivarianceBreakError, ParameterError, UnsupportedLayerError
 from ..groups import GroupSpec
 from .fields import FieldType
@@ -30,6 +30,8 @@ class ConversionConfig:
     invariant_pool: str = "max"  # group pooling before the classifier
     unit_invariants: bool = True  # group pooling scaled to keep the original's signal scale (nn/pooling.unit_scale)
     weight_standardization: bool | str = False  # True = "field"; "layer": the released code's (nn/conv.py)
+    # what weight_standardization acts on, STANDARDIZATION_COORDINATES: "escnn" as the released code
+    standardization_coordinates: str = CANONICAL_COORDINATES
     init_gain: float = math.sqrt(2.0)  # steerable filters start with std gain/sqrt(fan-in); 1 = escnn's scale
     unit_norm_bias: bool = False  # a field's bias added as bias/sqrt(field size) per channel, as escnn's R2Conv
     basis_cutoff: float | None = None  # band limit c*r per ring; None = escnn's default (3.0 = paper's code)

@@ -13,7 +13,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from ..conversion_options import HEADS
+from ..conversion_options import HEADS, STANDARDIZATION_COORDINATES
 from ..errors import NotAModuleError, ParameterError, UnsupportedLayerError
 from ..groups import GroupSpec, parse_group
 from ..nn.conv import standardization_scope
@@ -239,7 +239,9 @@ def make_equivariant(
             "params" (match the original parameter count), "channels" (keep the channel count); a float kappa, or
             a callable (channels, group) -> fields.
         input_size: the image size you will use; the report says whether it keeps exact equivariance.
-        config: ConversionConfig fields (head, invariant_pool, unit_invariants, weight_standardization, init_gain, basis_cutoff,
+        config: ConversionConfig fields (head, invariant_pool, unit_invariants, weight_standardization,
+            standardization_coordinates: "canonical" (default) or "escnn", the coordinates it acts on (escnn's R2Conv
+            coefficients, as the paper's released code; needs the escnn extra), init_gain, basis_cutoff,
             batchnorm_groups, norm_group_rule, unit_norm_bias, leaf_modules, even_kernels: "refuse" (default) or
             "grow", which replaces a k x k conv with k even by a (k+1) x (k+1) one with the same stride and
             padding, reported per layer).
@@ -365,6 +367,11 @@ def _make_config(config: dict | ConversionConfig | None, strict: bool, head: str
         raise ParameterError(f"head must be one of {HEADS}, got {cfg.head!r}")
     norm_group_rule(cfg.norm_group_rule)  # refused by name before any layer converts, with or without norms
     standardization_scope(cfg.weight_standardization)
+    if cfg.standardization_coordinates not in STANDARDIZATION_COORDINATES:
+        raise ParameterError(
+            f"standardization_coordinates must be one of {list(STANDARDIZATION_COORDINATES)}, "
+            f"got {cfg.standardization_coordinates!r}"
+        )
     return cfg
 
 

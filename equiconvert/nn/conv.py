@@ -36,6 +36,22 @@ def standardization_scope(weight_standardization: bool | str) -> str | None:
     return weight_standardization
 
 
+def coordinate_change(matrix: torch.Tensor | None, num_basis: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """A and A^-1 as float32 constants for SteerableConv2d(standardization_coordinates=A); anything but a finite,
+    invertible (num_basis, num_basis) matrix is refused by name."""
+    if matrix is None:
+        return None, None
+    if tuple(matrix.shape) != (num_basis, num_basis):
+        raise ParameterError(
+            f"standardization_coordinates must be a ({num_basis}, {num_basis}) matrix for a basis of {num_basis} "
+            f"filters, got shape {tuple(matrix.shape)}"
+        )
+    exact = matrix.detach().to("cpu", torch.float64)
+    if not bool(torch.isfinite(exact).all()) or not float(torch.linalg.cond(exact)) <= 1e6:  # nan: singular
+        raise ParameterError("standardization_coordinates must be a finite, invertible matrix")
+    return exact.float(), torch.linalg.inv(exact).float()
+
+
 def apply_to_constants(module: nn.Module, fn, names: tuple[str, ...]) -> None:
     """Move/cast the tensor attributes `names` (None allowed) as `nn.Module._apply` does buffers.
 
@@ -59,6 +75,11 @@ class SteerableConv2d(nn.Module):
     coefficient vector per (output field, input field of its group), so the
     parameters live in coefficient space, which is where DP-SGD clips them.
     Channels are laid out field-major (field f owns channels f*size..(f+1)*size-1).
+
+    `standardization_coordinates`, a (num_basis, num_basis) matrix A, makes the weight standardization act on the
+    coordinates weight @ A of another basis of the same filters (escnn's R2Conv basis:
+    equiconvert.bases.escnn_reference.escnn_coordinates), as the paper's released code standardizes escnn's
+    coefficients: coefficients = standardize(weight @ A) @ A^-1. None: on the coefficients of `basis`.
     """
 
     def __init__(
@@ -74,6 +95,7 @@ class SteerableConv2d(nn.Module):
         bias: bool = True,
         padding_mode: str = "zeros",
         weight_standardization: bool | str = False,
+        standardization_coordinates: torch.Tensor | None = None,
         eps: float = 1e-5,
         bias_channels: tuple[int, ...] | None = None,
         init_gain: float = math.sqrt(2.0),
@@ -101,6 +123,12 @@ class SteerableConv2d(nn.Module):
         self.stride, self.padding, self.dilation = stride, padding, dilation
         self.padding_mode = padding_mode
         self.weight_standardization = standardization_scope(weight_standardization)  # None, "field" or "layer"
+        if standardization_coordinates is not None and self.weight_standardization is None:
+            raise ParameterError("standardization_coordinates needs weight_standardization: nothing would use them")
+        # constants like the basis (see there): A and A^-1, computed once in float64
+        self.standardization_coordinates, self.standardization_coordinates_inverse = coordinate_change(
+            standardization_coordinates, int(basis.shape[0])
+        )
         self.eps = eps
         self.init_gain = init_gain
         # A constant, not a buffer: Opacus refuses trainable modules with buffers (make_private
@@ -126,7 +154,9 @@ class SteerableConv2d(nn.Module):
 
     def _apply(self, fn, recurse: bool = True):
         super()._apply(fn, recurse)
-        apply_to_constants(self, fn, ("basis", "bias_index"))
+        apply_to_constants(
+            self, fn, ("basis", "bias_index", "standardization_coordinates", "standardization_coordinates_inverse")
+        )
         return self
 
     def get_extra_state(self) -> torch.Tensor:
@@ -179,10 +209,17 @@ class SteerableConv2d(nn.Module):
                 self.bias.zero_()
 
     def coefficients(self, weight: torch.Tensor | None = None) -> torch.Tensor:
-        """The basis coefficients of `weight` (default: self.weight), standardized over the scope asked for."""
+        """The basis coefficients of `weight` (default: self.weight), standardized over the scope asked for (in
+        standardization_coordinates where given, then mapped back to this basis)."""
         weight = self.weight if weight is None else weight
         if self.weight_standardization is None:
             return weight
+        coordinates = self.standardization_coordinates
+        if coordinates is None:
+            return self._standardized(weight)
+        return self._standardized(weight @ coordinates) @ self.standardization_coordinates_inverse
+
+    def _standardized(self, weight: torch.Tensor) -> torch.Tensor:
         dims = STANDARDIZATION_DIMS[self.weight_standardization]
         var, mean = torch.var_mean(weight, dim=dims, keepdim=True, unbiased=False)
         if self.weight_standardization == "layer":
@@ -194,14 +231,23 @@ class SteerableConv2d(nn.Module):
 
         The VJP of the standardization in closed form (a layer norm's backward, means over the scope), a few passes
         over per-example gradients where vmap of autograd's VJP makes about ten; tests compare the two.
-        "field": rstd (g - mean g - w_hat mean(g w_hat)). "layer", y = u / (s + eps) with u = w - mean w and
-        s = std w: (g - mean g) / (s + eps) - u mean(g u) / (s (s + eps)^2).
+        In coordinates A (standardization_coordinates) it is g -> VJP_{weight @ A}(g @ A^-T) @ A^T.
         """
         if self.weight_standardization is None:
             return coefficient_grads
+        weight = self.weight.detach()
+        coordinates = self.standardization_coordinates
+        if coordinates is None:
+            return self._standardization_vjp(weight, coefficient_grads)
+        grads = coefficient_grads @ self.standardization_coordinates_inverse.T
+        return self._standardization_vjp(weight @ coordinates, grads) @ coordinates.T
+
+    def _standardization_vjp(self, weight: torch.Tensor, coefficient_grads: torch.Tensor) -> torch.Tensor:
+        """The VJP of _standardized at `weight`. "field": rstd (g - mean g - w_hat mean(g w_hat)). "layer",
+        y = u / (s + eps) with u = w - mean w and s = std w: (g - mean g) / (s + eps) - u mean(g u) / (s (s + eps)^2).
+        """
         dims = STANDARDIZATION_DIMS[self.weight_standardization]
         grad_dims = tuple(d - 3 for d in dims)  # the same dimensions counted from the end of the batch
-        weight = self.weight.detach()
         var, mean = torch.var_mean(weight, dim=dims, keepdim=True, unbiased=False)
         grad_mean = coefficient_grads.mean(dim=grad_dims, keepdim=True)
         if self.weight_standardization == "layer":
@@ -255,6 +301,7 @@ class SteerableConv2d(nn.Module):
             f"padding={self.padding}, dilation={self.dilation}, groups={self.groups}, "
             f"bias={self.bias is not None}, weight_standardization={self._standardization_repr()}"
             + (f", bias_scale={self.bias_scale:.6g}" if self.bias_scale != 1.0 else "")
+            + (", standardization_coordinates=given" if self.standardization_coordinates is not None else "")
         )
 
     def _standardization_repr(self) -> str:

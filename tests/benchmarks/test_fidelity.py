@@ -97,6 +97,7 @@ def test_the_summary_has_every_part_and_says_where_each_setting_is(summary):
     assert model["released_params"] == model["our_params"] == 255_675
     assert all(layer["span_residual"] < 1e-5 for layer in model["layers"] if "span_residual" in layer)
     assert all(stage["relative_difference"] < 1e-4 for stage in model["stages"])
+    _assert_escnn_coordinates_explain_the_released_standardization(model["escnn_coordinates"])
     assert {"layers", "released_per_example_norms"} <= set(summary["dp_step_released"])
     for row in summary["settings"]:
         assert {
@@ -113,6 +114,23 @@ def test_the_summary_has_every_part_and_says_where_each_setting_is(summary):
     assert summary["differences"] == [r["aspect"] for r in summary["settings"] if not r["equal"]]
     assert "normalisation (mean, std)" in summary["differences"]
     assert "normalisation (mean, std)" not in summary["differences_left_by_released_recipe"]
+
+
+def _assert_escnn_coordinates_explain_the_released_standardization(escnn: dict) -> None:
+    """Standardization on in both: the released D4 layers standardize escnn's coordinates up to the signs of some
+    basis filters, its D2 layers exactly escnn's; with the checkout's own coordinates, and conv4 (whose coordinates
+    are not one change per field pair) given the released filter, our model is the released function."""
+    layers = {layer["layer"]: layer for layer in escnn["layers"]}
+    assert all(layer["span_residual"] < 1e-5 for layer in layers.values())
+    assert "released_basis_is_escnns_up_to_signs" not in layers.pop("conv4")
+    assert all(layer["released_basis_is_escnns_up_to_signs"] for layer in layers.values())
+    assert [layers[name]["released_basis_signs_flipped"] for name in ("res2.0", "res2.1")] == [0, 0]
+    assert all(layers[name]["standardized_filter_relative_difference"] < 1e-5 for name in ("res2.0", "res2.1"))
+    assert all(
+        layer["standardized_filter_relative_difference_in_released_coordinates"] < 1e-5 for layer in layers.values()
+    )
+    assert escnn["released_coordinates_conv4_given_the_released_filter"]["logits_relative_difference"] < 1e-4
+    assert escnn["released_coordinates"]["logits_relative_difference"] < escnn["logits_relative_difference"]
 
 
 def test_the_page_table_is_the_summarys(summary):
@@ -142,6 +160,12 @@ def test_the_released_settings_are_read_from_the_checkout_as_recorded(released_r
 def test_the_released_model_is_ours_with_its_weights_mapped(released_root, summary):
     model, released, ours = fidelity_model.compare_models(released_root)
     assert model["equal"] and model["logits_relative_difference"] < 1e-4
+    _assert_escnn_coordinates_explain_the_released_standardization(model["escnn_coordinates"])
+    flips = [
+        [layer.get("released_basis_signs_flipped") for layer in m["escnn_coordinates"]["layers"]]
+        for m in (model, summary["model"])
+    ]
+    assert flips[0] == flips[1]  # numpy seeded: the released fork draws the same signs as the summary's run
     assert [layer["released_params"] for layer in model["layers"]] == [layer["our_params"] for layer in model["layers"]]
     assert model["channel_permutation_d4"] == summary["model"]["channel_permutation_d4"]
     x = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(5))

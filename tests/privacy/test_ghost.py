@@ -36,6 +36,9 @@ MODELS = {
     "C4 small, weight standardization": lambda: equiconvert.make_equivariant(
         SmallNet(), "C4", config={"weight_standardization": True}
     ),
+    "C4 small, layer weight standardization in escnn's coordinates": lambda: equiconvert.make_equivariant(
+        SmallNet(), "C4", config={"weight_standardization": "layer", "standardization_coordinates": "escnn"}
+    ),
 }
 
 

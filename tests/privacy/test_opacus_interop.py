@@ -67,6 +67,8 @@ def check_layer(module: nn.Module, x: torch.Tensor) -> None:
         assert rel_err(got[name], expected[name]) < RTOL, (name, rel_err(got[name], expected[name]))
 
 
+# a change of basis A of 12 coefficients: the standardization acts on weight @ A (escnn's coordinates in a model)
+OTHER_COORDINATES = torch.eye(12) + 0.3 * torch.randn(12, 12, generator=torch.Generator().manual_seed(0))
 CONV_CASES = {
     # name: (num_basis, out_size, in_size, in_fields, out_fields, k, kwargs, input H, W)
     "trivial_to_regular": (6, 8, 1, 3, 4, 3, dict(padding=1), (9, 7)),
@@ -92,6 +94,16 @@ CONV_CASES = {
     "one_by_one": (3, 8, 8, 3, 5, 1, dict(), (5, 6)),
     "regular_to_trivial_no_padding": (4, 1, 8, 3, 2, 3, dict(), (7, 7)),
     "weight_standardization": (12, 8, 8, 2, 3, 3, dict(padding=1, weight_standardization=True), (8, 8)),
+    "weight_standardization_in_other_coordinates": (
+        12,
+        8,
+        8,
+        2,
+        3,
+        3,
+        dict(padding=1, weight_standardization="layer", standardization_coordinates=OTHER_COORDINATES),
+        (8, 8),
+    ),
     "weight_standardization_groups": (
         6,
         4,

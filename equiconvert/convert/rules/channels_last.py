@@ -8,7 +8,7 @@ import torch.fx as fx
 from ...basis import steerable_basis
 from ...nn.channels_last import ChannelsLastSteerableLinear
 from ..context import ConversionContext
-from .conv import bias_scale
+from .conv import bias_scale, standardization_coordinates
 from ..fields import FieldType
 from ..registry import register_function_rule
 
@@ -50,6 +50,9 @@ def convert_channels_last_linear(ctx: ConversionContext, node: fx.Node, t: Field
         bias=linear.bias is not None,
         init_gain=ctx.config.init_gain,
         weight_standardization=ctx.config.weight_standardization,
+        standardization_coordinates=standardization_coordinates(
+            ctx, ctx.config.weight_standardization, t.group, t.representation, out_repr, 1
+        ),
         bias_channels=t.group.bias_channels(out_repr),
         bias_scale=bias_scale(ctx, t.group, out_repr),
     )

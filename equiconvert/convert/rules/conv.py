@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import math
 
+import torch
 import torch.fx as fx
 from torch import nn
 
+from ...conversion_options import ESCNN_COORDINATES
 from ...errors import ParameterError
 from ...basis import steerable_basis
+from ...nn.conv import standardization_scope
 from ...groups import GroupSpec
 from ...nn import SteerableConv2d
 from ..context import ConversionContext
@@ -108,6 +111,9 @@ def convert_conv(ctx: ConversionContext, node: fx.Node, weight_standardization: 
         bias=conv.bias is not None,
         padding_mode=conv.padding_mode,
         weight_standardization=weight_standardization,
+        standardization_coordinates=standardization_coordinates(
+            ctx, weight_standardization, t_in.group, t_in.representation, out_repr, kernel
+        ),
         init_gain=ctx.config.init_gain,
         bias_channels=t_in.group.bias_channels(out_repr),
         bias_scale=bias_scale(ctx, t_in.group, out_repr),
@@ -125,6 +131,26 @@ def grouped_conv_multiples(gm) -> dict[int, int]:
             for channels in (module.in_channels, module.out_channels):
                 multiples[channels] = math.lcm(multiples.get(channels, 1), module.groups)
     return multiples
+
+
+def standardization_coordinates(
+    ctx: ConversionContext,
+    weight_standardization: bool | str,
+    group: GroupSpec,
+    in_repr: str,
+    out_repr: str,
+    kernel: int,
+) -> torch.Tensor | None:
+    """SteerableConv2d's standardization_coordinates: escnn's where the config asks for them and the layer
+    standardizes, else None (the canonical basis' own)."""
+    if (
+        ctx.config.standardization_coordinates != ESCNN_COORDINATES
+        or standardization_scope(weight_standardization) is None
+    ):
+        return None
+    from ...bases.escnn_reference import escnn_coordinates
+
+    return escnn_coordinates(group, in_repr, out_repr, kernel, cutoff=ctx.config.basis_cutoff)
 
 
 def bias_scale(ctx: ConversionContext, group: GroupSpec, out_repr: str) -> float:

@@ -42,6 +42,7 @@ from torch.utils.data import DataLoader, TensorDataset
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import equiconvert  # noqa: E402
+from equiconvert.convert import fuse_norm_pools  # noqa: E402
 from equiconvert.models import create_model  # noqa: E402
 from equiconvert.training.augment import augment_views  # noqa: E402
 from equiconvert.privacy.bookkeeping import per_sample_gradients_bookkeeping  # noqa: E402
@@ -265,6 +266,12 @@ def main(argv: list[str] | None = None) -> int:
         default="fp32",
         help="bf16: nonprivate and bookkeeping under bf16 autocast (the other methods are fp32 only)",
     )
+    parser.add_argument(
+        "--fuse-norm-pools",
+        action="store_true",
+        help="fuse each affine-free FieldGroupNorm and the window max pool after it (equiconvert.convert."
+        "fuse_norm_pools), which conversion does not do",
+    )
     parser.add_argument("--out", default="benchmarks/results/throughput.json")
     args = parser.parse_args(argv)
     fp32_only = [
@@ -282,9 +289,11 @@ def main(argv: list[str] | None = None) -> int:
     views = augment_views(images, args.aug_mult, torch.Generator(device=device).manual_seed(0))
     labels = torch.randint(0, args.num_classes, (args.batch,), device=device)
     results: dict[str, dict] = {}
-    params = None
+    params = fused = None
     for method in args.methods.split(","):
         model = build_model(args.model, widths, args.kappa, device, args.group, args.num_classes)
+        if args.fuse_norm_pools:
+            fused = fuse_norm_pools(model)
         params = sum(p.numel() for p in model.parameters())
         step = {"nonprivate": make_nonprivate_step(autocast_dtype), "nested_vmap": step_nested_vmap}.get(method)
         if method.startswith("equiconvert") or method.startswith("bookkeeping"):
@@ -326,6 +335,7 @@ def main(argv: list[str] | None = None) -> int:
             "group": args.group,
             "kappa": args.kappa if args.model == "resnet9" else None,
             "params": params,
+            "fused_norm_pools": fused,  # how many pairs --fuse-norm-pools fused; None without it
         },
         "paper_code_dp_samples_per_s": PAPER_CODE_DP_SAMPLES_PER_S,
         "batch": args.batch,

@@ -74,3 +74,17 @@ def test_make_private_runs_beside_opacus_and_the_nonprivate_step(tmp_path, capsy
     results = json.loads(out.read_text())["results"]
     assert list(results) == methods.split(",")
     assert all(record["ms_per_step"] > 0 and record["time_vs_nonprivate"] > 0 for record in results.values())
+
+
+def test_fuse_norm_pools_fuses_the_paper_models_three_pairs_and_says_so(tmp_path, capsys):
+    throughput = load_benchmark("throughput")
+    argv = ["--device", "cpu", "--model", "paper", "--batch", "1", "--aug-mult", "1", "--methods", "nonprivate"]
+    argv += ["--iters", "1", "--warmup", "0"]
+    reports = []
+    for extra in ([], ["--fuse-norm-pools"]):
+        out = tmp_path / f"throughput{len(extra)}.json"
+        assert throughput.main([*argv, *extra, "--out", str(out)]) == 0
+        reports.append(json.loads(out.read_text()))
+    capsys.readouterr()
+    assert [r["model"]["fused_norm_pools"] for r in reports] == [None, 3]
+    assert reports[0]["model"]["params"] == reports[1]["model"]["params"] == 255_675

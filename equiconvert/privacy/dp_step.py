@@ -10,6 +10,7 @@ here waits for the device: counts and sums stay device tensors.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Hashable, Mapping, MutableMapping, Sequence
 from typing import TypeVar
 
@@ -52,8 +53,9 @@ def clip_and_sum(
 
 
 def _weighted_sum(per_example: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """sum_b weights[b] * per_example[b]."""
-    return torch.mv(per_example.reshape(per_example.shape[0], -1).T, weights).view(per_example.shape[1:])
+    """sum_b weights[b] * per_example[b]; also for no examples and for scalar parameters."""
+    rows = per_example.reshape(per_example.shape[0], math.prod(per_example.shape[1:]))
+    return torch.mv(rows.T, weights).view(per_example.shape[1:])
 
 
 def clip_and_accumulate(

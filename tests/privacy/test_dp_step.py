@@ -22,12 +22,14 @@ C = 1.0
 
 
 def _gradients(seed: int = 0, batch: int = 7) -> dict[str, torch.Tensor]:
-    """Per-example gradients of two parameters: norms from well below C to far above; examples 2 and 5 non-finite."""
+    """Per-example gradients of three parameters, a scalar one among them: norms from well below C to far above;
+    examples 2 and 5 non-finite."""
     generator = torch.Generator().manual_seed(seed)
     scale = torch.logspace(-2, 2, batch)
     grads = {
         "weight": torch.randn(batch, 3, 4, generator=generator) * scale.view(-1, 1, 1),
         "bias": torch.randn(batch, 3, generator=generator) * scale.view(-1, 1),
+        "gain": torch.randn(batch, generator=generator) * scale,
     }
     grads["weight"][2, 1, 0] = float("nan")
     grads["bias"][5, 2] = float("inf")

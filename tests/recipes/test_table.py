@@ -101,7 +101,7 @@ def test_the_shipped_paper_table_has_the_papers_rows():
     assert rows == [
         ("d4_eps8", d4, 8.0, (0, 1, 2), 81.62),
         ("d4_eps6", d4, 6.0, (0,), 80.26),
-        ("d4_eps4", d4, 4.0, (0,), 78.27),
+        ("d4_eps4", d4, 4.0, (0, 1), 78.27),
         ("d4_eps3", d4, 3.0, (0, 1, 2), 75.96),
         ("d4_eps1", d4, 1.0, (0, 1), 60.59),
         ("baseline_eps8", baseline, 8.0, (0,), None),
@@ -111,8 +111,15 @@ def test_the_shipped_paper_table_has_the_papers_rows():
     assert table.figure == "img/cifar10_paper_table.png" and "JPEG" in table.figure_title
     # every cell's first seed before any cell's second, every second before any third
     order = [r.name for r in tables.table_runs(list(table.cells))]
-    assert order[0] == "d4_eps8_seed0" and len(order) == 13
-    assert order[-5:] == ["d4_eps8_seed1", "d4_eps3_seed1", "d4_eps1_seed1", "d4_eps8_seed2", "d4_eps3_seed2"]
+    assert order[0] == "d4_eps8_seed0" and len(order) == 14
+    assert order[-6:] == [
+        "d4_eps8_seed1",
+        "d4_eps4_seed1",
+        "d4_eps3_seed1",
+        "d4_eps1_seed1",
+        "d4_eps8_seed2",
+        "d4_eps3_seed2",
+    ]
     assert tables.TableRun(table.cells[3], 0).fixed_args == (
         "--recipe",
         d4,

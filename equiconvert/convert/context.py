@@ -41,6 +41,7 @@ class ConversionConfig:
     strict: bool = False
     leaf_modules: tuple[type, ...] = ()
     even_kernels: str = "refuse"  # "grow": a k x k conv with k even becomes (k+1) x (k+1), same stride and padding
+    fuse_norm_pools: bool = False  # convert/fuse.py: norm -> window max pool pairs as one layer (same function)
 
 
 class ConversionContext:

@@ -23,6 +23,7 @@ from . import rules  # noqa: F401  (registers the built-in rules)
 from .context import SPATIAL_KEY, TYPE_KEY, ConversionConfig, ConversionContext
 from .fields import FieldType
 from .grid import GridAnalysis, GridBreak
+from .fuse import fuse_norm_pools
 from .input_fit import fit_input, invalid_size_error
 from .norm_groups import norm_group_rule
 from .weights import report_pretrained_weights
@@ -244,7 +245,9 @@ def make_equivariant(
             coefficients, as the paper's released code; needs the escnn extra), init_gain, basis_cutoff,
             batchnorm_groups, norm_group_rule, unit_norm_bias, leaf_modules, even_kernels: "refuse" (default) or
             "grow", which replaces a k x k conv with k even by a (k+1) x (k+1) one with the same stride and
-            padding, reported per layer).
+            padding, reported per layer; fuse_norm_pools: True fuses each affine-free norm that feeds only a
+            window max pool with the pool (convert/fuse.py, the same function; faster where the step is bound by
+            the device, e.g. physical batches of 2048 on an H200, see the performance guide)).
         strict: turn every equivariance warning into an error.
         head: one of conversion_options.HEADS: "keep" the head as it is, or make the output "invariant" by group pooling
             before it; None: the model class's `equiconvert_head` if it declares one (ResNet9: "invariant"), else
@@ -316,6 +319,8 @@ def make_equivariant(
                 raise invalid_size_error(input_size, grid)
             if not report.input_size_valid:
                 fit_input(gm, report, input_size, grid, "pad" if pad_to_valid else "crop")
+        if cfg.fuse_norm_pools:
+            report.fused_norm_pools = fuse_norm_pools(gm)
         _validate_no_batch_statistics(gm)
         verify_conversion(gm, template, report, in_channels, bar)  # runs where the original ran (verify.py)
     if pretrained:

@@ -55,6 +55,7 @@ class ConversionReport:
     input_fit: str | None = None  # how a requested size is fitted to a valid one (pad_to_valid / crop_to_valid)
     invariant_output: bool = False
     max_equivariance_error: float | None = None
+    fused_norm_pools: int = 0  # norm -> window max pool pairs fused into one layer (config fuse_norm_pools)
     # with make_equivariant(..., pretrained=True): parametrised layers that kept / lost the original's weights
     weights_kept: list[str] | None = None
     weights_reinitialised: list[str] | None = None
@@ -78,6 +79,8 @@ class ConversionReport:
         if self.input_fit is not None:
             lines.append(f"input fit: {self.input_fit}")
         lines.append(f"output: {'invariant' if self.invariant_output else 'NOT invariant'}")
+        if self.fused_norm_pools:
+            lines.append(f"fused norm -> max pool pairs: {self.fused_norm_pools}")
         lines += [f"  {c.node}: {c.before} -> {c.after}" for c in self.layers]
         lines += [f"warning: {w}" for w in self.warnings]
         if self.weights_warning is not None:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 
 from ..errors import ParameterError
@@ -37,3 +40,15 @@ def resolve_device(device: str | torch.device | None, name: str = "device") -> t
             f"{resolved.type}:0..{resolved.type}:{count - 1}"
         )
     return resolved
+
+
+@contextlib.contextmanager
+def cudnn_autotuning(enabled: bool) -> Iterator[None]:
+    """torch.backends.cudnn.benchmark on inside (when `enabled`), as it was afterwards: a run's choice does not
+    outlive it."""
+    before = torch.backends.cudnn.benchmark
+    torch.backends.cudnn.benchmark = before or enabled
+    try:
+        yield
+    finally:
+        torch.backends.cudnn.benchmark = before

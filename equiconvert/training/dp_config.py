@@ -66,6 +66,12 @@ class DPConfig:
     accountant: str = RDP
     noise_multiplier: float | None = None  # None: calibrated from target_epsilon
     physical_batch_size: int = 256
+    # pad each physical batch with blank rows, whose gradient is exactly zero (chunk_padding.py), to a multiple of
+    # this many, so that the step sees a few input shapes instead of one per Poisson batch size; 1: no padding
+    physical_batch_multiple: int = 1
+    # CUDA: cuDNN times its convolution algorithms once per input shape and keeps the fastest for the run; pair it
+    # with physical_batch_multiple, or every new size of a step's last physical batch is timed again
+    cudnn_benchmark: bool = False
     augment_padding: int = 4
     augment_flip: bool = True
     normalize_mean: float | tuple[float, ...] = 0.5  # one value, or one per channel
@@ -175,6 +181,7 @@ def _field_limits() -> dict[str, Limit]:
         "ema_decay": _within(0, 1),
         "accountant": _one_of(ACCOUNTANTS),
         "physical_batch_size": _at_least(1),
+        "physical_batch_multiple": _at_least(1, "1: no padding"),
         "augment_padding": _at_least(0, "the crops' shift in pixels"),
         # one value; per-channel values: check_normalization
         "normalize_std": (lambda v: not _is_number(v) or v > 0, "must be > 0"),
@@ -229,6 +236,12 @@ def check_config(c: DPConfig) -> None:
         raise ParameterError("give target_epsilon (sigma is calibrated) or noise_multiplier")
     if c.noise_multiplier is None and c.steps < 1:
         raise ConfigError("steps", c.steps, "must be >= 1 for the noise to be calibrated to the epsilon target")
+    if c.physical_batch_size % c.physical_batch_multiple:
+        raise ConfigError(
+            "physical_batch_multiple",
+            c.physical_batch_multiple,
+            f"must divide physical_batch_size ({c.physical_batch_size}): only a step's last physical batch is padded",
+        )
     if c.per_sample_method != AUTO:  # the registered back-ends: vmap runs in fp32 only
         backend_for(c.per_sample_method, c.precision)
     if c.test_shifts is not None:

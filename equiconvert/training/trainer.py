@@ -41,10 +41,11 @@ from ..privacy.secure_rng import NOISE, SAMPLING, make_source, warn_not_private
 from ..privacy.validate import validate_dp_safe
 from .augment import augment_views, shift_set
 from .callbacks import Callback, MetricsLogger
-from .devices import resolve_device
+from .devices import cudnn_autotuning, resolve_device
 from .distributed import SINGLE_PROCESS, DistributedContext
 from .dp_config import CUSTOM, CUSTOM_SCHEDULE, OPTIMIZERS, DPConfig, check_config, named_schedule
 from .ema import ExponentialMovingAverage
+from .chunk_padding import ignoring_blank_rows, pad_with_blank_rows
 from .hooks import Augment, OptimizerFactory, check_hooks, cross_entropy
 from .inputs import InvalidDataError, check_images, check_labels, check_model_input
 from .interrupt import DeferredInterrupt, TrainingInterrupted
@@ -155,8 +156,13 @@ class DPTrainer(TrainerCheckpoint):
             warn_not_private("insecure_seeded_noise")
         if self.config.log_step_times:
             warn_step_times()
+        padded = self.config.physical_batch_multiple > 1
         self._per_sample_gradients = PerSampleGradients(
-            model, self.loss_fn, self.config.per_sample_method, self.config.precision, self.config.filter_gradients
+            model,
+            ignoring_blank_rows(self.loss_fn) if padded else self.loss_fn,
+            self.config.per_sample_method,
+            self.config.precision,
+            self.config.filter_gradients,
         )
         self._buffer_guard: BufferGuard | None = None  # set by the DP-safety probe (_probe_once)
         self.device = resolve_device(device)
@@ -265,6 +271,8 @@ class DPTrainer(TrainerCheckpoint):
             chunk_images, chunk_labels = data.gather(chunk)
             views = self.augment(self._normalize(chunk_images), c.aug_mult, self._augment_rng)
             chunk_labels = chunk_labels.to(self.device)
+            if c.physical_batch_multiple > 1:  # after the augmentation, which draws for the real examples only
+                views, chunk_labels = pad_with_blank_rows(views, chunk_labels, c.physical_batch_multiple)
             with self._buffer_guard.watch(views.flatten(0, 1)):
                 losses, chunk_nonfinite = self._per_sample_gradients.accumulate_clipped(
                     params, buffers, views, chunk_labels, c.max_grad_norm, into=summed
@@ -336,6 +344,7 @@ class DPTrainer(TrainerCheckpoint):
         """
         with contextlib.ExitStack() as self._run_folder, DeferredInterrupt(not self.dist.enabled) as self._interrupt:
             self._run_folder.callback(self._log.close)
+            self._run_folder.enter_context(cudnn_autotuning(self.config.cudnn_benchmark and self.device.type == "cuda"))
             return self._fit(train_set, eval_set, resume, time_limit_s)
 
     def _fit(

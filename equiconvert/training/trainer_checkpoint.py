@@ -28,7 +28,12 @@ from .ema import ExponentialMovingAverage
 from .run_folder import CHECKPOINT
 from .run_log import RunClock, RunLog
 
-METHOD_ONLY_OPTIONS = ("per_sample_method", "data_in_memory_bytes")  # how gradients are computed, not what they are
+METHOD_ONLY_OPTIONS = (
+    "per_sample_method",
+    "data_in_memory_bytes",
+    "physical_batch_multiple",
+    "cudnn_benchmark",
+)  # how gradients are computed, not what they are
 EVALUATION_ONLY_OPTIONS = ("test_shifts",)  # what evaluations also report, not what is trained
 RECORD_ONLY_OPTIONS = ("checkpoint_every", "log_step_times")  # what is written along the way, not what is trained
 

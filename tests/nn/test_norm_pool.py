@@ -124,6 +124,18 @@ def test_conversion_does_not_fuse_and_fuse_norm_pools_fuses_the_paper_model_whic
         torch.testing.assert_close(exported(x), model(x), rtol=1e-9, atol=1e-9)
 
 
+def test_the_fuse_norm_pools_option_fuses_at_conversion_and_the_report_counts_the_pairs():
+    unfused = equivariant_resnet9("D4").double().eval()
+    fused = equivariant_resnet9("D4", fuse_norm_pools=True).double().eval()
+    assert fused.report.fused_norm_pools == 3 and unfused.report.fused_norm_pools == 0
+    assert "fused norm -> max pool pairs: 3" in str(fused.report)
+    assert sum(isinstance(m, FieldGroupNormMaxPool2d) for m in fused.modules()) == 3
+    fused.load_state_dict(unfused.state_dict())  # the same parameters under the same names
+    x = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    with torch.no_grad():
+        torch.testing.assert_close(fused(x), unfused(x), rtol=1e-9, atol=1e-9)
+
+
 def test_fuse_norm_pools_refuses_a_model_with_no_traced_graph():
     with pytest.raises(ParameterError, match="fuse_norm_pools: Sequential holds no torch.fx GraphModule"):
         fuse_norm_pools(nn.Sequential(FieldGroupNorm(4, 2, 2), WindowMaxPool2d(2)))

@@ -22,14 +22,17 @@ def padded_size(rows: int, multiple: int) -> int:
     return -(-rows // multiple) * multiple
 
 
-def pad_with_blank_rows(images: torch.Tensor, labels: torch.Tensor, multiple: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """images (B, ...) and labels (B,) with all-zero images labelled PADDING_LABEL appended up to a multiple."""
+def pad_with_blank_rows(
+    examples: torch.Tensor, labels: torch.Tensor, multiple: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """examples (B, ...) (the trainer passes each example's views, (B, K, C, H, W)) and labels (B,), with all-zero
+    rows labelled PADDING_LABEL appended up to a multiple of `multiple`."""
     missing = padded_size(len(labels), multiple) - len(labels)
     if missing == 0:
-        return images, labels
-    blank_images = images.new_zeros((missing, *images.shape[1:]))
+        return examples, labels
+    blank_examples = examples.new_zeros((missing, *examples.shape[1:]))
     blank_labels = labels.new_full((missing,), PADDING_LABEL)
-    return torch.cat([images, blank_images]), torch.cat([labels, blank_labels])
+    return torch.cat([examples, blank_examples]), torch.cat([labels, blank_labels])
 
 
 def ignoring_blank_rows(loss_fn: PerExampleLoss) -> PerExampleLoss:

@@ -41,11 +41,11 @@ from ..privacy.secure_rng import NOISE, SAMPLING, make_source, warn_not_private
 from ..privacy.validate import validate_dp_safe
 from .augment import augment_views, shift_set
 from .callbacks import Callback, MetricsLogger
+from .chunk_padding import ignoring_blank_rows, pad_with_blank_rows
 from .devices import cudnn_autotuning, resolve_device
 from .distributed import SINGLE_PROCESS, DistributedContext
 from .dp_config import CUSTOM, CUSTOM_SCHEDULE, OPTIMIZERS, DPConfig, check_config, named_schedule
 from .ema import ExponentialMovingAverage
-from .chunk_padding import ignoring_blank_rows, pad_with_blank_rows
 from .hooks import Augment, OptimizerFactory, check_hooks, cross_entropy
 from .inputs import InvalidDataError, check_images, check_labels, check_model_input
 from .interrupt import DeferredInterrupt, TrainingInterrupted

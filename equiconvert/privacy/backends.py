@@ -50,9 +50,10 @@ class UnknownBackendError(UsageError, ValueError):
 PerExampleFn = Callable[
     [nn.Module, Tensors, Tensors, torch.Tensor, torch.Tensor, LossFn], tuple[Gradients, torch.Tensor]
 ]
-# (model, views (B, K, ...), labels (B,), loss_fn, max_grad_norm, into) -> (losses (B,), non-finite examples)
+# (model, views (B, K, ...), labels (B,), loss_fn, max_grad_norm, into, real rows (B,) or None for all) ->
+# (losses (B,), non-finite examples)
 ClippedSumFn = Callable[
-    [nn.Module, torch.Tensor, torch.Tensor, LossFn, float, MutableMapping[str, torch.Tensor]],
+    [nn.Module, torch.Tensor, torch.Tensor, LossFn, float, MutableMapping[str, torch.Tensor], torch.Tensor | None],
     tuple[torch.Tensor, torch.Tensor | int],
 ]
 LayerFn = Callable[[nn.Module, torch.Tensor, torch.Tensor, int], dict[str, torch.Tensor]]
@@ -96,13 +97,15 @@ class Backend:
         loss_fn: LossFn,
         max_grad_norm: float,
         into: MutableMapping[str, torch.Tensor],
+        real: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | int]:
         """Add the examples' gradients, each clipped to max_grad_norm (non-finite ones as zero), to `into` by
-        parameter name; returns the losses (B,) and how many examples were non-finite."""
+        parameter name; returns the losses (B,) and how many examples were non-finite. `real` (B,): False on blank
+        padding rows, which add zero and are not counted (privacy/nonfinite.py); None: every row is an example."""
         if self.clipped_sum is not None:
-            return self.clipped_sum(model, views, labels, loss_fn, max_grad_norm, into)
+            return self.clipped_sum(model, views, labels, loss_fn, max_grad_norm, into, real)
         grads, losses = self.compute(model, params, buffers, views, labels, loss_fn)
-        return losses, clip_and_accumulate(grads, max_grad_norm, into)
+        return losses, clip_and_accumulate(grads, max_grad_norm, into, real)
 
 
 BACKENDS: dict[tuple[str, str], Backend] = {}
@@ -172,8 +175,8 @@ def _ghost(precision: str) -> Backend:
         verify=verify_bookkeeping,
         layer_gradients=layer_per_example_gradients,
         recorded_clipped_sum=recorded_clipped_sum,
-        clipped_sum=lambda model, views, labels, loss_fn, max_grad_norm, into: accumulate_clipped_ghost(
-            model, views, labels, loss_fn, max_grad_norm, into, autocast_dtype=dtype
+        clipped_sum=lambda model, views, labels, loss_fn, max_grad_norm, into, real: accumulate_clipped_ghost(
+            model, views, labels, loss_fn, max_grad_norm, into, real, autocast_dtype=dtype
         ),
     )
 

@@ -59,16 +59,19 @@ def _weighted_sum(per_example: torch.Tensor, weights: torch.Tensor) -> torch.Ten
 
 
 def clip_and_accumulate(
-    per_example_grads: Mapping[Key, torch.Tensor], max_grad_norm: float, into: MutableMapping[Key, torch.Tensor]
+    per_example_grads: Mapping[Key, torch.Tensor],
+    max_grad_norm: float,
+    into: MutableMapping[Key, torch.Tensor],
+    real: torch.Tensor | None = None,
 ) -> torch.Tensor | int:
     """Add the clipped sum of one physical batch's per-example gradients to `into` (updated in place).
 
     An example with any non-finite entry counts as zero (nonfinite.py); returns how many did, as a device tensor
-    (0 for an empty batch).
+    (0 for an empty batch). `real` (B,): False on blank padding rows, which add zero and are not counted.
     """
     if not per_example_grads:
         return 0
-    grads, nonfinite = zero_nonfinite_examples(per_example_grads)
+    grads, nonfinite = zero_nonfinite_examples(per_example_grads, real)
     clipped, _ = clip_and_sum(grads, max_grad_norm)
     add_into(into, clipped)
     return nonfinite

@@ -39,6 +39,7 @@ from .bookkeeping import (
     recorded_losses,
 )
 from .dp_step import add_into, clip_factors
+from .nonfinite import kept_and_nonfinite
 from .per_sample import LossFn
 
 SLICE_BYTES = 1 << 26  # one layer's per-example gradients of at most this many bytes at a time (a slice of examples)
@@ -112,9 +113,11 @@ def recorded_clipped_sum(
     scale: float,
     max_grad_norm: float,
     into: MutableMapping[nn.Parameter, torch.Tensor],
+    real: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The clipped sum of a forward and backward the caller ran (make_private's loop), from `record`'s layer inputs
     and output gradients: add it to `into` by parameter (in place); returns how many examples were non-finite.
+    `real` (B,): False on blank padding rows, which add zero and are not counted (nonfinite.py).
 
     The output gradients are those of the caller's reduced loss; `scale` turns a layer's per-example gradient from
     them into the gradient of the example's mean loss over its `views` rows. One backward suffices: each layer's
@@ -130,15 +133,15 @@ def recorded_clipped_sum(
             )
         squares.append(layer_squares)
         finite.append(layer_finite)
-    all_finite = torch.stack(finite).all(0)
+    kept, nonfinite = kept_and_nonfinite(torch.stack(finite).all(0), real)
     norms = torch.stack(squares).sum(0).sqrt() * scale
-    row_weights = (torch.where(all_finite, clip_factors(norms, max_grad_norm), 0.0) * scale).repeat_interleave(views)
+    row_weights = (torch.where(kept, clip_factors(norms, max_grad_norm), 0.0) * scale).repeat_interleave(views)
     for name, layer in record.layers.items():
         inputs, grad = record.inputs.pop(name), record.grads.pop(name)
         with record_function(f"equiconvert/ghost_sum/{type(layer).__name__}"):
             sums = layer_clipped_sum(layer, inputs, grad, row_weights, trainable[name])
         add_into(into, {getattr(layer, param_name): value for param_name, value in sums.items()})
-    return (~all_finite).sum()
+    return nonfinite
 
 
 def accumulate_clipped_ghost(
@@ -148,10 +151,12 @@ def accumulate_clipped_ghost(
     loss_fn: LossFn,
     max_grad_norm: float,
     into: MutableMapping[str, torch.Tensor],
+    real: torch.Tensor | None = None,
     autocast_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Add the sum of each example's gradient of its mean loss over its K views, clipped to max_grad_norm, to `into`
-    (by parameter name, in place); an example with a non-finite gradient adds zero (nonfinite.py).
+    (by parameter name, in place); an example with a non-finite gradient, or a blank row (`real` False), adds zero
+    (nonfinite.py).
 
     views (B, K, C, H, W) -> (losses (B,), how many examples were non-finite (a device tensor)). One forward and
     one backward that computes activation gradients only; the graph is freed by that backward, and each layer's
@@ -167,6 +172,6 @@ def accumulate_clipped_ghost(
         raise BookkeepingUnsupportedError(f"layers {missing} did not take part in the forward pass")
     names = {param: name for name, param in model.named_parameters() if param.requires_grad}
     by_parameter: dict[nn.Parameter, torch.Tensor] = {}
-    nonfinite = recorded_clipped_sum(record, views.shape[1], 1.0, max_grad_norm, by_parameter)
+    nonfinite = recorded_clipped_sum(record, views.shape[1], 1.0, max_grad_norm, by_parameter, real)
     add_into(into, {names[param]: value for param, value in by_parameter.items()})
     return losses.detach(), nonfinite

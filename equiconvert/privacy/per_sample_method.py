@@ -93,13 +93,14 @@ class PerSampleGradients:
         labels: torch.Tensor,
         max_grad_norm: float,
         into: MutableMapping[str, torch.Tensor],
+        real: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | int]:
         """Add the examples' gradients clipped to max_grad_norm to `into` (Backend.accumulate_clipped); returns the
-        losses and how many examples were non-finite."""
+        losses and how many examples were non-finite. `real` (B,): False on blank padding rows; None: all real."""
         return self._checked_call(
             views,
             lambda: self.backend.accumulate_clipped(
-                self.model, params, buffers, views, labels, self._loss, max_grad_norm, into
+                self.model, params, buffers, views, labels, self._loss, max_grad_norm, into, real
             ),
         )
 

@@ -4,8 +4,10 @@ With Poisson sampling a step's last physical batch has a new size almost every s
 tunes once per input shape) would tune hundreds of shapes. Padded to a multiple of `physical_batch_multiple` rows,
 a run sees a handful. A blank row is an all-zero example labelled PADDING_LABEL, added after the augmentation (so
 the real examples draw the same crops and flips as without padding). Its loss is replaced by zero through
-torch.where, whose backward sends it exactly zero, so its per-example gradient is exactly zero and, clipped, summed
-and noised with the real examples', changes nothing. The step's count and divisor stay those of the real examples.
+torch.where, so the step's loss is the real examples'. Its gradient is not trusted to be zero: on an all-zero input
+a model may be NaN, and the backward's 0 * NaN is NaN. The DP step is told which rows are real (real_rows) and
+zeroes the others' gradients and never counts them as non-finite (privacy/nonfinite.py): that count is stored, and
+would otherwise reveal the padding and so the secret batch size. The step's count and divisor stay the real ones.
 """
 
 from __future__ import annotations
@@ -35,11 +37,17 @@ def pad_with_blank_rows(
     return torch.cat([examples, blank_examples]), torch.cat([labels, blank_labels])
 
 
+def real_rows(labels: torch.Tensor) -> torch.Tensor:
+    """Which rows are examples (B,) bool: False on the blank rows pad_with_blank_rows appended."""
+    return labels != PADDING_LABEL
+
+
 def ignoring_blank_rows(loss_fn: PerExampleLoss) -> PerExampleLoss:
-    """loss_fn whose loss (and so gradient) is exactly zero on PADDING_LABEL rows; loss_fn sees class 0 there."""
+    """loss_fn whose loss, and its gradient in the logits, is exactly zero on PADDING_LABEL rows; loss_fn sees class 0
+    there."""
 
     def loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        real = labels != PADDING_LABEL
+        real = real_rows(labels)
         losses = loss_fn(logits, torch.where(real, labels, torch.zeros_like(labels)))
         return torch.where(real, losses, torch.zeros_like(losses))
 

@@ -66,8 +66,8 @@ class DPConfig:
     accountant: str = RDP
     noise_multiplier: float | None = None  # None: calibrated from target_epsilon
     physical_batch_size: int = 256
-    # pad each physical batch with blank rows, whose gradient is exactly zero (chunk_padding.py), to a multiple of
-    # this many, so that the step sees a few input shapes instead of one per Poisson batch size; 1: no padding
+    # pad each physical batch with blank rows, which add exactly zero and are never counted (chunk_padding.py), to a
+    # multiple of this many, so that the step sees a few input shapes instead of one per Poisson batch size; 1: none
     physical_batch_multiple: int = 1
     # CUDA: cuDNN times its convolution algorithms once per input shape and keeps the fastest for the run; pair it
     # with physical_batch_multiple, or every new size of a step's last physical batch is timed again

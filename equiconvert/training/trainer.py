@@ -41,7 +41,7 @@ from ..privacy.secure_rng import NOISE, SAMPLING, make_source, warn_not_private
 from ..privacy.validate import validate_dp_safe
 from .augment import augment_views, shift_set
 from .callbacks import Callback, MetricsLogger
-from .chunk_padding import ignoring_blank_rows, pad_with_blank_rows
+from .chunk_padding import ignoring_blank_rows, pad_with_blank_rows, real_rows
 from .devices import cudnn_autotuning, resolve_device
 from .distributed import SINGLE_PROCESS, DistributedContext
 from .dp_config import CUSTOM, CUSTOM_SCHEDULE, OPTIMIZERS, DPConfig, check_config, named_schedule
@@ -271,11 +271,13 @@ class DPTrainer(TrainerCheckpoint):
             chunk_images, chunk_labels = data.gather(chunk)
             views = self.augment(self._normalize(chunk_images), c.aug_mult, self._augment_rng)
             chunk_labels = chunk_labels.to(self.device)
+            real = None  # every row is an example
             if c.physical_batch_multiple > 1:  # after the augmentation, which draws for the real examples only
                 views, chunk_labels = pad_with_blank_rows(views, chunk_labels, c.physical_batch_multiple)
+                real = real_rows(chunk_labels)  # blank rows add zero and are never counted as non-finite
             with self._buffer_guard.watch(views.flatten(0, 1)):
                 losses, chunk_nonfinite = self._per_sample_gradients.accumulate_clipped(
-                    params, buffers, views, chunk_labels, c.max_grad_norm, into=summed
+                    params, buffers, views, chunk_labels, c.max_grad_norm, into=summed, real=real
                 )
             loss_sum += losses.detach().sum()
             nonfinite += chunk_nonfinite

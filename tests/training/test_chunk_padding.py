@@ -3,6 +3,8 @@ gradient, loss and non-finite count of a padded step equal the unpadded step's, 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -24,6 +26,17 @@ def _model() -> nn.Module:
     return nn.Sequential(
         nn.Conv2d(3, 4, 3), nn.GroupNorm(2, 4), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 3)
     )
+
+
+class _NaNOnBlankViews(nn.Module):
+    """_model() on each view divided by its norm: NaN forward and backward on an all-zero view, finite elsewhere."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = _model()
+
+    def forward(self, views: torch.Tensor) -> torch.Tensor:
+        return self.body(views / views.flatten(1).norm(dim=1).view(-1, 1, 1, 1))
 
 
 def _data(n: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
@@ -56,10 +69,14 @@ def test_a_blank_rows_loss_and_its_gradient_are_exactly_zero_and_real_rows_keep_
     assert not grad[[1, 3]].any() and grad[[0, 2]].abs().sum() > 0
 
 
-def _step(method: str, multiple: int, rows: list[int]) -> tuple:
+def _step(
+    method: str, multiple: int, rows: list[int], model: Callable[[], nn.Module] = _model, zero_images: int = 0
+) -> tuple:
+    """One step's noisy gradient, batch size, loss and non-finite count; `rows` receives each physical batch's rows.
+    The first `zero_images` images are all zero, and so are their views (normalize_mean 0)."""
     torch.manual_seed(0)
     trainer = DPTrainer(
-        _model(),
+        model(),
         device="cpu",
         progress=False,
         per_sample_method=method,
@@ -69,17 +86,19 @@ def _step(method: str, multiple: int, rows: list[int]) -> tuple:
         aug_mult=2,
         noise_multiplier=1.0,
         max_grad_norm=0.05,  # every example clipped: a blank row counted as a real one would show in the sum
+        normalize_mean=0.0,
         steps=1,
         insecure_seeded_noise=True,  # both runs draw the same sample and the same noise
     )
     accumulate = trainer._per_sample_gradients.accumulate_clipped
 
-    def recording(params, buffers, views, labels, max_grad_norm, into):
+    def recording(params, buffers, views, *args, **kwargs):
         rows.append(views.shape[0])
-        return accumulate(params, buffers, views, labels, max_grad_norm, into)
+        return accumulate(params, buffers, views, *args, **kwargs)
 
     trainer._per_sample_gradients.accumulate_clipped = recording
     images, labels = _data()
+    images[:zero_images] = 0
     trainer._prepare_privacy(len(labels))
     return trainer._noisy_gradient(images, labels)
 
@@ -97,6 +116,26 @@ def test_blank_rows_leave_the_noisy_gradient_the_loss_and_the_counts_unchanged(m
     torch.testing.assert_close(padded_loss, loss, rtol=1e-6, atol=1e-7)
     assert gradient.keys() == padded_gradient.keys()
     for name in gradient:
+        torch.testing.assert_close(padded_gradient[name], gradient[name], rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("zero_images", [0, 16])
+@pytest.mark.parametrize("method", ["bookkeeping", "vmap", "ghost"])
+def test_blank_rows_of_a_model_that_is_nan_on_zeros_are_not_counted_as_non_finite(method, zero_images):
+    """A model that is NaN on an all-zero input gives NaN per-example gradients for blank rows; the padded step
+    counts only the real non-finite examples (the all-zero real images), and its noisy gradient is unchanged."""
+    plain_rows: list[int] = []
+    padded_rows: list[int] = []
+    gradient, count, loss, nonfinite = _step(method, 1, plain_rows, _NaNOnBlankViews, zero_images)
+    padded = _step(method, 4, padded_rows, _NaNOnBlankViews, zero_images)
+    padded_gradient, padded_count, padded_loss, padded_nonfinite = padded
+    assert sum(padded_rows) > sum(plain_rows) == int(count) == int(padded_count)  # the last batch was padded
+    assert int(padded_nonfinite) == int(nonfinite)
+    assert (int(nonfinite) > 0) == (zero_images > 0)  # a real all-zero image is still counted
+    torch.testing.assert_close(padded_loss, loss, rtol=1e-6, atol=1e-7, equal_nan=True)
+    assert gradient.keys() == padded_gradient.keys()
+    for name in gradient:
+        assert torch.isfinite(padded_gradient[name]).all()
         torch.testing.assert_close(padded_gradient[name], gradient[name], rtol=1e-5, atol=1e-7)
 
 

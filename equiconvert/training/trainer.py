@@ -21,6 +21,7 @@ from typing import Any, Callable
 
 import torch
 from torch import nn
+from torch.profiler import record_function
 
 from ..errors import ParameterError, ParameterTypeError
 from ..progress import progress_bar
@@ -259,37 +260,40 @@ class DPTrainer(TrainerCheckpoint):
         if labels is not None:
             data = TensorData(data, labels)
         self._probe_once(data)
-        indices = self.sampler.sample()
-        count = torch.full((), float(len(indices)), device=self.device)
-        indices = _to_device(indices, data.device)  # where the data are (fit moves them to the device)
+        with record_function("equiconvert/sample"):
+            indices = self.sampler.sample()
+            count = torch.full((), float(len(indices)), device=self.device)
+            indices = _to_device(indices, data.device)  # where the data are (fit moves them to the device)
         params = {n: p.detach() for n, p in self.model.named_parameters() if p.requires_grad}
         buffers = dict(self.model.named_buffers())
         summed = {n: torch.zeros_like(p) for n, p in params.items()}
         loss_sum = torch.zeros((), device=self.device)
         nonfinite = 0
         for chunk in physical_chunks(indices, c.physical_batch_size):
-            chunk_images, chunk_labels = data.gather(chunk)
-            views = self.augment(self._normalize(chunk_images), c.aug_mult, self._augment_rng)
-            chunk_labels = chunk_labels.to(self.device)
-            real = None  # every row is an example
-            if c.physical_batch_multiple > 1:  # after the augmentation, which draws for the real examples only
-                views, chunk_labels = pad_with_blank_rows(views, chunk_labels, c.physical_batch_multiple)
-                real = real_rows(chunk_labels)  # blank rows add zero and are never counted as non-finite
+            with record_function("equiconvert/gather_and_augment"):
+                chunk_images, chunk_labels = data.gather(chunk)
+                views = self.augment(self._normalize(chunk_images), c.aug_mult, self._augment_rng)
+                chunk_labels = chunk_labels.to(self.device)
+                real = None  # every row is an example
+                if c.physical_batch_multiple > 1:  # after the augmentation, which draws for the real examples only
+                    views, chunk_labels = pad_with_blank_rows(views, chunk_labels, c.physical_batch_multiple)
+                    real = real_rows(chunk_labels)  # blank rows add zero and are never counted as non-finite
             with self._buffer_guard.watch(views.flatten(0, 1)):
                 losses, chunk_nonfinite = self._per_sample_gradients.accumulate_clipped(
                     params, buffers, views, chunk_labels, c.max_grad_norm, into=summed, real=real
                 )
             loss_sum += losses.detach().sum()
             nonfinite += chunk_nonfinite
-        noisy = privatize(
-            summed,
-            self.noise_multiplier,
-            c.max_grad_norm,
-            self._noise_source,
-            divisor=c.batch_size,
-            add_noise=self.dist.is_main,  # [distributed] rank 0's noise source is the job's only one
-            all_reduce=self.dist.all_reduce_sum,
-        )
+        with record_function("equiconvert/noise"):
+            noisy = privatize(
+                summed,
+                self.noise_multiplier,
+                c.max_grad_norm,
+                self._noise_source,
+                divisor=c.batch_size,
+                add_noise=self.dist.is_main,  # [distributed] rank 0's noise source is the job's only one
+                all_reduce=self.dist.all_reduce_sum,
+            )
         nonfinite = torch.as_tensor(nonfinite, device=self.device, dtype=torch.float32)
         loss_sum, count, nonfinite = self.dist.all_reduce_sum([loss_sum, count, nonfinite])  # [distributed]
         return noisy, count, loss_sum / count.clamp_min(1.0), nonfinite.round().long()
@@ -308,15 +312,16 @@ class DPTrainer(TrainerCheckpoint):
                 group["lr"] = self.lr_schedule(self.step)
         gradients, batch, train_loss, nonfinite = self._noisy_gradient(data)
         self._nonfinite += nonfinite
-        for name, param in self.model.named_parameters():
-            if param.requires_grad:
-                param.grad = gradients[name]
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.ledger.step()
-        self.step += 1
-        if self.ema is not None:
-            self.ema.update(self.model, self.step)
+        with record_function("equiconvert/update_and_ema"):
+            for name, param in self.model.named_parameters():
+                if param.requires_grad:
+                    param.grad = gradients[name]
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            self.ledger.step()
+            self.step += 1
+            if self.ema is not None:
+                self.ema.update(self.model, self.step)
         record = {"step": self.step, "lr": self.optimizer.param_groups[0]["lr"]}
         if self._logs_epsilon(self.step):  # a step that waits for the device anyway: the buffer checks are read
             self._verify_buffers()

@@ -66,6 +66,17 @@ def steady_throughput(records: list[dict[str, Any]], samples_per_step: float, wa
     }
 
 
+def visible_devices(gpus: int, environ: dict[str, str]) -> str:
+    """CUDA_VISIBLE_DEVICES for a run on `gpus` GPUs: the first of the caller's own list (so that two benchmarks
+    can share a host, each on its cards), or 0..gpus-1 without one."""
+    given = [d.strip() for d in environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    if not given:
+        return ",".join(str(i) for i in range(gpus))
+    if len(given) < gpus:
+        raise ValueError(f"--gpus {gpus}: CUDA_VISIBLE_DEVICES={','.join(given)} names only {len(given)}")
+    return ",".join(given[:gpus])
+
+
 def run(gpus: int, args: argparse.Namespace, out: Path) -> dict[str, Any]:
     """One fresh `train` run on `gpus` GPUs; its throughput and timings."""
     command = [sys.executable, "-m", "equiconvert", "train"]
@@ -101,7 +112,7 @@ def run(gpus: int, args: argparse.Namespace, out: Path) -> dict[str, Any]:
         command += ["--data-dir", args.data_dir]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     if args.device == "cuda":
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in range(gpus))
+        env["CUDA_VISIBLE_DEVICES"] = visible_devices(gpus, env)
     start = time.perf_counter()
     subprocess.run(command, check=True, env=env, stdout=subprocess.DEVNULL)
     wall = time.perf_counter() - start

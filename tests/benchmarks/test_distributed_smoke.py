@@ -78,3 +78,12 @@ def test_two_gloo_workers_log_no_batch_sizes_and_report_the_expected_batch_throu
     assert run["seconds"] == pytest.approx(steps[-1]["time_s"] - steps[0]["time_s"])
     assert run["samples_per_s"] == pytest.approx(2 * 8 * 2 / run["seconds"])
     assert run["samples_per_s_with_startup_and_evaluation"] == pytest.approx(2 * 8 * 3 / run["wall_time_s"])
+
+
+def test_runs_take_the_first_of_the_callers_visible_devices():
+    smoke = load_benchmark("distributed_smoke")
+    assert smoke.visible_devices(2, {}) == "0,1"
+    assert smoke.visible_devices(1, {"CUDA_VISIBLE_DEVICES": "3,2"}) == "3"
+    assert smoke.visible_devices(2, {"CUDA_VISIBLE_DEVICES": "3, 2,1"}) == "3,2"
+    with pytest.raises(ValueError, match="names only 1"):
+        smoke.visible_devices(2, {"CUDA_VISIBLE_DEVICES": "5"})

@@ -86,18 +86,21 @@ def profile_train(args: argparse.Namespace) -> dict[str, Any]:
         trainer.fit((data.images, data.labels))
     events = profiler.events()
     phases = phase_times(events, args.steps)
-    kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
-    # the device spans of the ranges and of the schedule's ProfilerStep#N are not kernels
-    kernel_ms = (
-        sum(_device_ms(e) for e in kernels if not e.name.startswith(("equiconvert/", "ProfilerStep"))) / args.steps
-    )
     return {
         "wall_ms_per_step": 1000 * (timer.ended - timer.started) / args.steps,
-        "kernel_device_ms_per_step": kernel_ms,
+        "kernel_device_ms_per_step": kernel_ms_per_step(events, args.steps),
         "samples_per_s": args.batch_size * args.aug_mult * args.steps / (timer.ended - timer.started),
         "fused_norm_pools": fused,
         "phases": dict(sorted(phases.items(), key=lambda item: -item[1]["cpu_ms"])),
     }
+
+
+def kernel_ms_per_step(events: list[Any], steps: int) -> float:
+    """The device time of the kernels, per step: the device spans of the marked ranges and of the schedule's
+    ProfilerStep#N cover kernels and are left out, or every kernel would count twice."""
+    spans = ("equiconvert/", "ProfilerStep")
+    device = torch.autograd.DeviceType.CUDA
+    return sum(_device_ms(e) for e in events if e.device_type == device and not e.name.startswith(spans)) / steps
 
 
 def _dataset_options(args: argparse.Namespace) -> dict[str, Any]:

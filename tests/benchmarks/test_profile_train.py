@@ -34,3 +34,20 @@ def test_profile_refuses_a_run_without_warm_up(tmp_path, capsys):
     with pytest.raises(SystemExit):
         load_benchmark("profile_train").main(["--device", "cpu", "--warmup", "0", "--out", str(tmp_path / "p.json")])
     assert "--warmup and --steps" in capsys.readouterr().err
+
+
+def test_kernel_time_leaves_out_the_device_spans_of_the_ranges_and_the_profiler_steps():
+    from torch.autograd import DeviceType
+    from torch.autograd.profiler_util import FunctionEvent
+
+    def on_device(id_: int, name: str, start: int, end: int) -> FunctionEvent:
+        return FunctionEvent(id_, name, 0, start, end, use_device="cuda", device_type=DeviceType.CUDA)
+
+    events = [
+        on_device(1, "gemm", 0, 3_000),  # 3 ms
+        on_device(2, "copy", 3_000, 4_000),  # 1 ms
+        on_device(3, "equiconvert/forward", 0, 4_000),  # the range's span over both kernels
+        on_device(4, "ProfilerStep#7", 0, 5_000),  # the schedule's step, over everything
+        FunctionEvent(5, "aten::mm", 0, 0, 9_000),  # a host event
+    ]
+    assert load_benchmark("profile_train").kernel_ms_per_step(events, steps=2) == 2.0

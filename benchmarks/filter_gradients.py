@@ -5,7 +5,8 @@ For B examples x K views of a 3x3, stride-1, padding-1 convolution of each shape
   unfold_einsum   unfold the input (k*k-fold copy), one einsum with the output gradient (book-keeping before)
   products        equiconvert's kernels (equiconvert/privacy/filter_gradients.py KERNELS), each forced:
   grouped           one bmm per filter tap; cuDNN's weight gradient of a grouped convolution with the
-  unfolded          examples as groups; the taps stacked into one wide bmm per slice of examples
+  unfolded          examples as groups; the taps stacked into one wide bmm per slice of examples;
+  triton            one Triton implicit-GEMM kernel per layer (CUDA only: listed under "not_run" elsewhere)
 and the relative error of each per-example result against unfold_einsum, all matmuls in the precision
 of the convolutions (TF32 on CUDA by default; --dtype bf16: the tensors in bf16, as under autocast),
 so the error checks the layouts, not the precision. JSON.
@@ -27,6 +28,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from equiconvert.privacy.filter_gradients import KERNELS as EQUICONVERT_KERNELS  # noqa: E402
+from equiconvert.privacy.filter_gradients import RUNS_ON  # noqa: E402
 from equiconvert.privacy.filter_gradients import filter_gradient_method, per_example_filter_gradients  # noqa: E402
 
 # (C_in, C_out, size): the paper's D4 Equivariant-ResNet9 layers at 32x32 input (channels and feature-map size)
@@ -88,13 +90,16 @@ def main(argv: list[str] | None = None) -> int:
     device, views = torch.device(args.device), args.aug_mult
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32  # the reference in conv precision too
-    rows = []
+    rows, not_run = [], set()
     for channels_in, channels_out, size in SHAPES:
         x = torch.randn(args.batch * views, channels_in, size, size, device=device, dtype=dtype)
         g = torch.randn(args.batch * views, channels_out, size, size, device=device, dtype=dtype)
         reference = unfold_einsum(x, g, views).float()
         row: dict[str, float | int] = {"c_in": channels_in, "c_out": channels_out, "size": size}
         for name, kernel in KERNELS.items():
+            if name in RUNS_ON and not RUNS_ON[name](x, g):
+                not_run.add(name)
+                continue
             row[f"{name}_ms"] = milliseconds(kernel, x, g, views, args.iters)
             if name not in ("aggregate", "unfold_einsum"):
                 result = kernel(x, g, views).reshape(reference.shape).float()
@@ -111,6 +116,7 @@ def main(argv: list[str] | None = None) -> int:
         "relative_error_reference": "unfold_einsum, matmuls in the precision given under tf32",
         "tf32": {"cudnn": torch.backends.cudnn.allow_tf32, "matmul": torch.backends.cuda.matmul.allow_tf32},
         "rows": rows,
+        "not_run": sorted(not_run),  # kernels that cannot run on this device and dtype
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2))

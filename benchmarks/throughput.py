@@ -7,7 +7,7 @@ batch of B examples x K views of a converted ResNet9 (D4 unless --group says oth
                before clipping), clipping, noise, step (DPTrainer's per_sample_method="vmap")
   bookkeeping  one forward/backward on the B*K views, per-layer per-example gradients
                from kept inputs and output gradients (DPTrainer's "bookkeeping"); a suffix
-               :products, :grouped, :unfolded or :fastest fixes its conv filter-gradient kernel
+               :products, :grouped, :unfolded, :triton or :fastest fixes its conv filter-gradient kernel
                (DPTrainer's filter_gradients; default "auto", i.e. :fastest on CUDA)
   make_private equiconvert.privacy.make_private around the model and SGD: the user's own loop (forward on
                the (B, K, ...) views, loss.backward(), optimizer.step()), book-keeping per-example

@@ -2,7 +2,7 @@
 
 Book-keeping and the Opacus grad sampler of SteerableConv2d both need, for every example,
 the filter gradient sum over its views and positions of (output gradient x input patch).
-Three kernels compute it, and which is fastest depends on the layer's shape and the card
+Four kernels compute it, and which is fastest depends on the layer's shape and the card
 (benchmarks/filter_gradients.py, bf16 on an H200, the paper model's convs: "unfolded" wins
 at 3 -> 48 channels and 32x32 and at 156 -> 156 and 4x4, "grouped" at 104 -> 104 and 16x16,
 "products" on the other three):
@@ -16,10 +16,13 @@ at 3 -> 48 channels and 32x32 and at 156 -> 156 and 4x4, "grouped" at 104 -> 104
   input stacked in the products' aligned layout, then one wide product per slice of examples,
   which reads the output gradient once instead of once per tap, at the cost of a k*k-fold
   copy of the input (a slice of the batch at a time, so memory stays bounded).
+- "triton": ungrouped convs only (grouped ones as "products"), CUDA only: one Triton kernel that
+  reads the patches straight from the input, an implicit GEMM per example
+  (triton_filter_gradients.py).
 
 The method in force (`filter_gradient_method`) is "auto" unless a caller says otherwise:
-"fastest" on CUDA, which times every kernel once per layer geometry and device and keeps
-the fastest, and "grouped" elsewhere (oneDNN's grouped weight gradient on a 2-core CPU was
+"fastest" on CUDA, which times every kernel that can run there once per layer geometry and
+device and keeps the fastest, and "grouped" elsewhere (oneDNN's grouped weight gradient on a 2-core CPU was
 1.3-6.7x faster than the products on each of the paper model's six convs;
 docs/guides/performance.md), a fixed choice so that CPU results never
 depend on a timing (a resumed run repeats its kernels bit for bit).
@@ -38,6 +41,7 @@ import torch.nn.functional as F
 
 from ..errors import ParameterError
 from ..nn.conv import SteerableConv2d
+from .triton_filter_gradients import triton_filter_gradients, triton_kernel_usable
 
 IntPair = int | tuple[int, int]
 
@@ -167,10 +171,24 @@ def _unfolded(inputs: torch.Tensor, grad_out: torch.Tensor, views: int, geometry
     return _products(inputs, grad_out, views, geometry)
 
 
+def _triton(inputs: torch.Tensor, grad_out: torch.Tensor, views: int, geometry: ConvGeometry) -> torch.Tensor:
+    """Ungrouped convs: the Triton kernel (any stride, padding, dilation); grouped ones as "products"."""
+    g = geometry
+    if g.groups != 1:
+        return _products(inputs, grad_out, views, geometry)
+    return triton_filter_gradients(
+        inputs, grad_out, views, kernel=g.kernel, stride=g.stride, padding=g.padding, dilation=g.dilation
+    )
+
+
 KERNELS: dict[str, FilterGradientKernel] = {
     "products": _products,
     "grouped": _grouped_convolution,
     "unfolded": _unfolded,
+    "triton": _triton,
+}
+RUNS_ON: dict[str, Callable[[torch.Tensor, torch.Tensor], bool]] = {  # kernels that cannot run on every tensor
+    "triton": triton_kernel_usable,
 }
 FILTER_GRADIENT_METHODS = ("auto", "fastest", *KERNELS)
 
@@ -214,9 +232,17 @@ def _kernel_for(inputs: torch.Tensor, grad_out: torch.Tensor, views: int, geomet
     # keyed without the batch size: Poisson batches give every last chunk of a step its own size
     key = (str(inputs.device), str(grad_out.dtype), tuple(inputs.shape[1:]), tuple(grad_out.shape[1:]), views, geometry)
     if key not in _fastest:
-        timings = {name: _seconds(kernel, inputs, grad_out, views, geometry) for name, kernel in KERNELS.items()}
+        timings = {
+            name: _seconds(kernel, inputs, grad_out, views, geometry)
+            for name, kernel in KERNELS.items()
+            if RUNS_ON.get(name, _anywhere)(inputs, grad_out)
+        }
         _fastest[key] = min(timings, key=timings.__getitem__)
     return _fastest[key]
+
+
+def _anywhere(inputs: torch.Tensor, grad_out: torch.Tensor) -> bool:
+    return True
 
 
 def _seconds(

@@ -1,0 +1,187 @@
+"""Per-example conv filter gradients as one Triton kernel: an implicit GEMM per example, no copy of the patches.
+
+Each program computes one (output channels x (input channel, tap)) tile of one example's filter
+gradient, summing output gradient x input patch over the example's views and output positions. The
+patches are read straight from the input by index arithmetic (zero outside the padded border), so
+nothing of the k*k-fold unfolded input is ever written, and each example's input, read once per tile,
+stays in the cache. On CUDA, Triton's autotuner picks the tile sizes once per layer shape; the
+matmuls run in the precision of the convolutions (bf16 as given, fp32 in TF32 when cuDNN uses TF32).
+Off CUDA the tests run the same kernel in Triton's interpreter. Ungrouped convs of any stride,
+padding and dilation; filter_gradients.py routes grouped ones to its batched products.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..errors import ParameterError
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # Triton ships with PyTorch's CUDA wheels on Linux; elsewhere the other kernels run
+    triton = None
+
+KERNEL_DEVICES = ("cuda",)
+KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # tensor-core dtypes; float64 has no tl.dot
+INTERPRETED_BLOCKS = {"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_R": 32}  # off CUDA: one fixed tile, no timing
+
+
+def triton_kernel_usable(inputs: torch.Tensor, grad_out: torch.Tensor) -> bool:
+    """Whether the kernel can run on these tensors: Triton present, a kernel device, 16- or 32-bit floats."""
+    return (
+        triton is not None
+        and inputs.device.type in KERNEL_DEVICES
+        and inputs.dtype in KERNEL_DTYPES
+        and grad_out.dtype in KERNEL_DTYPES
+    )
+
+
+if triton is not None:
+
+    @triton.jit
+    def _per_example_filter_gradient_kernel(
+        x_ptr,
+        g_ptr,
+        out_ptr,
+        c_out,
+        c_in,
+        in_h,
+        in_w,
+        out_h,
+        out_w,
+        views,
+        x_sn,
+        x_sc,
+        x_sh,
+        x_sw,
+        g_sn,
+        g_sc,
+        g_sh,
+        g_sw,
+        stride_h,
+        stride_w,
+        pad_h,
+        pad_w,
+        dil_h,
+        dil_w,
+        KH: tl.constexpr,
+        KW: tl.constexpr,
+        INPUT_PRECISION: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_R: tl.constexpr,
+    ):
+        columns_total = c_in * KH * KW
+        tiles_m = tl.cdiv(c_out, BLOCK_M)
+        tiles_n = tl.cdiv(columns_total, BLOCK_N)
+        pid = tl.program_id(0)
+        example = (pid // (tiles_m * tiles_n)).to(tl.int64)  # examples outermost: one example's tiles run together
+        tile = pid % (tiles_m * tiles_n)
+        rows = (tile // tiles_n) * BLOCK_M + tl.arange(0, BLOCK_M)  # output channels
+        columns = (tile % tiles_n) * BLOCK_N + tl.arange(0, BLOCK_N)  # (input channel, tap row, tap column)
+        channel = columns // (KH * KW)
+        tap_y = (columns % (KH * KW)) // KW
+        tap_x = columns % KW
+        positions = out_h * out_w
+        reduction = views * positions
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for start in range(0, reduction, BLOCK_R):
+            r = start + tl.arange(0, BLOCK_R)  # (view, output row, output column)
+            image = example * views + r // positions
+            y = (r % positions) // out_w
+            x = r % out_w
+            g_tile = tl.load(
+                g_ptr + image[None, :] * g_sn + rows[:, None] * g_sc + y[None, :] * g_sh + x[None, :] * g_sw,
+                mask=(rows[:, None] < c_out) & (r[None, :] < reduction),
+                other=0.0,
+            )
+            iy = y[:, None] * stride_h - pad_h + tap_y[None, :] * dil_h
+            ix = x[:, None] * stride_w - pad_w + tap_x[None, :] * dil_w
+            inside = (r[:, None] < reduction) & (columns[None, :] < columns_total)
+            inside = inside & (iy >= 0) & (iy < in_h) & (ix >= 0) & (ix < in_w)
+            x_tile = tl.load(
+                x_ptr + image[:, None] * x_sn + channel[None, :] * x_sc + iy * x_sh + ix * x_sw,
+                mask=inside,
+                other=0.0,
+            )
+            acc = tl.dot(g_tile, x_tile.to(g_tile.dtype), acc, input_precision=INPUT_PRECISION)
+        written = (rows[:, None] < c_out) & (columns[None, :] < columns_total)
+        offsets = example * c_out * columns_total + rows[:, None] * columns_total + columns[None, :]
+        tl.store(out_ptr + offsets, acc.to(out_ptr.dtype.element_ty), mask=written)
+
+    _TUNED_TILES = [  # (BLOCK_M, BLOCK_N, BLOCK_R, warps, stages)
+        (64, 64, 32, 4, 3),
+        (128, 64, 32, 4, 3),
+        (64, 128, 32, 4, 3),
+        (128, 128, 32, 8, 3),
+        (32, 64, 64, 4, 4),
+        (64, 64, 64, 4, 4),
+        (32, 32, 64, 4, 4),
+    ]
+    _autotuned_kernel = triton.autotune(
+        configs=[
+            triton.Config({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_R": r}, num_warps=warps, num_stages=stages)
+            for m, n, r, warps, stages in _TUNED_TILES
+        ],
+        key=["c_out", "c_in", "out_h", "out_w", "views", "KH", "KW"],
+    )(_per_example_filter_gradient_kernel)
+
+
+def triton_filter_gradients(
+    inputs: torch.Tensor,
+    grad_out: torch.Tensor,
+    views: int,
+    *,
+    kernel: tuple[int, int],
+    stride: tuple[int, int],
+    padding: tuple[int, int],
+    dilation: tuple[int, int],
+) -> torch.Tensor:
+    """(B, C_out, C_in, kh, kw) in grad_out's dtype: each example's filter gradient of an ungrouped conv.
+
+    inputs (B*K, C_in, H, W) and grad_out (B*K, C_out, H', W') hold each example's K views consecutively,
+    in any memory layout; inputs of another float dtype are cast inside the kernel.
+
+    Raises:
+        ParameterError: Triton is missing, or the tensors are not on a kernel device in a 16/32-bit float.
+    """
+    if not triton_kernel_usable(inputs, grad_out):
+        raise ParameterError(
+            f"filter gradient method 'triton' needs Triton and {' or '.join(KERNEL_DEVICES)} tensors of "
+            f"{', '.join(str(d).removeprefix('torch.') for d in KERNEL_DTYPES)}; got {inputs.device.type} "
+            f"{str(inputs.dtype).removeprefix('torch.')} (Triton {'missing' if triton is None else 'present'}): "
+            "use filter_gradients='auto'"
+        )
+    batch, c_in, c_out, (kh, kw) = inputs.shape[0] // views, inputs.shape[1], grad_out.shape[1], kernel
+    out = grad_out.new_empty(batch, c_out, c_in, kh, kw)
+    if batch == 0:
+        return out
+    arguments = (
+        inputs,
+        grad_out,
+        out,
+        c_out,
+        c_in,
+        *inputs.shape[2:],
+        *grad_out.shape[2:],
+        views,
+        *inputs.stride(),
+        *grad_out.stride(),
+        *stride,
+        *padding,
+        *dilation,
+    )
+    tiles = c_in * kh * kw
+
+    def grid(meta: dict) -> tuple[int]:
+        return (batch * triton.cdiv(c_out, meta["BLOCK_M"]) * triton.cdiv(tiles, meta["BLOCK_N"]),)
+
+    precision = "tf32" if torch.backends.cudnn.allow_tf32 else "ieee"
+    if inputs.device.type == "cuda":
+        _autotuned_kernel[grid](*arguments, KH=kh, KW=kw, INPUT_PRECISION=precision)
+    else:
+        _per_example_filter_gradient_kernel[grid(INTERPRETED_BLOCKS)](
+            *arguments, KH=kh, KW=kw, INPUT_PRECISION="ieee", **INTERPRETED_BLOCKS
+        )
+    return out

@@ -6,7 +6,8 @@ For B examples x K views of a 3x3, stride-1, padding-1 convolution of each shape
   products        equiconvert's kernels (equiconvert/privacy/filter_gradients.py KERNELS), each forced:
   grouped           one bmm per filter tap; cuDNN's weight gradient of a grouped convolution with the
   unfolded          examples as groups; the taps stacked into one wide bmm per slice of examples;
-  triton            one Triton implicit-GEMM kernel per layer (CUDA only: listed under "not_run" elsewhere)
+  triton            the Triton implicit-GEMM kernels, tiled over (input channel, tap) columns or over one
+  triton_taps       tap's input channels (CUDA only: listed under "not_run" elsewhere)
 and the relative error of each per-example result against unfold_einsum, all matmuls in the precision
 of the convolutions (TF32 on CUDA by default; --dtype bf16: the tensors in bf16, as under autocast),
 so the error checks the layouts, not the precision. JSON.

@@ -2,10 +2,10 @@
 
 Book-keeping and the Opacus grad sampler of SteerableConv2d both need, for every example,
 the filter gradient sum over its views and positions of (output gradient x input patch).
-Four kernels compute it, and which is fastest depends on the layer's shape and the card
-(benchmarks/filter_gradients.py, bf16 on an H200, the paper model's convs: "unfolded" wins
-at 3 -> 48 channels and 32x32 and at 156 -> 156 and 4x4, "grouped" at 104 -> 104 and 16x16,
-"products" on the other three):
+Five kernels compute it, and which is fastest depends on the layer's shape and the card
+(benchmarks/filter_gradients.py, bf16 on an H200, the paper model's convs at 2048 x 4 views:
+"triton" wins at 3 -> 48 channels and 32x32 and at 156 -> 156 and 4x4, "triton_taps" at
+48 -> 104 and 32x32 and at 104 -> 104 and 16x16, "products" on the other two):
 
 - "products": batched matrix products. Stride-1 convolutions run one product per filter
   tap on a shifted, strided view of the padded input; unfolding the input into patches
@@ -16,9 +16,9 @@ at 3 -> 48 channels and 32x32 and at 156 -> 156 and 4x4, "grouped" at 104 -> 104
   input stacked in the products' aligned layout, then one wide product per slice of examples,
   which reads the output gradient once instead of once per tap, at the cost of a k*k-fold
   copy of the input (a slice of the batch at a time, so memory stays bounded).
-- "triton": ungrouped convs only (grouped ones as "products"), CUDA only: one Triton kernel that
-  reads the patches straight from the input, an implicit GEMM per example
-  (triton_filter_gradients.py).
+- "triton" and "triton_taps": ungrouped convs only (grouped ones as "products"), CUDA only: a
+  Triton kernel that reads the patches straight from the input, an implicit GEMM per example, tiled
+  over (input channel, tap) columns or over the input channels of one tap (triton_filter_gradients.py).
 
 The method in force (`filter_gradient_method`) is "auto" unless a caller says otherwise:
 "fastest" on CUDA, which times every kernel that can run there once per layer geometry and
@@ -41,7 +41,7 @@ import torch.nn.functional as F
 
 from ..errors import ParameterError
 from ..nn.conv import SteerableConv2d
-from .triton_filter_gradients import triton_filter_gradients, triton_kernel_usable
+from .triton_filter_gradients import KERNEL_FAILURES, triton_filter_gradients, triton_kernel_usable
 
 IntPair = int | tuple[int, int]
 
@@ -171,24 +171,37 @@ def _unfolded(inputs: torch.Tensor, grad_out: torch.Tensor, views: int, geometry
     return _products(inputs, grad_out, views, geometry)
 
 
-def _triton(inputs: torch.Tensor, grad_out: torch.Tensor, views: int, geometry: ConvGeometry) -> torch.Tensor:
-    """Ungrouped convs: the Triton kernel (any stride, padding, dilation); grouped ones as "products"."""
-    g = geometry
-    if g.groups != 1:
-        return _products(inputs, grad_out, views, geometry)
-    return triton_filter_gradients(
-        inputs, grad_out, views, kernel=g.kernel, stride=g.stride, padding=g.padding, dilation=g.dilation
-    )
+def _triton_kernel(layout: str) -> FilterGradientKernel:
+    """Ungrouped convs: a Triton kernel of the given tiling (any stride, padding, dilation); grouped ones as "products"."""
+
+    def kernel(inputs: torch.Tensor, grad_out: torch.Tensor, views: int, geometry: ConvGeometry) -> torch.Tensor:
+        g = geometry
+        if g.groups != 1:
+            return _products(inputs, grad_out, views, geometry)
+        return triton_filter_gradients(
+            inputs,
+            grad_out,
+            views,
+            layout=layout,
+            kernel=g.kernel,
+            stride=g.stride,
+            padding=g.padding,
+            dilation=g.dilation,
+        )
+
+    return kernel
 
 
 KERNELS: dict[str, FilterGradientKernel] = {
     "products": _products,
     "grouped": _grouped_convolution,
     "unfolded": _unfolded,
-    "triton": _triton,
+    "triton": _triton_kernel("patch columns"),
+    "triton_taps": _triton_kernel("one tap"),
 }
 RUNS_ON: dict[str, Callable[[torch.Tensor, torch.Tensor], bool]] = {  # kernels that cannot run on every tensor
     "triton": triton_kernel_usable,
+    "triton_taps": triton_kernel_usable,
 }
 FILTER_GRADIENT_METHODS = ("auto", "fastest", *KERNELS)
 
@@ -250,8 +263,9 @@ def _seconds(
 ) -> float:
     """Best of TIMING_REPEATS runs after a warm-up (which also lets cuDNN pick its algorithm).
 
-    A kernel that fails on this shape (no cuDNN algorithm, or not enough memory for its
-    workspace) is infinitely slow: it is not chosen, and the run goes on with the other one.
+    A kernel that fails on this shape (no cuDNN algorithm, not enough memory for its
+    workspace, a Triton kernel that cannot be built or launched on this card) is infinitely
+    slow: it is not chosen, and the run goes on with the others.
     """
     best = float("inf")
     try:
@@ -262,7 +276,7 @@ def _seconds(
             _synchronize(inputs.device)
             if attempt:
                 best = min(best, time.perf_counter() - start)
-    except RuntimeError:  # torch.OutOfMemoryError is one
+    except (RuntimeError, *KERNEL_FAILURES):  # torch.OutOfMemoryError is a RuntimeError
         return float("inf")
     return best
 

@@ -17,9 +17,8 @@ How the samplers work
 ``SteerableConv2d``: the forward pass is ``F.conv2d(x, W(c), b(beta))`` with
 the expanded filter ``W = coefficients x basis``. Opacus' hooks give the layer
 input ``x`` and ``dL/dy`` per sample. The per-sample gradient of the expanded
-filter comes from ``filter_gradients.per_example_filter_gradients``, the kernel
-book-keeping uses (one product per filter tap on a shifted view of the padded
-input for ungrouped stride-1 convs, the unfolded input otherwise; other
+filter comes from ``filter_gradients.per_example_filter_gradients``, the kernels
+book-keeping uses (the method in force: on CUDA the fastest per layer shape; other
 ``padding_mode`` values padded with ``F.pad`` first, as the layer's forward does).
 ``filter_gradients.steerable_weight_gradients`` then takes it to the gradient of
 ``weight``: the basis contraction (the transpose of ``expand_filter``) and, with

@@ -1,13 +1,19 @@
-"""Per-example conv filter gradients as one Triton kernel: an implicit GEMM per example, no copy of the patches.
+"""Per-example conv filter gradients as Triton kernels: an implicit GEMM per example, no copy of the patches.
 
-Each program computes one (output channels x (input channel, tap)) tile of one example's filter
-gradient, summing output gradient x input patch over the example's views and output positions. The
-patches are read straight from the input by index arithmetic (zero outside the padded border), so
-nothing of the k*k-fold unfolded input is ever written, and each example's input, read once per tile,
-stays in the cache. On CUDA, Triton's autotuner picks the tile sizes once per layer shape; the
-matmuls run in the precision of the convolutions (bf16 as given, fp32 in TF32 when cuDNN uses TF32).
-Off CUDA the tests run the same kernel in Triton's interpreter. Ungrouped convs of any stride,
-padding and dilation; filter_gradients.py routes grouped ones to its batched products.
+Both kernels sum output gradient x input patch over each example's views and output positions, reading
+the patches straight from the input by index arithmetic (zero outside the padded border), so nothing
+of the k*k-fold unfolded input is ever written and each example's input stays in the cache. They tile
+the filter gradient two ways, and which is faster depends on the layer (filter_gradients.py times both):
+
+- "patch columns": a program computes (output channels x (input channel, tap)) of one example; its
+  columns mix taps, so a layer with few input channels (an RGB stem: 3 x 9 columns) fills its tiles.
+- "one tap": a program computes (output channels x input channels) of one tap of one example; its
+  addresses are a position part plus a channel part, so wide inputs cost little index arithmetic.
+
+On CUDA, Triton's autotuner picks the tile sizes once per layer shape; the matmuls run in the precision
+of the convolutions (bf16 as given, fp32 in TF32 when cuDNN uses TF32). Off CUDA the tests run the same
+kernels in Triton's interpreter. Ungrouped convs of any stride, padding and dilation; filter_gradients.py
+routes grouped ones to its batched products.
 """
 
 from __future__ import annotations
@@ -21,6 +27,19 @@ try:
     import triton.language as tl
 except ImportError:  # Triton ships with PyTorch's CUDA wheels on Linux; elsewhere the other kernels run
     triton = None
+
+# errors of a kernel that cannot be built or launched for a shape on this card: "fastest" then skips it
+KERNEL_FAILURES: tuple[type[Exception], ...] = ()
+if triton is not None:
+    try:
+        from triton.errors import TritonError
+
+        KERNEL_FAILURES = (TritonError,)
+    except ImportError:  # an older Triton, whose compile and resource errors have no common base
+        from triton.compiler.errors import CompilationError
+        from triton.runtime.errors import OutOfResources
+
+        KERNEL_FAILURES = (CompilationError, OutOfResources)
 
 KERNEL_DEVICES = ("cuda",)
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # tensor-core dtypes; float64 has no tl.dot
@@ -40,7 +59,7 @@ def triton_kernel_usable(inputs: torch.Tensor, grad_out: torch.Tensor) -> bool:
 if triton is not None:
 
     @triton.jit
-    def _per_example_filter_gradient_kernel(
+    def _patch_columns_kernel(
         x_ptr,
         g_ptr,
         out_ptr,
@@ -110,6 +129,77 @@ if triton is not None:
         offsets = example * c_out * columns_total + rows[:, None] * columns_total + columns[None, :]
         tl.store(out_ptr + offsets, acc.to(out_ptr.dtype.element_ty), mask=written)
 
+    @triton.jit
+    def _one_tap_kernel(
+        x_ptr,
+        g_ptr,
+        out_ptr,
+        c_out,
+        c_in,
+        in_h,
+        in_w,
+        out_h,
+        out_w,
+        views,
+        x_sn,
+        x_sc,
+        x_sh,
+        x_sw,
+        g_sn,
+        g_sc,
+        g_sh,
+        g_sw,
+        stride_h,
+        stride_w,
+        pad_h,
+        pad_w,
+        dil_h,
+        dil_w,
+        KH: tl.constexpr,
+        KW: tl.constexpr,
+        INPUT_PRECISION: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_R: tl.constexpr,
+    ):
+        tiles_m = tl.cdiv(c_out, BLOCK_M)
+        tiles_n = tl.cdiv(c_in, BLOCK_N)
+        per_example = tiles_m * tiles_n * KH * KW
+        pid = tl.program_id(0)
+        example = (pid // per_example).to(tl.int64)  # examples outermost: one example's tiles run together
+        tile = pid % per_example
+        tap = tile // (tiles_m * tiles_n)
+        tile = tile % (tiles_m * tiles_n)
+        rows = (tile // tiles_n) * BLOCK_M + tl.arange(0, BLOCK_M)  # output channels
+        channels = (tile % tiles_n) * BLOCK_N + tl.arange(0, BLOCK_N)  # input channels
+        offset_y = (tap // KW) * dil_h - pad_h
+        offset_x = (tap % KW) * dil_w - pad_w
+        positions = out_h * out_w
+        reduction = views * positions
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for start in range(0, reduction, BLOCK_R):
+            r = start + tl.arange(0, BLOCK_R)  # (view, output row, output column)
+            image = example * views + r // positions
+            y = (r % positions) // out_w
+            x = r % out_w
+            g_tile = tl.load(
+                g_ptr + (image * g_sn + y * g_sh + x * g_sw)[None, :] + rows[:, None] * g_sc,
+                mask=(rows[:, None] < c_out) & (r[None, :] < reduction),
+                other=0.0,
+            )
+            iy = y * stride_h + offset_y
+            ix = x * stride_w + offset_x
+            inside = (r < reduction) & (iy >= 0) & (iy < in_h) & (ix >= 0) & (ix < in_w)
+            x_tile = tl.load(
+                x_ptr + (image * x_sn + iy * x_sh + ix * x_sw)[:, None] + channels[None, :] * x_sc,
+                mask=inside[:, None] & (channels[None, :] < c_in),
+                other=0.0,
+            )
+            acc = tl.dot(g_tile, x_tile.to(g_tile.dtype), acc, input_precision=INPUT_PRECISION)
+        written = (rows[:, None] < c_out) & (channels[None, :] < c_in)
+        offsets = (example * c_out + rows[:, None]) * (c_in * KH * KW) + channels[None, :] * (KH * KW) + tap
+        tl.store(out_ptr + offsets, acc.to(out_ptr.dtype.element_ty), mask=written)
+
     _TUNED_TILES = [  # (BLOCK_M, BLOCK_N, BLOCK_R, warps, stages)
         (64, 64, 32, 4, 3),
         (128, 64, 32, 4, 3),
@@ -119,13 +209,33 @@ if triton is not None:
         (64, 64, 64, 4, 4),
         (32, 32, 64, 4, 4),
     ]
-    _autotuned_kernel = triton.autotune(
-        configs=[
-            triton.Config({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_R": r}, num_warps=warps, num_stages=stages)
-            for m, n, r, warps, stages in _TUNED_TILES
-        ],
-        key=["c_out", "c_in", "out_h", "out_w", "views", "KH", "KW"],
-    )(_per_example_filter_gradient_kernel)
+
+    def _autotuned(kernel: triton.JITFunction) -> triton.runtime.Autotuner:
+        return triton.autotune(
+            configs=[
+                triton.Config({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_R": r}, num_warps=warps, num_stages=stages)
+                for m, n, r, warps, stages in _TUNED_TILES
+            ],
+            key=["c_out", "c_in", "out_h", "out_w", "views", "KH", "KW"],
+        )(kernel)
+
+    # name -> (the kernel, autotuned; the kernel itself; its grid's tiles per example of the given meta-parameters)
+    LAYOUTS = {
+        "patch columns": (
+            _autotuned(_patch_columns_kernel),
+            _patch_columns_kernel,
+            lambda c_out, c_in, taps, meta: (
+                triton.cdiv(c_out, meta["BLOCK_M"]) * triton.cdiv(c_in * taps, meta["BLOCK_N"])
+            ),
+        ),
+        "one tap": (
+            _autotuned(_one_tap_kernel),
+            _one_tap_kernel,
+            lambda c_out, c_in, taps, meta: (
+                triton.cdiv(c_out, meta["BLOCK_M"]) * triton.cdiv(c_in, meta["BLOCK_N"]) * taps
+            ),
+        ),
+    }
 
 
 def triton_filter_gradients(
@@ -133,6 +243,7 @@ def triton_filter_gradients(
     grad_out: torch.Tensor,
     views: int,
     *,
+    layout: str,
     kernel: tuple[int, int],
     stride: tuple[int, int],
     padding: tuple[int, int],
@@ -141,18 +252,20 @@ def triton_filter_gradients(
     """(B, C_out, C_in, kh, kw) in grad_out's dtype: each example's filter gradient of an ungrouped conv.
 
     inputs (B*K, C_in, H, W) and grad_out (B*K, C_out, H', W') hold each example's K views consecutively,
-    in any memory layout; inputs of another float dtype are cast inside the kernel.
+    in any memory layout; inputs of another float dtype are cast inside the kernel. `layout` names the
+    tiling ("patch columns" or "one tap").
 
     Raises:
         ParameterError: Triton is missing, or the tensors are not on a kernel device in a 16/32-bit float.
     """
     if not triton_kernel_usable(inputs, grad_out):
         raise ParameterError(
-            f"filter gradient method 'triton' needs Triton and {' or '.join(KERNEL_DEVICES)} tensors of "
+            f"the Triton filter-gradient kernels need Triton and {' or '.join(KERNEL_DEVICES)} tensors of "
             f"{', '.join(str(d).removeprefix('torch.') for d in KERNEL_DTYPES)}; got {inputs.device.type} "
             f"{str(inputs.dtype).removeprefix('torch.')} (Triton {'missing' if triton is None else 'present'}): "
             "use filter_gradients='auto'"
         )
+    autotuned, plain, tiles = LAYOUTS[layout]
     batch, c_in, c_out, (kh, kw) = inputs.shape[0] // views, inputs.shape[1], grad_out.shape[1], kernel
     out = grad_out.new_empty(batch, c_out, c_in, kh, kw)
     if batch == 0:
@@ -172,16 +285,13 @@ def triton_filter_gradients(
         *padding,
         *dilation,
     )
-    tiles = c_in * kh * kw
 
     def grid(meta: dict) -> tuple[int]:
-        return (batch * triton.cdiv(c_out, meta["BLOCK_M"]) * triton.cdiv(tiles, meta["BLOCK_N"]),)
+        return (batch * tiles(c_out, c_in, kh * kw, meta),)
 
-    precision = "tf32" if torch.backends.cudnn.allow_tf32 else "ieee"
     if inputs.device.type == "cuda":
-        _autotuned_kernel[grid](*arguments, KH=kh, KW=kw, INPUT_PRECISION=precision)
+        precision = "tf32" if torch.backends.cudnn.allow_tf32 else "ieee"
+        autotuned[grid](*arguments, KH=kh, KW=kw, INPUT_PRECISION=precision)
     else:
-        _per_example_filter_gradient_kernel[grid(INTERPRETED_BLOCKS)](
-            *arguments, KH=kh, KW=kw, INPUT_PRECISION="ieee", **INTERPRETED_BLOCKS
-        )
+        plain[grid(INTERPRETED_BLOCKS)](*arguments, KH=kh, KW=kw, INPUT_PRECISION="ieee", **INTERPRETED_BLOCKS)
     return out

@@ -106,7 +106,7 @@ class DPConfig:
     precision: str = "fp32"
     # book-keeping's per-example conv filter gradients (privacy/filter_gradients.py): "auto" times every kernel per
     # layer on CUDA and keeps the fastest, and uses the grouped weight gradient on CPU; "products", "grouped",
-    # "unfolded" or "triton" (CUDA only) fixes it
+    # "unfolded", "triton" or "triton_taps" (both CUDA only) fixes it
     filter_gradients: str = "auto"
     # a name in augment.TEST_SHIFTS: every evaluation also reports "shift_averaged_*" metrics, the softmax averaged
     # over those shifted copies of each test image (post-processing: no privacy cost); the plain metrics are kept

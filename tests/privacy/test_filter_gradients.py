@@ -204,12 +204,19 @@ def test_dptrainer_runs_the_kernel_it_is_given_and_both_take_the_same_steps(spie
         DPTrainer(copy.deepcopy(model), filter_gradients="cudnn", **options)
 
 
-def test_fastest_never_chooses_a_kernel_that_fails_on_the_shape(spied_kernels, monkeypatch):
+def _kernel_failures():
+    from equiconvert.privacy.triton_filter_gradients import KERNEL_FAILURES
+
+    return [RuntimeError, *KERNEL_FAILURES]  # cuDNN's and torch's, then Triton's build and launch errors
+
+
+@pytest.mark.parametrize("failure", _kernel_failures())
+def test_fastest_never_chooses_a_kernel_that_fails_on_the_shape(spied_kernels, monkeypatch, failure):
     from equiconvert.privacy import filter_gradients
     from equiconvert.privacy.filter_gradients import filter_gradient_method
 
     def no_algorithm(*args):
-        raise RuntimeError("no algorithm for this shape")
+        raise failure("no algorithm for this shape")
 
     monkeypatch.setitem(filter_gradients.KERNELS, "grouped", no_algorithm)
     with filter_gradient_method("fastest"):

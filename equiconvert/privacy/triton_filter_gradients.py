@@ -1,20 +1,19 @@
-"""Per-example conv filter gradients as Triton kernels: an implicit GEMM per example, no copy of the patches.
+"""Per-example conv filter gradients as a Triton kernel: an implicit GEMM per example, no copy of the patches.
 
-Both kernels sum output gradient x input patch over each example's views and output positions, reading
+The kernel sums output gradient x input patch over each example's views and output positions, reading
 the patches straight from the input by index arithmetic (zero outside the padded border), so nothing
-of the k*k-fold unfolded input is ever written and each example's input stays in the cache. They tile
+of the k*k-fold unfolded input is ever written and each example's input stays in the cache. It tiles
 the filter gradient two ways, and which is faster depends on the layer (filter_gradients.py times both):
 
 - "patch columns": a program computes (output channels x (input channel, tap)) of one example; its
   columns mix taps, so a layer with few input channels (an RGB stem: 3 x 9 columns) fills its tiles.
-- "one tap": a program computes (output channels x input channels) of one tap of one example; its
-  addresses are a position part plus a channel part, so wide inputs cost little index arithmetic.
+- "one tap" (ONE_TAP): a program computes (output channels x input channels) of one tap of one example;
+  its addresses are a position part plus a channel part, so wide inputs cost little index arithmetic.
 
 On CUDA, Triton's autotuner picks the tile sizes once per layer shape; the matmuls run in the precision
 of the convolutions (bf16 as given, fp32 in TF32 when cuDNN uses TF32). Off CUDA the tests run the same
-kernels in Triton's interpreter. Ungrouped convs of any stride, padding and dilation; filter_gradients.py
-routes grouped ones to its batched products.
-"""
+kernel in Triton's interpreter and build it for sm_90 with Triton's compiler. Ungrouped convs of any
+stride, padding and dilation; filter_gradients.py routes grouped ones to its batched products."""
 
 from __future__ import annotations
 
@@ -59,7 +58,7 @@ def triton_kernel_usable(inputs: torch.Tensor, grad_out: torch.Tensor) -> bool:
 if triton is not None:
 
     @triton.jit
-    def _patch_columns_kernel(
+    def _per_example_filter_gradient_kernel(
         x_ptr,
         g_ptr,
         out_ptr,
@@ -86,94 +85,36 @@ if triton is not None:
         dil_w,
         KH: tl.constexpr,
         KW: tl.constexpr,
+        ONE_TAP: tl.constexpr,
         INPUT_PRECISION: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_R: tl.constexpr,
     ):
-        columns_total = c_in * KH * KW
+        # ONE_TAP: a program's columns are input channels of one tap; else (input channel, tap) pairs
         tiles_m = tl.cdiv(c_out, BLOCK_M)
-        tiles_n = tl.cdiv(columns_total, BLOCK_N)
-        pid = tl.program_id(0)
-        example = (pid // (tiles_m * tiles_n)).to(tl.int64)  # examples outermost: one example's tiles run together
-        tile = pid % (tiles_m * tiles_n)
-        rows = (tile // tiles_n) * BLOCK_M + tl.arange(0, BLOCK_M)  # output channels
-        columns = (tile % tiles_n) * BLOCK_N + tl.arange(0, BLOCK_N)  # (input channel, tap row, tap column)
-        channel = columns // (KH * KW)
-        tap_y = (columns % (KH * KW)) // KW
-        tap_x = columns % KW
-        positions = out_h * out_w
-        reduction = views * positions
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for start in range(0, reduction, BLOCK_R):
-            r = start + tl.arange(0, BLOCK_R)  # (view, output row, output column)
-            image = example * views + r // positions
-            y = (r % positions) // out_w
-            x = r % out_w
-            g_tile = tl.load(
-                g_ptr + image[None, :] * g_sn + rows[:, None] * g_sc + y[None, :] * g_sh + x[None, :] * g_sw,
-                mask=(rows[:, None] < c_out) & (r[None, :] < reduction),
-                other=0.0,
-            )
-            iy = y[:, None] * stride_h - pad_h + tap_y[None, :] * dil_h
-            ix = x[:, None] * stride_w - pad_w + tap_x[None, :] * dil_w
-            inside = (r[:, None] < reduction) & (columns[None, :] < columns_total)
-            inside = inside & (iy >= 0) & (iy < in_h) & (ix >= 0) & (ix < in_w)
-            x_tile = tl.load(
-                x_ptr + image[:, None] * x_sn + channel[None, :] * x_sc + iy * x_sh + ix * x_sw,
-                mask=inside,
-                other=0.0,
-            )
-            acc = tl.dot(g_tile, x_tile.to(g_tile.dtype), acc, input_precision=INPUT_PRECISION)
-        written = (rows[:, None] < c_out) & (columns[None, :] < columns_total)
-        offsets = example * c_out * columns_total + rows[:, None] * columns_total + columns[None, :]
-        tl.store(out_ptr + offsets, acc.to(out_ptr.dtype.element_ty), mask=written)
-
-    @triton.jit
-    def _one_tap_kernel(
-        x_ptr,
-        g_ptr,
-        out_ptr,
-        c_out,
-        c_in,
-        in_h,
-        in_w,
-        out_h,
-        out_w,
-        views,
-        x_sn,
-        x_sc,
-        x_sh,
-        x_sw,
-        g_sn,
-        g_sc,
-        g_sh,
-        g_sw,
-        stride_h,
-        stride_w,
-        pad_h,
-        pad_w,
-        dil_h,
-        dil_w,
-        KH: tl.constexpr,
-        KW: tl.constexpr,
-        INPUT_PRECISION: tl.constexpr,
-        BLOCK_M: tl.constexpr,
-        BLOCK_N: tl.constexpr,
-        BLOCK_R: tl.constexpr,
-    ):
-        tiles_m = tl.cdiv(c_out, BLOCK_M)
-        tiles_n = tl.cdiv(c_in, BLOCK_N)
-        per_example = tiles_m * tiles_n * KH * KW
+        if ONE_TAP:
+            tiles_n = tl.cdiv(c_in, BLOCK_N)
+            per_example = tiles_m * tiles_n * KH * KW
+        else:
+            columns_total = c_in * KH * KW
+            tiles_n = tl.cdiv(columns_total, BLOCK_N)
+            per_example = tiles_m * tiles_n
         pid = tl.program_id(0)
         example = (pid // per_example).to(tl.int64)  # examples outermost: one example's tiles run together
         tile = pid % per_example
-        tap = tile // (tiles_m * tiles_n)
-        tile = tile % (tiles_m * tiles_n)
+        if ONE_TAP:
+            tap = tile // (tiles_m * tiles_n)
+            tile = tile % (tiles_m * tiles_n)
         rows = (tile // tiles_n) * BLOCK_M + tl.arange(0, BLOCK_M)  # output channels
-        channels = (tile % tiles_n) * BLOCK_N + tl.arange(0, BLOCK_N)  # input channels
-        offset_y = (tap // KW) * dil_h - pad_h
-        offset_x = (tap % KW) * dil_w - pad_w
+        columns = (tile % tiles_n) * BLOCK_N + tl.arange(0, BLOCK_N)
+        if ONE_TAP:
+            offset_y = (tap // KW) * dil_h - pad_h
+            offset_x = (tap % KW) * dil_w - pad_w
+        else:
+            channel = columns // (KH * KW)
+            tap_y = (columns % (KH * KW)) // KW
+            tap_x = columns % KW
         positions = out_h * out_w
         reduction = views * positions
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -182,22 +123,42 @@ if triton is not None:
             image = example * views + r // positions
             y = (r % positions) // out_w
             x = r % out_w
-            g_tile = tl.load(
-                g_ptr + (image * g_sn + y * g_sh + x * g_sw)[None, :] + rows[:, None] * g_sc,
-                mask=(rows[:, None] < c_out) & (r[None, :] < reduction),
-                other=0.0,
-            )
-            iy = y * stride_h + offset_y
-            ix = x * stride_w + offset_x
-            inside = (r < reduction) & (iy >= 0) & (iy < in_h) & (ix >= 0) & (ix < in_w)
-            x_tile = tl.load(
-                x_ptr + (image * x_sn + iy * x_sh + ix * x_sw)[:, None] + channels[None, :] * x_sc,
-                mask=inside[:, None] & (channels[None, :] < c_in),
-                other=0.0,
-            )
+            if ONE_TAP:  # addresses: a position part plus a channel part
+                g_tile = tl.load(
+                    g_ptr + (image * g_sn + y * g_sh + x * g_sw)[None, :] + rows[:, None] * g_sc,
+                    mask=(rows[:, None] < c_out) & (r[None, :] < reduction),
+                    other=0.0,
+                )
+                iy = y * stride_h + offset_y
+                ix = x * stride_w + offset_x
+                inside = (r < reduction) & (iy >= 0) & (iy < in_h) & (ix >= 0) & (ix < in_w)
+                x_tile = tl.load(
+                    x_ptr + (image * x_sn + iy * x_sh + ix * x_sw)[:, None] + columns[None, :] * x_sc,
+                    mask=inside[:, None] & (columns[None, :] < c_in),
+                    other=0.0,
+                )
+            else:
+                g_tile = tl.load(
+                    g_ptr + image[None, :] * g_sn + rows[:, None] * g_sc + y[None, :] * g_sh + x[None, :] * g_sw,
+                    mask=(rows[:, None] < c_out) & (r[None, :] < reduction),
+                    other=0.0,
+                )
+                iy = y[:, None] * stride_h - pad_h + tap_y[None, :] * dil_h
+                ix = x[:, None] * stride_w - pad_w + tap_x[None, :] * dil_w
+                inside = (r[:, None] < reduction) & (columns[None, :] < columns_total)
+                inside = inside & (iy >= 0) & (iy < in_h) & (ix >= 0) & (ix < in_w)
+                x_tile = tl.load(
+                    x_ptr + image[:, None] * x_sn + channel[None, :] * x_sc + iy * x_sh + ix * x_sw,
+                    mask=inside,
+                    other=0.0,
+                )
             acc = tl.dot(g_tile, x_tile.to(g_tile.dtype), acc, input_precision=INPUT_PRECISION)
-        written = (rows[:, None] < c_out) & (channels[None, :] < c_in)
-        offsets = (example * c_out + rows[:, None]) * (c_in * KH * KW) + channels[None, :] * (KH * KW) + tap
+        if ONE_TAP:
+            written = (rows[:, None] < c_out) & (columns[None, :] < c_in)
+            offsets = (example * c_out + rows[:, None]) * (c_in * KH * KW) + columns[None, :] * (KH * KW) + tap
+        else:
+            written = (rows[:, None] < c_out) & (columns[None, :] < columns_total)
+            offsets = example * c_out * columns_total + rows[:, None] * columns_total + columns[None, :]
         tl.store(out_ptr + offsets, acc.to(out_ptr.dtype.element_ty), mask=written)
 
     _TUNED_TILES = [  # (BLOCK_M, BLOCK_N, BLOCK_R, warps, stages)
@@ -210,32 +171,16 @@ if triton is not None:
         (32, 32, 64, 4, 4),
     ]
 
-    def _autotuned(kernel: triton.JITFunction) -> triton.runtime.Autotuner:
-        return triton.autotune(
-            configs=[
-                triton.Config({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_R": r}, num_warps=warps, num_stages=stages)
-                for m, n, r, warps, stages in _TUNED_TILES
-            ],
-            key=["c_out", "c_in", "out_h", "out_w", "views", "KH", "KW"],
-        )(kernel)
+    _autotuned_kernel = triton.autotune(
+        configs=[
+            triton.Config({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_R": r}, num_warps=warps, num_stages=stages)
+            for m, n, r, warps, stages in _TUNED_TILES
+        ],
+        key=["c_out", "c_in", "out_h", "out_w", "views", "KH", "KW", "ONE_TAP"],
+    )(_per_example_filter_gradient_kernel)
 
-    # name -> (the kernel, autotuned; the kernel itself; its grid's tiles per example of the given meta-parameters)
-    LAYOUTS = {
-        "patch columns": (
-            _autotuned(_patch_columns_kernel),
-            _patch_columns_kernel,
-            lambda c_out, c_in, taps, meta: (
-                triton.cdiv(c_out, meta["BLOCK_M"]) * triton.cdiv(c_in * taps, meta["BLOCK_N"])
-            ),
-        ),
-        "one tap": (
-            _autotuned(_one_tap_kernel),
-            _one_tap_kernel,
-            lambda c_out, c_in, taps, meta: (
-                triton.cdiv(c_out, meta["BLOCK_M"]) * triton.cdiv(c_in, meta["BLOCK_N"]) * taps
-            ),
-        ),
-    }
+
+LAYOUTS = ("patch columns", "one tap")
 
 
 def triton_filter_gradients(
@@ -265,7 +210,9 @@ def triton_filter_gradients(
             f"{str(inputs.dtype).removeprefix('torch.')} (Triton {'missing' if triton is None else 'present'}): "
             "use filter_gradients='auto'"
         )
-    autotuned, plain, tiles = LAYOUTS[layout]
+    if layout not in LAYOUTS:
+        raise ParameterError(f"Triton filter-gradient layout must be one of {LAYOUTS}, got {layout!r}")
+    one_tap = layout == "one tap"
     batch, c_in, c_out, (kh, kw) = inputs.shape[0] // views, inputs.shape[1], grad_out.shape[1], kernel
     out = grad_out.new_empty(batch, c_out, c_in, kh, kw)
     if batch == 0:
@@ -287,11 +234,18 @@ def triton_filter_gradients(
     )
 
     def grid(meta: dict) -> tuple[int]:
-        return (batch * tiles(c_out, c_in, kh * kw, meta),)
+        if one_tap:
+            per_example = triton.cdiv(c_out, meta["BLOCK_M"]) * triton.cdiv(c_in, meta["BLOCK_N"]) * kh * kw
+        else:
+            per_example = triton.cdiv(c_out, meta["BLOCK_M"]) * triton.cdiv(c_in * kh * kw, meta["BLOCK_N"])
+        return (batch * per_example,)
 
+    shape = {"KH": kh, "KW": kw, "ONE_TAP": one_tap}
     if inputs.device.type == "cuda":
         precision = "tf32" if torch.backends.cudnn.allow_tf32 else "ieee"
-        autotuned[grid](*arguments, KH=kh, KW=kw, INPUT_PRECISION=precision)
+        _autotuned_kernel[grid](*arguments, **shape, INPUT_PRECISION=precision)
     else:
-        plain[grid(INTERPRETED_BLOCKS)](*arguments, KH=kh, KW=kw, INPUT_PRECISION="ieee", **INTERPRETED_BLOCKS)
+        _per_example_filter_gradient_kernel[grid(INTERPRETED_BLOCKS)](
+            *arguments, **shape, INPUT_PRECISION="ieee", **INTERPRETED_BLOCKS
+        )
     return out

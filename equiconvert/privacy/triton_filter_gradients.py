@@ -13,7 +13,8 @@ the filter gradient two ways, and which is faster depends on the layer (filter_g
 On CUDA, Triton's autotuner picks the tile sizes once per layer shape; the matmuls run in the precision
 of the convolutions (bf16 as given, fp32 in TF32 when cuDNN uses TF32). Off CUDA the tests run the same
 kernel in Triton's interpreter and build it for sm_90 with Triton's compiler. Ungrouped convs of any
-stride, padding and dilation; filter_gradients.py routes grouped ones to its batched products."""
+stride, padding and dilation; filter_gradients.py routes grouped ones to its batched products.
+"""
 
 from __future__ import annotations
 

@@ -2,11 +2,22 @@
 
 import json
 
+import pytest
+import torch
+
 from tests.support.benchmark_scripts import load_benchmark
 
 
+@pytest.fixture
+def matmul_tf32_restored():
+    """The script sets matmuls to the convolutions' TF32 setting for the process: set back after the test."""
+    before = torch.backends.cuda.matmul.allow_tf32
+    yield
+    torch.backends.cuda.matmul.allow_tf32 = before
+
+
 def test_every_kernel_that_runs_on_cpu_is_timed_and_checked_and_the_triton_kernels_are_listed_as_not_run(
-    tmp_path, capsys
+    tmp_path, capsys, matmul_tf32_restored
 ):
     out = tmp_path / "filter_gradients.json"
     benchmark = load_benchmark("filter_gradients")

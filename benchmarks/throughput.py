@@ -129,7 +129,7 @@ def make_equiconvert_step(
         for start in range(0, views.shape[0], chunk):
             part, part_labels = views[start : start + chunk], labels[start : start + chunk]
             if method == "bookkeeping":
-                with filter_gradient_method(filter_gradients):
+                with filter_gradient_method(filter_gradients, timing_examples=chunk):
                     grads, _ = per_sample_gradients_bookkeeping(model, part, part_labels, autocast_dtype=autocast_dtype)
             else:
                 grads, _ = per_sample_gradients(model, params, buffers, part, part_labels)

@@ -22,7 +22,8 @@ Five kernels compute it, and which is fastest depends on the layer's shape and t
 
 The method in force (`filter_gradient_method`) is "auto" unless a caller says otherwise:
 "fastest" on CUDA, which times every kernel that can run there once per layer geometry and
-device and keeps the fastest, and "grouped" elsewhere (oneDNN's grouped weight gradient on a 2-core CPU was
+device, on random stand-ins of a public batch size (TIMING_EXAMPLES, or DPTrainer's physical batch),
+and keeps the fastest, and "grouped" elsewhere (oneDNN's grouped weight gradient on a 2-core CPU was
 1.3-6.7x faster than the products on each of the paper model's six convs;
 docs/guides/performance.md), a fixed choice so that CPU results never
 depend on a timing (a resumed run repeats its kernels bit for bit).
@@ -205,21 +206,32 @@ RUNS_ON: dict[str, Callable[[torch.Tensor, torch.Tensor], bool]] = {  # kernels 
 }
 FILTER_GRADIENT_METHODS = ("auto", "fastest", *KERNELS)
 
-_method: ContextVar[str] = ContextVar("filter_gradient_method", default="auto")
-_fastest: dict[tuple, str] = {}  # (device, dtype, shapes without the batch, geometry) -> the faster kernel's name
+# "fastest" times the kernels on random stand-ins of this many examples, never on the batch it is handed: with
+# Poisson sampling a physical batch's size can be secret, and the choice is public (result.json records it).
+TIMING_EXAMPLES = 256
 TIMING_REPEATS = 3
+
+_method: ContextVar[str] = ContextVar("filter_gradient_method", default="auto")
+_timing_examples: ContextVar[int] = ContextVar("filter_gradient_timing_examples", default=TIMING_EXAMPLES)
+_fastest: dict[tuple, str] = {}  # (device, dtype, shapes without the batch, geometry) -> the faster kernel's name
 
 
 @contextlib.contextmanager
-def filter_gradient_method(method: str) -> Iterator[None]:
-    """Inside the block, per-example filter gradients use `method` (one of FILTER_GRADIENT_METHODS)."""
+def filter_gradient_method(method: str, *, timing_examples: int = TIMING_EXAMPLES) -> Iterator[None]:
+    """Inside the block, per-example filter gradients use `method` (one of FILTER_GRADIENT_METHODS).
+
+    timing_examples: the public batch size "fastest" times its kernels at (DPTrainer: its physical batch).
+    """
     if method not in FILTER_GRADIENT_METHODS:
         raise ParameterError(f"filter gradient method must be one of {FILTER_GRADIENT_METHODS}, got {method!r}")
-    token = _method.set(method)
+    if isinstance(timing_examples, bool) or not isinstance(timing_examples, int) or timing_examples < 1:
+        raise ParameterError(f"timing_examples must be a positive int, got {timing_examples!r}")
+    tokens = _method.set(method), _timing_examples.set(timing_examples)
     try:
         yield
     finally:
-        _method.reset(token)
+        _timing_examples.reset(tokens[1])
+        _method.reset(tokens[0])
 
 
 def fastest_choices() -> dict[str, str]:
@@ -245,13 +257,26 @@ def _kernel_for(inputs: torch.Tensor, grad_out: torch.Tensor, views: int, geomet
     # keyed without the batch size: Poisson batches give every last chunk of a step its own size
     key = (str(inputs.device), str(grad_out.dtype), tuple(inputs.shape[1:]), tuple(grad_out.shape[1:]), views, geometry)
     if key not in _fastest:
+        rows = _timing_examples.get() * views
+        stand_ins = _stand_in(inputs, rows), _stand_in(grad_out, rows)
         timings = {
-            name: _seconds(kernel, inputs, grad_out, views, geometry)
+            name: _seconds(kernel, *stand_ins, views, geometry)
             for name, kernel in KERNELS.items()
-            if RUNS_ON.get(name, _anywhere)(inputs, grad_out)
+            if RUNS_ON.get(name, _anywhere)(*stand_ins)
         }
         _fastest[key] = min(timings, key=timings.__getitem__)
     return _fastest[key]
+
+
+def _stand_in(tensor: torch.Tensor, rows: int) -> torch.Tensor:
+    """Random values of `rows` rows in tensor's dtype, device and memory layout, independent of its values and batch
+    size (a generator of its own, so no global RNG moves)."""
+    generator = torch.Generator(device=tensor.device).manual_seed(0)
+    values = torch.randn((rows, *tensor.shape[1:]), generator=generator, device=tensor.device).to(tensor.dtype)
+    channels_last = (
+        tensor.dim() == 4 and not tensor.is_contiguous() and tensor.is_contiguous(memory_format=torch.channels_last)
+    )
+    return values.contiguous(memory_format=torch.channels_last) if channels_last else values
 
 
 def _anywhere(inputs: torch.Tensor, grad_out: torch.Tensor) -> bool:

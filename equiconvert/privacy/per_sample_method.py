@@ -31,11 +31,19 @@ class PerSampleGradients:
     """model's per-example gradients (averaged over each example's views) and losses, by its back-end."""
 
     def __init__(
-        self, model: nn.Module, loss_fn: PerExampleLoss, method: str, precision: str, filter_gradients: str
+        self,
+        model: nn.Module,
+        loss_fn: PerExampleLoss,
+        method: str,
+        precision: str,
+        filter_gradients: str,
+        physical_batch_size: int,
     ) -> None:
-        """method, precision and filter_gradients: DPConfig's per_sample_method, precision and filter_gradients."""
+        """method, precision, filter_gradients and physical_batch_size: DPConfig's. The physical batch is the public
+        size "fastest" times its filter-gradient kernels at (a chunk's own size can be secret)."""
         self.model, self.loss_fn = model, loss_fn
         self.requested, self.precision, self.filter_gradients = method, precision, filter_gradients
+        self.physical_batch_size = physical_batch_size
         if method != AUTO:
             self._candidates = [backend_for(method, precision)]
         else:
@@ -108,7 +116,8 @@ class PerSampleGradients:
         """`compute` with the run's filter-gradient kernel, after the back-end's probe at the first call;
         torch.func's refusal of an in-place buffer write names the module."""
         try:
-            with filter_gradient_method(self.filter_gradients):  # the probe checks the kernel the run uses
+            # the probe checks the kernel the run uses
+            with filter_gradient_method(self.filter_gradients, timing_examples=self.physical_batch_size):
                 while not self._verified:
                     self._verify(tuple(views.shape[1:]))
                 return compute()

@@ -105,7 +105,8 @@ class DPConfig:
     # tensor-core speed); each example's gradient is formed, clipped and noised in fp32, so the privacy bound holds
     precision: str = "fp32"
     # book-keeping's per-example conv filter gradients (privacy/filter_gradients.py): "auto" times every kernel per
-    # layer on CUDA and keeps the fastest, and uses the grouped weight gradient on CPU; "products", "grouped",
+    # layer on CUDA (on random stand-ins of physical_batch_size examples: a chunk's own size can be secret) and keeps
+    # the fastest, and uses the grouped weight gradient on CPU; "products", "grouped",
     # "unfolded", "triton" or "triton_taps" (both CUDA only) fixes it
     filter_gradients: str = "auto"
     # a name in augment.TEST_SHIFTS: every evaluation also reports "shift_averaged_*" metrics, the softmax averaged

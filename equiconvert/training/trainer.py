@@ -164,6 +164,7 @@ class DPTrainer(TrainerCheckpoint):
             self.config.per_sample_method,
             self.config.precision,
             self.config.filter_gradients,
+            self.config.physical_batch_size,
         )
         self._buffer_guard: BufferGuard | None = None  # set by the DP-safety probe (_probe_once)
         self.device = resolve_device(device)

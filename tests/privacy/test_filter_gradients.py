@@ -168,17 +168,90 @@ def test_fastest_times_every_kernel_once_per_geometry_and_keeps_the_fastest(spie
     assert sorted(fastest_choices().values()) == ["grouped", "products"]
 
 
-def test_dptrainer_runs_the_kernel_it_is_given_and_both_take_the_same_steps(spied_kernels):
-    import copy
+def test_fastest_times_random_stand_ins_of_the_public_batch_never_the_batch_it_is_handed(spied_kernels, monkeypatch):
+    """A Poisson chunk's size is secret and the choice is public (result.json): timings that favour small batches
+    must still see only the public size, and the handed batch's values and the global RNG stay out of it."""
+    from equiconvert.privacy import filter_gradients
 
+    timed = []
+
+    def seconds(kernel, inputs, grad_out, views, geometry):  # products win below 20 rows, grouped above
+        timed.append((inputs, grad_out))
+        return {"products": inputs.shape[0], "grouped": 20.0}.get(spied_name[id(kernel)], 30.0)
+
+    spied_name = {id(kernel): name for name, kernel in filter_gradients.KERNELS.items()}
+    monkeypatch.setattr(filter_gradients, "_seconds", seconds)
+    generator = torch.Generator().manual_seed(1)
+    inputs = torch.randn(4, 3, 6, 6, generator=generator).contiguous(memory_format=torch.channels_last)  # 2 x 2 views
+    grad_out = torch.randn(4, 5, 6, 6, dtype=torch.float64, generator=generator)
+    rng = torch.get_rng_state()
+    with filter_gradient_method("fastest", timing_examples=16):
+        per_example_filter_gradients(inputs, grad_out, 2, kernel=3, padding=1)
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert spied_kernels == ["grouped"]  # chosen at 32 rows; the handed 4 rows would have chosen products
+    assert len(timed) == 3
+    for stand_in, stand_in_grad in timed:
+        assert stand_in.shape == (32, 3, 6, 6) and stand_in_grad.shape == (32, 5, 6, 6)
+        assert (stand_in.dtype, stand_in_grad.dtype) == (torch.float32, torch.float64)
+        assert stand_in.is_contiguous(memory_format=torch.channels_last) and not stand_in.is_contiguous()
+        assert not torch.equal(stand_in[:4], inputs) and not torch.equal(stand_in_grad[:4], grad_out)
+
+    monkeypatch.setattr(filter_gradients, "_fastest", {})
+    with filter_gradient_method("fastest", timing_examples=4):  # 8 rows: products, whatever the batch handed
+        per_example_filter_gradients(torch.randn(40, 3, 6, 6), torch.randn(40, 5, 6, 6), 2, kernel=3, padding=1)
+    assert spied_kernels[-1] == "products"
+    with pytest.raises(ValueError, match="timing_examples must be a positive int"):
+        with filter_gradient_method("fastest", timing_examples=0):
+            pass
+
+
+def _small_model_and_data():
+    """A small C4 ResNet9 and 32 random 16x16 images of 4 classes, the same every call."""
     import equiconvert
     from equiconvert.models import resnet9
-    from equiconvert.training.trainer import DPTrainer
 
     torch.manual_seed(0)
     model = equiconvert.make_equivariant(resnet9(widths=(8, 8, 8), num_classes=4), "C4", head="invariant")
     generator = torch.Generator().manual_seed(0)
-    data = torch.randint(0, 256, (32, 3, 16, 16), dtype=torch.uint8, generator=generator), torch.arange(32) % 4
+    return model, (torch.randint(0, 256, (32, 3, 16, 16), dtype=torch.uint8, generator=generator), torch.arange(32) % 4)
+
+
+def test_dptrainer_times_the_kernels_at_its_physical_batch_whatever_the_poisson_batches(spied_kernels, monkeypatch):
+    from equiconvert.privacy import filter_gradients
+    from equiconvert.training.trainer import DPTrainer
+
+    timed_rows = []
+
+    def seconds(kernel, inputs, *args):
+        timed_rows.append(inputs.shape[0])
+        return 1.0
+
+    monkeypatch.setattr(filter_gradients, "_seconds", seconds)
+    model, data = _small_model_and_data()
+    trainer = DPTrainer(
+        model,
+        target_epsilon=8.0,
+        batch_size=4,
+        steps=2,
+        aug_mult=2,
+        lr=0.5,
+        progress=False,
+        device="cpu",
+        physical_batch_size=16,
+        per_sample_method="bookkeeping",
+        filter_gradients="fastest",
+    )
+    trainer.fit(data)
+    # physical batch x views, never the size of a Poisson chunk (about 4 examples) or of the DP-safety probe's (3)
+    assert timed_rows and set(timed_rows) == {16 * 2}
+
+
+def test_dptrainer_runs_the_kernel_it_is_given_and_both_take_the_same_steps(spied_kernels):
+    import copy
+
+    from equiconvert.training.trainer import DPTrainer
+
+    model, data = _small_model_and_data()
     options = dict(
         target_epsilon=8.0,
         batch_size=8,

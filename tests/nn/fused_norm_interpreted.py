@@ -8,13 +8,12 @@ so tests/nn/test_fused_norm.py runs this file in a fresh process with TRITON_INT
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-if os.environ.get("TRITON_INTERPRET") != "1":
-    raise RuntimeError("run through tests/nn/test_fused_norm.py: these tests need TRITON_INTERPRET=1 from the start")
+from tests.support.triton_interpreter import require_interpreter
+
+require_interpreter("tests/nn/test_fused_norm.py")
 
 from equiconvert.nn import FieldGroupNorm  # noqa: E402
 from equiconvert.nn import fused_norm  # noqa: E402

@@ -92,28 +92,36 @@ GEOMETRIES = [  # (C_in, C_out, size, conv arguments)
 ]
 
 
+def conv_case(c_in, c_out, size, conv, views, dtype=torch.float64, seed=0):
+    """4 examples x `views` inputs in dtype and an output gradient of the conv's shape, the conv's arguments without
+    its kernel size, that size, and the per-example autograd loop's filter gradients in float64."""
+    conv = dict(conv)
+    kernel, groups = conv.pop("kernel"), conv.get("groups", 1)
+    generator = torch.Generator().manual_seed(seed)
+    inputs = torch.randn(4 * views, c_in, size, size, generator=generator, dtype=dtype)
+    padded = size + 2 * conv.get("padding", 0) if conv.get("padding_mode", "zeros") != "zeros" else None
+    zero_filter = torch.zeros(c_out, c_in // groups, kernel, kernel, dtype=dtype)
+    probe = torch.nn.functional.conv2d(  # only for the output's shape
+        inputs.new_zeros(1, c_in, padded, padded) if padded else inputs[:1],
+        zero_filter,
+        **{k: (0 if padded and k == "padding" else v) for k, v in conv.items() if k != "padding_mode"},
+    )
+    grad_out = torch.randn(4 * views, *probe.shape[1:], generator=generator, dtype=dtype)
+    weight_shape = (c_out, c_in // groups, kernel, kernel)
+    expected = naive_filter_gradients(inputs.double(), grad_out.double(), views, weight_shape, **conv)
+    return inputs, grad_out, kernel, conv, expected
+
+
 @pytest.mark.parametrize("method", ["products", "grouped", "unfolded"])
 @pytest.mark.parametrize("c_in, c_out, size, conv", GEOMETRIES)
 @pytest.mark.parametrize("views", [1, 3])
 def test_every_kernel_equals_a_per_example_autograd_loop(method, c_in, c_out, size, conv, views):
     from equiconvert.privacy.filter_gradients import filter_gradient_method
 
-    conv = dict(conv)
-    kernel, groups = conv.pop("kernel"), conv.get("groups", 1)
-    generator = torch.Generator().manual_seed(0)
-    inputs = torch.randn(4 * views, c_in, size, size, generator=generator, dtype=torch.float64)
-    padded = size + 2 * conv.get("padding", 0) if conv.get("padding_mode", "zeros") != "zeros" else None
-    zero_filter = torch.zeros(c_out, c_in // groups, kernel, kernel, dtype=torch.float64)
-    probe = torch.nn.functional.conv2d(  # only for the output's shape
-        inputs.new_zeros(1, c_in, padded, padded) if padded else inputs[:1],
-        zero_filter,
-        **{k: (0 if padded and k == "padding" else v) for k, v in conv.items() if k != "padding_mode"},
-    )
-    grad_out = torch.randn(4 * views, *probe.shape[1:], generator=generator, dtype=torch.float64)
-    expected = naive_filter_gradients(inputs, grad_out, views, (c_out, c_in // groups, kernel, kernel), **conv)
+    inputs, grad_out, kernel, conv, expected = conv_case(c_in, c_out, size, conv, views)
     with filter_gradient_method(method):
         got = per_example_filter_gradients(inputs, grad_out, views, kernel=kernel, **conv)
-    assert got.shape == expected.shape == (4, c_out, c_in // groups, kernel, kernel)
+    assert got.shape == expected.shape == (4, c_out, c_in // conv.get("groups", 1), kernel, kernel)
     torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-10)
 
 

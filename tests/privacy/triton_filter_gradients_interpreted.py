@@ -8,17 +8,16 @@ process with TRITON_INTERPRET=1.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-if os.environ.get("TRITON_INTERPRET") != "1":
-    raise RuntimeError("run through tests/privacy/test_triton_filter_gradients.py: it needs TRITON_INTERPRET=1")
+from tests.support.triton_interpreter import require_interpreter
+
+require_interpreter("tests/privacy/test_triton_filter_gradients.py")
 
 from equiconvert.privacy import filter_gradients, triton_filter_gradients  # noqa: E402
 from equiconvert.privacy.filter_gradients import filter_gradient_method, per_example_filter_gradients  # noqa: E402
-from tests.privacy.test_filter_gradients import GEOMETRIES, naive_filter_gradients  # noqa: E402
+from tests.privacy.test_filter_gradients import GEOMETRIES, conv_case, naive_filter_gradients  # noqa: E402
 
 assert triton_filter_gradients.triton is not None, "Triton ships with PyTorch's CUDA wheels (the pinned install)"
 
@@ -27,28 +26,6 @@ assert triton_filter_gradients.triton is not None, "Triton ships with PyTorch's 
 def interpreted(monkeypatch):
     """CPU tensors allowed on the kernel (the interpreter runs it on them)."""
     monkeypatch.setattr(triton_filter_gradients, "KERNEL_DEVICES", ("cuda", "cpu"))
-
-
-def _case(c_in, c_out, size, conv, views, seed=0):
-    """float32 inputs and output gradient of a conv, and the float64 per-example loop's filter gradients."""
-    conv = dict(conv)
-    kernel, groups = conv.pop("kernel"), conv.get("groups", 1)
-    generator = torch.Generator().manual_seed(seed)
-    inputs = torch.randn(4 * views, c_in, size, size, generator=generator)
-    padded = conv.get("padding_mode", "zeros") != "zeros"
-    probe_input = inputs[:1].double()
-    if padded:
-        pad = conv["padding"]
-        probe_input = torch.nn.functional.pad(probe_input, (pad, pad, pad, pad))
-    shape_conv = {k: (0 if padded and k == "padding" else v) for k, v in conv.items() if k != "padding_mode"}
-    probe = torch.nn.functional.conv2d(
-        probe_input, torch.zeros(c_out, c_in // groups, kernel, kernel, dtype=torch.float64), **shape_conv
-    )
-    grad_out = torch.randn(4 * views, *probe.shape[1:], generator=generator)
-    expected = naive_filter_gradients(
-        inputs.double(), grad_out.double(), views, (c_out, c_in // groups, kernel, kernel), **conv
-    )
-    return inputs, grad_out, kernel, conv, expected
 
 
 def _relative(actual: torch.Tensor, expected: torch.Tensor) -> float:
@@ -64,7 +41,7 @@ METHODS = ["triton", "triton_taps"]
 def test_each_triton_kernel_equals_a_per_example_autograd_loop_in_float32(
     interpreted, method, c_in, c_out, size, conv, views
 ):
-    inputs, grad_out, kernel, conv, expected = _case(c_in, c_out, size, conv, views)
+    inputs, grad_out, kernel, conv, expected = conv_case(c_in, c_out, size, conv, views, dtype=torch.float32)
     with filter_gradient_method(method):
         got = per_example_filter_gradients(inputs, grad_out, views, kernel=kernel, **conv)
     assert got.shape == expected.shape and got.dtype == torch.float32
@@ -76,7 +53,9 @@ def test_each_triton_kernel_equals_a_per_example_autograd_loop_in_float32(
 def test_several_tiles_and_a_partial_reduction_block(interpreted, layout, views):
     """40 output and 36 input channels (36 x 9 columns) span two 32-wide tiles or more; 5x5 x views positions end
     mid-block."""
-    inputs, grad_out, kernel, conv, expected = _case(36, 40, 5, dict(kernel=3, padding=1), views, seed=3)
+    inputs, grad_out, kernel, conv, expected = conv_case(
+        36, 40, 5, dict(kernel=3, padding=1), views, seed=3, dtype=torch.float32
+    )
     got = triton_filter_gradients.triton_filter_gradients(
         inputs, grad_out, views, layout=layout, kernel=(3, 3), stride=(1, 1), padding=(1, 1), dilation=(1, 1)
     )
@@ -85,7 +64,9 @@ def test_several_tiles_and_a_partial_reduction_block(interpreted, layout, views)
 
 @pytest.mark.parametrize("method", METHODS)
 def test_any_memory_layout_gives_the_same_gradients(interpreted, method):
-    inputs, grad_out, kernel, conv, expected = _case(6, 10, 8, dict(kernel=3, padding=1), 2, seed=4)
+    inputs, grad_out, kernel, conv, expected = conv_case(
+        6, 10, 8, dict(kernel=3, padding=1), 2, seed=4, dtype=torch.float32
+    )
     last = torch.channels_last
     for x, g in [(inputs.to(memory_format=last), grad_out), (inputs, grad_out.to(memory_format=last))]:
         with filter_gradient_method(method):
@@ -104,7 +85,7 @@ def test_16_bit_gradients_with_fp32_activations_as_under_autocast(interpreted, m
     operands as their raw bit patterns (numpy has no bf16), so bf16 is checked on a GPU only
     (benchmarks/filter_gradients.py --dtype bf16 reports each kernel's error).
     """
-    inputs, grad_out, kernel, conv, _ = _case(6, 10, 8, dict(kernel=3, padding=1), 2, seed=5)
+    inputs, grad_out, kernel, conv, _ = conv_case(6, 10, 8, dict(kernel=3, padding=1), 2, seed=5, dtype=torch.float32)
     grad_half = grad_out.half()
     expected = naive_filter_gradients(inputs.half().double(), grad_half.double(), 2, (10, 6, 3, 3), padding=1)
     with filter_gradient_method(method):
@@ -132,7 +113,9 @@ def test_fastest_times_the_triton_kernels_where_they_run_and_keeps_one_when_fast
         return timings[names[id(kernel)]]
 
     monkeypatch.setattr(filter_gradients, "_seconds", seconds)
-    inputs, grad_out, kernel, conv, expected = _case(3, 5, 7, dict(kernel=3, padding=1), 2, seed=6)
+    inputs, grad_out, kernel, conv, expected = conv_case(
+        3, 5, 7, dict(kernel=3, padding=1), 2, seed=6, dtype=torch.float32
+    )
     with filter_gradient_method("fastest"):
         got = per_example_filter_gradients(inputs, grad_out, 2, kernel=3, padding=1)
     assert sorted(timed) == sorted(timings)

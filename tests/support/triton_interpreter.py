@@ -15,6 +15,13 @@ from pathlib import Path
 from tests.support.paths import REPO_ROOT
 
 
+def require_interpreter(runner: str) -> None:
+    """At the top of a file of interpreted kernel tests: refuse to run outside `runner`'s TRITON_INTERPRET=1
+    process (imported into a compiling process, the kernels would be built for a GPU that CI does not have)."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        raise RuntimeError(f"run through {runner}: these tests need TRITON_INTERPRET=1 from the start")
+
+
 def assert_passes_interpreted(test_file: Path, *, at_least: int) -> None:
     """Every test of test_file ran and passed under the interpreter (none skipped), and there were at_least."""
     result = subprocess.run(

@@ -5,7 +5,8 @@ the filter gradient sum over its views and positions of (output gradient x input
 Five kernels compute it, and which is fastest depends on the layer's shape and the card
 (benchmarks/filter_gradients.py, bf16 on an H200, the paper model's convs at 2048 x 4 views:
 "triton" wins at 3 -> 48 channels and 32x32 and at 156 -> 156 and 4x4, "triton_taps" at
-48 -> 104 and 32x32 and at 104 -> 104 and 16x16, "products" on the other two):
+48 -> 104 and 32x32, "grouped" and "triton_taps" are within 3% at 104 -> 104 and 16x16,
+"products" wins on the other two):
 
 - "products": batched matrix products. Stride-1 convolutions run one product per filter
   tap on a shifted, strided view of the padded input; unfolding the input into patches

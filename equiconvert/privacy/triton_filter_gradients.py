@@ -8,7 +8,9 @@ the filter gradient two ways, and which is faster depends on the layer (filter_g
 - "patch columns": a program computes (output channels x (input channel, tap)) of one example; its
   columns mix taps, so a layer with few input channels (an RGB stem: 3 x 9 columns) fills its tiles.
 - "one tap" (ONE_TAP): a program computes (output channels x input channels) of one tap of one example;
-  its addresses are a position part plus a channel part, so wide inputs cost little index arithmetic.
+  its addresses are a position part plus a channel part, so wide inputs cost little index arithmetic. It
+  writes the gradient tap-major, (B, kh, kw, C_out, C_in), so that a tile's stores are contiguous, and
+  returns it as a permuted view.
 
 On CUDA, Triton's autotuner picks the tile sizes once per layer shape; the matmuls run in the precision
 of the convolutions (bf16 as given, fp32 in TF32 when cuDNN uses TF32). Off CUDA the tests run the same
@@ -154,9 +156,9 @@ if triton is not None:
                     other=0.0,
                 )
             acc = tl.dot(g_tile, x_tile.to(g_tile.dtype), acc, input_precision=INPUT_PRECISION)
-        if ONE_TAP:
+        if ONE_TAP:  # out is (B, KH*KW, C_out, C_in): a tile's columns are consecutive, so its stores coalesce
             written = (rows[:, None] < c_out) & (columns[None, :] < c_in)
-            offsets = (example * c_out + rows[:, None]) * (c_in * KH * KW) + columns[None, :] * (KH * KW) + tap
+            offsets = ((example * (KH * KW) + tap) * c_out + rows[:, None]) * c_in + columns[None, :]
         else:
             written = (rows[:, None] < c_out) & (columns[None, :] < columns_total)
             offsets = example * c_out * columns_total + rows[:, None] * columns_total + columns[None, :]
@@ -195,7 +197,8 @@ def triton_filter_gradients(
     padding: tuple[int, int],
     dilation: tuple[int, int],
 ) -> torch.Tensor:
-    """(B, C_out, C_in, kh, kw) in grad_out's dtype: each example's filter gradient of an ungrouped conv.
+    """(B, C_out, C_in, kh, kw) in grad_out's dtype (a permuted view for "one tap"): each example's filter
+    gradient of an ungrouped conv.
 
     inputs (B*K, C_in, H, W) and grad_out (B*K, C_out, H', W') hold each example's K views consecutively,
     in any memory layout; inputs of another float dtype are cast inside the kernel. `layout` names the
@@ -215,9 +218,10 @@ def triton_filter_gradients(
         raise ParameterError(f"Triton filter-gradient layout must be one of {LAYOUTS}, got {layout!r}")
     one_tap = layout == "one tap"
     batch, c_in, c_out, (kh, kw) = inputs.shape[0] // views, inputs.shape[1], grad_out.shape[1], kernel
-    out = grad_out.new_empty(batch, c_out, c_in, kh, kw)
+    out = grad_out.new_empty(batch, kh, kw, c_out, c_in) if one_tap else grad_out.new_empty(batch, c_out, c_in, kh, kw)
+    result = out.permute(0, 3, 4, 1, 2) if one_tap else out  # (B, C_out, C_in, kh, kw) either way
     if batch == 0:
-        return out
+        return result
     arguments = (
         inputs,
         grad_out,
@@ -249,4 +253,4 @@ def triton_filter_gradients(
         _per_example_filter_gradient_kernel[grid(INTERPRETED_BLOCKS)](
             *arguments, **shape, INPUT_PRECISION="ieee", **INTERPRETED_BLOCKS
         )
-    return out
+    return result

@@ -247,10 +247,20 @@ def fastest_choices() -> dict[str, str]:
     return {describe(*key): name for key, name in _fastest.items()}
 
 
-def _kernel_for(inputs: torch.Tensor, grad_out: torch.Tensor, views: int, geometry: ConvGeometry) -> str:
+def times_kernels(device: torch.device) -> bool:
+    """Whether the method in force times the kernels on `device` (at the first batch of each new layer shape)."""
+    return _method_on(device) == "fastest"
+
+
+def _method_on(device: torch.device) -> str:
     method = _method.get()
     if method == "auto":
-        method = "fastest" if inputs.is_cuda else "grouped"
+        return "fastest" if device.type == "cuda" else "grouped"
+    return method
+
+
+def _kernel_for(inputs: torch.Tensor, grad_out: torch.Tensor, views: int, geometry: ConvGeometry) -> str:
+    method = _method_on(inputs.device)
     if inputs.shape[0] == 0:  # no examples: a convolution with zero groups does not exist
         return "products"
     if method != "fastest":

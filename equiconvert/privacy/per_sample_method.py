@@ -18,7 +18,7 @@ from torch import nn
 from ..errors import ParameterError
 from .backends import AUTO, AUTO_ORDER, BACKENDS, Backend, UnknownBackendError, backend_for
 from .bookkeeping import BookkeepingUnsupportedError
-from .filter_gradients import filter_gradient_method
+from .filter_gradients import filter_gradient_method, times_kernels
 from .inplace_buffers import TORCH_FUNC_MUTATION, in_place_buffer_error
 
 Tensors = dict[str, torch.Tensor]
@@ -53,6 +53,7 @@ class PerSampleGradients:
         self._tried: list[str] = []
         self.backend = self._first_supported(None)
         self._verified = False  # the back-end's probe runs once, at the first per-sample computation
+        self._kernels_timed = False  # as does the timing of the filter-gradient kernels (_time_kernels)
 
     @property
     def method(self) -> str:
@@ -90,7 +91,7 @@ class PerSampleGradients:
     ) -> tuple[Tensors, torch.Tensor]:
         """Per-example gradients and losses (Backend.compute)."""
         return self._checked_call(
-            views, lambda: self.backend.compute(self.model, params, buffers, views, labels, self._loss)
+            params, buffers, views, lambda: self.backend.compute(self.model, params, buffers, views, labels, self._loss)
         )
 
     def accumulate_clipped(
@@ -106,25 +107,44 @@ class PerSampleGradients:
         """Add the examples' gradients clipped to max_grad_norm to `into` (Backend.accumulate_clipped); returns the
         losses and how many examples were non-finite. `real` (B,): False on blank padding rows; None: all real."""
         return self._checked_call(
+            params,
+            buffers,
             views,
             lambda: self.backend.accumulate_clipped(
                 self.model, params, buffers, views, labels, self._loss, max_grad_norm, into, real
             ),
         )
 
-    def _checked_call(self, views: torch.Tensor, compute: Callable[[], Result]) -> Result:
-        """`compute` with the run's filter-gradient kernel, after the back-end's probe at the first call;
-        torch.func's refusal of an in-place buffer write names the module."""
+    def _checked_call(
+        self, params: Tensors, buffers: Tensors, views: torch.Tensor, compute: Callable[[], Result]
+    ) -> Result:
+        """`compute` with the run's filter-gradient kernel, after the back-end's probe and the kernels' timing at
+        the first call; torch.func's refusal of an in-place buffer write names the module."""
         try:
             # the probe checks the kernel the run uses
             with filter_gradient_method(self.filter_gradients, timing_examples=self.physical_batch_size):
                 while not self._verified:
                     self._verify(tuple(views.shape[1:]))
+                if not self._kernels_timed:
+                    self._time_kernels(params, buffers, views)
                 return compute()
         except RuntimeError as error:
             if TORCH_FUNC_MUTATION not in str(error):
                 raise
             raise in_place_buffer_error(self.model, views[:1, 0], error) from None
+
+    def _time_kernels(self, params: Tensors, buffers: Tensors, views: torch.Tensor) -> None:
+        """Where the filter-gradient kernels are timed ("fastest"), time them on one random example before the first
+        batch: each layer's timing then runs on stand-ins of the physical batch while no batch's activations are
+        held, so it needs no more memory than a training step. Every RNG is left as it was."""
+        self._kernels_timed = True
+        if not times_kernels(views.device):
+            return
+        generator = torch.Generator(device=views.device).manual_seed(0)
+        example = torch.randn((1, *views.shape[1:]), generator=generator, device=views.device).to(views.dtype)
+        label = torch.zeros(1, dtype=torch.long, device=views.device)
+        with torch.random.fork_rng(devices=[views.device] if views.device.type == "cuda" else []):
+            self.backend.compute(self.model, params, buffers, example, label, self._loss)
 
     def _loss(self, logits: torch.Tensor, labels: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
         """loss_fn in F.cross_entropy's calling convention: book-keeping asks for one loss per view

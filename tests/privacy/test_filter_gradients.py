@@ -228,13 +228,18 @@ def test_dptrainer_times_the_kernels_at_its_physical_batch_whatever_the_poisson_
     from equiconvert.privacy import filter_gradients
     from equiconvert.training.trainer import DPTrainer
 
-    timed_rows = []
+    timed_rows, handed_rows = [], []
 
     def seconds(kernel, inputs, *args):
         timed_rows.append(inputs.shape[0])
         return 1.0
 
+    def stand_in(tensor, rows, _stand_in=filter_gradients._stand_in):
+        handed_rows.append((tensor.dtype, tensor.shape[0]))
+        return _stand_in(tensor, rows)
+
     monkeypatch.setattr(filter_gradients, "_seconds", seconds)
+    monkeypatch.setattr(filter_gradients, "_stand_in", stand_in)
     model, data = _small_model_and_data()
     trainer = DPTrainer(
         model,
@@ -252,6 +257,9 @@ def test_dptrainer_times_the_kernels_at_its_physical_batch_whatever_the_poisson_
     trainer.fit(data)
     # physical batch x views, never the size of a Poisson chunk (about 4 examples) or of the DP-safety probe's (3)
     assert timed_rows and set(timed_rows) == {16 * 2}
+    # timed while the model ran one random example (x 2 views) before the first batch, so no batch's activations
+    # were held (float64: the book-keeping probe's own 3 random examples, on a CPU copy of the model)
+    assert set(handed_rows) == {(torch.float32, 1 * 2), (torch.float64, 3 * 2)}
 
 
 def test_dptrainer_runs_the_kernel_it_is_given_and_both_take_the_same_steps(spied_kernels):

@@ -283,7 +283,7 @@ def _stand_in(tensor: torch.Tensor, rows: int) -> torch.Tensor:
     """Random values of `rows` rows in tensor's dtype, device and memory layout, independent of its values and batch
     size (a generator of its own, so no global RNG moves)."""
     generator = torch.Generator(device=tensor.device).manual_seed(0)
-    values = torch.randn((rows, *tensor.shape[1:]), generator=generator, device=tensor.device).to(tensor.dtype)
+    values = torch.randn((rows, *tensor.shape[1:]), generator=generator, device=tensor.device, dtype=tensor.dtype)
     channels_last = (
         tensor.dim() == 4 and not tensor.is_contiguous() and tensor.is_contiguous(memory_format=torch.channels_last)
     )

@@ -141,7 +141,7 @@ class PerSampleGradients:
         if not times_kernels(views.device):
             return
         generator = torch.Generator(device=views.device).manual_seed(0)
-        example = torch.randn((1, *views.shape[1:]), generator=generator, device=views.device).to(views.dtype)
+        example = torch.randn((1, *views.shape[1:]), generator=generator, device=views.device, dtype=views.dtype)
         label = torch.zeros(1, dtype=torch.long, device=views.device)
         with torch.random.fork_rng(devices=[views.device] if views.device.type == "cuda" else []):
             self.backend.compute(self.model, params, buffers, example, label, self._loss)

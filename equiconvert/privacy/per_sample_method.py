@@ -136,7 +136,7 @@ class PerSampleGradients:
     def _time_kernels(self, params: Tensors, buffers: Tensors, views: torch.Tensor) -> None:
         """Where the filter-gradient kernels are timed ("fastest"), time them on one random example before the first
         batch: each layer's timing then runs on stand-ins of the physical batch while no batch's activations are
-        held, so it needs no more memory than a training step. Every RNG is left as it was."""
+        held. Every RNG is left as it was."""
         self._kernels_timed = True
         if not times_kernels(views.device):
             return

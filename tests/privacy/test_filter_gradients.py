@@ -213,6 +213,12 @@ def test_fastest_times_random_stand_ins_of_the_public_batch_never_the_batch_it_i
             pass
 
 
+# two DPTrainer steps on CPU through book-keeping, the back-end whose conv gradients use the kernels
+SMALL_RUN = dict(
+    target_epsilon=8.0, steps=2, aug_mult=2, lr=0.5, progress=False, device="cpu", per_sample_method="bookkeeping"
+)
+
+
 def _small_model_and_data():
     """A small C4 ResNet9 and 32 random 16x16 images of 4 classes, the same every call."""
     import equiconvert
@@ -241,19 +247,7 @@ def test_dptrainer_times_the_kernels_at_its_physical_batch_whatever_the_poisson_
     monkeypatch.setattr(filter_gradients, "_seconds", seconds)
     monkeypatch.setattr(filter_gradients, "_stand_in", stand_in)
     model, data = _small_model_and_data()
-    trainer = DPTrainer(
-        model,
-        target_epsilon=8.0,
-        batch_size=4,
-        steps=2,
-        aug_mult=2,
-        lr=0.5,
-        progress=False,
-        device="cpu",
-        physical_batch_size=16,
-        per_sample_method="bookkeeping",
-        filter_gradients="fastest",
-    )
+    trainer = DPTrainer(model, batch_size=4, physical_batch_size=16, filter_gradients="fastest", **SMALL_RUN)
     trainer.fit(data)
     # physical batch x views, never the size of a Poisson chunk (about 4 examples) or of the DP-safety probe's (3)
     assert timed_rows and set(timed_rows) == {16 * 2}
@@ -268,18 +262,8 @@ def test_dptrainer_runs_the_kernel_it_is_given_and_both_take_the_same_steps(spie
     from equiconvert.training.trainer import DPTrainer
 
     model, data = _small_model_and_data()
-    options = dict(
-        target_epsilon=8.0,
-        batch_size=8,
-        steps=2,
-        aug_mult=2,
-        lr=0.5,
-        progress=False,
-        device="cpu",
-        physical_batch_size=8,
-        per_sample_method="bookkeeping",
-        insecure_seeded_noise=True,
-    )  # the same noise and batches in every run
+    # the same noise and batches in every run
+    options = dict(batch_size=8, physical_batch_size=8, insecure_seeded_noise=True, **SMALL_RUN)
     runs = {}
     for method in ("products", "grouped", "unfolded"):
         spied_kernels.clear()

@@ -67,7 +67,7 @@ MIN_PHOTO_FACTOR = 4  # a photograph shrunk less than this keeps its own compres
 RGB_TO_YCBCR = np.array(  # JPEG's (JFIF's) colour transform, offsets left out: errors only
     [[0.299, 0.587, 0.114], [-0.168736, -0.331264, 0.5], [0.5, -0.418688, -0.081312]]
 )
-POOLED = "private, pooled"  # the ladder's private arms pooled: the estimate for an epsilon without its own arm
+POOLED = "private, pooled"  # the ladder's one slope for all private runs: the paper table's estimate
 
 
 def box_downsample(images: np.ndarray, factor: int) -> np.ndarray:

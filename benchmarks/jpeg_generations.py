@@ -36,6 +36,7 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import numpy as np
+import scipy.stats
 import torch
 import torch.nn.functional as F
 from PIL import Image
@@ -291,18 +292,48 @@ def main(argv: Sequence[str] | None = None) -> None:
         )
 
 
-def pooled_cost(fits: dict[str, dict]) -> dict | None:
-    """The per-generation cost of the arms' fits pooled by inverse variance (the arms with a standard error), with
-    its standard error: one estimate of the copy's cost for the private arms at all their epsilons together."""
-    weighted = {arm: fit for arm, fit in fits.items() if fit["cost_of_copy_se"]}
-    if not weighted:
+def pooled_cost(runs: Sequence[dict]) -> dict | None:
+    """One per-generation cost for the private arms at all their epsilons: least squares with an intercept per
+    (arm, seed) and one slope, its standard error from the residuals, and the F-test's p-value for one slope per
+    arm instead (a small p says the cost depends on epsilon and pooling hides it). None without two such arms.
+
+    Every (arm, seed) run of the ladder weighs the same: a 4-point line's own residual SE is too rough to weight by
+    (a single-seed arm can fit a line by chance)."""
+    private = [r for r in runs if r["arm"] != "nonprivate"]
+    groups: dict[tuple[str, int], list[tuple[float, float]]] = {}
+    for r in private:
+        groups.setdefault((arm_of(r), r["seed"]), []).append((float(r["generation"]), 100 * r["accuracy"]))
+    groups = {key: points for key, points in groups.items() if len({k for k, _ in points}) > 1}
+    arms = sorted({arm for arm, _ in groups})
+    if len(arms) < 2:
         return None
-    weights = {arm: fit["cost_of_copy_se"] ** -2 for arm, fit in weighted.items()}
-    total = sum(weights.values())
+    centred = {
+        key: [(k - statistics.fmean(x for x, _ in pts), y - statistics.fmean(y for _, y in pts)) for k, y in pts]
+        for key, pts in groups.items()
+    }
+
+    def slope_and_residual(keys: list[tuple[str, int]]) -> tuple[float, float]:
+        points = [p for key in keys for p in centred[key]]
+        slope = sum(k * y for k, y in points) / sum(k * k for k, _ in points)
+        return slope, sum((y - slope * k) ** 2 for k, y in points)
+
+    slope, common_rss = slope_and_residual(list(centred))
+    n = sum(len(points) for points in centred.values())
+    common_dof = n - len(centred) - 1
+    per_arm_rss = sum(slope_and_residual([key for key in centred if key[0] == arm])[1] for arm in arms)
+    per_arm_dof = common_dof - (len(arms) - 1)
+    sxx = sum(k * k for points in centred.values() for k, _ in points)
+    se = math.sqrt(common_rss / common_dof / sxx) if common_dof > 0 else None
+    p_value = None
+    if per_arm_dof > 0 and per_arm_rss > 0:
+        f_stat = ((common_rss - per_arm_rss) / (len(arms) - 1)) / (per_arm_rss / per_arm_dof)
+        p_value = float(scipy.stats.f.sf(f_stat, len(arms) - 1, per_arm_dof))
     return {
-        "cost_of_copy": sum(weights[arm] * fit["cost_of_copy"] for arm, fit in weighted.items()) / total,
-        "cost_of_copy_se": total**-0.5,
-        "arms": sorted(weighted),
+        "cost_of_copy": -slope,
+        "cost_of_copy_se": se,
+        "arms": arms,
+        "arm_seeds": len(centred),
+        "one_slope_per_arm_p": p_value,
     }
 
 
@@ -344,9 +375,7 @@ def write_summary(summary: dict, out: Path) -> None:
         for arm in summary["fit_percent"]
         if first_mse is not None
     }
-    summary["pooled_private_cost_percent"] = pooled_cost(
-        {arm: fit for arm, fit in summary["fit_percent"].items() if arm != "nonprivate"}
-    )
+    summary["pooled_private_cost_percent"] = pooled_cost(runs)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(summary, indent=2) + "\n")
     print(json.dumps(summary["fit_percent"], indent=2))

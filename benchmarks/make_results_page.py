@@ -304,7 +304,21 @@ def _jpeg_generations(s: Summary) -> list[str]:
             for arm in arms
         ]
     )
-    return _table(columns, rows)
+    pooled = s.get("pooled_private_cost_percent")
+    if not pooled:
+        return _table(columns, rows)
+    p_value = pooled["one_slope_per_arm_p"]
+    one_slope = (
+        f"One slope for all private runs ({pooled['arm_seeds']} runs of {len(pooled['arms'])} epsilons, an intercept "
+        f"per epsilon and seed): the copy costs {pooled['cost_of_copy']:.2f} (SE {_se(pooled['cost_of_copy_se'])}) "
+        "points per generation; against one slope per epsilon, "
+        + (
+            "too few runs for a test."
+            if p_value is None
+            else f"F-test p = {p_value:.2f} (a small p would say the cost depends on epsilon)."
+        )
+    )
+    return _blocks(_table(columns, rows), [one_slope])
 
 
 @renderer("jpeg_first_encoding")

@@ -9,6 +9,7 @@ import pytest
 from PIL import Image
 
 from tests.support.benchmark_scripts import load_benchmark
+from tests.support.paths import REPO_ROOT
 
 jpeg = load_benchmark("jpeg_generations")
 
@@ -21,17 +22,47 @@ def test_fit_line_extrapolates_a_line_to_one_generation_before_the_copy():
     assert fit["slope_se"] == pytest.approx(0.0, abs=1e-9)
 
 
-def test_pooled_cost_weights_each_arm_by_its_inverse_variance_and_leaves_out_arms_without_one():
-    fits = {
-        "private, epsilon 3": {"cost_of_copy": 1.0, "cost_of_copy_se": 0.1},
-        "private, epsilon 8": {"cost_of_copy": 2.0, "cost_of_copy_se": 0.2},
-        "private, epsilon 1": {"cost_of_copy": 9.0, "cost_of_copy_se": None},
-    }
-    pooled = jpeg.pooled_cost(fits)
-    assert pooled["cost_of_copy"] == pytest.approx((100 * 1.0 + 25 * 2.0) / 125)
-    assert pooled["cost_of_copy_se"] == pytest.approx(125**-0.5)
-    assert pooled["arms"] == ["private, epsilon 3", "private, epsilon 8"]
-    assert jpeg.pooled_cost({"private, epsilon 1": fits["private, epsilon 1"]}) is None
+def _ladder_runs(slopes: dict[float, float], seeds: int, noise: float, rng: np.random.Generator) -> list[dict]:
+    """Private runs at generations 0-3: per epsilon its slope (points per generation), per seed its own offset."""
+    return [
+        {
+            "arm": "private",
+            "epsilon": eps,
+            "seed": seed,
+            "generation": k,
+            "accuracy": (60 + 3 * seed + eps + slope * k + noise * rng.standard_normal()) / 100,
+        }
+        for eps, slope in slopes.items()
+        for seed in range(seeds)
+        for k in range(4)
+    ]
+
+
+def test_pooled_cost_is_one_least_squares_slope_with_an_intercept_per_arm_and_seed():
+    rng = np.random.default_rng(0)
+    runs = _ladder_runs({1.0: -0.8, 3.0: -0.8, 8.0: -0.8}, seeds=2, noise=0.3, rng=rng)
+    runs.append({"arm": "nonprivate", "seed": 0, "generation": 0, "accuracy": 0.99})  # not a private arm
+    pooled = jpeg.pooled_cost(runs)
+    private = [r for r in runs if r["arm"] == "private"]
+    keys = sorted({(r["epsilon"], r["seed"]) for r in private})
+    design = np.array([[float((r["epsilon"], r["seed"]) == key) for key in keys] + [r["generation"]] for r in private])
+    y = np.array([100 * r["accuracy"] for r in private])
+    coef, *_ = np.linalg.lstsq(design, y, rcond=None)
+    residual = y - design @ coef
+    dof = len(y) - design.shape[1]
+    se = np.sqrt(residual @ residual / dof * np.linalg.inv(design.T @ design)[-1, -1])
+    assert pooled["cost_of_copy"] == pytest.approx(-coef[-1])
+    assert pooled["cost_of_copy_se"] == pytest.approx(se)
+    assert pooled["arms"] == ["private, epsilon 1", "private, epsilon 3", "private, epsilon 8"]
+    assert pooled["arm_seeds"] == 6
+    assert pooled["one_slope_per_arm_p"] > 0.05  # one true slope: no evidence against pooling
+
+
+def test_pooled_cost_flags_arms_whose_slopes_differ_and_needs_two_arms():
+    rng = np.random.default_rng(1)
+    differing = jpeg.pooled_cost(_ladder_runs({1.0: -3.0, 8.0: 0.0}, seeds=2, noise=0.2, rng=rng))
+    assert differing["one_slope_per_arm_p"] < 1e-4
+    assert jpeg.pooled_cost(_ladder_runs({3.0: -1.0}, seeds=3, noise=0.2, rng=rng)) is None
 
 
 def test_a_line_through_two_points_has_no_standard_error():
@@ -116,3 +147,13 @@ def test_merge_reads_a_one_epsilon_summary_as_that_epsilons_private_arm(tmp_path
     assert merged["private"] == {"steps": 300, "epsilons": [3.0, 8.0]}
     assert merged["fit_percent"]["private, epsilon 8"]["cost_of_copy"] == pytest.approx(1.0)
     assert merged["fit_percent"]["private, epsilon 3"]["cost_of_copy"] == pytest.approx(0.0, abs=1e-9)
+
+
+def test_the_shipped_ladders_one_slope_estimate_is_its_runs_fit():
+    summary = json.loads((REPO_ROOT / "benchmarks/results/summaries/jpeg_generations.json").read_text())
+    recomputed = jpeg.pooled_cost(summary["runs"])
+    shipped = summary["pooled_private_cost_percent"]
+    assert shipped["arms"] == recomputed["arms"]
+    for key in ("cost_of_copy", "cost_of_copy_se", "one_slope_per_arm_p", "arm_seeds"):
+        assert shipped[key] == pytest.approx(recomputed[key]), key
+    assert recomputed["arm_seeds"] == 9 and recomputed["one_slope_per_arm_p"] > 0.05

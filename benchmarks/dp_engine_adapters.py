@@ -169,6 +169,15 @@ def make_private(case: Case, precision: str, grad_sample_mode: str = "hooks") ->
     return _torch_runner(case.model, reference, step, EXAMPLE_MEAN)
 
 
+def _forward(module: nn.Module, images: torch.Tensor, precision: str) -> torch.Tensor:
+    """The logits in fp32, the forward under autocast in `precision`'s dtype (Opacus >= 1.5.4 computes per-sample
+    gradients under autocast: its hooks and ghost clipping take the layers' bf16 operands)."""
+    dtype = PRECISIONS[precision]
+    with torch.autocast(images.device.type, dtype=dtype, enabled=dtype is not None):
+        logits = module(images)
+    return logits.float()
+
+
 def _opacus(case: Case, rows: int, **kwargs: Any) -> tuple:
     from opacus import PrivacyEngine
 
@@ -198,13 +207,13 @@ def opacus_hooks(case: Case, precision: str) -> Runner:
 
     def step() -> None:
         optimizer.zero_grad(set_to_none=True)
-        F.cross_entropy(module(flat), labels).backward()
+        F.cross_entropy(_forward(module, flat, precision), labels).backward()
         for p in case.model.parameters():
             if p.grad_sample is not None:
                 p.grad_sample = p.grad_sample.reshape(batch, views, *p.shape).mean(1)
         optimizer.step()
 
-    return _torch_runner(case.model, reference, step, EXAMPLE_MEAN)
+    return _torch_runner(case.model, reference, step, EXAMPLE_MEAN, precision)
 
 
 def opacus_ghost(case: Case, precision: str) -> Runner:
@@ -217,10 +226,10 @@ def opacus_ghost(case: Case, precision: str) -> Runner:
 
     def step() -> None:
         optimizer.zero_grad(set_to_none=True)
-        criterion(module(flat), labels).backward()
+        criterion(_forward(module, flat, precision), labels).backward()
         optimizer.step()
 
-    return _torch_runner(case.model, reference, step, VIEW)
+    return _torch_runner(case.model, reference, step, VIEW, precision)
 
 
 def fastdp(case: Case, precision: str) -> Runner:
@@ -424,8 +433,8 @@ ENGINES: dict[str, Engine] = {
     "nonprivate": Engine(nonprivate, None, tuple(PRECISIONS)),
     "dptrainer": Engine(dptrainer, "nonprivate", tuple(PRECISIONS)),
     "make_private": Engine(make_private, "nonprivate"),
-    "opacus_hooks": Engine(opacus_hooks, "nonprivate"),
-    "opacus_ghost": Engine(opacus_ghost, "nonprivate"),
+    "opacus_hooks": Engine(opacus_hooks, "nonprivate", tuple(PRECISIONS)),
+    "opacus_ghost": Engine(opacus_ghost, "nonprivate", tuple(PRECISIONS)),
     "fastdp": Engine(fastdp, "nonprivate"),
     "released_nonprivate": Engine(released_nonprivate, None),
     "released": Engine(released, "released_nonprivate"),

@@ -229,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
         "--precision",
         choices=tuple(PRECISIONS),
         default="fp32",
-        help="bf16: the engines that allow it (nonprivate, dptrainer) run under bf16 autocast; the others fp32",
+        help="bf16: the engines that allow it (nonprivate, dptrainer, opacus_hooks, opacus_ghost) run under bf16 autocast; the others fp32",
     )
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--iters", type=int, default=10, help="timed steps; the median is reported")

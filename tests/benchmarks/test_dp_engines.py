@@ -81,3 +81,22 @@ def test_the_check_tells_the_clipping_units_apart():
         bench.relative_difference(per_view["after"][n] - start[n], per_example["after"][n] - start[n]) for n in start
     )
     assert difference > 1e-2
+
+
+def test_opacus_engines_time_their_step_under_bf16_autocast_against_the_bf16_nonprivate_step(tmp_path):
+    """Opacus computes per-sample gradients under autocast, so its engines are timed in the precision asked for, as
+    DPTrainer is; make_private refuses autocast and stays fp32. The noise-free check runs in fp32 for every engine."""
+    out = tmp_path / "bf16.json"
+    engines = "nonprivate,opacus_hooks,opacus_ghost,make_private"
+    threads = torch.get_num_threads()
+    try:
+        argv = ["--tiny", "--models", "wrn16_4", "--precision", "bf16", "--engines", engines, "--out", str(out)]
+        assert load_benchmark("dp_engines").main(argv) == 0
+    finally:
+        torch.set_num_threads(threads)
+    records = json.loads(out.read_text())["results"]["wrn16_4"]["engines"]
+    for name in ("opacus_hooks", "opacus_ghost"):
+        assert records[name]["precision"] == "bf16" and records[name]["nonprivate_baseline"] == "nonprivate (bf16)"
+        assert records[name]["noise_free_check"]["update_max_relative_difference"] < 1e-4, name
+    assert records["make_private"]["precision"] == "fp32"
+    assert records["make_private"]["nonprivate_baseline"] == "nonprivate (fp32)"

@@ -67,9 +67,11 @@ def card(device: torch.device) -> str:
 def make_case(args, model_name: str, batch: int, device: torch.device) -> Case:
     torch.manual_seed(0)
     full, tiny, _ = MODELS[model_name]
-    model = (tiny if args.tiny else full)().to(device).train()
+    layout = torch.channels_last if args.channels_last else torch.contiguous_format
+    model = (tiny if args.tiny else full)().to(device, memory_format=layout).train()
     generator = torch.Generator().manual_seed(1)
     images = torch.randn(batch, 3, args.image_size, args.image_size, generator=generator).to(device)
+    images = images.contiguous(memory_format=layout)
     labels = (torch.arange(batch) % 10).to(device)
     return Case(
         model_name,
@@ -234,6 +236,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--iters", type=int, default=10, help="timed steps; the median is reported")
     parser.add_argument("--check-batch", type=int, default=4, help="examples in each engine's noise-free check")
+    parser.add_argument(
+        "--channels-last",
+        action="store_true",
+        help="the model's weights and the images in channels-last memory format for every PyTorch engine",
+    )
     parser.add_argument("--fastdp", help="a checkout of github.com/awslabs/fast-differential-privacy")
     parser.add_argument("--released", help="a checkout of github.com/hlzl/equivariant at 3dd7cd0 (the paper's code)")
     parser.add_argument("--tiny", action="store_true", help=f"CPU smoke run: tiny models, defaults {TINY}")
@@ -266,6 +273,7 @@ def main(argv: list[str] | None = None) -> int:
         "noise_multiplier": args.noise,
         "lr": args.lr,
         "precision": args.precision,
+        "channels_last": args.channels_last,
         "warmup": args.warmup,
         "iters": args.iters,
         "tf32": {"cudnn": torch.backends.cudnn.allow_tf32, "matmul": torch.backends.cuda.matmul.allow_tf32},

@@ -81,6 +81,7 @@ except ImportError:  # pragma: no cover - older Opacus: no norm samplers
 
 __all__ = [
     "make_private",
+    "contiguous_conv_inputs",
     "compute_steerable_conv_grad_sample",
     "compute_steerable_conv_norm_sample",
     "compute_field_group_norm_grad_sample",
@@ -227,6 +228,28 @@ OPACUS_NOT_SECURE = (
 )
 
 
+# Opacus' own convolution samplers (dense and ghost) read their input's patches through `as_strided` with the strides
+# of a contiguous tensor; given a channels-last input they read the wrong elements and return silently wrong
+# per-sample gradients (tests/privacy/test_opacus_interop.py), so norms that bound nothing.
+_OPACUS_STRIDED_CONVS = (nn.Conv2d, nn.Conv3d)
+
+
+def _contiguous_input(_module: nn.Module, args: tuple) -> tuple | None:
+    """Forward pre-hook: the layer's input in contiguous memory (a copy only when it is not), before Opacus records
+    it."""
+    if not args or not isinstance(args[0], torch.Tensor) or args[0].is_contiguous():
+        return None
+    return (args[0].contiguous(), *args[1:])
+
+
+def contiguous_conv_inputs(module: nn.Module) -> list[torch.utils.hooks.RemovableHandle]:
+    """Give every Conv2d/Conv3d whose per-sample gradients Opacus computes a contiguous input (channels-last models
+    keep their layout elsewhere); returns the hooks' handles."""
+    return [
+        m.register_forward_pre_hook(_contiguous_input) for m in module.modules() if type(m) in _OPACUS_STRIDED_CONVS
+    ]
+
+
 def make_private(
     privacy_engine: Any,
     *,
@@ -237,7 +260,8 @@ def make_private(
     **kwargs: Any,
 ) -> Any:
     """``privacy_engine.make_private(...)`` after ``check_dp_safe(module, example_input, data_loader.batch_size)``,
-    with every training forward of ``module`` guarded against buffer writes (buffer_guard.py).
+    with every training forward of ``module`` guarded against buffer writes (buffer_guard.py) and every Conv2d/Conv3d
+    given a contiguous input (Opacus' samplers misread a channels-last one: ``contiguous_conv_inputs``).
 
     example_input defaults to random values of the shape and dtype of the first example of
     ``data_loader.dataset`` (its values are not used: the check sees no training data; no batch is drawn).
@@ -252,6 +276,7 @@ def make_private(
         example_input = shaped.unsqueeze(0)
     set_once = check_dp_safe(module, example_input, getattr(data_loader, "batch_size", None))
     BufferGuard(module, set_once).attach()  # each training forward: no buffer may keep anything of the batch
+    contiguous_conv_inputs(module)  # Opacus' conv samplers misread channels-last inputs
     if not getattr(privacy_engine, "secure_mode", False):
         warnings.warn(OPACUS_NOT_SECURE, UserWarning, stacklevel=2)
     return privacy_engine.make_private(module=module, optimizer=optimizer, data_loader=data_loader, **kwargs)

@@ -329,6 +329,40 @@ def _assert_opacus_per_sample_grads_match_vmap(model: nn.Module) -> dict[str, fl
     return errors
 
 
+def _channels_last_cnn() -> nn.Module:
+    torch.manual_seed(0)
+    layers = [nn.Conv2d(3, 8, 3, padding=1), nn.GroupNorm(2, 8), nn.ReLU(), nn.Conv2d(8, 8, 3, stride=2, padding=1)]
+    head = [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 10)]
+    return nn.Sequential(*layers, *head).to(memory_format=torch.channels_last)
+
+
+def test_make_private_gives_channels_last_models_exact_per_sample_conv_gradients():
+    """Opacus' own Conv2d sampler misreads a channels-last input; make_private gives each Conv2d a contiguous one."""
+    x = torch.randn(4, 3, 8, 8).contiguous(memory_format=torch.channels_last)
+    y = torch.arange(4)
+    plain = _channels_last_cnn()
+    expected = _exact_per_sample(plain, x, y)
+    gsm = GradSampleModule(plain)
+    F.cross_entropy(gsm(x), y).backward()
+    assert rel_err(plain[0].weight.grad_sample, expected["0.weight"]) > 0.1  # Opacus alone: wrong
+    gsm.remove_hooks()
+
+    model = _channels_last_cnn()
+    with pytest.warns(UserWarning, match="secure_mode"):
+        private, _, _ = opacus_interop.make_private(
+            PrivacyEngine(),
+            module=model,
+            optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+            data_loader=DataLoader(TensorDataset(x, y), batch_size=4),
+            noise_multiplier=1.0,
+            max_grad_norm=1.0,
+        )
+    F.cross_entropy(private(x), y).backward()
+    for name, param in model.named_parameters():
+        assert rel_err(param.grad_sample, expected[name]) < RTOL, name
+    assert model[3].weight.is_contiguous(memory_format=torch.channels_last)  # the model keeps its layout
+
+
 def test_resnet9_per_sample_grads_match_vmap(model):
     _assert_opacus_per_sample_grads_match_vmap(model)
 

@@ -228,9 +228,10 @@ OPACUS_NOT_SECURE = (
 )
 
 
-# Opacus' own convolution samplers (dense and ghost) read their input's patches through `as_strided` with the strides
-# of a contiguous tensor; given a channels-last input they read the wrong elements and return silently wrong
-# per-sample gradients (tests/privacy/test_opacus_interop.py), so norms that bound nothing.
+# Opacus' own convolution samplers (dense and ghost) pad their input and read its patches through `as_strided` with
+# the strides of a contiguous tensor. On the CPU the padded copy of a channels-last input keeps its layout, so they
+# read the wrong elements: silently wrong per-sample gradients (tests/privacy/test_opacus_interop.py), so norms that
+# bound nothing. (On CUDA the padded copy is contiguous; there the guard costs one copy of each input.)
 _OPACUS_STRIDED_CONVS = (nn.Conv2d, nn.Conv3d)
 
 

@@ -68,6 +68,7 @@ def test_the_check_tells_the_clipping_units_apart():
     check says which step an engine times."""
     bench = load_benchmark("dp_engines")
     args = type("Args", (), {"tiny": True, "image_size": 16, "aug_mult": 2, "clip": 2.0, "noise": 0.0, "lr": 0.5})
+    args.channels_last = False
     args.fastdp = args.released = None
     case = bench.make_case(args, "wrn16_4", 2, torch.device("cpu"))
     start = {n: p.detach().clone() for n, p in case.model.named_parameters()}
@@ -100,3 +101,18 @@ def test_opacus_engines_time_their_step_under_bf16_autocast_against_the_bf16_non
         assert records[name]["noise_free_check"]["update_max_relative_difference"] < 1e-4, name
     assert records["make_private"]["precision"] == "fp32"
     assert records["make_private"]["nonprivate_baseline"] == "nonprivate (fp32)"
+
+
+def test_channels_last_runs_record_the_layout_and_equiconverts_engines_stay_exact(tmp_path):
+    out = tmp_path / "channels_last.json"
+    threads = torch.get_num_threads()
+    try:
+        argv = ["--tiny", "--models", "wrn16_4", "--channels-last", "--engines", "nonprivate,dptrainer,make_private"]
+        assert load_benchmark("dp_engines").main([*argv, "--out", str(out)]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    report = json.loads(out.read_text())
+    assert report["channels_last"] is True
+    for name in ("dptrainer", "make_private"):
+        check = report["results"]["wrn16_4"]["engines"][name]["noise_free_check"]
+        assert check["update_max_relative_difference"] < 1e-4, name

@@ -34,6 +34,7 @@ from throughput import MAX_GRAD_NORM, NOISE, build_model  # noqa: E402
 from wrn import wrn  # noqa: E402
 
 from equiconvert.privacy.backends import PRECISIONS  # noqa: E402
+from equiconvert.privacy.filter_gradients import fastest_choices  # noqa: E402
 
 # model name -> (full-size builder, --tiny builder, description); each builds on the CPU from the current seed
 MODELS: dict[str, tuple[Callable[[], nn.Module], Callable[[], nn.Module], str]] = {
@@ -86,6 +87,9 @@ def make_case(args, model_name: str, batch: int, device: torch.device) -> Case:
         args.fastdp,
         args.released,
     )
+
+
+EQUICONVERT_ENGINES = ("dptrainer", "make_private")
 
 
 def noise_free_check(args, engine: str, model_name: str, device: torch.device) -> dict:
@@ -153,6 +157,8 @@ def run_engine(args, engine: str, model_name: str, precision: str, device: torch
             **timed(runner, device, args.warmup, args.iters),
         }
         record["augmented_samples_per_s"] = 1e3 * args.batch * args.aug_mult / record["ms_per_step"]
+        if engine in EQUICONVERT_ENGINES:  # what "fastest" had chosen per layer by then (one cache per process)
+            record["filter_gradient_kernels"] = fastest_choices()
         if check:
             record["noise_free_check"] = check
         return record

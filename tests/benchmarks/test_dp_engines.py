@@ -43,6 +43,8 @@ def test_every_engine_is_timed_or_says_why_not(report):
         assert engines[name]["time_vs_own_nonprivate"] == pytest.approx(
             engines[name]["ms_per_step"] / engines["nonprivate"]["ms_per_step"]
         )
+    assert engines["dptrainer"]["filter_gradient_kernels"] == {}  # on the CPU "auto" is "grouped": nothing is timed
+    assert "filter_gradient_kernels" not in engines["opacus_hooks"]
     assert "--fastdp DIR" in engines["fastdp"]["not_run"]
     assert "--released DIR" in engines["released"]["not_run"]
     assert "--released DIR" in engines["released_nonprivate"]["not_run"]

@@ -228,11 +228,11 @@ OPACUS_NOT_SECURE = (
 )
 
 
-# Opacus' own convolution samplers (dense and ghost) pad their input and read its patches through `as_strided` with
+# Opacus' own Conv2d samplers (dense and ghost) pad their input and read its patches through `as_strided` with
 # the strides of a contiguous tensor. On the CPU the padded copy of a channels-last input keeps its layout, so they
 # read the wrong elements: silently wrong per-sample gradients (tests/privacy/test_opacus_interop.py), so norms that
 # bound nothing. (On CUDA the padded copy is contiguous; there the guard costs one copy of each input.)
-_OPACUS_STRIDED_CONVS = (nn.Conv2d, nn.Conv3d)
+_OPACUS_STRIDED_CONVS = (nn.Conv2d,)  # its Conv1d and Conv3d samplers read channels-last inputs right
 
 
 def _contiguous_input(_module: nn.Module, args: tuple) -> tuple | None:
@@ -244,7 +244,7 @@ def _contiguous_input(_module: nn.Module, args: tuple) -> tuple | None:
 
 
 def contiguous_conv_inputs(module: nn.Module) -> list[torch.utils.hooks.RemovableHandle]:
-    """Give every Conv2d/Conv3d whose per-sample gradients Opacus computes a contiguous input (channels-last models
+    """Give every Conv2d whose per-sample gradients Opacus computes a contiguous input (channels-last models
     keep their layout elsewhere); returns the hooks' handles."""
     return [
         m.register_forward_pre_hook(_contiguous_input) for m in module.modules() if type(m) in _OPACUS_STRIDED_CONVS
@@ -261,8 +261,8 @@ def make_private(
     **kwargs: Any,
 ) -> Any:
     """``privacy_engine.make_private(...)`` after ``check_dp_safe(module, example_input, data_loader.batch_size)``,
-    with every training forward of ``module`` guarded against buffer writes (buffer_guard.py) and every Conv2d/Conv3d
-    given a contiguous input (Opacus' samplers misread a channels-last one: ``contiguous_conv_inputs``).
+    with every training forward of ``module`` guarded against buffer writes (buffer_guard.py) and every Conv2d given
+    a contiguous input (Opacus' samplers misread a channels-last one: ``contiguous_conv_inputs``).
 
     example_input defaults to random values of the shape and dtype of the first example of
     ``data_loader.dataset`` (its values are not used: the check sees no training data; no batch is drawn).

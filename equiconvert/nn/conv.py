@@ -62,9 +62,19 @@ def apply_to_constants(module: nn.Module, fn, names: tuple[str, ...]) -> None:
     """
     for name in names:
         value = getattr(module, name)
-        moved = None if value is None else fn(value)
+        moved = None if value is None else _applied(fn, value)
         if moved is not None and not moved.is_meta:
             setattr(module, name, moved)
+
+
+def _applied(fn, value: torch.Tensor) -> torch.Tensor | None:
+    """fn(value); a 5-D constant (the basis) goes through fn as 4-D and comes back in its shape, since
+    `Module.to(memory_format=torch.channels_last)` hands fn's `.to` every 5-D tensor and `.to` takes that format
+    for 4-D ones only. A constant's layout is internal: only its values, device and dtype matter."""
+    if value.dim() != 5:
+        return fn(value)
+    moved = fn(value.flatten(0, 1))
+    return None if moved is None else moved.reshape(value.shape)
 
 
 class SteerableConv2d(nn.Module):

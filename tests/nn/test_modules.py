@@ -283,3 +283,25 @@ def test_uneven_group_norm_on_cuda_equals_the_torch_path_in_float64(dtype, toler
     (out, grad), (expected_out, expected_grad) = results
     assert _relative(out, expected_out) < 1e-5
     assert _relative(grad, expected_grad) < tolerance
+
+
+def test_a_converted_model_moves_to_channels_last_and_computes_the_same_function():
+    """Module.to(memory_format=torch.channels_last) hands every 5-D tensor to .to, which takes that format for 4-D
+    tensors only: the steerable convolution's 5-D basis must still move (and keep its values)."""
+    import copy
+
+    import equiconvert
+    from equiconvert.models import resnet9
+
+    torch.manual_seed(0)
+    model = equiconvert.make_equivariant(resnet9(num_classes=10, widths=(8, 16, 32)), "D4", input_size=32).eval()
+    images = torch.randn(2, 3, 32, 32)
+    expected = model(images)
+    moved = copy.deepcopy(model).to(memory_format=torch.channels_last)
+    conv = next(m for m in moved.modules() if isinstance(m, SteerableConv2d))
+    original = next(m for m in model.modules() if isinstance(m, SteerableConv2d))
+    assert conv.basis.dim() == 5 and torch.equal(conv.basis, original.basis)
+    assert conv.weight.shape == original.weight.shape
+    got = moved(images.contiguous(memory_format=torch.channels_last))
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
+    assert moved.to(torch.float64)(images.double()).dtype == torch.float64

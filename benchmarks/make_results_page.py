@@ -309,8 +309,8 @@ def _jpeg_generations(s: Summary) -> list[str]:
         return _table(columns, rows)
     p_value = pooled["one_slope_per_arm_p"]
     one_slope = (
-        f"One slope for all private runs ({pooled['arm_seeds']} runs of {len(pooled['arms'])} epsilons, an intercept "
-        f"per epsilon and seed): the copy costs {pooled['cost_of_copy']:.2f} (SE {_se(pooled['cost_of_copy_se'])}) "
+        f"One slope for all private runs ({pooled['arm_seeds']} ladders over {len(pooled['arms'])} epsilons, an "
+        f"intercept per epsilon and seed): the copy costs {pooled['cost_of_copy']:.2f} (SE {_se(pooled['cost_of_copy_se'])}) "
         "points per generation; against one slope per epsilon, "
         + (
             "too few runs for a test."

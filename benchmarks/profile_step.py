@@ -90,6 +90,27 @@ def count_host_operators(step, model, views, labels, top: int) -> dict:
     return {"total": sum(counter.by_source.values()), "by_source": rows}
 
 
+def phase_kernels(events, steps: int, top: int) -> dict[str, list[dict]]:
+    """Each equiconvert range's `top` kernels by device time (the kernels its operators and theirs launched), in ms
+    per step: which kernels a phase's time is made of (the copies inside the per-example gradients, say)."""
+    by_phase: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
+    calls: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
+    for e in events:
+        if not (e.name.startswith("equiconvert/") and e.device_type == torch.autograd.DeviceType.CPU):
+            continue
+        pending = [e]
+        while pending:
+            child = pending.pop()
+            pending.extend(child.cpu_children)
+            for kernel in child.kernels:
+                by_phase[e.name][kernel.name[:120]] += kernel.duration / 1e3 / steps
+                calls[e.name][kernel.name[:120]] += 1
+    return {
+        phase: [{"name": n, "device_ms": ms, "calls": calls[phase][n] // steps} for n, ms in kernels.most_common(top)]
+        for phase, kernels in by_phase.items()
+    }
+
+
 def profile_method(step, model, views, labels, device: torch.device, steps: int, top: int) -> dict:
     """Kernels and equiconvert phases of `steps` profiled steps (after two warm-up steps), in ms per step."""
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
@@ -115,7 +136,12 @@ def profile_method(step, model, views, labels, device: torch.device, steps: int,
     kernel_rows = [
         {"name": e.key[:160], "device_ms": _device_ms(e) / steps, "calls": e.count // steps} for e in kernels[:top]
     ]
-    return {"phases": phases, "kernel_device_ms_total": total, "kernels": kernel_rows}
+    return {
+        "phases": phases,
+        "kernel_device_ms_total": total,
+        "kernels": kernel_rows,
+        "phase_kernels": phase_kernels(prof.events(), steps, top),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -133,6 +159,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--precision", choices=tuple(PRECISIONS), default="fp32")
     parser.add_argument("--filter-gradients", default="auto", help="book-keeping's conv filter-gradient kernel")
     parser.add_argument("--cudnn-benchmark", action="store_true")
+    parser.add_argument(
+        "--channels-last", action="store_true", help="the model and the views in channels-last memory format"
+    )
     parser.add_argument("--steps", type=int, default=3, help="profiled steps per method")
     parser.add_argument("--top", type=int, default=25, help="kernels listed per method")
     parser.add_argument("--out", default="benchmarks/results/profile_step.json")
@@ -144,6 +173,9 @@ def main(argv: list[str] | None = None) -> int:
     images = torch.randn(args.batch, 3, 32, 32, device=device)
     views = augment_views(images, args.aug_mult, torch.Generator(device=device).manual_seed(0))
     labels = torch.randint(0, 10, (args.batch,), device=device)
+    layout = torch.channels_last if args.channels_last else torch.contiguous_format
+    if args.channels_last:  # (B, K, C, H, W): each view channels-last
+        views = views.flatten(0, 1).contiguous(memory_format=layout).unflatten(0, views.shape[:2])
     steps = {
         "nonprivate": make_nonprivate_step(autocast_dtype),
         "bookkeeping": make_equiconvert_step(args.batch, "bookkeeping", autocast_dtype, args.filter_gradients),
@@ -155,6 +187,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.model == WRN
             else build_model(args.model, (16, 32, 64), 1.5, device, args.group)
         )
+        model = model.to(memory_format=layout)
         results[method] = profile_method(step, model, views, labels, device, args.steps, args.top)
         results[method]["host_operators"] = count_host_operators(step, model, views, labels, args.top)
         print(f"== {method}: kernels {results[method]['kernel_device_ms_total']:.2f} ms/step")
@@ -163,6 +196,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"   {phase['device_ms']:8.2f} ms device {phase.get('cpu_ms', float('nan')):8.2f} ms cpu  {name}")
         for row in results[method]["kernels"]:
             print(f"   {row['device_ms']:8.2f} ms {row['calls']:4d}x  {row['name'][:110]}")
+        for phase, rows in results[method]["phase_kernels"].items():
+            print(f"   -- {phase}")
+            for row in rows[:8]:
+                print(f"      {row['device_ms']:8.2f} ms {row['calls']:4d}x  {row['name'][:100]}")
         for row in results[method]["host_operators"]["by_source"]:
             print(f"   {row['operators']:8d} ops      {row['source']}")
     report = {
@@ -175,6 +212,7 @@ def main(argv: list[str] | None = None) -> int:
         "precision": args.precision,
         "filter_gradients": args.filter_gradients,
         "cudnn_benchmark": args.cudnn_benchmark,
+        "channels_last": args.channels_last,
         "results": results,
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -28,7 +28,7 @@ def test_profile_reports_the_dp_steps_phases(tmp_path):
     assert set(phases) == expected  # no "other" on CPU: the rest is only defined for device kernels
     assert all(phase["cpu_ms"] > 0 for phase in phases.values())
     assert report["results"]["nonprivate"]["phases"] == {}  # the non-private step runs none of book-keeping's code
-    assert report["device"] == "cpu" and report["batch"] == 2
+    assert report["device"] == "cpu" and report["batch"] == 2 and report["channels_last"] is False
     host = {method: result["host_operators"] for method, result in report["results"].items()}
     assert host["bookkeeping"]["total"] > host["nonprivate"]["total"] > 0  # the DP step dispatches more
     dp_step_sources = {row["source"] for row in host["bookkeeping"]["by_source"] if "dp_step.py" in row["source"]}
@@ -42,6 +42,15 @@ def test_profile_of_the_plain_wrn_finds_its_conv_and_norm_layers(tmp_path):
     phases = json.loads(out.read_text())["results"]["bookkeeping"]["phases"]
     assert {"equiconvert/per_example/Conv2d", "equiconvert/per_example/GroupNorm"} <= set(phases)
     assert "equiconvert/per_example/SteerableConv2d" not in phases
+
+
+def test_profile_in_channels_last_format_runs_the_same_phases(tmp_path):
+    out = tmp_path / "profile.json"
+    argv = ["--device", "cpu", "--batch", "2", "--aug-mult", "2", "--steps", "1", "--top", "3", "--channels-last"]
+    assert load_benchmark("profile_step").main([*argv, "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["channels_last"] is True
+    assert "equiconvert/per_example/SteerableConv2d" in report["results"]["bookkeeping"]["phases"]
 
 
 def test_a_phases_device_time_is_its_kernels_not_the_span_they_cover():
@@ -66,6 +75,13 @@ def test_a_phases_device_time_is_its_kernels_not_the_span_they_cover():
     assert set(phases) == {"equiconvert/per_example/Conv2d"}
     assert phases["equiconvert/per_example/Conv2d"]["device_ms"] == 1.5
     assert phases["equiconvert/per_example/Conv2d"]["cpu_ms"] == 5.0
+    kernels = profile_step.phase_kernels(steps, steps=2, top=5)  # the same kernels, by name: the phase's make-up
+    assert kernels == {
+        "equiconvert/per_example/Conv2d": [
+            {"name": "gemm", "device_ms": 1.0, "calls": 1},
+            {"name": "copy", "device_ms": 0.5, "calls": 1},
+        ]
+    }
 
 
 def test_host_operators_are_counted_by_the_equiconvert_function_that_dispatched_them():

@@ -89,7 +89,7 @@ def make_case(args, model_name: str, batch: int, device: torch.device) -> Case:
     )
 
 
-EQUICONVERT_ENGINES = ("dptrainer", "make_private")
+EQUICONVERT_ENGINES = ("dptrainer", "dptrainer_graph", "make_private")
 
 
 def noise_free_check(args, engine: str, model_name: str, device: torch.device) -> dict:
@@ -237,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
         "--precision",
         choices=tuple(PRECISIONS),
         default="fp32",
-        help="bf16: the engines that allow it (nonprivate, dptrainer, opacus_hooks, opacus_ghost) run under bf16 autocast; the others fp32",
+        help="bf16: the engines that allow it (nonprivate, dptrainer, dptrainer_graph, opacus_hooks, opacus_ghost) run under bf16 autocast; the others fp32",
     )
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--iters", type=int, default=10, help="timed steps; the median is reported")

@@ -72,6 +72,11 @@ class DPConfig:
     # CUDA: cuDNN times its convolution algorithms once per input shape and keeps the fastest for the run; pair it
     # with physical_batch_multiple, or every new size of a step's last physical batch is timed again
     cudnn_benchmark: bool = False
+    # CUDA: each physical batch of physical_batch_size examples replays one captured CUDA graph of its clipped sum
+    # instead of launching its ~1,700 operators (graphed_chunks.py); pair it with physical_batch_multiple =
+    # physical_batch_size so that every physical batch has that size (others run eagerly). Off CUDA the same path
+    # runs without a graph, with the same results
+    cuda_graph: bool = False
     augment_padding: int = 4
     augment_flip: bool = True
     normalize_mean: float | tuple[float, ...] = 0.5  # one value, or one per channel

@@ -35,7 +35,7 @@ from ..privacy.accounting import (
 from ..privacy.buffer_guard import BufferGuard
 from ..privacy.checkpoint import remove_stale_temporaries
 from ..privacy.dp_safety import check_dp_safe
-from ..privacy.dp_step import privatize
+from ..privacy.dp_step import add_into, privatize
 from ..privacy.per_sample_method import PerExampleLoss, PerSampleGradients
 from ..privacy.sampling import PoissonSampler, physical_chunks
 from ..privacy.secure_rng import NOISE, SAMPLING, make_source, warn_not_private
@@ -47,6 +47,7 @@ from .devices import cudnn_autotuning, resolve_device
 from .distributed import SINGLE_PROCESS, DistributedContext
 from .dp_config import CUSTOM, CUSTOM_SCHEDULE, OPTIMIZERS, DPConfig, check_config, named_schedule
 from .ema import ExponentialMovingAverage
+from .graphed_chunks import ChunkResult, GraphedChunks
 from .hooks import Augment, OptimizerFactory, check_hooks, cross_entropy
 from .inputs import InvalidDataError, check_images, check_labels, check_model_input
 from .interrupt import DeferredInterrupt, TrainingInterrupted
@@ -167,6 +168,9 @@ class DPTrainer(TrainerCheckpoint):
             self.config.physical_batch_size,
         )
         self._buffer_guard: BufferGuard | None = None  # set by the DP-safety probe (_probe_once)
+        self._graphed = (
+            GraphedChunks(self._chunk_result, rows=self.config.physical_batch_size) if self.config.cuda_graph else None
+        )
         self.device = resolve_device(device)
         self.model = model.to(self.device)
         self.dist = distributed or SINGLE_PROCESS  # [distributed] every rank starts from rank 0's weights
@@ -280,9 +284,13 @@ class DPTrainer(TrainerCheckpoint):
                     views, chunk_labels = pad_with_blank_rows(views, chunk_labels, c.physical_batch_multiple)
                     real = real_rows(chunk_labels)  # blank rows add zero and are never counted as non-finite
             with self._buffer_guard.watch(views.flatten(0, 1)):
-                losses, chunk_nonfinite = self._per_sample_gradients.accumulate_clipped(
-                    params, buffers, views, chunk_labels, c.max_grad_norm, into=summed, real=real
-                )
+                if self._graphed is None:
+                    losses, chunk_nonfinite = self._per_sample_gradients.accumulate_clipped(
+                        params, buffers, views, chunk_labels, c.max_grad_norm, into=summed, real=real
+                    )
+                else:  # the graph's outputs are read (add_into) before its next replay
+                    losses, chunk_nonfinite, clipped = self._graphed(views, chunk_labels, real)
+                    add_into(summed, clipped)
             loss_sum += losses.detach().sum()
             nonfinite += chunk_nonfinite
         with record_function("equiconvert/noise"):
@@ -298,6 +306,18 @@ class DPTrainer(TrainerCheckpoint):
         nonfinite = torch.as_tensor(nonfinite, device=self.device, dtype=torch.float32)
         loss_sum, count, nonfinite = self.dist.all_reduce_sum([loss_sum, count, nonfinite])  # [distributed]
         return noisy, count, loss_sum / count.clamp_min(1.0), nonfinite.round().long()
+
+    def _chunk_result(self, views: torch.Tensor, labels: torch.Tensor, real: torch.Tensor | None) -> ChunkResult:
+        """One physical batch's losses, non-finite count and clipped sum, in tensors of its own (what
+        GraphedChunks captures and replays)."""
+        params = {n: p.detach() for n, p in self.model.named_parameters() if p.requires_grad}
+        clipped: dict[str, torch.Tensor] = {}
+        losses, nonfinite = self._per_sample_gradients.accumulate_clipped(
+            params, dict(self.model.named_buffers()), views, labels, self.config.max_grad_norm, into=clipped, real=real
+        )
+        if not isinstance(nonfinite, torch.Tensor):  # 0: no per-example gradients
+            nonfinite = torch.zeros((), dtype=torch.int64, device=views.device)
+        return ChunkResult(losses, nonfinite, clipped)
 
     def train_step(self, images: torch.Tensor, labels: torch.Tensor) -> dict[str, Any]:
         """One DP-SGD step on the private data (images, labels); returns its log record."""

@@ -33,6 +33,7 @@ METHOD_ONLY_OPTIONS = (
     "data_in_memory_bytes",
     "physical_batch_multiple",
     "cudnn_benchmark",
+    "cuda_graph",
 )  # how gradients are computed, not what they are
 EVALUATION_ONLY_OPTIONS = ("test_shifts",)  # what evaluations also report, not what is trained
 RECORD_ONLY_OPTIONS = ("checkpoint_every", "log_step_times")  # what is written along the way, not what is trained

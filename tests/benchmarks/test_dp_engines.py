@@ -9,7 +9,7 @@ import torch
 
 from tests.support.benchmark_scripts import load_benchmark
 
-DP_ENGINES = ("dptrainer", "make_private", "opacus_hooks", "opacus_ghost")
+DP_ENGINES = ("dptrainer", "dptrainer_graph", "make_private", "opacus_hooks", "opacus_ghost")
 HAS_JAX = importlib.util.find_spec("jax") is not None
 
 

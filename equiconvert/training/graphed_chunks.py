@@ -70,18 +70,18 @@ class GraphedChunks:
             self._signature = signature
         if signature != self._signature:
             return self._compute(views, labels, real)
-        assert self._inputs is not None and self._outputs is not None
+        assert self._inputs is not None
         for static, value in zip(self._inputs, (views, labels, real)):
             if static is not None:
                 static.copy_(value)
         self._replay()
+        assert self._outputs is not None
         return self._outputs
 
     def _capture(self, views: torch.Tensor, labels: torch.Tensor, real: torch.Tensor | None) -> None:
         """Fix the input tensors, warm up on them and capture one call (on CUDA; elsewhere a replay is a call)."""
         self._inputs = (views.clone(), labels.clone(), None if real is None else real.clone())
-        if views.device.type != "cuda":
-            self._outputs = self._compute(*self._inputs)
+        if views.device.type != "cuda":  # the first replay computes the output tensors
             self._replay = self._call_into_outputs
             return
         device = views.device
@@ -98,9 +98,12 @@ class GraphedChunks:
 
     def _call_into_outputs(self) -> None:
         """Off CUDA: one call on the input tensors, its results copied into the output tensors (what a replay
-        does to them)."""
-        assert self._inputs is not None and self._outputs is not None
+        does to them); the first call's results become those tensors."""
+        assert self._inputs is not None
         result = self._compute(*self._inputs)
+        if self._outputs is None:
+            self._outputs = result
+            return
         self._outputs.losses.copy_(result.losses)
         self._outputs.nonfinite.copy_(result.nonfinite)
         for name, value in result.clipped.items():

@@ -33,7 +33,7 @@ def test_batches_of_the_captured_size_reuse_its_tensors_and_get_their_own_result
     first, second = (torch.randn(4, 2, 3, generator=generator) for _ in range(2))
     labels = torch.tensor([1.0, 2.0, 3.0, 4.0])
     result = graphed(first, labels, None)
-    assert graphed.captured
+    assert graphed.captured and calls == [4]  # off CUDA the capture computes the batch once
     torch.testing.assert_close(result.losses, first.flatten(1).sum(1))
     kept = {name: value.clone() for name, value in result.clipped.items()}
     again = graphed(second, labels, None)

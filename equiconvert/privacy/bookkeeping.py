@@ -75,8 +75,9 @@ def _channel_sums(grad_out: torch.Tensor, batch: int, views: int, dtype: torch.d
 
 
 def _conv_rule(module: nn.Conv2d, inputs: torch.Tensor, grad_out: torch.Tensor, views: int) -> dict[str, torch.Tensor]:
-    filters = _filter_gradients(module, inputs, grad_out, views).to(module.weight.dtype)
-    grads = {"weight": filters.contiguous()}
+    filters = _filter_gradients(module, inputs, grad_out, views)
+    # cast and laid out in one pass (`.to` alone keeps a strided view's strides, so `.contiguous()` made a second)
+    grads = {"weight": filters.to(module.weight.dtype, memory_format=torch.contiguous_format)}
     if module.bias is not None:
         grads["bias"] = _channel_sums(grad_out, filters.shape[0], views, module.bias.dtype)
     return grads

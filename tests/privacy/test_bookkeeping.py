@@ -96,6 +96,38 @@ def test_conv_filter_gradients_equal_a_per_example_loop(shape, views):
             torch.testing.assert_close(grads[name][example], param.grad, rtol=1e-5, atol=1e-6)
 
 
+def test_conv_rule_casts_and_lays_out_a_strided_bf16_filter_gradient_in_one_copy(monkeypatch):
+    """The products' bf16 filter gradient is a permuted view; the rule returns it contiguous in the weight's dtype,
+    with one copy (a cast that kept the view's strides, then `.contiguous()`, would move it twice)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from equiconvert.privacy import bookkeeping
+    from equiconvert.privacy.filter_gradients import filter_gradient_method
+
+    conv = nn.Conv2d(8, 16, 3, padding=1, bias=False)
+    generator = torch.Generator().manual_seed(0)
+    inputs = torch.randn(6, 8, 7, 7, generator=generator).bfloat16()
+    grad_out = torch.randn(6, 16, 7, 7, generator=generator).bfloat16()
+    with filter_gradient_method("products"):
+        strided = bookkeeping._filter_gradients(conv, inputs, grad_out, 2)
+    assert not strided.is_contiguous()
+    monkeypatch.setattr(bookkeeping, "_filter_gradients", lambda *args: strided)
+
+    class CopyCount(TorchDispatchMode):
+        copies = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.__name__.split(".")[0] in ("_to_copy", "copy_", "clone"):
+                CopyCount.copies += 1
+            return func(*args, **(kwargs or {}))
+
+    with CopyCount():
+        weight = bookkeeping._conv_rule(conv, inputs, grad_out, 2)["weight"]
+    assert CopyCount.copies == 1
+    assert weight.dtype == torch.float32 and weight.is_contiguous()
+    assert torch.equal(weight, strided.float())
+
+
 def test_sample_gradient_does_not_depend_on_the_others():
     model = perturbed(equivariant_resnet9("D4"))
     views, labels = torch.randn(4, 2, 3, 32, 32), torch.randint(0, 10, (4,))

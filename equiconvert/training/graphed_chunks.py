@@ -21,7 +21,14 @@ from typing import NamedTuple
 
 import torch
 
+from ..errors import UsageError
+
 WARMUP_CALLS = 3  # torch.cuda.graphs' recipe warms up on a side stream before capturing
+GRAPH_DEVICES = ("cuda",)  # device types whose batches are captured; elsewhere a replay is a plain call
+
+
+class GraphCaptureError(UsageError, RuntimeError):
+    """The physical batch's computation could not be captured as a CUDA graph; the message says what to do."""
 
 
 class ChunkResult(NamedTuple):
@@ -81,7 +88,7 @@ class GraphedChunks:
     def _capture(self, views: torch.Tensor, labels: torch.Tensor, real: torch.Tensor | None) -> None:
         """Fix the input tensors, warm up on them and capture one call (on CUDA; elsewhere a replay is a call)."""
         self._inputs = (views.clone(), labels.clone(), None if real is None else real.clone())
-        if views.device.type != "cuda":  # the first replay computes the output tensors
+        if views.device.type not in GRAPH_DEVICES:  # the first replay computes the output tensors
             self._replay = self._call_into_outputs
             return
         device = views.device
@@ -92,8 +99,15 @@ class GraphedChunks:
                 self._compute(*self._inputs)
         torch.cuda.current_stream(device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            self._outputs = self._compute(*self._inputs)
+        try:
+            with torch.cuda.graph(graph):
+                self._outputs = self._compute(*self._inputs)
+        except RuntimeError as error:  # what ran eagerly in the warm-up but not under capture
+            raise GraphCaptureError(
+                f"dp.cuda_graph: the computation of a physical batch of {self._rows} examples ran eagerly but could "
+                f"not be captured as a CUDA graph ({error}). A model whose forward waits for the host (.item(), "
+                ".cpu(), shapes that depend on values) cannot be captured: train it with dp.cuda_graph=false"
+            ) from error
         self._replay = graph.replay
 
     def _call_into_outputs(self) -> None:

@@ -55,6 +55,47 @@ def test_other_sizes_and_padding_masks_run_eagerly_and_do_not_capture():
     assert unpadded.clipped["w"].item() == 8.0 and unpadded.losses is not padded.losses
 
 
+class _FakeStream:
+    def wait_stream(self, other: object) -> None:
+        pass
+
+
+def test_a_batch_that_runs_eagerly_but_fails_under_capture_names_the_flag_and_the_remedy(monkeypatch):
+    """The CUDA capture path, with torch.cuda's streams and graphs replaced by stand-ins on the CPU: the warm-up calls
+    run, and an error raised under capture (a host synchronisation, say) becomes GraphCaptureError naming
+    dp.cuda_graph and what to do."""
+    import contextlib
+
+    from equiconvert.errors import UsageError
+    from equiconvert.training import graphed_chunks
+
+    capturing = []
+    calls: list[int] = []
+    eager = _weighted_sums(calls)
+
+    def compute(views, labels, real):
+        if capturing:
+            raise RuntimeError("CUDA error: operation not permitted when stream is capturing")
+        return eager(views, labels, real)
+
+    @contextlib.contextmanager
+    def graph(cuda_graph):
+        capturing.append(True)
+        yield
+
+    monkeypatch.setattr(graphed_chunks, "GRAPH_DEVICES", ("cuda", "cpu"))
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device: _FakeStream())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device: _FakeStream())
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", object)
+    monkeypatch.setattr(torch.cuda, "graph", graph)
+    graphed = GraphedChunks(compute, rows=4)
+    with pytest.raises(graphed_chunks.GraphCaptureError, match=r"dp\.cuda_graph.*dp\.cuda_graph=false") as caught:
+        graphed(torch.ones(4, 2), torch.ones(4), None)
+    assert isinstance(caught.value, UsageError) and "not permitted when stream is capturing" in str(caught.value)
+    assert calls == [4, 4, 4]  # the warm-up calls ran eagerly before the capture
+
+
 def _trained(cuda_graph: bool, physical_batch_multiple: int, method: str) -> dict[str, torch.Tensor]:
     torch.manual_seed(0)
     model = nn.Sequential(

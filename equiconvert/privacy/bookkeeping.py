@@ -76,7 +76,7 @@ def _channel_sums(grad_out: torch.Tensor, batch: int, views: int, dtype: torch.d
 
 def _conv_rule(module: nn.Conv2d, inputs: torch.Tensor, grad_out: torch.Tensor, views: int) -> dict[str, torch.Tensor]:
     filters = _filter_gradients(module, inputs, grad_out, views)
-    # cast and laid out in one pass (`.to` alone keeps a strided view's strides, so `.contiguous()` made a second)
+    # one pass: `.to` alone keeps a strided view's strides, and a `.contiguous()` after it would copy again
     grads = {"weight": filters.to(module.weight.dtype, memory_format=torch.contiguous_format)}
     if module.bias is not None:
         grads["bias"] = _channel_sums(grad_out, filters.shape[0], views, module.bias.dtype)

@@ -117,8 +117,7 @@ def verify_conversion(
             raise UnsupportedLayerError(
                 f"the converted model fails at node {failure.node.name!r} ({_where(failure.node)}) on a "
                 f"{size}x{size} input where the original runs ({type(failure.cause).__name__}: {failure.cause}). "
-                "This is a conversion defect: a rule changed a shape without saying so. Options: replace that "
-                "module before converting, or register a corrected rule with equiconvert.register_module_rule."
+                + _failure_advice(converted, original)
             ) from failure.cause
         expected = _traced_output(original)
         if size == traced_size and expected is not None and shape is not None and shape[1:] != expected[1:]:
@@ -126,6 +125,41 @@ def verify_conversion(
                 f"the converted model returns shape {shape} on a {size}x{size} input where the original returns "
                 f"{expected}; a rule changed the output layout. Register a corrected rule for the head."
             )
+
+
+def grown_kernels(converted: fx.GraphModule, original: fx.GraphModule) -> list[str]:
+    """Convolutions whose even kernel became odd (even_kernels="grow"): each one shifts the feature-map sizes."""
+    grown = []
+    for name, module in converted.named_modules():
+        kernel = getattr(module, "kernel_size", None)
+        before = getattr(_submodule(original, name), "kernel_size", None)
+        if isinstance(before, tuple):
+            before = before[0]
+        if isinstance(kernel, int) and isinstance(before, int) and before % 2 == 0 and kernel == before + 1:
+            grown.append(name)
+    return grown
+
+
+def _submodule(gm: fx.GraphModule, name: str) -> torch.nn.Module | None:
+    try:
+        return gm.get_submodule(name)
+    except AttributeError:
+        return None
+
+
+def _failure_advice(converted: fx.GraphModule, original: fx.GraphModule) -> str:
+    """What the user can do about a converted graph that fails where the original runs."""
+    if grown := grown_kernels(converted, original):
+        return (
+            f"even_kernels='grow' made the kernels of {grown} one pixel larger, which changes the feature-map sizes "
+            "after them, and this node needs the original's. Options: where it flattens a grid, pass "
+            "head='invariant' (pools globally before the flatten, so any grid size fits); else give those "
+            "convolutions odd kernels before converting."
+        )
+    return (
+        "A rule changed a shape without saying so. Options: replace that module before converting, or register a "
+        "corrected rule with equiconvert.register_module_rule."
+    )
 
 
 def require_an_exact_size(

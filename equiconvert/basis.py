@@ -12,6 +12,7 @@ convolution uses the same tensor: F.conv2d places it on the dilated grid, which
 
 from __future__ import annotations
 
+import math
 import os
 import tempfile
 from pathlib import Path
@@ -22,7 +23,7 @@ from .bases import BUILDER_VERSION, canonical_basis, harmonic_span
 from .cache import cache_root, disk_cache_enabled
 from .groups import GroupSpec
 from .progress import basis_built
-from .errors import UnreadableFileError
+from .errors import UnreadableFileError, UnsupportedLayerError
 from .untrusted_file import load_weights_only
 
 BASIS_FORMAT = "v4"  # bump when the way bases are stored changes (BUILDER_VERSION: how they are built)
@@ -99,6 +100,27 @@ def _orbit_means(basis: torch.Tensor, group: GroupSpec, in_repr: str, out_repr: 
     )
     means = sums / counts.clamp_min(1)
     return means[:, orbit].reshape(basis.shape).float().contiguous()
+
+
+def grid_orbit_basis(group: GroupSpec, in_repr: str, out_repr: str, kernel_size: int) -> torch.Tensor:
+    """The equivariant k x k filters of a group whose every element maps the pixel grid onto itself (C1, C2, C4,
+    D1, D2, D4), for any k, even ones included: one unit-norm filter per orbit of filter entries (see
+    _orbit_means), ordered by the orbit's first entry. Exact by construction, with no band limit to choose.
+
+    Raises:
+        UnsupportedLayerError: the group has rotations that move pixels off the grid (C8, SO2, ...).
+    """
+    if not hasattr(group, "elements") or len(group.grid_elements) != len(group.elements):
+        raise UnsupportedLayerError(
+            f"{group.name} has rotations that move pixels off the grid: its even-kernel filters have no exact "
+            "basis; use C4 or D4 (or a subgroup), or an odd kernel"
+        )
+    out_size, in_size = group.repr_size(out_repr), group.repr_size(in_repr)
+    shape = (out_size, in_size, kernel_size, kernel_size)
+    index = torch.arange(math.prod(shape)).reshape(shape)
+    orbit = torch.stack([_act_on_filter(index, g, out_size, in_size) for g in group.grid_elements]).amin(0).flatten()
+    members = (orbit[None, :] == orbit.unique()[:, None]).float()
+    return (members / members.sum(1, keepdim=True).sqrt()).reshape(-1, *shape).contiguous()
 
 
 def _atomic_save(tensor: torch.Tensor, path: Path) -> None:

@@ -43,6 +43,7 @@ from .nn import (
     SteerableConv2d,
     WindowMaxPool2d,
 )
+from .nn.conv_transpose import SteerableConvTranspose2d
 from .nn.input_fit import apply_fit
 
 __all__ = ["EXPORTERS", "ExportContext", "Exporter", "export", "register_exporter"]
@@ -262,6 +263,31 @@ class _InputFitOps(nn.Module):
 def export_input_fit(module: InputFit, ctx: ExportContext) -> nn.Module:
     """The same padding/cropping and centre lines as torch ops (index_select, pad, slicing)."""
     return _trace_torch_only(_InputFitOps(module), "InputFit")
+
+
+@register_exporter(SteerableConvTranspose2d)
+def export_steerable_conv_transpose(module: SteerableConvTranspose2d, ctx: ExportContext) -> nn.ConvTranspose2d:
+    """nn.ConvTranspose2d with the expanded filter in its (in, out/groups, k, k) layout."""
+    with torch.no_grad():
+        weight, bias = module.transposed_filter().detach(), module.expand_bias()
+    conv = skip_init(  # no random init: the weights are overwritten at once
+        nn.ConvTranspose2d,
+        module.in_channels,
+        module.out_channels,
+        module.kernel_size,
+        stride=module.stride,
+        padding=module.padding,
+        output_padding=module.output_padding,
+        groups=module.groups,
+        bias=bias is not None,
+        dilation=module.dilation,
+        device=weight.device,
+        dtype=weight.dtype,
+    )
+    conv.weight = _parameter(weight, module.weight)
+    if bias is not None:
+        conv.bias = _parameter(bias, module.bias)
+    return conv
 
 
 @register_exporter(SteerableConv2d)

@@ -20,15 +20,16 @@ from ..nn.conv import standardization_scope
 from ..build_recipe import conversion_recipe, remember_recipe
 from ..progress import counting_basis_builds, progress_bar, require_progress
 from . import rules  # noqa: F401  (registers the built-in rules)
-from .context import SPATIAL_KEY, TYPE_KEY, ConversionConfig, ConversionContext
+from .context import SHAPE_KEY, SPATIAL_KEY, TYPE_KEY, ConversionConfig, ConversionContext
 from .fields import FieldType
 from .grid import GridAnalysis, GridBreak
 from .fuse import fuse_norm_pools
+from .input_channels import input_channels
 from .input_fit import fit_input, invalid_size_error
 from .norm_groups import norm_group_rule
 from .weights import report_pretrained_weights
 from .model import EquivariantModel
-from .registry import channel_fold, find_rule
+from .registry import find_rule
 from .rules.conv import grouped_conv_multiples
 from .rules.split import consistent_width
 from .report import ConversionReport
@@ -40,15 +41,6 @@ from .width import PARAMS, WidthSpec, multiplier_width, resolve_width
 PROBE_SIZES = (224, 32, 28, 64, 96)  # tried in order when input_size is not given
 GRID_SEARCH = range(8, 1025)
 PARAMS_TOLERANCE = 0.02
-
-
-def _input_channels(model: nn.Module) -> int:
-    fold = 1
-    for module in model.modules():
-        if isinstance(module, nn.Conv2d):
-            return module.in_channels // fold
-        fold *= channel_fold(module)
-    raise UnsupportedLayerError(f"{type(model).__name__} has no nn.Conv2d; equiconvert converts convolutional networks")
 
 
 def _first_line(exc: BaseException) -> str:
@@ -145,7 +137,7 @@ def _rewrite(gm: fx.GraphModule, ctx: ConversionContext, in_channels: int, bar: 
 
 
 def _prepare(model: nn.Module, input_size: int | None, leaves: tuple) -> tuple[fx.GraphModule, int]:
-    in_channels = _input_channels(model)
+    in_channels = input_channels(trace(model, leaves))  # the first conv the forward runs, not the first registered
     template, _ = _traced_with_shapes(model, input_size, in_channels, leaves)
     return template, in_channels
 
@@ -171,8 +163,17 @@ def _convert_once(
     ctx.width_groups = width_groups(gm, points, group)
     with torch.device(device) if device else contextlib.nullcontext():
         output_type = _rewrite(gm, ctx, in_channels, bar)
-    report.invariant_output = bool(output_type is not None and output_type.is_invariant and not ctx.spatial_flatten)
+    invariant_fields = bool(output_type is not None and output_type.is_invariant and not ctx.spatial_flatten)
+    report.per_pixel_output = invariant_fields and _outputs_a_map(gm)  # segmentation: turns with the input
+    report.invariant_output = invariant_fields and not report.per_pixel_output
     return gm, report, output_type
+
+
+def _outputs_a_map(gm: fx.GraphModule) -> bool:
+    """True if the traced output is a feature map of more than one pixel."""
+    result = next(n for n in gm.graph.nodes if n.op == "output").args[0]
+    shape = result.meta.get(SHAPE_KEY) if isinstance(result, fx.Node) else None
+    return bool(shape and len(shape) == 4 and shape[2] * shape[3] > 1)
 
 
 def _count(module: nn.Module) -> int:

@@ -60,7 +60,22 @@ class MinSizeOp:
         return max(size, self.size), size >= 1
 
 
-SpatialOp = WindowOp | AdaptiveOp | ScaleOp | MinSizeOp
+@dataclass(frozen=True)
+class TransposedWindowOp:
+    """A transposed conv without output_padding: input pixel p spreads over s p - padding + d j (0 <= j < k), so
+    the output stays centred on the input at every size (the conversion refuses output_padding, which is not)."""
+
+    kernel: int
+    stride: int
+    padding: int
+    dilation: int = 1
+
+    def apply(self, size: int) -> tuple[int, bool]:
+        out = (size - 1) * self.stride - 2 * self.padding + self.dilation * (self.kernel - 1) + 1
+        return (out, True) if out >= 1 and size >= 1 else (0, False)
+
+
+SpatialOp = WindowOp | AdaptiveOp | ScaleOp | MinSizeOp | TransposedWindowOp
 
 
 @dataclass(frozen=True)

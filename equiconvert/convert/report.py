@@ -54,12 +54,19 @@ class ConversionReport:
     input_size_valid: bool | None = None
     input_fit: str | None = None  # how a requested size is fitted to a valid one (pad_to_valid / crop_to_valid)
     invariant_output: bool = False
+    per_pixel_output: bool = False  # a map of invariant fields (segmentation): it turns and flips with the input
     max_equivariance_error: float | None = None
     fused_norm_pools: int = 0  # norm -> window max pool pairs fused into one layer (config fuse_norm_pools)
     # with make_equivariant(..., pretrained=True): parametrised layers that kept / lost the original's weights
     weights_kept: list[str] | None = None
     weights_reinitialised: list[str] | None = None
     weights_warning: str | None = None
+
+    def output_kind(self) -> str:
+        """How the output answers a rotation or flip of the input."""
+        if self.per_pixel_output:
+            return "per-pixel equivariant (each pixel's output is invariant; the map turns and flips with the input)"
+        return "invariant" if self.invariant_output else "NOT invariant"
 
     def to_dict(self) -> dict:
         data = asdict(self)
@@ -78,7 +85,7 @@ class ConversionReport:
             lines.append(f"input size {self.input_size}: {'valid' if self.input_size_valid else 'NOT valid'}")
         if self.input_fit is not None:
             lines.append(f"input fit: {self.input_fit}")
-        lines.append(f"output: {'invariant' if self.invariant_output else 'NOT invariant'}")
+        lines.append(f"output: {self.output_kind()}")
         if self.fused_norm_pools:
             lines.append(f"fused norm -> max pool pairs: {self.fused_norm_pools}")
         lines += [f"  {c.node}: {c.before} -> {c.after}" for c in self.layers]

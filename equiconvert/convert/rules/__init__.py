@@ -5,6 +5,7 @@ from . import (  # noqa: F401  (imported for their registrations)
     blur_pool,
     channels_last,
     conv,
+    conv_transpose,
     conv_mlp,
     conv_variants,
     evo_norm,

@@ -7,6 +7,10 @@ len(original loader) batches per epoch, as Opacus' DPDataLoader does and as the
 accountants assume. A batch may be empty; it then has the shape of one example's
 collated batch with 0 rows, so the training step still runs (and is accounted).
 
+It is an Opacus `DPDataLoader` (a subclass), so that scripts and libraries testing for one (Opacus' Lightning
+example, `isinstance(loader, DPDataLoader)`) see the Poisson loader they expect; `DPDataLoader.from_data_loader`
+makes one from a plain loader with secret sampling.
+
 `BatchMemoryManager` cuts each logical batch into physical batches of at most
 `max_physical_batch_size` examples and tells the DP optimizer to accumulate until
 the last one, so one optimizer step (one noise draw) is taken per logical batch.
@@ -18,11 +22,13 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+from opacus.data_loader import DPDataLoader as OpacusDPDataLoader
 from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler
 from torch.utils.data.dataloader import default_collate
 
 from ..errors import ParameterError, ParameterTypeError
-from .secure_rng import RandomSource
+from .opacus_parity import check_opacus_arguments
+from .secure_rng import SAMPLING, RandomSource, make_source
 
 
 class PoissonBatchSampler(Sampler[list[int]]):
@@ -71,8 +77,10 @@ class _CollateWithEmpty:
         return _empty_rows(self.collate([self.dataset[0]]))
 
 
-class DPDataLoader(DataLoader):
+class DPDataLoader(OpacusDPDataLoader):
     """A DataLoader drawing Poisson batches from `data_loader`'s dataset (see the module docstring)."""
+
+    distributed = False  # Opacus' attribute: one process's Poisson sampler (DDP: training.distributed)
 
     def __init__(self, data_loader: DataLoader, source: RandomSource) -> None:
         dataset = data_loader.dataset
@@ -85,7 +93,8 @@ class DPDataLoader(DataLoader):
         self.sample_rate = 1.0 / steps
         self.expected_batch_size = len(dataset) * self.sample_rate
         workers = {"prefetch_factor": data_loader.prefetch_factor} if data_loader.num_workers > 0 else {}
-        super().__init__(
+        DataLoader.__init__(  # not Opacus' __init__: its sampler draws from a seedable generator
+            self,
             dataset,
             batch_sampler=PoissonBatchSampler(len(dataset), self.sample_rate, steps, source),
             num_workers=data_loader.num_workers,
@@ -97,6 +106,31 @@ class DPDataLoader(DataLoader):
             persistent_workers=data_loader.persistent_workers,
             **workers,
         )
+
+    @classmethod
+    def from_data_loader(
+        cls,
+        data_loader: DataLoader,
+        *,
+        distributed: bool = False,
+        generator: torch.Generator | None = None,
+        batch_first: bool = True,
+        rand_on_empty: bool = False,
+    ) -> DPDataLoader:
+        """Opacus' constructor: a Poisson loader over `data_loader`'s dataset, sampled from secret randomness."""
+        if distributed:
+            raise ParameterError(
+                "DPDataLoader.from_data_loader(distributed=True) is not supported: each process would sample on its "
+                "own; train on several GPUs with DPTrainer (training.distributed) or one process per loader"
+            )
+        if generator is not None:
+            raise ParameterError(
+                "DPDataLoader.from_data_loader(generator=...) is not supported: a given generator makes the sampling "
+                "seedable, and whoever knows its seed knows which examples each batch holds; leave it out (the "
+                "batches are drawn from secret randomness)"
+            )
+        check_opacus_arguments({"batch_first": batch_first, "rand_on_empty": rand_on_empty})
+        return cls(data_loader, make_source(SAMPLING, None))
 
     @property
     def batches_drawn(self) -> int:

@@ -9,6 +9,11 @@ follow, it then adds N(0, (sigma C)^2) to each trainable parameter's sum once,
 divides by the expected batch size (loss_reduction "mean"), writes the result to
 `.grad` and steps the wrapped optimizer. Parameters that do not require gradients keep
 `.grad` None, so the wrapped optimizer leaves them alone.
+
+Opacus' DPOptimizer surface: `pre_step()` does all of the above but the wrapped optimizer's step
+and says whether to take it; `grad_samples` are the last backward's per-example gradients,
+`accumulated_iterations` how many backwards wait for a step (0 or 1 here), `params` the
+parameters; what is refused says why (opacus_parity.REFUSED_OPTIMIZER_ATTRIBUTES).
 """
 
 from __future__ import annotations
@@ -21,9 +26,11 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
+from ..errors import ParameterError
 from .accounting import PrivacyBudgetError, PrivacyLedger, compute_epsilon
 from .dp_step import privatize
 from .lightning_guard import refuse_undrawn_batch
+from .opacus_parity import GHOST_GRAD_SAMPLES, REFUSED_OPTIMIZER_ATTRIBUTES, refuse_attribute
 from .private_module import PrivateModule
 from .secure_rng import RandomSource
 
@@ -109,6 +116,39 @@ class DPOptimizer(Optimizer):
             f"max_grad_norm={self.max_grad_norm})"
         )
 
+    def __getattr__(self, name: str) -> Any:
+        """Called only for a name the optimizer lacks: Opacus' names equiconvert refuses say why."""
+        raise refuse_attribute(type(self).__name__, name, REFUSED_OPTIMIZER_ATTRIBUTES)
+
+    # --- Opacus' DPOptimizer surface -----------------------------------------------------------------
+    @property
+    def params(self) -> list[nn.Parameter]:
+        """Every parameter the wrapped optimizer holds, in its order (Opacus' `params`)."""
+        return [p for group in self.param_groups for p in group["params"]]
+
+    @property
+    def loss_reduction(self) -> str:
+        return self.module.loss_reduction
+
+    @property
+    def grad_samples(self) -> list[torch.Tensor]:
+        """Each trainable parameter's per-example gradients (B, *shape) from the last backward, in `params` order."""
+        if self.module.method == "ghost":  # a ValueError, as Opacus' (an AttributeError would read as a miss)
+            raise ParameterError(f"optimizer.grad_samples is not supported: {GHOST_GRAD_SAMPLES}")
+        self.module.require_hooks()
+        grads = self.module.per_sample_gradients()
+        return [grads[p] for p in self.params if p.requires_grad]
+
+    @property
+    def accumulated_iterations(self) -> int:
+        """Backwards recorded and not yet taken into a step: 1 after a training backward, else 0 (one per step)."""
+        return 1 if self.module.pending_backward else 0
+
+    def clip_and_accumulate(self) -> None:
+        """Clip the last backward's per-example gradients and add them to this logical batch's sum (no noise)."""
+        self.module.require_hooks()
+        self._accumulate()
+
     @property
     def nonfinite_gradients(self) -> int:
         """Examples whose gradient had a NaN or inf entry and counted as zero so far (waits for the device).
@@ -123,7 +163,8 @@ class DPOptimizer(Optimizer):
         self._skip_next = do_skip
 
     def attach_step_hook(self, fn: Callable[[DPOptimizer], None]) -> None:
-        """Call `fn(self)` after each noisy step (Opacus' name; PrivacyEngine's accountant records steps so)."""
+        """Call `fn(self)` at each noisy step, once `.grad` is written and before the wrapped optimizer steps (as
+        Opacus' hooks; PrivacyEngine's accountant records steps so)."""
         self._step_hooks.append(fn)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -153,32 +194,43 @@ class DPOptimizer(Optimizer):
                 f"calibrated for {self.planned_steps} steps"
             )
 
-    def step(self, closure: Callable[[], float] | None = None) -> float | None:
-        loss = None
-        if closure is not None and not self._skip_next and self._batches_drawn is not None:
-            refuse_undrawn_batch(self._batches_drawn(), self._closure_steps)
-            self._closure_steps += 1
+    def pre_step(self, closure: Callable[[], float] | None = None) -> bool:
+        """Opacus' pre_step: clip and add the last backward's examples; after a logical batch's last one, add the
+        noise once, write `.grad` and account the step. True when the wrapped optimizer should now step."""
         if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+            self._run_closure(closure)
+        self.module.require_hooks()
         self._accumulate()
         if self._skip_next:
             self._skip_next = False
-            return loss
+            return False
         self._check_budget()
         divisor = self.expected_batch_size if self.module.loss_reduction == "mean" else 1.0
         summed = {p: self._summed[p] if p in self._summed else torch.zeros_like(p) for p in self._trainable()}
         noisy = privatize(summed, self.noise_multiplier, self.max_grad_norm, self._noise, divisor)
         for param, grad in noisy.items():
             param.grad = grad
-        self.original_optimizer.step()
         if self.budget is not None:
             self.budget.step()
         self.steps += 1
         self._summed, self._examples = {}, 0
         for hook in self._step_hooks:
             hook(self)
+        return True
+
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
+        loss = None if closure is None else self._run_closure(closure)
+        if self.pre_step():
+            self.original_optimizer.step()
         return loss
+
+    def _run_closure(self, closure: Callable[[], float]) -> float:
+        """A training framework's step (Lightning's): refused unless the Poisson loader drew this batch."""
+        if not self._skip_next and self._batches_drawn is not None:
+            refuse_undrawn_batch(self._batches_drawn(), self._closure_steps)
+            self._closure_steps += 1
+        with torch.enable_grad():
+            return closure()
 
     def get_epsilon(self, delta: float) -> float:
         """Epsilon spent by the steps taken so far, at `delta`, by this run's accountant."""

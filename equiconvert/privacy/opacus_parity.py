@@ -1,8 +1,9 @@
-"""Opacus 1.6 PrivacyEngine arguments that equiconvert's make_private maps or refuses (docs/make-private.md's table).
+"""Opacus 1.6 arguments and attributes that equiconvert's make_private maps or refuses (docs/make-private.md's table).
 
-An Opacus script runs after swapping its import only if every argument it passes is either served (mapped onto
-book-keeping or ghost clipping, flat clipping and secret randomness) or refused here with one line saying why and
-what to do, never with a bare TypeError.
+An Opacus script runs after swapping its import only if every argument it passes, and every method or attribute of
+the returned module, optimizer and loader it uses, is either served (mapped onto book-keeping or ghost clipping,
+flat clipping and secret randomness) or refused here with one line saying why and what to do, never with a bare
+TypeError or AttributeError.
 """
 
 from __future__ import annotations
@@ -16,6 +17,12 @@ from ..errors import UsageError
 
 class OpacusArgumentError(UsageError, ValueError):
     """An Opacus PrivacyEngine argument equiconvert does not support; the message says why and what to do."""
+
+
+class OpacusAttributeError(UsageError, AttributeError):
+    """An Opacus method or attribute the returned objects do not have; the message says why and what to do.
+
+    An AttributeError, so that `hasattr` stays False for it, as for any attribute an object does not have."""
 
 
 # Opacus arguments served at one value only: that value (also make_private's default), and why no other
@@ -105,3 +112,41 @@ def check_opacus_arguments(given: Mapping[str, Any]) -> None:
 
 def _same(value: Any, accepted: Any) -> bool:
     return value is accepted if accepted is None else (type(value) is type(accepted) and value == accepted)
+
+
+_ONE_STEP = (
+    "make_private's optimizer clips, adds the noise once and divides in one call (dp_step.py), so that no "
+    "logical batch is noised twice or not at all; call optimizer.pre_step() (or optimizer.step())"
+)
+# Opacus DPOptimizer methods and attributes the returned optimizer refuses, and why
+REFUSED_OPTIMIZER_ATTRIBUTES: dict[str, str] = {
+    "add_noise": _ONE_STEP,
+    "scale_grad": _ONE_STEP,
+    "step_hook": "the optimizer keeps a list of step hooks; add one with optimizer.attach_step_hook(fn)",
+    "generator": "the noise comes from a secret generator that is never exposed (whoever holds it could remove "
+    "the noise); make_private(debug_seed=...) gives reproducible, non-private runs for tests",
+}
+ALLOW_GRAD_ACCUMULATION = (
+    "make_private's module takes one training forward and backward per optimizer.step(); to accumulate "
+    "physical batches of one logical batch use BatchMemoryManager (or optimizer.signal_skip_step(True) before "
+    "each step but the last)"
+)
+GHOST_GRAD_SAMPLES = (
+    "grad_sample_mode='ghost' never forms per-example gradients (only their norms and the clipped sum); use "
+    "grad_sample_mode='hooks' to read them"
+)
+REMOVED_HOOKS = (
+    "the module's hooks were removed (remove_hooks / to_standard_module); call make_private on the model again to "
+    "train it privately"
+)
+DISABLED_HOOKS = (
+    "the module's hooks are disabled (disable_hooks), so the last backward formed no per-example gradients and a "
+    "private step cannot be taken; call module.enable_hooks() before the training forward"
+)
+
+
+def refuse_attribute(owner: str, name: str, refused: Mapping[str, str]) -> OpacusAttributeError:
+    """The error for `owner.name`: its reason where Opacus has it and equiconvert refuses it, else a plain miss."""
+    if name in refused:
+        return OpacusAttributeError(f"{owner}.{name} is not supported: {refused[name]}")
+    return OpacusAttributeError(f"{owner!r} object has no attribute {name!r}")

@@ -16,6 +16,13 @@ layer), which runs in fp32 only.
 With aug_mult K > 1 the input is (B, K, ...): the K views of each example run as
 B*K rows and the loss takes one target per view (`y.repeat_interleave(K)`); each
 example's gradient is the mean over its views of the gradient of its per-view loss.
+
+Opacus' GradSampleModule surface: with book-keeping, each trainable parameter's `grad_sample`
+holds its per-example gradients (B, *shape) from the end of `loss.backward()` until the
+optimizer consumes them (ghost clipping forms none: None, as in Opacus); `disable_hooks`,
+`enable_hooks`, `remove_hooks` and `to_standard_module` switch the recording off (a training
+forward then forms ordinary gradients, and a private step is refused); named submodules of the
+wrapped model are attributes of this module.
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ from .bookkeeping import BookkeepingUnsupportedError, LayerRecord, parametrised_
 from .buffer_guard import BufferGuard
 from .dp_safety import probe_dp_safety
 from .dp_step import clip_and_accumulate
+from .grad_sample_surface import HOOKS_ENABLED, CompletingRecord, GradSampleSurface
 from .opacus_parity import DEFAULT_GRAD_SAMPLE_MODE, GRAD_SAMPLE_MODES
 from .validate import PrivacyValidationError
 
@@ -47,7 +55,7 @@ class PerExampleGradientError(PrivacyError, RuntimeError):
     """The last forward cannot give true per-example gradients: a layer input changed in place, a parameter unused."""
 
 
-class PrivateModule(nn.Module):
+class PrivateModule(GradSampleSurface, nn.Module):
     """Wraps `module` (as `_module`, like Opacus' GradSampleModule); see the module docstring."""
 
     def __init__(
@@ -89,6 +97,9 @@ class PrivateModule(nn.Module):
         self._guard: BufferGuard | None = None  # set by the DP-safety probe, at the first forward
         self._record: LayerRecord | None = None
         self._examples = 0  # of the last recorded forward
+        self._hooks = HOOKS_ENABLED  # Opacus' hooks: the recording (grad_sample_surface.py)
+        self._published: dict[nn.Parameter, torch.Tensor] | None = None  # the last backward's grad_sample
+        self.set_grad_sample_to_none()
 
     def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         x = self._flatten_views(x)
@@ -115,7 +126,7 @@ class PrivateModule(nn.Module):
         )
 
     def _training_forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        if not torch.is_grad_enabled():
+        if not torch.is_grad_enabled() or not self.hooks_enabled:
             return self._module(x, *args, **kwargs)
         if torch.is_autocast_enabled(x.device.type):
             self._refuse_low_precision(
@@ -128,9 +139,11 @@ class PrivateModule(nn.Module):
             )
         if self._verify:
             self._verify_once(x)
-        record = LayerRecord(
+        self.set_grad_sample_to_none()
+        record = CompletingRecord(
             parametrised_layers(self._module),
             twice="make_private needs every layer with trainable parameters to run once",
+            on_complete=self._publish_grad_samples,
         )
         if not record.layers:
             raise ParameterError("the model has no trainable parameters")
@@ -221,13 +234,30 @@ class PrivateModule(nn.Module):
         """Add the last forward/backward's examples' gradients, each clipped to max_grad_norm (a non-finite one as
         zero), to `into` by parameter, by this module's back-end; returns how many examples were non-finite."""
         if self._backend.recorded_clipped_sum is None:
-            return clip_and_accumulate(self.per_sample_gradients(), max_grad_norm, into)
+            record = self._checked_record()  # its checks run whether or not the backward published the gradients
+            grads = self._published if self._published is not None else self._gradients_of(record)
+            self.set_grad_sample_to_none()  # consumed: each example's gradient is not kept past its clipping
+            return clip_and_accumulate(grads, max_grad_norm, into)
         record = self._checked_record()
         return self._backend.recorded_clipped_sum(record, self.aug_mult, self._scale, max_grad_norm, into)
 
     def per_sample_gradients(self) -> dict[nn.Parameter, torch.Tensor]:
         """Each example's gradient (mean over its views) of every trainable parameter, from the last forward/backward."""
-        record, scale = self._checked_record(), self._scale
+        return self._gradients_of(self._checked_record())
+
+    def _publish_grad_samples(self, record: LayerRecord) -> None:
+        """At the end of a backward (book-keeping): each parameter's `grad_sample`. A record the step refuses (an
+        input changed in place, an unused parameter) publishes nothing; the step's checks then name the layer."""
+        if self._backend.recorded_clipped_sum is not None or not self._examples or record.inputs_changed():
+            return  # ghost clipping forms no per-example gradients; an empty batch has none
+        try:
+            with torch.enable_grad():
+                self.publish_grad_samples(self._gradients_of(record))
+        except PerExampleGradientError:
+            return
+
+    def _gradients_of(self, record: LayerRecord) -> dict[nn.Parameter, torch.Tensor]:
+        scale = self._scale
         grads: dict[nn.Parameter, torch.Tensor] = {}
         for name, layer in record.layers.items():
             per_layer = self._layer_gradients(layer, record.inputs[name], record.grads[name], self.aug_mult)
@@ -244,9 +274,15 @@ class PrivateModule(nn.Module):
         return grads
 
     @property
+    def pending_backward(self) -> bool:
+        """Whether a recorded training backward waits for the optimizer's step."""
+        return self._record is not None and bool(self._record.grads)
+
+    @property
     def recorded_examples(self) -> int:
         """Examples of the last recorded forward (0 before any)."""
         return 0 if self._record is None else self._examples
 
     def clear_record(self) -> None:
         self._record = None
+        self.set_grad_sample_to_none()

@@ -141,7 +141,9 @@ def make_equiconvert_step(
     return step
 
 
-def step_nested_vmap(model, optimizer, views, labels, clip: float = MAX_GRAD_NORM, noise_multiplier: float = NOISE):
+def view_summed_gradients(model, views, labels) -> dict[str, torch.Tensor]:
+    """The paper's code's per-example gradients: vmap over examples of vmap over views of grad, each example's K
+    view gradients summed (views: B x K x C x H x W)."""
     params = {n: p.detach() for n, p in model.named_parameters()}
     buffers = dict(model.named_buffers())
 
@@ -149,8 +151,11 @@ def step_nested_vmap(model, optimizer, views, labels, clip: float = MAX_GRAD_NOR
         return F.cross_entropy(functional_call(model, (p, buffers), (image.unsqueeze(0),)), label.unsqueeze(0))
 
     per_view = vmap(vmap(grad(view_loss), in_dims=(None, 0, None)), in_dims=(None, 0, 0), randomness="different")
-    grads = {n: g.sum(1) for n, g in per_view(params, views, labels).items()}  # the paper sums the K views
-    summed, _ = clip_and_sum(grads, clip)
+    return {n: g.sum(1) for n, g in per_view(params, views, labels).items()}
+
+
+def step_nested_vmap(model, optimizer, views, labels, clip: float = MAX_GRAD_NORM, noise_multiplier: float = NOISE):
+    summed, _ = clip_and_sum(view_summed_gradients(model, views, labels), clip)
     _noisy_step(model, optimizer, summed, views.shape[0], noise_multiplier, clip)
 
 

@@ -8,6 +8,8 @@ when a bar is made, never by `import equiconvert`.
 from __future__ import annotations
 
 import contextlib
+import math
+import sys
 from collections.abc import Iterator
 from contextvars import ContextVar
 from typing import Any
@@ -15,6 +17,8 @@ from typing import Any
 from .errors import ParameterError
 
 DELAY_S = 2.0  # seconds of work before a bar is drawn
+STEP_BAR_FORMAT = "{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} {unit}s{postfix}"  # no time, no rate
+STEP_BAR_REDRAWS = 100  # redraws of a step bar over a run, in a stream that is not a terminal
 _basis_builds: ContextVar[Any] = ContextVar("basis_builds", default=None)
 
 
@@ -41,6 +45,39 @@ def progress_bar(
         delay=DELAY_S,
         disable=None if progress is None else not progress,
         leave=leave,
+    )
+
+
+def private_steps_bar(
+    desc: str, progress: bool | None, total: int, initial: int = 0, step_times: bool = False
+) -> Any:
+    """The bar of a DP-SGD run: the steps done and, as its postfix, the epsilon spent: what the guarantee covers.
+
+    A step's duration grows with its secret Poisson batch size, so the bar shows no elapsed time or rate unless
+    `step_times` (the run's log_step_times opt-in) and stderr is a terminal. Outside a terminal (a job log, nohup)
+    the lines it leaves are drawn every total / STEP_BAR_REDRAWS steps, never by the clock, so which steps were
+    drawn says nothing of their durations either.
+    """
+    terminal = sys.stderr.isatty()
+    if step_times and terminal:
+        return progress_bar(desc, "step", progress, total=total, initial=initial, leave=True)
+    from tqdm.auto import tqdm
+
+    redraws = {"delay": DELAY_S, "miniters": 1} if terminal else {
+        "delay": 0,
+        "mininterval": 0,
+        "maxinterval": math.inf,
+        "miniters": max(1, total // STEP_BAR_REDRAWS),
+    }
+    return tqdm(
+        total=total,
+        initial=initial,
+        desc=desc,
+        unit="step",
+        bar_format=STEP_BAR_FORMAT,
+        disable=None if progress is None else not progress,
+        leave=True,
+        **redraws,
     )
 
 

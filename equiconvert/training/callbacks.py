@@ -8,6 +8,7 @@ step); a MetricsLogger receives plain numbers, when the trainer writes its log.
 from __future__ import annotations
 
 import importlib.util
+import time
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
@@ -51,13 +52,19 @@ def flat_metrics(record: dict[str, Any]) -> dict[str, float]:
 
 class TensorBoardLogger:
     """MetricsLogger writing TensorBoard scalars under log_dir (needs the tensorboard package); the event file
-    opens at the first metrics and closes at close()."""
+    opens at the first metrics and closes at close().
+
+    Each scalar is stamped with a synthetic wall time, the logger's creation (before training) plus one second a
+    step: the writer's own stamps, the moment each record is written, would time the steps, whose durations
+    follow the secret Poisson batch sizes. Real times are in the records (`time_s`) where the run logs them.
+    """
 
     def __init__(self, log_dir: str | Path) -> None:
         if not tensorboard_available():
             raise ImportError("TensorBoardLogger needs the tensorboard package: pip install tensorboard")
         self.log_dir = Path(log_dir)
         self.writer: Any = None
+        self.origin = float(int(time.time()))  # whole seconds, before the first step
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
         if self.writer is None:
@@ -65,7 +72,7 @@ class TensorBoardLogger:
 
             self.writer = SummaryWriter(str(self.log_dir))
         for name, value in metrics.items():
-            self.writer.add_scalar(name, value, step)
+            self.writer.add_scalar(name, value, step, walltime=self.origin + step)
         self.writer.flush()
 
     def close(self) -> None:

@@ -24,7 +24,7 @@ from torch import nn
 from torch.profiler import record_function
 
 from ..errors import ParameterError, ParameterTypeError
-from ..progress import progress_bar
+from ..progress import private_steps_bar
 from ..privacy.accounting import (
     PrivacyBudgetError,
     PrivacyLedger,
@@ -397,7 +397,9 @@ class DPTrainer(TrainerCheckpoint):
                 f"{self.sampler.sample_rate:.3g} spends epsilon {self.ledger.epsilon_after(1):.3g} > the target {self.config.target_epsilon:g}: "
                 "raise the target epsilon, lower the batch size, or raise the noise multiplier"
             )
-        bar = progress_bar("DP-SGD", "step", self.progress, total=self.config.steps, initial=self.step, leave=True)
+        bar = private_steps_bar(
+            "DP-SGD", self.progress, self.config.steps, initial=self.step, step_times=self.config.log_step_times
+        )
         start = time.perf_counter()
         self._clock.start()
         while self.step < self.config.steps:

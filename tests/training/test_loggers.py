@@ -195,16 +195,18 @@ def test_wandb_logger_runs_offline_under_out_unless_wandb_mode_says_otherwise(tm
     assert runs[1]["kwargs"]["mode"] == "online"
 
 
-def test_tensorboard_logger_writes_scalars_under_out_and_closes(tmp_path, monkeypatch):
+def _fake_tensorboard(monkeypatch) -> list[Any]:
+    """torch.utils.tensorboard's SummaryWriter as a fake that keeps its scalars; returns the writers made."""
     writers: list[Any] = []
 
     class SummaryWriter:
         def __init__(self, log_dir: str) -> None:
-            self.log_dir, self.scalars, self.closed = log_dir, [], False
+            self.log_dir, self.scalars, self.walltimes, self.closed = log_dir, [], [], False
             writers.append(self)
 
-        def add_scalar(self, name: str, value: float, step: int) -> None:
+        def add_scalar(self, name: str, value: float, step: int, walltime: float | None = None) -> None:
             self.scalars.append((name, value, step))
+            self.walltimes.append((step, walltime))
 
         def flush(self) -> None:
             pass
@@ -215,8 +217,26 @@ def test_tensorboard_logger_writes_scalars_under_out_and_closes(tmp_path, monkey
     _fake_module(monkeypatch, "tensorboard")
     _fake_module(monkeypatch, "torch.utils.tensorboard", SummaryWriter=SummaryWriter)
     monkeypatch.setattr(callbacks, "tensorboard_available", lambda: True)
+    return writers
+
+
+def test_tensorboard_logger_writes_scalars_under_out_and_closes(tmp_path, monkeypatch):
+    writers = _fake_tensorboard(monkeypatch)
     DPTrainer(linear_classifier(), out_dir=tmp_path, loggers=["tensorboard"], **OPTIONS).fit(tiny_images())
     (writer,) = writers
     assert writer.log_dir == str(tmp_path / "tensorboard") and writer.closed
     assert {name for name, _, _ in writer.scalars} == {"lr", "epsilon", "time_s"}
     assert all(step == 4 for name, _, step in writer.scalars if name == "time_s")  # the final record's only
+
+
+def test_attack_tensorboard_wall_times_do_not_time_the_steps(tmp_path, monkeypatch):
+    """The attack: with a record every step, the writer's own wall-clock stamp of each event times each step (which
+    follows its secret batch size). Every event is stamped by its step instead, one second a step from a fixed
+    origin, so the differences between stamps are the step counts and nothing else."""
+    writers = _fake_tensorboard(monkeypatch)
+    options = {**OPTIONS, "epsilon_every": 1}
+    DPTrainer(linear_classifier(), out_dir=tmp_path, loggers=["tensorboard"], **options).fit(tiny_images())
+    (writer,) = writers
+    assert len({step for step, _ in writer.walltimes}) == OPTIONS["steps"]
+    assert all(walltime is not None for _, walltime in writer.walltimes)
+    assert len({walltime - step for step, walltime in writer.walltimes}) == 1  # origin + step, for every event

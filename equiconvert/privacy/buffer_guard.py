@@ -1,16 +1,20 @@
-"""The run-time half of the buffer check: no training forward may leave a buffer other than a random input would.
+"""The run-time half of the buffer check: no training forward (or backward) may leave the model's untrained state
+other than a random input would.
 
+The untrained state is every buffer and every frozen parameter (requires_grad=False): the DP step trains neither,
+so whatever a forward, a backward hook or an in-place write puts there is released without clipping or noise.
 dp_safety's probe runs the model once, before training, on random batches of a few sizes. A module can
-still write a buffer only on batches it did not draw (an example count above some size, a value of the
-data): the probe alone could be dodged. The guard watches every private training forward of the model
-being trained, so such a module cannot pass:
-- where the probe saw no forward write a buffer, every buffer must keep the value it had at the first
-  guarded forward (one copy of the buffers, compared after each forward);
+still write that state only on batches it did not draw (an example count above some size, a value of the
+data), or only under grad, or in a backward hook: the probe alone could be dodged. The guard watches every
+private training forward of the model being trained (with its backward: DPTrainer's per-example gradient
+computation, make_private's optimizer step), so such a module cannot pass:
+- where the probe saw no forward write a buffer, every buffer and frozen parameter must keep the value it had
+  at the first guarded forward (one copy of them, compared after each forward);
 - where the probe saw forward set buffers the same way for any input (a cache built from constants or
   parameters), a shadow copy of the model, given the model's parameters and buffers before each forward,
-  runs one forward on one random example from a secret seed, and every buffer must then equal the
-  shadow's: a buffer may change in training only as it would on an input that is not the private batch.
-A buffer found different is set back to the expected value before the error (so the model never holds
+  runs one forward on one random example from a secret seed, and every buffer and frozen parameter must then
+  equal the shadow's: they may change in training only as they would on an input that is not the private batch.
+A tensor found different is set back to the expected value before the error (so the model never holds
 it) and PrivacyValidationError names the module, the buffer and what to do. Costs: one comparison of the
 buffers per forward; with a shadow, a copy of the model and a forward of one example per forward.
 
@@ -36,7 +40,8 @@ Buffers = dict[str, torch.Tensor]
 
 
 class BufferGuard:
-    """Refuses a training forward of `model` that changes a buffer otherwise than one on a random input would.
+    """Refuses a training forward of `model` that changes a buffer or frozen parameter otherwise than one on a
+    random input would.
 
     set_once: the buffers dp_safety.probe_dp_safety found that forward sets the same way for any input.
     """
@@ -93,6 +98,12 @@ class BufferGuard:
             self._expected = _copied(self._shadow)
         self._check("in a training forward")
 
+    def check(self, when: str) -> None:
+        """Refuse (or, deferred, queue) a change of the untrained state since the last guarded forward, e.g. by a
+        backward hook: make_private calls it before each optimizer step takes the recorded gradients."""
+        if self._expected is not None:
+            self._check(when)
+
     def verify(self) -> None:
         """Raise for any change found by the comparisons queued since the last call (deferred mode: one wait)."""
         if not self._pending:
@@ -103,7 +114,7 @@ class BufferGuard:
             self._refuse("in a training forward")
 
     def _check(self, when: str) -> None:
-        flag = _same_flag(self._expected, dict(self._model.named_buffers()))
+        flag = _same_flag(self._expected, untrained_state(self._model))
         if isinstance(flag, torch.Tensor) and self._deferred:
             self._pending.append(flag)
         elif not (isinstance(flag, torch.Tensor) and bool(flag)):
@@ -111,15 +122,21 @@ class BufferGuard:
 
     def _refuse(self, when: str) -> None:
         expected = self._expected
-        current = dict(self._model.named_buffers())
+        current = untrained_state(self._model)
         changed = [name for name in {**expected, **current} if not _all_same(_one(expected, name), _one(current, name))]
         changed = changed or ["<a buffer, changed and changed back since>"]  # deferred: seen earlier, not now
         _assign(self._model, expected)
-        raise PrivacyValidationError(_message(changed, when, self._shadow is not None))
+        raise PrivacyValidationError(_message(self._model, changed, when, self._shadow is not None))
+
+
+def untrained_state(model: nn.Module) -> Buffers:
+    """Every tensor of `model` that the DP step does not train, by name: its buffers and frozen parameters."""
+    frozen = {name: param for name, param in model.named_parameters() if not param.requires_grad}
+    return {**dict(model.named_buffers()), **frozen}
 
 
 def _copied(model: nn.Module) -> Buffers:
-    return {name: buffer.detach().clone() for name, buffer in model.named_buffers()}
+    return {name: tensor.detach().clone() for name, tensor in untrained_state(model).items()}
 
 
 def _one(buffers: Buffers, name: str) -> Buffers:
@@ -152,29 +169,42 @@ def _same_flag(expected: Buffers, current: Buffers) -> torch.Tensor | bool:
     return torch.stack([torch.stack(device_flags).all().to(first) for device_flags in flags.values()]).all()
 
 
-def _assign(model: nn.Module, buffers: Buffers) -> None:
-    """Set `model`'s buffers to `buffers` (in place where the shapes agree); drop the ones it has in excess."""
+def _assign(model: nn.Module, state: Buffers) -> None:
+    """Set `model`'s buffers and frozen parameters to `state` (in place where the shapes agree); drop the buffers it
+    has in excess."""
     with torch.no_grad():
         for name, _ in list(model.named_buffers()):
-            if name not in buffers:
+            if name not in state:
                 owner, _, attribute = name.rpartition(".")
                 del model.get_submodule(owner)._buffers[attribute]
-        for name, value in buffers.items():
+        for name, value in state.items():
             owner, _, attribute = name.rpartition(".")
             module = model.get_submodule(owner)
-            current = module._buffers.get(attribute)
+            table = module._parameters if attribute in module._parameters else module._buffers
+            current = table.get(attribute)
             if isinstance(current, torch.Tensor) and current.shape == value.shape and current.dtype == value.dtype:
                 current.copy_(value)
+            elif table is module._parameters:
+                table[attribute] = nn.Parameter(value.clone(), requires_grad=False)
             else:
-                module._buffers[attribute] = value.clone()
+                table[attribute] = value.clone()
 
 
-def _message(changed: list[str], when: str, shadowed: bool) -> str:
+def _message(model: nn.Module, changed: list[str], when: str, shadowed: bool) -> str:
     owner, _, attribute = changed[0].rpartition(".")
+    kind = "frozen parameter" if attribute in getattr(_owner(model, owner), "_parameters", {}) else "buffer"
     reference = "a forward on one random example would leave it" if shadowed else "it was before training"
     return (
-        f"module {owner or '<root>'!r} changed its buffer {attribute!r} {when}, otherwise than {reference} (of "
+        f"module {owner or '<root>'!r} changed its {kind} {attribute!r} {when}, otherwise than {reference} (of "
         f"{len(changed)}: {changed[:5]}): its value depends on the private batch (its examples or their number) "
         "and would be released without clipping or noise; it has been set back. Stop the model writing buffers "
-        "from its input: compute such values from parameters or constants only, or keep them outside the model."
+        "or frozen parameters from its input (in forward or in backward hooks): compute such values from "
+        "parameters or constants only, or keep them outside the model."
     )
+
+
+def _owner(model: nn.Module, path: str) -> nn.Module | None:
+    try:
+        return model.get_submodule(path)
+    except AttributeError:
+        return None

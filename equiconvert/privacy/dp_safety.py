@@ -10,9 +10,10 @@ Three ways a model breaks DP-SGD's per-example analysis whatever its layers' nam
   makes an example's output, hence its "per-example" gradient, depend on others; the per-example
   back-ends (vmap, book-keeping, Opacus' grad samplers) would compute gradients of another function.
 
-The probe runs once per front-end on ONE copy of the model (on its device, in train mode, without
-gradients, with fixed dropout masks), with random inputs drawn from a secret seed so that a module
-cannot recognise them, its tensors set back to their initial values before each run:
+The probe runs once per front-end on ONE copy of the model (on its device, in train mode, under grad with
+its parameters detached, so a forward takes its training code path but builds no graph, with fixed dropout
+masks), with random inputs drawn from a secret seed so that a module cannot recognise them, its tensors set
+back to their initial values before each run:
 - three forwards of `batch_size` rows, the largest batch training runs: a base batch, the base with
   its first, middle and last examples replaced, and the base with all the others replaced. At every
   module, the examples not replaced must keep their outputs: mixing in either direction (an example
@@ -20,8 +21,11 @@ cannot recognise them, its tensors set back to their initial values before each 
 - after each of those forwards the buffers must equal those left by a forward of 1 example: what a
   buffer holds may depend neither on the examples nor on their number; and a second forward (of 3)
   must leave them as the first did.
-The caller's model and RNG state are left as they were. A buffer written only on batches the probe did
-not draw is refused at run time by the guard on the model being trained (buffer_guard.py).
+The caller's model and RNG state are left as they were. A buffer or frozen parameter written only on batches
+the probe did not draw, or in a backward hook, is refused at run time by the guard on the model being trained
+(buffer_guard.py); the cross-example half runs again at each new physical batch shape (probe_examples_apart).
+The probe catches batch dependence a model has by accident; it is no defence against code written to evade it
+(docs/privacy.md's threat model).
 """
 
 from __future__ import annotations
@@ -134,7 +138,7 @@ def _forward(model: nn.Module, inputs: torch.Tensor, prints: _Fingerprints) -> l
 
     handles = [m.register_forward_hook(hook(name or "<root>")) for name, m in model.named_modules()]
     try:
-        with fixed_rng(inputs.device), torch.no_grad():
+        with fixed_rng(inputs.device), torch.enable_grad():  # as in training: a module may write only under grad
             model(inputs)
     finally:
         for handle in handles:
@@ -203,8 +207,51 @@ def _refuse_lazy(model: nn.Module) -> None:
 
 
 def _ends(rows: int) -> list[int]:
-    """The first and last rows, and the middle one where at least two others remain."""
+    """The first and last rows, and the middle one where at least two others remain (of 2 rows: the last, so
+    that each of the two is replaced while the other is watched)."""
+    if rows == 2:
+        return [1]
     return sorted({0, rows - 1} | ({rows // 2} if rows >= 5 else set()))
+
+
+class _Probe:
+    """One copy of the model for probe runs (train mode, under grad with its parameters detached, so a forward
+    runs its training code path), inputs from a secret seed shaped like one example, its tensors set back before
+    each run."""
+
+    def __init__(self, model: nn.Module, example_input: torch.Tensor) -> None:
+        _refuse_lazy(model)
+        self.model = copy.deepcopy(model).train().requires_grad_(False)
+        self.device = device_of(self.model)
+        self.dtype = example_input.dtype if example_input.is_floating_point() else torch.get_default_dtype()
+        self._shape = tuple(example_input.shape[1:])
+        self._generator = secret_generator()
+        self.prints = _Fingerprints(self._generator)
+        self.snapshot = _Snapshot(self.model)
+
+    def draw(self, count: int) -> torch.Tensor:
+        return torch.randn((count, *self._shape), generator=self._generator, dtype=self.dtype).to(self.device)
+
+    def run(self, batch: torch.Tensor) -> list[Record]:
+        """A forward from the copy's initial state."""
+        self.snapshot.restore(self.model)
+        return _forward(self.model, batch, self.prints)
+
+    def mixing_batches(self, rows: int) -> tuple[list[int], list[int], list[torch.Tensor]]:
+        """The replaced rows, the others, and three batches: a base, the base with the replaced rows drawn anew,
+        and the base with the others drawn anew."""
+        ends = _ends(rows)
+        others = [row for row in range(rows) if row not in ends]
+        base = self.draw(rows)
+        few, rest = base.clone(), base.clone()
+        few[ends] = self.draw(len(ends))
+        rest[others] = self.draw(len(others))
+        return ends, others, [base, few, rest]
+
+    def refuse_mixing(self, outputs: list[list[Record]], ends: list[int], others: list[int]) -> None:
+        tolerance = _ULPS * torch.finfo(self.dtype).eps
+        _refuse_mixing(outputs[0], outputs[1], others, ends, tolerance)
+        _refuse_mixing(outputs[0], outputs[2], ends, others, tolerance)
 
 
 def probe_dp_safety(model: nn.Module, example_input: torch.Tensor, batch_size: int | None = None) -> frozenset[str]:
@@ -213,47 +260,43 @@ def probe_dp_safety(model: nn.Module, example_input: torch.Tensor, batch_size: i
     example_input: a batch (B, ...) of inputs as the model takes them (only its per-example shape, dtype
     and device are used). batch_size: rows of the largest batch the model takes in one training forward
     (physical batch times views per example); default B, at least PROBE_BATCH. See the module docstring.
-    Returns the buffers that forward sets once, the same way for any input (a cache built from constants
-    or parameters): the run-time guard (buffer_guard.BufferGuard) replays their updates.
+    Returns the buffers and frozen parameters that forward sets once, the same way for any input (a cache built
+    from constants or parameters): the run-time guard (buffer_guard.BufferGuard) replays their updates.
     """
-    _refuse_lazy(model)
     rows = max(batch_size or example_input.shape[0], PROBE_BATCH)
-    probe = copy.deepcopy(model).train()
-    device = device_of(probe)
-    dtype = example_input.dtype if example_input.is_floating_point() else torch.get_default_dtype()
-    generator = secret_generator()
-    prints = _Fingerprints(generator)
-
-    def draw(count: int) -> torch.Tensor:
-        return torch.randn((count, *example_input.shape[1:]), generator=generator, dtype=dtype).to(device)
-
-    snapshot, initial = _Snapshot(probe), _state(probe, prints)
-    ends = _ends(rows)
-    others = [row for row in range(rows) if row not in ends]
-    base = draw(rows)
-    few, rest = base.clone(), base.clone()
-    few[ends] = draw(len(ends))
-    rest[others] = draw(len(others))
+    frozen = {name for name, p in model.named_parameters() if not p.requires_grad}
+    probe = _Probe(model, example_input)
+    initial = _state(probe.model, probe.prints)
+    ends, others, batches = probe.mixing_batches(rows)
     outputs: list[list[Record]] = []
     after_one: list[State] = []
-    for batch in (base, few, rest):
-        snapshot.restore(probe)
-        outputs.append(_forward(probe, batch, prints))
-        after_one.append(_state(probe, prints))
-    snapshot.restore(probe)
-    _forward(probe, draw(1), prints)
-    small_one = _state(probe, prints)
-    _forward(probe, draw(PROBE_BATCH), prints)
-    history = [initial, small_one, _state(probe, prints)]  # as given, after one forward, after two
+    for batch in batches:
+        outputs.append(probe.run(batch))
+        after_one.append(_state(probe.model, probe.prints))
+    probe.run(probe.draw(1))
+    small_one = _state(probe.model, probe.prints)
+    _forward(probe.model, probe.draw(PROBE_BATCH), probe.prints)
+    history = [initial, small_one, _state(probe.model, probe.prints)]  # as given, after one forward, after two
 
     _refuse_input_dependent([(state, small_one) for state in after_one], history)
     _refuse_forward_counters(history[1], history[2])
-    tolerance = _ULPS * torch.finfo(dtype).eps
-    _refuse_mixing(outputs[0], outputs[1], others, ends, tolerance)
-    _refuse_mixing(outputs[0], outputs[2], ends, others, tolerance)
+    probe.refuse_mixing(outputs, ends, others)
     return frozenset(
-        name for name, entry in initial.items() if entry[0] == "buffer" and _differs(initial, after_one[0], name)
+        name
+        for name, entry in initial.items()
+        if (entry[0] == "buffer" or name in frozen) and _differs(initial, after_one[0], name)
     )
+
+
+def probe_examples_apart(model: nn.Module, example_input: torch.Tensor, rows: int) -> None:
+    """The probe's cross-example half alone, at `rows` rows: refuse a module whose output for an example moves
+    when other examples of a batch of that size change. The front-ends run it at each physical batch shape the
+    first time training runs it (shape_probe.py), since a module may mix at some sizes only."""
+    if rows < 2:
+        return  # one example: nothing to mix with
+    probe = _Probe(model, example_input)
+    ends, others, batches = probe.mixing_batches(rows)
+    probe.refuse_mixing([probe.run(batch) for batch in batches], ends, others)
 
 
 def _refuse_input_dependent(pairs: Sequence[tuple[State, State]], history: list[State]) -> None:

@@ -42,6 +42,7 @@ from .dp_safety import probe_dp_safety
 from .dp_step import clip_and_accumulate
 from .grad_sample_surface import HOOKS_ENABLED, CompletingRecord, GradSampleSurface
 from .opacus_parity import DEFAULT_GRAD_SAMPLE_MODE, GRAD_SAMPLE_MODES
+from .shape_probe import BatchShapeProbe
 from .validate import PrivacyValidationError
 
 LOSS_REDUCTIONS = ("mean", "sum")
@@ -95,6 +96,7 @@ class PrivateModule(GradSampleSurface, nn.Module):
         self._verify = verify
         self._probe_rows = (probe_batch or 0) * aug_mult
         self._guard: BufferGuard | None = None  # set by the DP-safety probe, at the first forward
+        self._shapes: BatchShapeProbe | None = None  # the cross-example probe at each new batch shape
         self._record: LayerRecord | None = None
         self._examples = 0  # of the last recorded forward
         self._hooks = HOOKS_ENABLED  # Opacus' hooks: the recording (grad_sample_surface.py)
@@ -107,6 +109,8 @@ class PrivateModule(GradSampleSurface, nn.Module):
             self._probe_once(x)
         if not self.training:
             return self._module(x, *args, **kwargs)
+        if self._shapes is not None:
+            self._shapes.check(x)
         with self._guard.watch(x):  # a training forward sees private data: buffers may not keep anything of it
             return self._training_forward(x, *args, **kwargs)
 
@@ -166,8 +170,10 @@ class PrivateModule(GradSampleSurface, nn.Module):
     def _probe_once(self, x: torch.Tensor) -> None:
         """dp_safety.probe_dp_safety on a copy, with random inputs shaped like `x` and at least as many rows as a
         batch of the data loader, before the module itself runs: refuse buffers written from the input or on every
-        forward, and layers that mix examples. Then every training forward is guarded (buffer_guard.py)."""
+        forward, and layers that mix examples. Then every training forward is guarded (buffer_guard.py), and each
+        new batch shape probed for mixing (shape_probe.py) where this probe could run."""
         set_once: frozenset[str] = frozenset()
+        rows = max(x.shape[0], self._probe_rows)
         if not x.is_floating_point():
             warnings.warn(
                 "make_private: the model takes non-float inputs, so the probe of its buffers and of how it keeps "
@@ -177,7 +183,8 @@ class PrivateModule(GradSampleSurface, nn.Module):
             )
         else:
             try:
-                set_once = probe_dp_safety(self._module, x, max(x.shape[0], self._probe_rows))
+                set_once = probe_dp_safety(self._module, x, rows)
+                self._shapes = BatchShapeProbe(self._module, (rows, *x.shape[1:]))
             except PrivacyValidationError:
                 raise
             except Exception as error:  # noqa: BLE001  (a forward needing several tensors: warn, do not refuse)
@@ -212,6 +219,7 @@ class PrivateModule(GradSampleSurface, nn.Module):
         record = self._record
         if record is None:
             raise CallOrderError("no recorded training forward: run the model in train mode and loss.backward() first")
+        self._guard.check("in a training backward")  # e.g. a backward hook writing a frozen parameter
         missing = [name for name in record.layers if name not in record.grads]
         if missing:
             raise CallOrderError(

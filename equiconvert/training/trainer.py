@@ -39,6 +39,7 @@ from ..privacy.dp_step import add_into, privatize
 from ..privacy.per_sample_method import PerExampleLoss, PerSampleGradients
 from ..privacy.sampling import PoissonSampler, physical_chunks
 from ..privacy.secure_rng import NOISE, SAMPLING, make_source, warn_not_private
+from ..privacy.shape_probe import BatchShapeProbe
 from ..privacy.validate import validate_dp_safe
 from .augment import augment_views, shift_set
 from .callbacks import Callback, MetricsLogger
@@ -168,6 +169,7 @@ class DPTrainer(TrainerCheckpoint):
             self.config.physical_batch_size,
         )
         self._buffer_guard: BufferGuard | None = None  # set by the DP-safety probe (_probe_once)
+        self._shape_probe: BatchShapeProbe | None = None  # the cross-example probe at each new chunk shape
         self._graphed = (
             GraphedChunks(self._chunk_result, rows=self.config.physical_batch_size) if self.config.cuda_graph else None
         )
@@ -283,6 +285,7 @@ class DPTrainer(TrainerCheckpoint):
                 if c.physical_batch_multiple > 1:  # after the augmentation, which draws for the real examples only
                     views, chunk_labels = pad_with_blank_rows(views, chunk_labels, c.physical_batch_multiple)
                     real = real_rows(chunk_labels)  # blank rows add zero and are never counted as non-finite
+            self._shape_probe.check(views.flatten(0, 1))  # e.g. the last, smaller chunk, the first time
             with self._buffer_guard.watch(views.flatten(0, 1)):
                 if self._graphed is None:
                     losses, chunk_nonfinite = self._per_sample_gradients.accumulate_clipped(
@@ -449,11 +452,14 @@ class DPTrainer(TrainerCheckpoint):
 
     def _probe_once(self, source: TrainData) -> None:
         """The DP-safety probe (privacy/dp_safety.py), once, before the model sees data, at the largest batch a forward
-        takes; every per-sample gradient computation after it is guarded (privacy/buffer_guard.py)."""
+        takes; every per-sample gradient computation after it is guarded (privacy/buffer_guard.py), and each chunk
+        shape probed for mixing the first time it runs (privacy/shape_probe.py)."""
         if self._buffer_guard is None:
             rows = min(self.config.physical_batch_size, len(source)) * self.config.aug_mult
-            set_once = check_dp_safe(self.model, self._first_example(source, "the training data"), rows)
+            example = self._first_example(source, "the training data")
+            set_once = check_dp_safe(self.model, example, rows)
             self._buffer_guard = BufferGuard(self.model, set_once, deferred=True)
+            self._shape_probe = BatchShapeProbe(self.model, (rows, *example.shape[1:]))
 
     def _interrupted(self) -> TrainingInterrupted:
         """The stop by Ctrl-C, logged and (with out_dir) checkpointed, as the exception fit raises."""

@@ -140,8 +140,14 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
 
 
+def _is_integer(value: Any) -> bool:
+    """An integer (Python's or NumPy's): a count such as batch_size=2.5 would be sampled and accounted as 2 but
+    divided by as 2.5."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
 def _at_least(low: int, note: str = "") -> Limit:
-    return (lambda v: _is_number(v) and v >= low, f"must be >= {low}" + (f" ({note})" if note else ""))
+    return (lambda v: _is_integer(v) and v >= low, f"must be an integer >= {low}" + (f" ({note})" if note else ""))
 
 
 def _above(low: float) -> Limit:

@@ -534,7 +534,7 @@ def test_train_norm_groups_and_crop_padding_reach_the_model_and_the_augmentation
     )  # never silently ignored
     assert "model keyword norm_groups applies to equiconvert:equivariant_resnet9 only" in error
     error = run_error(capsys, *tiny_train_args(tmp_path / "bad", "--set", "data.augment_padding=-1"))
-    assert "--set data.augment_padding=-1: must be >= 0" in error
+    assert "--set data.augment_padding=-1: must be an integer >= 0" in error
 
 
 def test_train_no_res2_reaches_the_preset_and_its_baseline_and_is_recorded(tmp_path, capsys):

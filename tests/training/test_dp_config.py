@@ -46,15 +46,23 @@ def test_every_limit_is_a_field_and_every_default_passes():
         ({"optimizer": "adam"}, "optimizer", "optimizer must be one of ('sgd', 'nadam', 'custom'), got 'adam'"),
         ({"ema_decay": -0.5}, "ema_decay", "ema_decay must be in (0, 1), got -0.5 (None: no EMA)"),
         ({"ema_decay": 1.0}, "ema_decay", "ema_decay must be in (0, 1), got 1.0"),
-        ({"checkpoint_every": -1}, "checkpoint_every", "checkpoint_every must be >= 1, got -1 (None: no periodic"),
+        (
+            {"checkpoint_every": -1},
+            "checkpoint_every",
+            "checkpoint_every must be an integer >= 1, got -1 (None: no periodic",
+        ),
         ({"momentum": 1.0}, "momentum", "momentum must be in [0, 1), got 1.0"),
-        ({"batch_size": None}, "batch_size", "batch_size must be >= 1, got None"),
+        ({"batch_size": None}, "batch_size", "batch_size must be an integer >= 1, got None"),
         ({"lr": True}, "lr", "lr must be a finite number > 0, got True"),
         ({"lr": float("inf")}, "lr", "lr must be a finite number > 0, got inf"),
         ({"max_grad_norm": float("inf")}, "max_grad_norm", "max_grad_norm must be a finite number > 0, got inf"),
         ({"noise_multiplier": float("inf")}, "noise_multiplier", "noise_multiplier must be a finite number > 0"),
-        ({"batch_size": float("inf")}, "batch_size", "batch_size must be >= 1, got inf"),
-        ({"steps": -1, "noise_multiplier": 1.0}, "steps", "steps must be >= 0, got -1"),
+        ({"batch_size": float("inf")}, "batch_size", "batch_size must be an integer >= 1, got inf"),
+        # sampled and accounted as 2 but divided by 2.5
+        ({"batch_size": 2.5}, "batch_size", "batch_size must be an integer >= 1, got 2.5"),
+        ({"physical_batch_size": 8.0}, "physical_batch_size", "physical_batch_size must be an integer >= 1, got 8.0"),
+        ({"steps": 10.5}, "steps", "steps must be an integer >= 0, got 10.5"),
+        ({"steps": -1, "noise_multiplier": 1.0}, "steps", "steps must be an integer >= 0, got -1"),
         ({"steps": 0}, "steps", "steps must be >= 1 for the noise to be calibrated"),
     ],
 )
@@ -132,7 +140,11 @@ def test_zero_is_off_in_the_api_too_and_a_checkpoint_that_stored_zero_resumes():
     ("key", "value", "message"),
     [
         ("schedule.ema_decay", 1.5, "--set schedule.ema_decay=1.5: must be in (0, 1) (0: no EMA)"),
-        ("schedule.checkpoint_every", -1, "--set schedule.checkpoint_every=-1: must be >= 1 (0: no periodic"),
+        (
+            "schedule.checkpoint_every",
+            -1,
+            "--set schedule.checkpoint_every=-1: must be an integer >= 1 (0: no periodic",
+        ),
         ("schedule.momentum", 1, "--set schedule.momentum=1: must be in [0, 1)"),
         ("dp.target_epsilon", -1.0, "--epsilon -1: must be a finite number > 0"),
         ("schedule.lr", float("inf"), "--lr inf: must be a finite number > 0"),
@@ -151,3 +163,9 @@ def test_recipe_checks_name_the_flag_or_key_and_the_rule(key, value, message):
 def test_the_ema_and_the_trainer_take_their_defaults_from_dpconfig():
     assert ExponentialMovingAverage(nn.Linear(2, 2)).decay == DPConfig().ema_decay
     assert inspect.signature(DPTrainer).parameters["lr_schedule"].default == DPConfig().lr_schedule
+
+
+def test_a_trainer_with_a_fractional_expected_batch_size_is_refused_before_any_data():
+    """batch_size=2.5 used to sample at rate 2/N, account with 2 and divide the noisy sum by 2.5."""
+    with pytest.raises(ConfigError, match=r"batch_size must be an integer >= 1, got 2\.5"):
+        DPTrainer(nn.Linear(2, 2), batch_size=2.5, progress=False)

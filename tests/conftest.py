@@ -18,6 +18,8 @@ import torch
 
 assert "equiconvert" not in sys.modules, "equiconvert was imported before tests/conftest.py set its cache folder"
 
+pytest_plugins = ["tests.support.tiers"]  # the markers slow, zoo, benchmarks, escnn, distributed
+
 SESSION_CACHE = tempfile.mkdtemp(prefix="equiconvert-test-cache-")
 os.environ["EQUICONVERT_CACHE_DIR"] = os.path.join(SESSION_CACHE, "equiconvert")
 os.environ["XDG_CACHE_HOME"] = os.path.join(SESSION_CACHE, "xdg")  # where the default would lie without the above

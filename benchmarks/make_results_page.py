@@ -39,7 +39,9 @@ clipping, unless its section says otherwise.
 """
 MAX_COLUMNS = 8  # wider tables do not fit the page: renderers split them or move long details out
 HEADLINE_KIND = "paper_table"  # the page opens with the first summary of this kind, as ours / paper / gap
-HEADLINE_COLUMNS = ["model", "epsilon", "ours: median (seeds)", "paper", "gap (points)", "explained", "left (SE)"]
+HEADLINE_COLUMNS = [
+    "model", "epsilon", "ours: median (seeds)", "paper", "gap (points)", "explained", "left (SE)", "what it can say"
+]  # fmt: skip
 
 Summary = dict[str, Any]
 Renderer = Callable[[Summary], list[str]]
@@ -246,18 +248,64 @@ def _paper_table(s: Summary) -> list[str]:
     )
 
 
-def _explained_and_left(r: dict, seed_std: float | None) -> list[str]:
-    """A cell's measured effects summed, and the part of its gap they leave with its SE; "-" without measurements."""
+def _left(r: dict, seed_std: float | None) -> tuple[float, float | None] | None:
+    """The part of a cell's gap its measured effects leave, and its SE; None without measurements."""
     gap = _gap_points(r)
     if not r.get("explained") or gap is None:
-        return ["-", "-"]
-    explained = paper_table.explained_points(r)
-    se = paper_table.left_standard_error(r, seed_std)
-    return [f"{explained:+.2f}", f"{gap - explained:+.2f}" + ("" if se is None else f" ({se:.2f})")]
+        return None
+    return gap - paper_table.explained_points(r), paper_table.left_standard_error(r, seed_std)
+
+
+def _left_text(left: tuple[float, float | None]) -> str:
+    return f"{left[0]:+.2f}" + ("" if left[1] is None else f" ({left[1]:.2f})")
+
+
+def _explained_and_left(r: dict, seed_std: float | None) -> list[str]:
+    """A cell's measured effects summed, the part of its gap they leave with its SE, and what that can say."""
+    left = _left(r, seed_std)
+    if left is None:
+        return ["-", "-", "-"]
+    return [f"{paper_table.explained_points(r):+.2f}", _left_text(left), paper_table.reading(*left)]
+
+
+def _shared_sentence(rows: list[dict]) -> str:
+    shared = paper_table.shared_effect(rows)
+    if shared is None:
+        return ""
+    return (
+        f" One measured cause, '{shared['effect']}' ({shared['points']:+.2f}, SE {shared['se']:.2f}), is the same number "
+        "in every explained row: its error moves every 'left' together, so the rows are not independent checks of each other."
+    )
+
+
+def _analyses(s: Summary, seed_std: float | None) -> list[str]:
+    """Each explained row's 'left' (SE) as this page counts its effects and as each other analysis in the summary
+    counts them; '*' marks a value 1.96 SE or more from zero."""
+    analyses = s.get("analyses", [])
+    cells = [r for r in s["rows"] if r.get("paper") and r.get("explained")]
+    if not analyses or not cells:
+        return []
+
+    def text(row: dict) -> str:
+        left = _left(row, seed_std)
+        far = left[1] is not None and abs(left[0]) >= paper_table.Z_95 * left[1]
+        return _left_text(left) + (" *" if far else "")
+
+    columns = ["model", "epsilon", "this page", *(a["name"] for a in analyses)]
+    rows = [[r["model"], r["epsilon"], text(r), *(text(paper_table.with_analysis(r, a)) for a in analyses)] for r in cells]
+    return [
+        "Other ways to count the same measurements, each row's 'left' (SE); '*': 1.96 SE or more from zero.",
+        "",
+        *_table(columns, rows),
+        "",
+        *_details("The analyses:", [f"{a['name']}: {a['description']}" for a in analyses]),
+        "",
+    ]
 
 
 def _headline(s: Summary) -> list[str]:
-    """The page's first table: each paper-table row with a number from the paper, ours against it."""
+    """The page's first table: each paper-table row with a number from the paper, ours against it; then the same
+    rows' unexplained parts under the summary's other analyses."""
     seed_std = paper_table.pooled_seed_std(s["rows"])
     rows = [
         [r["model"], r["epsilon"], _ours(r), _pct(r["paper"]), _gap(r), *_explained_and_left(r, seed_std)]
@@ -271,11 +319,14 @@ def _headline(s: Summary) -> list[str]:
         "Ours (median accuracy, with the number of seeds) against the paper's, and the gap in points; 'explained' "
         "is the sum of the gap's measured causes and 'left' what no measurement explains. Its SE combines the "
         f"causes' standard errors with the seed noise of both medians: our runs' spread{spread} over our seeds and "
-        f"over the paper's {paper_table.PAPER_SEEDS}, its runs assumed to spread like ours. The section "
-        f"'{s['title']}' below gives each row's data, setting and command, and each measured cause with its source.",
+        f"over the paper's {paper_table.PAPER_SEEDS}, its runs assumed to spread like ours. 'What it can say': "
+        f"'consistent with 0' where 'left' is within {paper_table.Z_95} SE of zero, else the points left and how "
+        f"many SEs they are.{_shared_sentence(s['rows'])} The section '{s['title']}' below gives each row's data, "
+        "setting and command, and each measured cause with its source.",
         "",
         *_table(HEADLINE_COLUMNS, rows),
         "",
+        *_analyses(s, seed_std),
     ]
 
 
@@ -508,6 +559,43 @@ def _swept(run: dict | None) -> str:
     if run is None:
         return "-"
     return _pct(run["accuracy"]) + (" (diverged)" if run["loss"] is None else "")
+
+
+def _in_se(ratio: float | None) -> str:
+    return "" if ratio is None else f", {ratio:+.1f} SE"
+
+
+RELEASED_ARMS = {"released": "released code", "preset": "our released-settings preset"}
+
+
+@renderer("released_vs_preset")
+def _released_vs_preset(s: Summary) -> list[str]:
+    """benchmarks/released_vs_preset.py: each run, then each arm's mean (SE) and their difference with its SE."""
+    columns = ["arm", "seed", "test accuracy", "epsilon", "steps", "wall time"]
+    rows = [
+        [
+            RELEASED_ARMS[r["arm"]],
+            r["seed"],
+            _pct(r["test_accuracy"]) + ("" if r["stopped_reason"] is None else f" (stopped: {r['stopped_reason']})"),
+            f"{r['epsilon']:.2f}",
+            f"{r['steps']} of {r['requested_steps']}",
+            f"{r['wall_time_s']:.0f} s",
+        ]
+        for r in sorted(s["rows"], key=lambda r: (r["arm"] != "released", r["seed"]))
+    ]
+    means = [
+        f"{RELEASED_ARMS[arm]}: {_pct(a['mean'])} over {a['n']} finished runs"
+        + ("" if a["se"] is None else f" (SE {a['se']:.2f})")
+        for arm, a in s["arms"].items()
+        if a["n"]
+    ]
+    d = s["released_minus_preset"]
+    difference = (
+        ["released code minus preset: no standard error with fewer than two finished runs in an arm"]
+        if d is None
+        else [f"released code minus preset: {d['points']:+.2f} points (SE {d['se']:.2f}" + _in_se(d["in_se"]) + ")"]
+    )
+    return _blocks(_table(columns, rows), _details("Means and their difference:", means + difference))
 
 
 FIGURES: dict[str, Callable[[Summary, Path], None]] = {

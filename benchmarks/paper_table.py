@@ -198,6 +198,48 @@ def left_standard_error(row: dict[str, Any], seed_std: float | None) -> float | 
     return variance**0.5
 
 
+Z_95 = 1.96  # two-sided 95% level of a normal error
+
+
+def reading(left: float, se: float | None) -> str:
+    """What a cell's unexplained part can carry at its SE: consistent with zero at the 95% level, or the points no
+    measurement explains (or by which the estimates exceed the gap), in SEs. Never a threshold below the SE."""
+    if se is None:
+        return "-"
+    if abs(left) < Z_95 * se:
+        return "consistent with 0 (95%)"
+    what = "unexplained" if left < 0 else "over-explained"
+    return f"{abs(left):.2f} points {what} ({abs(left) / se:.1f} SE)"
+
+
+def with_analysis(row: dict[str, Any], analysis: dict[str, Any]) -> dict[str, Any]:
+    """The row with its effects counted as `analysis` counts them.
+
+    The effects whose name starts with analysis["effect"] give way to the analysis' value: per epsilon
+    ("by_epsilon", keyed by the rounded epsilon), or one for every row ("all"); null drops them. Rows of other models
+    than analysis["models"] (when given) keep their effects."""
+    if row["model"] not in analysis.get("models", [row["model"]]):
+        return row
+    kept = [e for e in row.get("explained", []) if not e["effect"].startswith(analysis["effect"])]
+    if "by_epsilon" in analysis:
+        value = analysis["by_epsilon"].get(f"{round(float(row['epsilon'])):g}")
+    else:
+        value = analysis["all"]
+    if value is not None:
+        kept.append({"effect": analysis["effect"], "source": analysis["name"], **value})
+    return {**row, "explained": kept}
+
+
+def shared_effect(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The one measured effect every explained row counts with the same points and SE (the JPEG estimate): its error
+    moves every row's unexplained part together."""
+    explained = [r["explained"] for r in rows if r.get("explained")]
+    if not explained:
+        return None
+    common = [e for e in explained[0] if all(any(e == f for f in effects) for effects in explained[1:])]
+    return common[0] if common else None
+
+
 def plot(summary: dict[str, Any], path: Path) -> None:
     """Test accuracy vs epsilon: our median per cell (bars: min-max over seeds), the same with the cell's measured
     effects removed (hollow, dashed) where it has any, and the paper's points beside them."""
@@ -256,7 +298,9 @@ def plot(summary: dict[str, Any], path: Path) -> None:
     handles, labels = ax.get_legend_handles_labels()
     if handles:  # ours before the paper's
         order = sorted(range(len(labels)), key=lambda i: not labels[i].startswith("ours"))
-        ax.legend([handles[i] for i in order], [labels[i] for i in order], fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100, metadata={"Software": None})
+        ax.legend(  # below the axes: a dozen entries would hide the curves
+            [handles[i] for i in order], [labels[i] for i in order], fontsize=8, loc="upper center",
+            bbox_to_anchor=(0.5, -0.15), ncol=1,
+        )  # fmt: skip
+    fig.savefig(path, dpi=100, metadata={"Software": None}, bbox_inches="tight")
     plt.close(fig)

@@ -180,3 +180,54 @@ def test_the_paper_tables_paired_effects_are_their_rows_differences_with_the_poo
             assert effect["se"] == pytest.approx(pooled * 2**0.5, abs=0.005), effect["source"]
             checked += 1
     assert checked == 4  # epsilon 8: bf16 and EMA; epsilon 4 and 3: EMA
+
+
+def test_the_headline_says_what_each_left_can_carry_and_counts_it_under_the_other_analyses():
+    page = _load_script()
+    import paper_table  # the generator put benchmarks/ on the path
+
+    assert paper_table.reading(-0.43, 0.68) == "consistent with 0 (95%)"
+    assert paper_table.reading(-1.72, 0.54) == "1.72 points unexplained (3.2 SE)"
+    assert paper_table.reading(1.2, 0.5) == "1.20 points over-explained (2.4 SE)"
+    jpeg = {"effect": "JPEG copy, estimated", "points": -1.5, "se": 0.4, "source": "s"}
+    ema = {"effect": "EMA per step", "points": -0.3, "se": 0.5, "source": "s"}
+    row = {"model": "m", "epsilon": 8.08, "accuracy": [77.5, 78.5], "paper": 81.0, "explained": [jpeg, ema]}
+    per_epsilon = {"name": "J", "description": "d", "effect": "JPEG copy", "by_epsilon": {"8": {"points": -1.6, "se": 0.45}}}
+    assert paper_table.with_analysis(row, per_epsilon)["explained"] == [
+        ema, {"effect": "JPEG copy", "source": "J", "points": -1.6, "se": 0.45}
+    ]
+    assert paper_table.with_analysis(row, {"name": "N", "effect": "EMA", "all": None})["explained"] == [jpeg]
+    assert paper_table.with_analysis(row, {"name": "O", "effect": "EMA", "all": None, "models": ["x"]}) == row
+    assert paper_table.shared_effect([row, {**row, "explained": [jpeg]}, {"explained": None}]) == jpeg
+
+    summary = {"title": "T", "rows": [row, {**row, "model": "n", "explained": [jpeg]}], "analyses": [per_epsilon]}
+    text = "\n".join(page._headline(summary))
+    head, analyses = _tables(text)
+    # left: -3 + 1.5 (+ 0.3); SE: the effects' and the seed noise of two runs and of the paper's five (std 0.71)
+    assert _cells(head[2])[6:] == ["-1.20 (0.87)", "consistent with 0 (95%)"]
+    assert _cells(head[3])[6:] == ["-1.50 (0.71)", "1.50 points unexplained (2.1 SE)"]
+    assert _cells(analyses[0]) == ["model", "epsilon", "this page", "J"]
+    assert _cells(analyses[2])[2:] == ["-1.20 (0.87)", "-1.10 (0.90)"]
+    assert _cells(analyses[3])[2:] == ["-1.50 (0.71) *", "-1.40 (0.74)"]  # '*': 1.96 SE or more from zero
+    assert "'JPEG copy, estimated' (-1.50, SE 0.40), is the same number in every explained row" in text
+
+
+def test_the_released_code_comparison_renders_each_run_and_the_difference_with_its_se():
+    page = _load_script()
+    row = {"steps": 200, "requested_steps": 200, "stopped_reason": None, "epsilon": 7.99, "wall_time_s": 300.0}
+    rows = [
+        {**row, "arm": "preset", "seed": 0, "test_accuracy": 60.0},
+        {**row, "arm": "released", "seed": 0, "test_accuracy": 62.5},
+        {**row, "arm": "released", "seed": 1, "test_accuracy": 61.0, "stopped_reason": "time_limit", "steps": 90},
+    ]
+    summary = {
+        "rows": rows,
+        "arms": {"released": {"n": 1, "mean": 62.5, "se": None}, "preset": {"n": 1, "mean": 60.0, "se": None}},
+        "released_minus_preset": {"points": 2.5, "se": 0.5, "in_se": 5.0},
+    }
+    lines = page.RENDERERS["released_vs_preset"](summary)
+    table = [_cells(line) for line in lines if line.startswith("|")]
+    assert table[2] == ["released code", "0", "62.50%", "7.99", "200 of 200", "300 s"]
+    assert table[3][2] == "61.00% (stopped: time_limit)" and table[3][4] == "90 of 200"
+    assert "- released code minus preset: +2.50 points (SE 0.50, +5.0 SE)" in lines
+    assert "- our released-settings preset: 60.00% over 1 finished runs" in lines

@@ -21,14 +21,17 @@ class InvalidDataError(DataError, ValueError):
 
 
 PIXEL_TOLERANCE = 1e-3  # float images in [0, 1] up to rounding
+# the largest magnitude float images may have: normalised pixels, (x - mean) / std with x in [0, 1], stay within it
+# unless a channel's std is below 1/32; pixels in [0, 255] exceed it unless the images are nearly black
+NORMALISED_LIMIT = 32.0
 
 
 def check_images(images: torch.Tensor, what: str) -> None:
     """Images DPTrainer can read: uint8 pixels, or finite floats that are pixels in [0, 1] or already normalised.
 
     The trainer reads uint8 as pixel / 255 and any float as is, then applies normalize_mean/normalize_std: float
-    pixels in [0, 255] (no value below 0, some above 1) or integer images of another dtype would train on a scale
-    255 times too large, so they are refused. The error names the first bad example."""
+    pixels in [0, 255] or integer images of another dtype would train on a scale 255 times too large, so they are
+    refused (_refuse_pixel_scale says how they are told apart). The error names the first bad example."""
     if not isinstance(images, torch.Tensor) or images.dim() < 2:
         raise InvalidDataError(f"{what} images must be a tensor (N, C, H, W), got {type(images).__name__}")
     if images.is_complex() or not (images.is_floating_point() or images.dtype == torch.uint8):
@@ -49,7 +52,12 @@ def check_images(images: torch.Tensor, what: str) -> None:
 
 
 def _refuse_pixel_scale(flat: torch.Tensor, what: str) -> None:
-    """Float images with no negative value but values above 1 are pixels in [0, 255], not [0, 1]."""
+    """Refuse float images that are pixels in [0, 255]: the rule of NORMALISED_LIMIT.
+
+    Pixels in [0, 1] lie in [0, 1]; normalised pixels, (x - mean) / std with x in [0, 1], may leave it, but stay
+    within NORMALISED_LIMIT in magnitude unless a channel's std is below 1 / NORMALISED_LIMIT. So images with no
+    value below 0 and some above 1, or with any value beyond NORMALISED_LIMIT, are read as pixels in [0, 255]
+    (however many negative values they hold: one stray negative value does not make them normalised)."""
     if flat.numel() == 0:
         return
     low, high = float(flat.min()), float(flat.max())
@@ -59,6 +67,14 @@ def _refuse_pixel_scale(flat: torch.Tensor, what: str) -> None:
             f"{what} images hold values in [{low:g}, {high:g}] (images[{index}] exceeds 1): float images are "
             "read as pixels in [0, 1] (or as already normalised data, with negative values); divide them by "
             "255, or give uint8 pixels"
+        )
+    if max(-low, high) > NORMALISED_LIMIT:
+        index = int((flat.abs().amax(dim=1) > NORMALISED_LIMIT).nonzero()[0])
+        raise InvalidDataError(
+            f"{what} images hold values in [{low:g}, {high:g}] (images[{index}] exceeds {NORMALISED_LIMIT:g} in "
+            "magnitude): float images are read as pixels in [0, 1] or normalised pixels, which stay within "
+            f"+-{NORMALISED_LIMIT:g}; these are pixels in [0, 255] (a value below 0 does not make them normalised): "
+            "divide them by 255, or give uint8 pixels"
         )
 
 

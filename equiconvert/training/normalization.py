@@ -39,17 +39,26 @@ def check_normalization(mean: Any, std: Any) -> None:
 
 
 class Normalize:
-    """images -> (images - mean) / std on `device`; the per-channel constants are made there once (a copy to
-    the device at every step would wait for it)."""
+    """images -> (images - mean) / std on `device`, in `dtype` (the model's: float64 or float16 images would not
+    meet float32 weights); the per-channel constants are made there once (a copy to the device at every step
+    would wait for it)."""
 
-    def __init__(self, mean: float | Sequence[float], std: float | Sequence[float], device: torch.device) -> None:
-        self.device = device
+    def __init__(
+        self,
+        mean: float | Sequence[float],
+        std: float | Sequence[float],
+        device: torch.device,
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        self.device, self.dtype = device, dtype
         self.mean, self.std = _constants(_channel_values(mean), _channel_values(std), device)
 
     def __call__(self, images: torch.Tensor) -> torch.Tensor:
         images = images.to(self.device, non_blocking=True)
         if images.dtype == torch.uint8:
-            images = images.float().div_(255.0)
+            images = images.to(self.dtype).div_(255.0)
+        else:
+            images = images.to(self.dtype)
         mean, std = self.mean, self.std
         if isinstance(mean, torch.Tensor) and images.dim() >= 3 and images.shape[-3] != mean.shape[0]:
             raise ParameterError(

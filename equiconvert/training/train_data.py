@@ -41,8 +41,10 @@ class TensorData(TrainData):
         return len(self.images)
 
     def gather(self, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The examples at `indices`; labels as int64 class indices, what the losses take (int8 ones would fail
+        there; check_labels refuses labels that are not integers)."""
         indices = indices.to(self.images.device)
-        return self.images[indices], self.labels[indices.to(self.labels.device)]
+        return self.images[indices], self.labels[indices.to(self.labels.device)].long()
 
     def to(self, device: torch.device) -> "TensorData":
         return TensorData(self.images.to(device), self.labels.to(device))

@@ -200,7 +200,9 @@ class DPTrainer(TrainerCheckpoint):
         self.delta: float | None = None  # the run's delta: the configured one, else default_delta(N)
         # examples whose non-finite gradient was zeroed (privacy/nonfinite.py)
         self._nonfinite = torch.zeros((), dtype=torch.int64, device=self.device)
-        self._normalize = Normalize(self.config.normalize_mean, self.config.normalize_std, self.device)
+        self._normalize = Normalize(
+            self.config.normalize_mean, self.config.normalize_std, self.device, _input_dtype(self.model)
+        )
         self._augment_rng = torch.Generator(device=self.device).manual_seed(self.dist.rank_seed(self.config.seed + 1))
         # noise: rank 0's source is the job's only one; sampling: each rank its own (its shard's) stream
         insecure = self.config.insecure_seeded_noise
@@ -568,6 +570,11 @@ class DPTrainer(TrainerCheckpoint):
     @property
     def epsilon(self) -> float:
         return self.ledger.epsilon if self.ledger is not None else 0.0
+
+
+def _input_dtype(model: nn.Module) -> torch.dtype:
+    """The dtype the model's inputs are given in: its first floating parameter's (float32 for a model without one)."""
+    return next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
 
 
 def _to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:

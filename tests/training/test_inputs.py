@@ -248,6 +248,13 @@ def test_an_out_dir_that_is_a_file_is_refused_when_the_trainer_is_built(tmp_path
 # --- pixel scale, dtype and layout of the images ------------------------------------------------------------------
 
 
+def _with_value(images: torch.Tensor, value: float) -> torch.Tensor:
+    """`images` with its first entry set to `value`."""
+    images = images.clone()
+    images.view(-1)[0] = value
+    return images
+
+
 @pytest.mark.parametrize(
     "images, message",
     [
@@ -255,10 +262,14 @@ def test_an_out_dir_that_is_a_file_is_refused_when_the_trainer_is_built(tmp_path
             tiny_images()[0] * 255,
             r"images hold values in \[[\d.]+, [\d.]+\] \(images\[0\] exceeds 1\).* 255, or give uint8",
         ),
+        (  # one value below 0 does not make pixels in [0, 255] normalised
+            _with_value(tiny_images()[0] * 255, -0.5),
+            r"images\[0\] exceeds 32 in magnitude\).* these are pixels in \[0, 255\] .* divide them by 255",
+        ),
         ((tiny_images()[0] * 255).long(), r"images have dtype torch.int64: give uint8 pixels \(0-255\) or floats"),
         ((tiny_images()[0] * 255).int(), r"images have dtype torch.int32"),
     ],
-    ids=["float 0-255", "int64", "int32"],
+    ids=["float 0-255", "float 0-255 with a negative value", "int64", "int32"],
 )
 def test_images_on_the_pixel_scale_or_of_an_integer_dtype_are_refused(images, message):
     labels = tiny_images()[1]
@@ -283,6 +294,14 @@ def test_pixels_in_unit_range_uint8_and_normalised_floats_train():
     images, labels = tiny_images()
     for accepted in (images, (images * 255).to(torch.uint8), (images - 0.5) / 0.25, images * (1 + 1e-4)):
         assert DPTrainer(linear_classifier(), **OPTIONS).fit((accepted, labels))[-1]["step"] == 1
+
+
+def test_float64_images_and_int8_labels_train_as_float32_images_and_class_indices():
+    """Both used to fail inside the first forward or the loss with torch's dtype error."""
+    images, labels = tiny_images()
+    trainer = DPTrainer(linear_classifier(), **OPTIONS)
+    assert trainer.fit((images.double(), labels.to(torch.int8)))[-1]["step"] == 1
+    assert all(torch.isfinite(p).all() for p in trainer.model.parameters())
 
 
 def _conv_net(channels: int = 3) -> nn.Module:

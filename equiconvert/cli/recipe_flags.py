@@ -44,7 +44,7 @@ DEMO_FLAGS = {
 
 def _setting(key: str, value: Any) -> str:
     """How the user gave `key`: its flag and value (the flag alone for a list), else --set KEY=VALUE."""
-    shown = f"{value:g}" if isinstance(value, (int, float)) and not isinstance(value, bool) else str(value)
+    shown = f"{value:g}" if isinstance(value, (int, float)) and not isinstance(value, bool) else str(value) or "''"
     flag = next((flag for flag, flag_key in TRAIN_FLAGS.items() if flag_key == key), None)
     if flag is not None and isinstance(value, (list, tuple)):
         return flag

@@ -13,6 +13,7 @@ from ..data import resolve_name
 from ..training.devices import resolve_device
 from ..training.dp_config import OFF_OPTIONS, ConfigError, DPConfig, check_config
 from ..training.loggers import LoggerError, check_loggers
+from ..training.run_folder import EMPTY_OUT_RULE, names_no_folder
 from .adapt_model import refuse_bad_adaptation
 from .build_model import refuse_conversion_options_for_baseline, refuse_preset_options_for_other_models
 from .recipe import Recipe, RecipeError, recipe_value, trainer_fields
@@ -62,6 +63,8 @@ def check_recipe(recipe: Recipe) -> tuple[RunSpec, DPConfig]:
         check_loggers(recipe.run.loggers, parameter="run.loggers")
     except LoggerError as exc:
         raise RecipeSettingError("run.loggers", recipe.run.loggers, str(exc).removeprefix("run.loggers: ")) from None
+    if names_no_folder(recipe.run.out):
+        raise RecipeSettingError("run.out", recipe.run.out, EMPTY_OUT_RULE)
     dataset = resolve_name(recipe.data.dataset) if recipe.data.dataset is not None else None
     if dataset == "synthetic" and recipe.data.data_dir is not None:
         raise RecipeSettingError(

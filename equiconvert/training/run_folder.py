@@ -19,7 +19,26 @@ RUN_FILES = (*RUN_RECORDS, "model.txt")  # everything a run writes (and --overwr
 
 
 class OutputFolderError(UsageError, ValueError):
-    """`out` cannot be used as asked (it holds another run, or there is nothing to resume)."""
+    """`out` cannot be used as asked (it holds another run, there is nothing to resume, it cannot be created)."""
+
+
+# why an empty output path is refused: Path("") is the current folder, which the run would fill without a word
+EMPTY_OUT_RULE = "names no folder (an empty path is the current folder): give the run's output folder"
+
+
+def names_no_folder(out: str | Path | None) -> bool:
+    """Whether `out` is an empty path (checked before it becomes a Path, which reads "" as ".")."""
+    return out is not None and str(out) == ""
+
+
+def create_out(out: Path) -> None:
+    """Create the output folder (and its parents), or say in one line why it cannot be."""
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise OutputFolderError(
+            f"out={out} cannot be created ({error.strerror or error}): give a folder this user can write to"
+        ) from None
 
 
 def prepare_out(out: Path, *, resume: bool, overwrite: bool) -> None:

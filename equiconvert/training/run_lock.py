@@ -14,7 +14,7 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
-from .run_folder import OutputFolderError
+from .run_folder import OutputFolderError, create_out
 
 LOCK_FILE = ".equiconvert.lock"
 
@@ -35,7 +35,7 @@ def hold_run_folder(out: Path | None, create: bool = True) -> Iterator[None]:
     if out is None or (out.exists() and not out.is_dir()) or not (create or out.is_dir()):
         yield
         return
-    out.mkdir(parents=True, exist_ok=True)
+    create_out(out)
     key = out.resolve()
     if key in _held:
         _held[key] += 1
@@ -44,7 +44,12 @@ def hold_run_folder(out: Path | None, create: bool = True) -> Iterator[None]:
         finally:
             _held[key] -= 1
         return
-    fd = os.open(out / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        fd = os.open(out / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    except OSError as error:
+        raise OutputFolderError(
+            f"out={out} cannot be written ({error.strerror or error}): give a folder this user can write to"
+        ) from None
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

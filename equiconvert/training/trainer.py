@@ -55,6 +55,7 @@ from .interrupt import DeferredInterrupt, TrainingInterrupted
 from .loggers import DEFAULT_LOGGERS, LoggerSpec, build_loggers, check_loggers
 from .metrics import classification_metrics, predict
 from .normalization import Normalize
+from .run_folder import EMPTY_OUT_RULE, OutputFolderError, names_no_folder
 from .run_lock import hold_run_folder
 from .run_log import RunClock, RunLog, materialize, warn_step_times
 from .train_data import StreamedData, TensorData, TrainData, as_train_data
@@ -177,6 +178,8 @@ class DPTrainer(TrainerCheckpoint):
         self.model = model.to(self.device)
         self.dist = distributed or SINGLE_PROCESS  # [distributed] every rank starts from rank 0's weights
         self.dist.broadcast_module(self.model)
+        if names_no_folder(out_dir):
+            raise OutputFolderError(f"out_dir='' {EMPTY_OUT_RULE}, or None to write nothing")
         self.out_dir = Path(out_dir) if out_dir is not None else None
         if self.out_dir is not None and self.out_dir.exists() and not self.out_dir.is_dir():
             raise ParameterError(f"out_dir {self.out_dir} is a file: give a folder for the run's log and checkpoints")

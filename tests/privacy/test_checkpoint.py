@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import errno
+import io
 import json
 import os
 import pathlib
@@ -14,7 +16,8 @@ import torch
 
 from equiconvert.cli import main
 from equiconvert.privacy import checkpoint
-from equiconvert.privacy.checkpoint import CheckpointError, load, save_atomic
+from equiconvert.errors import RunError
+from equiconvert.privacy.checkpoint import CheckpointError, CheckpointWriteError, load, save_atomic
 from equiconvert.training.trainer import DPTrainer
 from tests.support.cli_errors import run_error
 from tests.support.paths import REPO_ROOT
@@ -129,3 +132,48 @@ def test_save_fsyncs_the_folder_after_the_rename(tmp_path, monkeypatch):
     save_atomic({"x": torch.ones(2)}, tmp_path / "c.pt")
     assert synced == [(False, False), (True, True)]
     assert stat.S_IMODE((tmp_path / "c.pt").stat().st_mode) == 0o600
+
+
+class _DiskFullAfter(io.RawIOBase):
+    """A file that takes `room` bytes, then fails every write with ENOSPC, as a full disk does."""
+
+    def __init__(self, handle: io.RawIOBase, room: int) -> None:
+        self.handle, self.room = handle, room
+
+    def write(self, data: bytes) -> int:
+        if len(data) > self.room:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        self.room -= len(data)
+        return self.handle.write(data)
+
+    def writable(self) -> bool:
+        return True
+
+    def fileno(self) -> int:
+        return self.handle.fileno()
+
+    def close(self) -> None:
+        self.handle.close()
+        super().close()
+
+
+def test_a_full_disk_during_a_save_keeps_the_last_good_checkpoint_and_is_one_line(tmp_path, monkeypatch):
+    """torch.save used to fail with its own RuntimeError ("unexpected pos ...") that named no cause."""
+    path = tmp_path / "checkpoint.pt"
+    save_atomic({"step": 1, "w": torch.ones(4)}, path)
+    real_fdopen = os.fdopen
+    monkeypatch.setattr(
+        checkpoint.os, "fdopen", lambda *args, **kwargs: _DiskFullAfter(real_fdopen(*args, **kwargs), 600)
+    )
+    with pytest.raises(CheckpointWriteError) as caught:
+        save_atomic({"step": 2, "w": torch.zeros(1000)}, path)
+    message = str(caught.value)
+    assert message == (
+        f"checkpoint {path} could not be written (No space left on device); the last good checkpoint there is kept: "
+        "free space on its file system (or give another out=) and resume"
+    )
+    assert isinstance(caught.value, RunError) and "\n" not in message
+    monkeypatch.undo()
+    kept = load(path)
+    assert kept["step"] == 1 and torch.equal(kept["w"], torch.ones(4))
+    assert [p.name for p in tmp_path.iterdir()] == ["checkpoint.pt"]  # no temporary file left behind

@@ -20,19 +20,23 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn, SupportsIndex
 
 import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from ..errors import ParameterError
+from ..errors import ParameterError, UsageError
 from .accounting import PrivacyBudgetError, PrivacyLedger, compute_epsilon
 from .dp_step import privatize
 from .lightning_guard import refuse_undrawn_batch
 from .opacus_parity import GHOST_GRAD_SAMPLES, REFUSED_OPTIMIZER_ATTRIBUTES, refuse_attribute
 from .private_module import PrivateModule
 from .secure_rng import RandomSource
+
+
+class OptimizerCopyError(UsageError, TypeError):
+    """A DPOptimizer given to copy.copy, copy.deepcopy or pickle."""
 
 
 class DPOptimizer(Optimizer):
@@ -109,6 +113,14 @@ class DPOptimizer(Optimizer):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.original_optimizer.load_state_dict(state_dict)
+
+    def __reduce_ex__(self, protocol: SupportsIndex) -> NoReturn:
+        """copy.copy, copy.deepcopy and pickle are refused: a copy would hold the secret noise generator's state."""
+        raise OptimizerCopyError(
+            "the optimizer make_private returned cannot be copied or pickled: a copy would draw the same secret "
+            "noise as the original (whoever held both could subtract it) and take steps the accounting never sees; "
+            "save optimizer.state_dict() (or PrivacyEngine.save_checkpoint) and call make_private again instead"
+        )
 
     def __repr__(self) -> str:
         return (

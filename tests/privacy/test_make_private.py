@@ -3,6 +3,7 @@ examples, refusals."""
 
 import copy
 import math
+import pickle
 import warnings
 
 import pytest
@@ -18,6 +19,7 @@ import equiconvert.privacy.opacus_interop  # noqa: F401  (Opacus' samplers for t
 from equiconvert.privacy import BatchMemoryManager, PrivacyEngine, make_private
 from equiconvert.privacy.accounting import PrivacyBudgetError
 from equiconvert.privacy.bookkeeping import BookkeepingUnsupportedError
+from equiconvert.privacy.dp_optimizer import OptimizerCopyError
 from equiconvert.privacy.validate import PrivacyValidationError
 
 
@@ -530,3 +532,20 @@ def test_loaders_and_values_poisson_sampling_cannot_use_are_refused_first(loader
             data_loader=loader,
             **{"noise_multiplier": 1.0, "max_grad_norm": 1.0, **options},
         )
+
+
+@pytest.mark.parametrize(
+    "duplicate",
+    [copy.copy, copy.deepcopy, lambda optimizer: pickle.loads(pickle.dumps(optimizer))],
+    ids=["copy", "deepcopy", "pickle"],
+)
+def test_the_private_optimizer_refuses_to_be_copied_saying_why(duplicate):
+    """copy.deepcopy used to fail with an AttributeError deep in torch's Optimizer.__setstate__; pickle.dumps
+    succeeded and pickle.loads failed the same way."""
+    data = TensorDataset(torch.randn(8, 3, 9, 9), torch.randint(0, 10, (8,)))
+    _, optimizer, _ = _private(PlainCNN(), data)
+    with pytest.raises(
+        OptimizerCopyError, match=r"cannot be copied or pickled: a copy would draw the same secret noise"
+    ):
+        duplicate(optimizer)
+    assert isinstance(optimizer.state_dict(), dict)  # what to save instead

@@ -292,7 +292,9 @@ def _analyses(s: Summary, seed_std: float | None) -> list[str]:
         return _left_text(left) + (" *" if far else "")
 
     columns = ["model", "epsilon", "this page", *(a["name"] for a in analyses)]
-    rows = [[r["model"], r["epsilon"], text(r), *(text(paper_table.with_analysis(r, a)) for a in analyses)] for r in cells]
+    rows = [
+        [r["model"], r["epsilon"], text(r), *(text(paper_table.with_analysis(r, a)) for a in analyses)] for r in cells
+    ]
     return [
         "Other ways to count the same measurements, each row's 'left' (SE); '*': 1.96 SE or more from zero.",
         "",

@@ -17,7 +17,8 @@ Nothing of the checkout is copied: it is imported at run time (released_code.py)
 
 The seed fixes the initialisation (torch and numpy, as released_model builds it) and the augmentations; batches and
 noise come from generators seeded by the operating system, as the released code's unseeded ones, and are never
-written: a checkpoint holds the step, the weights, the EMA and the augmentation generator's state, owner-only.
+written: a checkpoint holds the step, the weights, the EMA and the state of torch's main generator (from which the
+augmentations draw), owner-only.
 """
 
 from __future__ import annotations
@@ -26,13 +27,15 @@ import importlib.util
 import json
 import math
 import time
-from collections.abc import Callable
+from collections import deque
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
 import torch
 from torch import nn
+from torch.utils.data import DataLoader, Dataset
 
 from equiconvert.privacy import checkpoint
 from equiconvert.privacy.accounting import compute_epsilon
@@ -44,6 +47,7 @@ from throughput import view_summed_gradients
 CHECKPOINT = "checkpoint.pt"
 RESULT = "result.json"
 EVAL_BATCH = 1000
+Part = tuple[torch.Tensor, torch.Tensor] | None  # one physical batch: views (B, K, C, H, W) and labels; None if empty
 
 
 @dataclass(frozen=True)
@@ -100,8 +104,9 @@ class ParameterEMA:
 
 
 @torch.no_grad()
-def test_accuracy(model: nn.Module, weights: dict[str, torch.Tensor], images: torch.Tensor, labels: torch.Tensor,
-                  device: torch.device) -> float:
+def test_accuracy(
+    model: nn.Module, weights: dict[str, torch.Tensor], images: torch.Tensor, labels: torch.Tensor, device: torch.device
+) -> float:
     """Share correct of `model` with `weights` in place of its parameters (restored afterwards)."""
     params = dict(model.named_parameters())
     kept = {n: p.detach().clone() for n, p in params.items()}
@@ -118,17 +123,55 @@ def test_accuracy(model: nn.Module, weights: dict[str, torch.Tensor], images: to
     return correct / len(labels)
 
 
-def released_step(model: nn.Module, ema: ParameterEMA, views_of: Callable[[torch.Tensor], torch.Tensor],
-                  labels: torch.Tensor, chosen: torch.Tensor, s: ReleasedSettings, noise: torch.Generator,
-                  device: torch.device) -> None:
-    """One logical batch (indices `chosen`) as train.py runs it: physical batches, clipped view sums, one noisy step."""
+class AugmentedImages(Dataset):
+    """The training images as the released transform hands them over: normalised, then AugMult's views."""
+
+    def __init__(self, images: torch.Tensor, labels: torch.Tensor, augment: Callable[[torch.Tensor], torch.Tensor]):
+        self.images, self.labels, self.augment = images, labels, augment
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.augment(self.images[index]), self.labels[index]
+
+
+def _stacked(items: list[tuple[torch.Tensor, torch.Tensor]]) -> Part:
+    """A physical batch (views B x K x C x H x W, labels), or None for the empty logical batch Poisson sampling draws."""
+    if not items:
+        return None
+    views, labels = zip(*items)
+    return torch.stack(views), torch.stack(labels)
+
+
+def physical_batches(
+    examples: int, s: ReleasedSettings, steps: int, sampling: torch.Generator, parts_per_step: deque[int]
+) -> Iterator[list[int]]:
+    """Index lists of `steps` logical batches, each Poisson-sampled and cut into near-equal physical batches (one empty
+    list for an empty batch); the number of parts of each step goes to `parts_per_step` as it is drawn."""
+    rate = s.sample_rate(examples)
+    for _ in range(steps):
+        chosen = (torch.rand(examples, generator=sampling) < rate).nonzero().flatten()
+        parts = torch.tensor_split(chosen, max(1, math.ceil(len(chosen) / s.physical_batch_size)))
+        parts_per_step.append(len(parts))
+        yield from (part.tolist() for part in parts)
+
+
+def released_step(
+    model: nn.Module,
+    ema: ParameterEMA,
+    parts: list[Part],
+    s: ReleasedSettings,
+    noise: torch.Generator,
+    device: torch.device,
+) -> None:
+    """One logical batch, given as its physical batches, as train.py runs it: clipped view sums, one noisy step."""
     params = dict(model.named_parameters())
     summed = {n: torch.zeros_like(p) for n, p in params.items()}
-    parts = torch.tensor_split(chosen, max(1, math.ceil(len(chosen) / s.physical_batch_size)))
     for number, part in enumerate(parts, start=1):
-        if len(part):
-            views = torch.stack([views_of(int(i)) for i in part]).to(device)
-            grads = view_summed_gradients(model, views, labels[part].to(device))
+        if part is not None:
+            views, labels = part
+            grads = view_summed_gradients(model, views.to(device), labels.to(device))
             clipped, _ = clip_and_sum(grads, s.max_grad_norm)
             for name, value in clipped.items():
                 summed[name] += value
@@ -148,10 +191,20 @@ def secret_generator(device: torch.device) -> torch.Generator:
     return generator
 
 
-def train_released(root: Path, train, test, seed: int, s: ReleasedSettings, run_dir: Path, device: torch.device,
-                   time_limit: float | None = None) -> dict:
+def train_released(
+    root: Path,
+    train,
+    test,
+    seed: int,
+    s: ReleasedSettings,
+    run_dir: Path,
+    device: torch.device,
+    time_limit: float | None = None,
+    loader_workers: int = 0,
+) -> dict:
     """Train the released model for s.steps (resuming run_dir's checkpoint), then write and return its result.
 
+    The views are made in `loader_workers` processes, as the released DataLoader makes them (0: in this one).
     Stops early, checkpointed, once `time_limit` seconds have passed in this call; result.json then records
     stopped_reason "time_limit" and a later call continues. Its fields are named as `equiconvert train`'s result.json
     names them (test_accuracy a share, wall_time_s this call's)."""
@@ -169,16 +222,25 @@ def train_released(root: Path, train, test, seed: int, s: ReleasedSettings, run_
         with torch.no_grad():
             for name, param in model.named_parameters():
                 param.copy_(state["params"][name])
-        ema = ParameterEMA(model, s.ema_decay, int(state["ema_updates"]), {n: t.to(device) for n, t in state["ema"].items()})
-        torch.set_rng_state(state["augmentation_rng"])
-    augment = released_augmentation(root, s.aug_mult)
-    images = normalised(train.images, s.normalize_mean, s.normalize_std)
+        ema = ParameterEMA(
+            model, s.ema_decay, int(state["ema_updates"]), {n: t.to(device) for n, t in state["ema"].items()}
+        )
+        torch.set_rng_state(state["main_rng"])
+    dataset = AugmentedImages(
+        normalised(train.images, s.normalize_mean, s.normalize_std),
+        train.labels,
+        released_augmentation(root, s.aug_mult),
+    )
     rate = s.sample_rate(len(train.labels))
     sampling, noise = secret_generator(torch.device("cpu")), secret_generator(device)
+    parts_per_step: deque[int] = deque()
+    sampler = physical_batches(len(train.labels), s, s.steps - step, sampling, parts_per_step)
+    batches = iter(DataLoader(dataset, batch_sampler=sampler, num_workers=loader_workers, collate_fn=_stacked))
     stopped = None
     while step < s.steps:
-        chosen = (torch.rand(len(train.labels), generator=sampling) < rate).nonzero().flatten()
-        released_step(model, ema, lambda i: augment(images[i]), train.labels, chosen, s, noise, device)
+        first = next(batches)  # drawn with its step's part count, so that count is in the queue now
+        parts = [first, *(next(batches) for _ in range(parts_per_step.popleft() - 1))]
+        released_step(model, ema, parts, s, noise, device)
         step += 1
         out_of_time = time_limit is not None and time.perf_counter() - start > time_limit
         if step % s.checkpoint_every == 0 or step == s.steps or out_of_time:
@@ -186,7 +248,9 @@ def train_released(root: Path, train, test, seed: int, s: ReleasedSettings, run_
         if out_of_time and step < s.steps:
             stopped = "time_limit"
             break
-    accuracy = test_accuracy(model, ema.shadow, normalised(test.images, s.normalize_mean, s.normalize_std), test.labels, device)
+    accuracy = test_accuracy(
+        model, ema.shadow, normalised(test.images, s.normalize_mean, s.normalize_std), test.labels, device
+    )
     result = {
         "arm": "released",
         "seed": seed,
@@ -212,6 +276,6 @@ def _save(run_dir: Path, step: int, model: nn.Module, ema: ParameterEMA) -> None
         "params": {n: p.detach().cpu() for n, p in model.named_parameters()},
         "ema": {n: t.cpu() for n, t in ema.shadow.items()},
         "ema_updates": ema.updates,
-        "augmentation_rng": torch.get_rng_state(),
+        "main_rng": torch.get_rng_state(),
     }
     checkpoint.save_atomic(state, run_dir / CHECKPOINT)

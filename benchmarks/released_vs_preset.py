@@ -136,8 +136,17 @@ def command(run: PlannedArm, args: argparse.Namespace, run_dir: Path, resume: bo
     limit = ("--time-limit", str(args.time_limit)) if args.time_limit else ()
     if run.arm == "preset":
         where = ("--seed", str(run.seed), "--out", str(run_dir), "--device", args.device, *limit)
-        return [sys.executable, "-m", "equiconvert", "train", *run.fixed_args, *where, *(("--resume",) if resume else ())]
-    worker = ("--worker", "--seed", str(run.seed), "--runs", str(args.runs), "--device", args.device, *limit)
+        return [
+            sys.executable,
+            "-m",
+            "equiconvert",
+            "train",
+            *run.fixed_args,
+            *where,
+            *(("--resume",) if resume else ()),
+        ]
+    worker = ("--worker", "--seed", str(run.seed), "--runs", str(args.runs), "--device", args.device, *limit,
+              "--loader-workers", str(args.loader_workers))  # fmt: skip
     return [sys.executable, str(Path(__file__).resolve()), *run.fixed_args, *worker]
 
 
@@ -150,7 +159,9 @@ def run_arms(args: argparse.Namespace, runs: list[PlannedArm]) -> list[dict]:
     def one(run: PlannedArm, again: bool) -> dict | None:
         run_dir = args.runs / run.name
         record = {"arm": run.arm, "seed": run.seed, "extra_args": list(run.fixed_args)}
-        return train_runs.execute(run.name, run_dir, command(run, args, run_dir, again), record, again, say, args.device)
+        return train_runs.execute(
+            run.name, run_dir, command(run, args, run_dir, again), record, again, say, args.device
+        )
 
     with ThreadPoolExecutor(max_workers=args.jobs) as pool:
         outcomes = list(pool.map(lambda item: one(*item), [(r, True) for r in resume] + [(r, False) for r in start]))
@@ -214,7 +225,7 @@ def summary(args: argparse.Namespace, s: ReleasedSettings, examples: int, rows: 
     card = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     return {
         "kind": "released_vs_preset",
-        "order": 4,
+        "order": 3,  # beside the paper table and the fidelity check
         "title": "The released code against our released-settings preset, same data and schedule",
         "description": (
             f"The paper's released code ({RELEASED_REPO} at {RELEASED_COMMIT}: its own model, augmentation and step, "
@@ -222,8 +233,8 @@ def summary(args: argparse.Namespace, s: ReleasedSettings, examples: int, rows: 
             f"({examples:,} training images), seeds and noise multiplier: {s.steps} steps of expected batch "
             f"{expected:g} x {s.aug_mult} views at sampling rate {s.sample_rate(examples):.6g}, sigma "
             f"{s.noise_multiplier:.4f} for epsilon {args.epsilon:g} (RDP, delta {s.delta:g}). The noise per step "
-            f"relative to the batch matches the full schedule's (expected batch / sigma {expected / s.noise_multiplier:.0f} "
-            f"here, {full_batch / full_sigma:.0f} in the recipe's {recipe_value(recipe, 'schedule.steps')} steps); "
+            f"relative to the batch (expected batch / sigma): {expected / s.noise_multiplier:.0f} here, "
+            f"{full_batch / full_sigma:.0f} in the recipe's {recipe_value(recipe, 'schedule.steps')} steps; "
             f"the short schedule takes {s.steps * expected / examples:.1f} epochs where the full one takes "
             f"{recipe_value(recipe, 'schedule.steps') * full_batch / examples:.0f}. The released arm clips each "
             f"example's sum of view gradients at {s.max_grad_norm:g}, divides by {s.batch_size} and steps at lr "
@@ -243,23 +254,50 @@ def summary(args: argparse.Namespace, s: ReleasedSettings, examples: int, rows: 
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--released", type=Path, default=None, help=f"a checkout of {RELEASED_REPO} at {RELEASED_COMMIT} (default ${ENV_VAR})")
-    p.add_argument("--data-dir", type=Path, required=True, help="CIFAR-10: an ImageFolder copy (train/, test/) or the pickle batches")
+    p.add_argument(
+        "--released",
+        type=Path,
+        default=None,
+        help=f"a checkout of {RELEASED_REPO} at {RELEASED_COMMIT} (default ${ENV_VAR})",
+    )
+    p.add_argument(
+        "--data-dir",
+        type=Path,
+        required=True,
+        help="CIFAR-10: an ImageFolder copy (train/, test/) or the pickle batches",
+    )
     p.add_argument("--seeds", type=lambda t: [int(x) for x in train_runs.split_list(t)], default=[0, 1, 2])
     p.add_argument("--arms", type=lambda t: train_runs.split_list(t), default=list(ARMS), help="released,preset")
     p.add_argument("--steps", type=int, default=200)
-    p.add_argument("--batch-size", type=int, default=1000, help="the released code's bs (its sampling rate is 1 / (N // bs))")
+    p.add_argument(
+        "--batch-size", type=int, default=1000, help="the released code's bs (its sampling rate is 1 / (N // bs))"
+    )
     p.add_argument("--epsilon", type=float, default=8.0)
     p.add_argument("--delta", type=float, default=1e-5)
-    p.add_argument("--physical-batch-size", type=int, default=None, help="the released arm's physical batch (default: its hardware.bs_physical / aug_mult)")
+    p.add_argument(
+        "--physical-batch-size",
+        type=int,
+        default=None,
+        help="the released arm's physical batch (default: its hardware.bs_physical / aug_mult)",
+    )
     p.add_argument("--checkpoint-every", type=int, default=50)
-    p.add_argument("--preset-set", action="append", default=[], metavar="KEY=VALUE", help="more --set for the preset arm")
+    p.add_argument(
+        "--preset-set", action="append", default=[], metavar="KEY=VALUE", help="more --set for the preset arm"
+    )
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--jobs", type=int, default=6, help="runs at once")
-    p.add_argument("--time-limit", type=int, default=None, help="seconds each run trains in this call before it checkpoints and stops")
+    p.add_argument("--loader-workers", type=int, default=4, help="processes making the released arm's views (0: none)")
+    p.add_argument(
+        "--time-limit",
+        type=int,
+        default=None,
+        help="seconds each run trains in this call before it checkpoints and stops",
+    )
     p.add_argument("--runs", type=Path, default=DEFAULT_RUNS, help="the run folders")
     p.add_argument("--out", type=Path, default=None, help="folder of the summary (default: $OUT, else --runs)")
-    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)  # one released run (the process `command` starts)
+    p.add_argument(
+        "--worker", action="store_true", help=argparse.SUPPRESS
+    )  # one released run (the process `command` starts)
     p.add_argument("--seed", type=int, default=None, help=argparse.SUPPRESS)
     return p
 
@@ -283,12 +321,15 @@ def main(argv: list[str] | None = None) -> int:
     args.released = released_dir(args.released)
     train = load_dataset("cifar10", args.data_dir, "train")
     if args.batch_size > len(train.labels):
-        raise UsageError(f"--batch-size {args.batch_size} exceeds the {len(train.labels)} training images of {args.data_dir}")
+        raise UsageError(
+            f"--batch-size {args.batch_size} exceeds the {len(train.labels)} training images of {args.data_dir}"
+        )
     s = released_settings(args.released, args, len(train.labels))
     if args.worker:
         run_dir = args.runs / PlannedArm("released", args.seed, ()).name
         test = load_dataset("cifar10", args.data_dir, "test")
-        train_released(args.released, train, test, args.seed, s, run_dir, torch.device(args.device), args.time_limit)
+        device = torch.device(args.device)
+        train_released(args.released, train, test, args.seed, s, run_dir, device, args.time_limit, args.loader_workers)
         return 0
     args.runs.mkdir(parents=True, exist_ok=True)
     runs = planned(args, s, len(train.labels))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import sys
+from collections import deque
 from pathlib import Path
 
 import pytest
@@ -20,7 +21,7 @@ from tests.support.benchmark_scripts import load_benchmark
 released_vs_preset = load_benchmark("released_vs_preset")  # puts benchmarks/ on the path for its sibling modules
 import released_training  # noqa: E402
 
-MODEL = '''
+MODEL = """
 from torch import nn
 
 
@@ -33,8 +34,8 @@ class EquivariantResNet9(nn.Module):
 
     def forward(self, x):
         return self.head(self.body(x))
-'''
-AUGMENTATION = '''
+"""
+AUGMENTATION = """
 import torch
 
 
@@ -44,7 +45,7 @@ class AugMult:
 
     def de_et_al(self, x):
         return torch.stack([x] + [torch.roll(x, int(torch.randint(-2, 3, ())), dims=-1) for _ in range(self.k)])
-'''
+"""
 CONFIG = {
     "conf/config.yaml": {"hardware": {"deterministic": False, "bs_physical": 8, "num_workers": 0}},
     "conf/setup/eqresnet9-cifar10.yaml": {
@@ -101,7 +102,8 @@ def test_the_released_step_clips_each_view_sum_adds_noise_once_and_divides_by_bs
     )  # fmt: skip
     ema = released_training.ParameterEMA(model, s.ema_decay)
     noise = torch.Generator().manual_seed(5)
-    released_training.released_step(model, ema, lambda i: views[i], labels, torch.tensor([0, 1]), s, noise, torch.device("cpu"))
+    parts = [(views[:1], labels[:1]), (views[1:], labels[1:])]  # physical batches of one example
+    released_training.released_step(model, ema, parts, s, noise, torch.device("cpu"))
 
     expected = {n: torch.zeros_like(p) for n, p in start.items()}
     for i in range(2):
@@ -122,6 +124,27 @@ def test_the_released_step_clips_each_view_sum_adds_noise_once_and_divides_by_bs
         torch.testing.assert_close(ema.shadow[name], start[name] * 3 / 12 + param.detach() * (1 - 3 / 12))
 
 
+def test_logical_batches_are_poisson_draws_cut_into_near_equal_physical_batches():
+    s = released_training.ReleasedSettings(
+        steps=40, batch_size=25, aug_mult=2, max_grad_norm=1.0, lr=1.0, ema_decay=0.999, physical_batch_size=3,
+        noise_multiplier=1.0, delta=1e-5, normalize_mean=(0.0,) * 3, normalize_std=(1.0,) * 3,
+    )  # fmt: skip
+    assert s.sample_rate(110) == 1 / 4  # one over the full batches of 25 in 110 examples
+    counts: deque[int] = deque()
+    parts = list(released_training.physical_batches(110, s, 40, torch.Generator().manual_seed(0), counts))
+    assert len(counts) == 40 and sum(counts) == len(parts)
+    sizes = [len(p) for p in parts]
+    for count in counts:
+        step, sizes = sizes[:count], sizes[count:]
+        assert count == max(1, -(-sum(step) // 3)) and max(step) - min(step) <= 1 and max(step) <= 3
+    drawn = [i for p in parts for i in p]
+    assert 0.2 < len(drawn) / (40 * 110) < 0.3  # rate 1/4
+    empty = released_training.ReleasedSettings(**{**s.__dict__, "batch_size": 1})
+    nothing = list(released_training.physical_batches(2, empty, 1, torch.Generator().manual_seed(4), deque()))
+    assert nothing == [[]]  # seed 4 draws no example at rate 1/2: one empty physical batch, the step noise alone
+    assert released_training._stacked([]) is None
+
+
 def test_tiny_run_trains_both_arms_resumes_and_writes_the_comparison(tmp_path, fake_released):
     _image_folder(tmp_path / "data", per_class=4)
     runs, out = tmp_path / "runs", tmp_path / "out"
@@ -129,7 +152,7 @@ def test_tiny_run_trains_both_arms_resumes_and_writes_the_comparison(tmp_path, f
         *("--released", str(fake_released), "--data-dir", str(tmp_path / "data" / "cifar10"), "--device", "cpu"),
         *("--seeds", "0", "--steps", "2", "--batch-size", "10", "--jobs", "2", "--checkpoint-every", "1"),
         *("--runs", str(runs), "--out", str(out), "--preset-set", "model.kwargs.layout=[8, 8, 8]"),
-        *("--preset-set", "dp.physical_batch_size=8"),
+        *("--preset-set", "dp.physical_batch_size=8", "--loader-workers", "1"),
     ]
     assert released_vs_preset.main(argv) == 0
     summary = json.loads((out / "released_vs_preset.json").read_text())
@@ -174,11 +197,13 @@ def test_without_a_checkout_the_error_says_how_to_give_one(tmp_path, monkeypatch
 
 
 def test_the_comparison_counts_finished_runs_and_gives_the_difference_its_standard_error():
-    rows = [
-        {"arm": "released", "test_accuracy": a, "stopped_reason": None} for a in (80.0, 82.0)
-    ] + [{"arm": "preset", "test_accuracy": a, "stopped_reason": None} for a in (78.0, 79.0, 80.0)] + [
-        {"arm": "preset", "test_accuracy": 10.0, "stopped_reason": "time_limit"}  # unfinished: not counted
-    ]
+    rows = (
+        [{"arm": "released", "test_accuracy": a, "stopped_reason": None} for a in (80.0, 82.0)]
+        + [{"arm": "preset", "test_accuracy": a, "stopped_reason": None} for a in (78.0, 79.0, 80.0)]
+        + [
+            {"arm": "preset", "test_accuracy": 10.0, "stopped_reason": "time_limit"}  # unfinished: not counted
+        ]
+    )
     compared = released_vs_preset.compare(rows)
     assert compared["arms"]["preset"]["n"] == 3 and compared["arms"]["preset"]["mean"] == pytest.approx(79.0)
     difference = compared["released_minus_preset"]

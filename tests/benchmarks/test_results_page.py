@@ -192,9 +192,15 @@ def test_the_headline_says_what_each_left_can_carry_and_counts_it_under_the_othe
     jpeg = {"effect": "JPEG copy, estimated", "points": -1.5, "se": 0.4, "source": "s"}
     ema = {"effect": "EMA per step", "points": -0.3, "se": 0.5, "source": "s"}
     row = {"model": "m", "epsilon": 8.08, "accuracy": [77.5, 78.5], "paper": 81.0, "explained": [jpeg, ema]}
-    per_epsilon = {"name": "J", "description": "d", "effect": "JPEG copy", "by_epsilon": {"8": {"points": -1.6, "se": 0.45}}}
+    per_epsilon = {
+        "name": "J",
+        "description": "d",
+        "effect": "JPEG copy",
+        "by_epsilon": {"8": {"points": -1.6, "se": 0.45}},
+    }
     assert paper_table.with_analysis(row, per_epsilon)["explained"] == [
-        ema, {"effect": "JPEG copy", "source": "J", "points": -1.6, "se": 0.45}
+        ema,
+        {"effect": "JPEG copy", "source": "J", "points": -1.6, "se": 0.45},
     ]
     assert paper_table.with_analysis(row, {"name": "N", "effect": "EMA", "all": None})["explained"] == [jpeg]
     assert paper_table.with_analysis(row, {"name": "O", "effect": "EMA", "all": None, "models": ["x"]}) == row

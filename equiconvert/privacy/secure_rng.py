@@ -2,20 +2,23 @@
 
 The guarantee holds only if nobody can recompute the noise or the batches: anyone
 who can subtract the noise from a released update recovers the sum of clipped
-gradients. Each purpose therefore owns two torch generators seeded from the
-operating system's CSPRNG (`secrets`, 64 bits each, 128 secret bits together;
-a torch generator takes a 64-bit seed), and every draw combines one draw of each,
-so the result stays secret while either seed is. The seeds are never stored.
+gradients. Each purpose therefore owns two torch generators keyed from the
+operating system's CSPRNG (`secrets`), and every draw combines one draw of each,
+so the result stays secret while either key is. The keys are never stored.
+A CPU generator (MT19937) keeps only the low 32 bits of a seed, so a secret one is
+not seeded: its whole 624-word state is filled from a 128-bit key by SHAKE-256, so
+each CPU generator holds 128 secret bits (256 a purpose). A CUDA generator (Philox)
+takes its 64-bit seed whole: 64 bits each, 128 a purpose.
 
 Forward security: a torch generator's state holds its seed (and MT19937 runs backwards), so a state written
 after some draws would let its holder replay them. `state_dict()` of a secret source therefore re-keys it
-first with fresh CSPRNG seeds: the states it returns (what checkpoints hold) derive the draws after it and
+first with fresh CSPRNG keys: the states it returns (what checkpoints hold) derive the draws after it and
 nothing before, and the live run goes on from exactly those states, so a resumed run draws what the
 run that wrote the checkpoint does, up to the next save (each save re-keys afresh). `rekey_generators` does the same for the generators whose position counts the
 secret batch sizes (augmentation, and torch's global ones that dropout draws from).
 
 - Noise: (z1 + z2) / sqrt(2) with z1, z2 ~ N(0, std^2) from the two generators,
-  drawn in at least float32. Besides combining both seeds, the sum of two samples
+  drawn in at least float32. Besides combining both keys, the sum of two samples
   is Opacus' secure_mode defence against floating-point attacks on the Gaussian
   sampler (Mironov 2012; Holohan and Braghin 2021): it fills the gaps in the set of
   representable outputs that those attacks read off a single sample.
@@ -33,6 +36,7 @@ derives both seeds from a public seed instead: for tests and debugging, NOT priv
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 import secrets
@@ -44,7 +48,9 @@ import torch
 
 from ..errors import ParameterError, ParameterTypeError
 
-_STREAMS = 2  # generators per purpose: 2 x 64 seed bits
+_STREAMS = 2  # generators per purpose, each keyed on its own
+_KEY_BYTES = 16  # a secret generator's key: 128 bits
+_MT_WORDS, _MT_OFFSET = 624, 24  # MT19937's state words, as uint64 from byte 24 of a CPU generator's state
 _BITS = 53  # sampling integers in [0, 2**53): q * 2**53 is exact in float64
 NOISE, SAMPLING = "noise", "sampling"
 NOT_PRIVATE_WARNING = (
@@ -55,9 +61,10 @@ NOT_PRIVATE_WARNING = (
 
 
 class RandomSource:
-    """Two independently seeded torch generators on one device, combined for one purpose.
+    """Two torch generators on one device, each keyed (secret) or seeded (reproducible mode) on its own, combined
+    for one purpose.
 
-    `private` says whether the seeds are secret: True only for `secret()`.
+    `private` says whether the keys are secret: True only for `secret()`.
     """
 
     def __init__(self, seeds: Sequence[int], device: str | torch.device = "cpu", *, private: bool = False) -> None:
@@ -69,8 +76,10 @@ class RandomSource:
 
     @classmethod
     def secret(cls, device: str | torch.device = "cpu") -> RandomSource:
-        """Seeded from the OS CSPRNG; the seeds are dropped once the generators hold them."""
-        return cls([secrets.randbits(64) for _ in range(_STREAMS)], device, private=True)
+        """Keyed from the OS CSPRNG (rekey_generators); the keys are dropped once the generators hold them."""
+        source = cls([0] * _STREAMS, device, private=True)
+        source.rekey()
+        return source
 
     @classmethod
     def seeded_from(cls, seed: int, purpose: str, device: str | torch.device = "cpu") -> RandomSource:
@@ -130,9 +139,42 @@ def _restored(device: str, private: bool, states: list[torch.Tensor]) -> RandomS
 
 
 def rekey_generators(*generators: torch.Generator) -> None:
-    """Fresh CSPRNG seeds for `generators`: their states then derive only the draws after this call."""
+    """Fresh 128-bit CSPRNG keys for `generators` (key_generator): their states then derive only the draws after
+    this call."""
     for generator in generators:
-        generator.manual_seed(secrets.randbits(64))
+        key_generator(generator, secrets.token_bytes(_KEY_BYTES))
+
+
+def key_generator(generator: torch.Generator, key: bytes) -> None:
+    """Make `generator`'s state a function of all of `key`: on the CPU, MT19937's 624 words from SHAKE-256 of the
+    key (manual_seed would keep 32 bits of it); elsewhere (Philox) the 64-bit seed the key derives."""
+    stream = hashlib.shake_256(b"equiconvert:generator-key:" + key)
+    if generator.device.type != "cpu":
+        generator.manual_seed(int.from_bytes(stream.digest(8), "little"))
+        return
+    _check_mt_layout()
+    generator.manual_seed(0)  # resets the cached normal samples; its seed is then overwritten
+    state = generator.get_state().clone()
+    words = torch.frombuffer(bytearray(stream.digest(4 * _MT_WORDS)), dtype=torch.int32).view(torch.uint8)
+    widened = torch.zeros((_MT_WORDS, 8), dtype=torch.uint8)
+    widened[:, :4] = words.reshape(_MT_WORDS, 4)  # little-endian uint32 words, zero-extended to uint64
+    state[_MT_OFFSET : _MT_OFFSET + 8 * _MT_WORDS] = widened.reshape(-1)
+    generator.set_state(state)
+
+
+@functools.cache
+def _check_mt_layout() -> None:
+    """key_generator writes MT19937's words where this torch keeps them: checked once against a known seed."""
+    seed, expected = 1, [1]
+    for index in (1, 2):  # MT19937's initialisation of its first words from a seed
+        expected.append((1812433253 * (expected[-1] ^ (expected[-1] >> 30)) + index) % 2**32)
+    state = torch.Generator().manual_seed(seed).get_state()
+    words = state[_MT_OFFSET : _MT_OFFSET + 24].view(torch.int64).tolist()
+    if words != expected or state.numel() < _MT_OFFSET + 8 * _MT_WORDS:
+        raise RuntimeError(
+            f"secret randomness: torch {torch.__version__} lays out its CPU generator state in a way equiconvert "
+            "does not know, so it cannot key it with 128 bits; please report this with your torch version"
+        )
 
 
 def rekey_global_generators() -> None:

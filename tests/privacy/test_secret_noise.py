@@ -225,3 +225,44 @@ def test_insecure_and_nonprivate_options_are_recorded(tmp_path):
     steps = [record for record in log if "lr" in record]
     assert all({"train_loss", "batch_size"} <= set(record) for record in steps)
     assert result["nonfinite_gradients"] == 0
+
+
+@pytest.mark.parametrize("bit", [0, 31, 40, 63, 64, 127])
+def test_attack_every_one_of_128_key_bits_of_a_cpu_generator_changes_the_secret_draws(bit, monkeypatch):
+    """The attack: a CPU generator seeded with 64 bits keeps the low 32 (torch's MT19937), so brute-forcing 2 x 32
+    bits rebuilt a purpose's noise. Each generator is keyed with 128 bits now, all of which reach its state: two
+    keys that differ in any one bit give other draws, so no bit of the key can be left out of a search."""
+    secret_value = int.from_bytes(bytes(range(1, 17)), "little")
+
+    def source_with(value: int) -> RandomSource:
+        # the CSPRNG, pinned: `value` for the first stream, its complement for the second (old code asked for 64
+        # random bits, the new asks for 16 random bytes)
+        draws = iter([value, value ^ (2**128 - 1)])
+        monkeypatch.setattr(secrets, "randbits", lambda bits: next(draws) % 2**bits)
+        monkeypatch.setattr(secrets, "token_bytes", lambda count: next(draws).to_bytes(16, "little")[:count])
+        return RandomSource.secret()
+
+    same = source_with(secret_value), source_with(secret_value)
+    assert torch.equal(same[0].gaussian((64,), 1.0), same[1].gaussian((64,), 1.0))  # the key alone decides
+    flipped = source_with(secret_value ^ (1 << bit))
+    assert not torch.equal(source_with(secret_value).gaussian((64,), 1.0), flipped.gaussian((64,), 1.0))
+    assert not torch.equal(source_with(secret_value).bernoulli_mask(256, 0.5), flipped.bernoulli_mask(256, 0.5))
+
+
+def test_a_keyed_cpu_generator_is_mt19937_from_624_words_of_shake256_of_its_key():
+    """The keyed state is exactly MT19937's (numpy's reference generator, given the same 624 words, draws the same
+    32-bit outputs: torch's 64-bit draws are its second and fourth words)."""
+    import hashlib
+
+    import numpy as np
+
+    from equiconvert.privacy.secure_rng import key_generator
+
+    key = bytes(range(16))
+    generator = torch.Generator()
+    key_generator(generator, key)
+    words = np.frombuffer(hashlib.shake_256(b"equiconvert:generator-key:" + key).digest(4 * 624), dtype=np.uint32)
+    reference = np.random.MT19937()
+    reference.state = {"bit_generator": "MT19937", "state": {"key": words, "pos": 624}}
+    drawn = torch.empty(4, dtype=torch.int64).random_(0, 2**32, generator=generator)
+    assert drawn.tolist() == reference.random_raw(8)[1::2].tolist()

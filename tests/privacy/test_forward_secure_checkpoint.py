@@ -213,8 +213,9 @@ def _step_durations_and_batch_sizes(folder: Path) -> tuple[list[float], list[flo
 
 
 class _WorkClock:
-    """A stand-in for the wall clock that advances with the work done (rows through the model), as a real one does
-    where compute dominates: the attack's premise without the noise of a shared machine."""
+    """A stand-in for the wall clock that advances with the work done (rows through the trained model; not its
+    copies, which the DP-safety probes run at each new batch shape), as a real one does where compute dominates:
+    the attack's premise without the noise of a shared machine."""
 
     def __init__(self) -> None:
         self.rows = 0
@@ -228,10 +229,12 @@ class _WorkClock:
                 self.inner = model
 
             def forward(self, x: torch.Tensor) -> torch.Tensor:
-                clock.rows += x.shape[0]
+                if self is timed:
+                    clock.rows += x.shape[0]
                 return self.inner(x)
 
-        return Timed()
+        timed = Timed()
+        return timed
 
     def __call__(self) -> float:
         return float(self.rows)

@@ -26,6 +26,7 @@ from torch.nn.utils import skip_init
 
 from .adapt.canonicalize import CanonicalizedModel, canonical_pose, pose_scores, straight_through_choice
 from .convert.model import EquivariantModel
+from .convert.timm_api import TimmEquivariantModel
 from .errors import CallOrderError, UnsupportedLayerError
 from .nn.norm import normalize_field_groups
 from .nn.pooling import NORM_POOL_EPS, REDUCTIONS
@@ -209,7 +210,7 @@ def _parameter(value: torch.Tensor, source: torch.Tensor) -> nn.Parameter:
 # --- exporters ------------------------------------------------------------------
 
 
-@register_exporter(EquivariantModel)
+@register_exporter(EquivariantModel, TimmEquivariantModel)
 def export_equivariant_model(module: EquivariantModel, ctx: ExportContext) -> nn.Module:
     """The wrapper only carries metadata; deployment needs just its network."""
     return ctx.export_child(module.network, "network")

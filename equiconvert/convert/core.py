@@ -29,6 +29,7 @@ from .input_fit import fit_input, invalid_size_error
 from .norm_groups import norm_group_rule
 from .weights import report_pretrained_weights
 from .model import EquivariantModel
+from .timm_api import build_equivariant_model
 from .registry import find_rule
 from .rules.conv import grouped_conv_multiples
 from .rules.split import consistent_width
@@ -326,7 +327,7 @@ def make_equivariant(
         verify_conversion(gm, template, report, in_channels, bar)  # runs where the original ran (verify.py)
     if pretrained:
         report_pretrained_weights(model, gm, report)
-    converted = EquivariantModel(gm, spec, in_channels, output_type, report).train(model.training)
+    converted = build_equivariant_model(model, gm, spec, in_channels, output_type, report).train(model.training)
     arguments = dict(
         group=group if isinstance(group, str) else spec.name,
         width=width,

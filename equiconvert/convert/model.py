@@ -43,7 +43,7 @@ class EquivariantModel(nn.Module):
         self.report = report
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        _check_input(x, self.in_channels)
+        check_input(x, self.in_channels)
         return self.network(x)
 
     def default_input_size(self) -> int:
@@ -57,9 +57,9 @@ class EquivariantModel(nn.Module):
         return size
 
 
-def _check_input(x: torch.Tensor, channels: int) -> None:
+def check_input(x: torch.Tensor, channels: int) -> None:
     """(N, channels, H, W) images, or one clear error (a leaf call in a torch.fx trace of a wrapping module)."""
     check_image_shape(tuple(x.shape), channels)
 
 
-torch.fx.wrap("_check_input")
+torch.fx.wrap("check_input")

@@ -45,6 +45,7 @@ from .nn import (
     WindowMaxPool2d,
 )
 from .nn.conv_transpose import SteerableConvTranspose2d
+from .nn.direct_sum import DirectSumConv2d, FieldLift
 from .nn.input_fit import apply_fit
 
 __all__ = ["EXPORTERS", "ExportContext", "Exporter", "export", "register_exporter"]
@@ -291,6 +292,29 @@ def export_steerable_conv_transpose(module: SteerableConvTranspose2d, ctx: Expor
     return conv
 
 
+@register_exporter(DirectSumConv2d)
+def export_direct_sum_conv(module: DirectSumConv2d, ctx: ExportContext) -> nn.Conv2d:
+    """nn.Conv2d with the parts' filters side by side along the input channels."""
+    with torch.no_grad():
+        weight, bias = module.expand_filter().detach(), module.expand_bias()
+    conv = skip_init(  # no random init: the weights are overwritten at once
+        nn.Conv2d,
+        module.in_channels,
+        module.out_channels,
+        module.kernel_size,
+        stride=module.stride,
+        padding=module.padding,
+        dilation=module.dilation,
+        bias=bias is not None,
+        device=weight.device,
+        dtype=weight.dtype,
+    )
+    conv.weight = nn.Parameter(weight.contiguous(), module.weight_0.requires_grad)
+    if bias is not None:
+        conv.bias = _parameter(bias, module.bias)
+    return conv
+
+
 @register_exporter(SteerableConv2d)
 def export_steerable_conv(module: SteerableConv2d, ctx: ExportContext) -> nn.Conv2d:
     """nn.Conv2d with the expanded filter: the basis expansion is a constant at inference.
@@ -448,9 +472,9 @@ class _ChannelSelect(nn.Module):
         return x.index_select(1, self.index)
 
 
-@register_exporter(FieldRestriction)
-def export_field_restriction(module: FieldRestriction, ctx: ExportContext) -> nn.Module:
-    """A traced channel permutation (index_select): the restriction is a fixed change of basis."""
+@register_exporter(FieldRestriction, FieldLift)
+def export_field_restriction(module: FieldRestriction | FieldLift, ctx: ExportContext) -> nn.Module:
+    """A traced channel selection (index_select): a restriction is a fixed change of basis, a lift fixed copies."""
     return _trace_torch_only(_ChannelSelect(module.index), "ChannelSelect")
 
 

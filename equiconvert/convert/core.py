@@ -21,6 +21,7 @@ from ..build_recipe import conversion_recipe, remember_recipe
 from ..progress import counting_basis_builds, progress_bar, require_progress
 from . import rules  # noqa: F401  (registers the built-in rules)
 from .context import SHAPE_KEY, SPATIAL_KEY, TYPE_KEY, ConversionConfig, ConversionContext
+from .direct_sum import lift_direct_sums, run_rule
 from .fields import FieldType
 from .grid import GridAnalysis, GridBreak
 from .fuse import fuse_norm_pools
@@ -122,12 +123,13 @@ def _rewrite(gm: fx.GraphModule, ctx: ConversionContext, in_channels: int, bar: 
         elif node.op == "get_attr":
             node.meta[TYPE_KEY] = None
         elif node.op == "output":
+            lift_direct_sums(ctx, node)  # a model's output is of one representation
             output_type = ctx.type_of(node.args[0])
         elif TYPE_KEY not in node.meta:  # nodes inserted by rules are typed already
             rule = find_rule(ctx, node)
             if rule is None:
                 raise ctx.unsupported(node, "no conversion rule is registered for it")
-            node.meta[TYPE_KEY] = rule(ctx, node)
+            node.meta[TYPE_KEY] = run_rule(ctx, node, rule)  # direct sums lifted for rules that do not read them
         if node.name in ctx.restrictions:
             apply_restriction(ctx, node, ctx.restrictions[node.name])
         if bar is not None:

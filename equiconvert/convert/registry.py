@@ -25,6 +25,7 @@ LAZY_MODULE_RULES: dict[str, Rule] = {}
 FUNCTION_RULES: dict[object, Rule] = {}
 METHOD_RULES: dict[str, Rule] = {}
 HEAD_TRANSPARENT: set[Rule] = set()  # rules of ops a classifier conv may pass through to the output
+SUM_RULES: set[Rule] = set()  # rules that read a direct sum (fields.FieldSum); others see it lifted (direct_sum.py)
 # module class (or "package.module:Class", resolved lazily) -> forward(module, *args) traced in place of the
 # module's own (one with untraceable control flow)
 TRACEABLE_FORMS: dict[type, Callable] = {}
@@ -38,6 +39,13 @@ CHANNEL_FOLDS: dict[type, Callable] = {}
 def head_transparent(rule: Rule) -> Rule:
     """Mark a rule's ops (activations, pooling, flattening) as transparent between a classifier conv and the output."""
     HEAD_TRANSPARENT.add(rule)
+    return rule
+
+
+def takes_direct_sums(rule: Rule) -> Rule:
+    """Mark a rule as reading direct sums of field types (fields.FieldSum) itself: channel-blind ops, concatenations,
+    slices, convolutions. Any other rule sees a direct sum lifted to regular fields first (convert/direct_sum.py)."""
+    SUM_RULES.add(rule)
     return rule
 
 

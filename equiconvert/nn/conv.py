@@ -77,6 +77,16 @@ def _applied(fn, value: torch.Tensor) -> torch.Tensor | None:
     return None if moved is None else moved.reshape(value.shape)
 
 
+def filter_from_coefficients(coefficients: torch.Tensor, basis: torch.Tensor) -> torch.Tensor:
+    """The (out_fields * out_size, in_fields * in_size, k, k) filter of coefficients (out_fields, in_fields,
+    num_basis) in `basis` (num_basis, out_size, in_size, k, k), channels field-major."""
+    out_f, in_f, nb = coefficients.shape
+    _, out_size, in_size, k, _ = basis.shape
+    flat = coefficients.reshape(out_f * in_f, nb) @ basis.reshape(nb, -1)
+    flat = flat.reshape(out_f, in_f, out_size, in_size, k, k).permute(0, 2, 1, 3, 4, 5)
+    return flat.reshape(out_f * out_size, in_f * in_size, k, k)
+
+
 class SteerableConv2d(nn.Module):
     """A 2D convolution whose filter is constrained to an equivariant linear span.
 
@@ -277,12 +287,7 @@ class SteerableConv2d(nn.Module):
 
         A pure function of `weight`, so per-sample filter gradients map to coefficient gradients by its VJP.
         """
-        coeffs = self.coefficients(weight)
-        out_f, in_f, nb = coeffs.shape
-        k = self.kernel_size
-        flat = coeffs.reshape(out_f * in_f, nb) @ self.basis.reshape(nb, -1)
-        flat = flat.reshape(out_f, in_f, self.out_size, self.in_size, k, k).permute(0, 2, 1, 3, 4, 5)
-        return flat.reshape(out_f * self.out_size, in_f * self.in_size, k, k)
+        return filter_from_coefficients(self.coefficients(weight), self.basis)
 
     def expand_bias(self, bias: torch.Tensor | None = None) -> torch.Tensor | None:
         """The per-channel bias from `bias` (default: self.bias); None without a bias."""

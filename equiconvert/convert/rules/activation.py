@@ -14,9 +14,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..context import ConversionContext
-from ..fields import FieldType
+from ..fields import FieldSum, FieldType
 from ...nn import GatedNonlinearity
-from ..registry import head_transparent, register_function_rule, register_module_rule
+from ..registry import head_transparent, register_function_rule, register_module_rule, takes_direct_sums
 
 POINTWISE_REPRESENTATIONS = ("trivial", "regular")
 # representation -> builder(field type, activation module) of the equivariant nonlinearity that replaces it
@@ -77,10 +77,12 @@ IN_PLACE_FUNCTIONS = {
 IN_PLACE_METHODS = {"relu_": "relu", "sigmoid_": "sigmoid", "tanh_": "tanh"}
 
 
-def require_pointwise(ctx: ConversionContext, node: fx.Node) -> FieldType:
+def require_pointwise(ctx: ConversionContext, node: fx.Node) -> FieldType | FieldSum:
     t_in = ctx.field_input(node)
-    if t_in.representation not in POINTWISE_REPRESENTATIONS:
-        raise ctx.unsupported(node, f"a pointwise activation is not equivariant on {t_in.representation} fields")
+    parts = t_in.parts if isinstance(t_in, FieldSum) else (t_in,)  # a direct sum: pointwise where every part is
+    for part in parts:
+        if part.representation not in POINTWISE_REPRESENTATIONS:
+            raise ctx.unsupported(node, f"a pointwise activation is not equivariant on {part.representation} fields")
     return t_in
 
 
@@ -94,6 +96,7 @@ def out_of_place(module: nn.Module) -> nn.Module:
 
 @register_module_rule(*ACTIVATION_MODULES)
 @head_transparent
+@takes_direct_sums
 def convert_activation_module(ctx: ConversionContext, node: fx.Node) -> FieldType:
     t_in = ctx.field_input(node)
     module = ctx.module(node)
@@ -154,6 +157,7 @@ def _gate_function(ctx: ConversionContext, node: fx.Node, t_in: FieldType) -> Fi
 
 
 @register_module_rule(nn.PReLU)
+@takes_direct_sums
 def convert_prelu(ctx: ConversionContext, node: fx.Node) -> FieldType:
     if ctx.module(node).num_parameters != 1:
         raise ctx.unsupported(
@@ -166,6 +170,7 @@ def convert_prelu(ctx: ConversionContext, node: fx.Node) -> FieldType:
 
 @register_function_rule(*ACTIVATION_FUNCTIONS, *ACTIVATION_METHODS)
 @head_transparent
+@takes_direct_sums
 def convert_activation_function(ctx: ConversionContext, node: fx.Node) -> FieldType:
     if ctx.field_input(node).representation in FIELD_NONLINEARITIES:
         return _gate_function(ctx, node, ctx.field_input(node))
@@ -177,6 +182,7 @@ def convert_activation_function(ctx: ConversionContext, node: fx.Node) -> FieldT
 
 @register_function_rule(*IN_PLACE_FUNCTIONS, *IN_PLACE_METHODS)
 @head_transparent
+@takes_direct_sums
 def convert_in_place_activation(ctx: ConversionContext, node: fx.Node) -> FieldType:
     if ctx.field_input(node).representation in FIELD_NONLINEARITIES:
         return _gate_function(ctx, node, ctx.field_input(node))

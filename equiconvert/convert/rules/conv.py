@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import operator
 
 import torch
 import torch.fx as fx
@@ -14,10 +15,12 @@ from ...basis import steerable_basis
 from ...nn.conv import standardization_scope
 from ...groups import GroupSpec
 from ...nn import SteerableConv2d
+from ...nn.direct_sum import DirectSumConv2d
 from ..context import ConversionContext
-from ..fields import FieldType
+from ..direct_sum import lift_direct_sums
+from ..fields import FieldSum, FieldType
 from ..grid import WindowOp
-from ..registry import is_classifier_conv, register_module_rule
+from ..registry import is_classifier_conv, register_module_rule, takes_direct_sums
 
 
 def _square(node: fx.Node, ctx: ConversionContext, name: str, value: tuple[int, int]) -> int:
@@ -53,6 +56,7 @@ def _output_fields(ctx: ConversionContext, node: fx.Node, conv: nn.Conv2d, t_in:
 
 
 EVEN_KERNEL_POLICIES = ("refuse", "grow")
+RESIDUAL_SUMS = (operator.add, operator.iadd, torch.add, "add", "add_")
 
 
 def _grown_kernel(ctx: ConversionContext, node: fx.Node, kernel: int) -> int:
@@ -76,7 +80,11 @@ def _grown_kernel(ctx: ConversionContext, node: fx.Node, kernel: int) -> int:
 
 
 @register_module_rule(nn.Conv2d)
+@takes_direct_sums
 def convert_conv2d(ctx: ConversionContext, node: fx.Node) -> FieldType:
+    conv: nn.Conv2d = ctx.module(node)
+    if conv.groups != 1 or conv.padding_mode != "zeros" or standardization_scope(ctx.config.weight_standardization):
+        lift_direct_sums(ctx, node)  # one basis per part: plain convolutions only (nn/direct_sum.DirectSumConv2d)
     return convert_conv(ctx, node, ctx.config.weight_standardization, same_padding=False)
 
 
@@ -95,10 +103,29 @@ def convert_conv(ctx: ConversionContext, node: fx.Node, weight_standardization: 
         grid_padding = padding_arg = dilation * (kernel - 1) // 2
     else:
         grid_padding, padding_arg = _padding(ctx, node, conv, kernel, dilation)
-    if is_classifier_conv(ctx, node) and conv.groups == 1:
+    if (is_classifier_conv(ctx, node) or added_to_an_invariant_map(ctx, node)) and conv.groups == 1:
         out_repr, (out_fields, groups) = "trivial", (conv.out_channels, 1)
     else:
         out_repr, (out_fields, groups) = t_in.group.hidden_repr, _output_fields(ctx, node, conv, t_in)
+    if isinstance(t_in, FieldSum):
+        bases = [
+            steerable_basis(p.group, p.representation, out_repr, kernel, cutoff=ctx.config.basis_cutoff)
+            for p in t_in.parts
+        ]
+        new = DirectSumConv2d(
+            bases,
+            [p.num_fields for p in t_in.parts],
+            out_fields,
+            stride=stride,
+            padding=padding_arg,
+            dilation=dilation,
+            bias=conv.bias is not None,
+            init_gain=ctx.config.init_gain,
+            bias_scale=bias_scale(ctx, t_in.group, out_repr),
+        )
+        ctx.replace_module(node, new)
+        ctx.set_spatial(node, WindowOp(kernel, stride, grid_padding, dilation))
+        return FieldType(t_in.group, out_repr, out_fields)
     basis = steerable_basis(t_in.group, t_in.representation, out_repr, kernel, cutoff=ctx.config.basis_cutoff)
     new = SteerableConv2d(
         basis,
@@ -121,6 +148,25 @@ def convert_conv(ctx: ConversionContext, node: fx.Node, weight_standardization: 
     ctx.replace_module(node, new)
     ctx.set_spatial(node, WindowOp(kernel, stride, grid_padding, dilation))
     return FieldType(t_in.group, out_repr, out_fields)
+
+
+def added_to_an_invariant_map(ctx: ConversionContext, node: fx.Node) -> bool:
+    """True if the conv's map is added to a map of trivial fields (a residual on the image itself) through ops that
+    keep its shape: its output is then trivial fields too, one per channel, so that the sum is of one type."""
+    for user in node.users:
+        others = [ctx.type_of(a) for a in user.all_input_nodes if a is not node]
+        if user.target in RESIDUAL_SUMS:
+            if any(t is not None and t.representation == "trivial" and t.spatial for t in others):
+                return True
+        elif not others and ctx.shape(user) == ctx.shape(node) and not _is_layer(ctx, user):
+            if added_to_an_invariant_map(ctx, user):
+                return True
+    return False
+
+
+def _is_layer(ctx: ConversionContext, node: fx.Node) -> bool:
+    """A layer with weights: its output is a new map, whatever its shape."""
+    return node.op == "call_module" and isinstance(ctx.module(node), (nn.Conv2d, nn.ConvTranspose2d, nn.Linear))
 
 
 def grouped_conv_multiples(gm) -> dict[int, int]:

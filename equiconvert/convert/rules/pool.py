@@ -17,7 +17,7 @@ from ...nn import NormMaxPool2d, WindowMaxPool2d
 from ..context import ConversionContext
 from ..fields import FieldType
 from ..grid import AdaptiveOp, WindowOp
-from ..registry import head_transparent, register_function_rule, register_module_rule
+from ..registry import head_transparent, register_function_rule, register_module_rule, takes_direct_sums
 from .head import insert_invariant_map
 
 
@@ -35,6 +35,7 @@ def _is_ceil_downsample(pool: nn.Module, kernel: int, stride: int, padding: int)
 
 @register_module_rule(nn.MaxPool2d, nn.AvgPool2d)
 @head_transparent
+@takes_direct_sums
 def convert_window_pool(ctx: ConversionContext, node: fx.Node) -> FieldType:
     t_in = ctx.field_input(node)
     pool = ctx.module(node)
@@ -78,6 +79,7 @@ NORM_POOLED = ("field",)  # representations whose max pooling must compare invar
 
 @register_module_rule(nn.AdaptiveAvgPool2d, nn.AdaptiveMaxPool2d)
 @head_transparent
+@takes_direct_sums
 def convert_adaptive_pool(ctx: ConversionContext, node: fx.Node) -> FieldType:
     t_in = ctx.field_input(node)
     size = ctx.module(node).output_size
@@ -96,6 +98,7 @@ def _arg(node: fx.Node, index: int, name: str, default=None):
 
 @register_function_rule(F.adaptive_avg_pool2d, F.adaptive_max_pool2d)
 @head_transparent
+@takes_direct_sums
 def convert_functional_adaptive_pool(ctx: ConversionContext, node: fx.Node) -> FieldType:
     t_in = ctx.field_input(node)
     ctx.set_spatial(node, AdaptiveOp(_single(ctx, node, "output_size", _arg(node, 1, "output_size"))))
@@ -104,6 +107,7 @@ def convert_functional_adaptive_pool(ctx: ConversionContext, node: fx.Node) -> F
 
 @register_function_rule(F.max_pool2d, F.avg_pool2d)
 @head_transparent
+@takes_direct_sums
 def convert_functional_window_pool(ctx: ConversionContext, node: fx.Node) -> FieldType:
     t_in = ctx.field_input(node)
     kernel = _single(ctx, node, "kernel_size", _arg(node, 1, "kernel_size"))

@@ -18,12 +18,14 @@ import torch.fx as fx
 
 from ...groups import AnyGroupSpec
 from ..context import SHAPE_KEY, ConversionContext
-from ..fields import FieldType
-from ..registry import register_function_rule
+from ..fields import FieldSum, FieldType, Segment, join, segments_of
+from ..registry import register_function_rule, takes_direct_sums
 
 PIECES_KEY = "equiconvert_pieces"
 SPLITS = (torch.split, torch.chunk, "split", "chunk")
 CATS = (torch.cat, torch.concat)
+NARROWS = (torch.narrow, "narrow")
+SUMS = (operator.add, operator.iadd, operator.sub, torch.add, "add", "add_")
 
 
 def _arg(node: fx.Node, index: int, name: str, default=None):
@@ -117,14 +119,46 @@ def channel_partitions(gm: fx.GraphModule) -> dict[int, tuple[int, ...]]:
     for node in gm.graph.nodes:
         if node.op == "call_function" and node.target in CATS and _arg(node, 1, "dim", 0) in (1, -3):
             shapes = [a.meta.get(SHAPE_KEY) for a in node.args[0] if isinstance(a, fx.Node)]
-            sliced = any(u.target is operator.getitem for u in node.users)
-            if all(s and len(s) == 4 for s in shapes) and (_module_of(node) in split_modules or sliced):
+            sliced = any(u.target is operator.getitem or u.target in NARROWS for u in node.users)
+            if all(s and len(s) == 4 for s in shapes) and (
+                _module_of(node) in split_modules or sliced or _reaches_a_sum(node)
+            ):
                 segmentations.setdefault(sum(s[1] for s in shapes), set()).add(tuple(s[1] for s in shapes))
     return _closed_partitions(segmentations)
 
 
+def _reaches_a_sum(node: fx.Node) -> bool:
+    """True if the map of `node` meets another map in a sum (a residual on a concatenation), through ops that keep
+    its channels (norms, activations, pooling), so that both sides of the sum get the fields of its parts."""
+    channels = node.meta.get(SHAPE_KEY)[1]
+    for user in node.users:
+        if user.target in SUMS:
+            return True
+        shape = user.meta.get(SHAPE_KEY)
+        keeps = shape and len(shape) == 4 and shape[1] == channels and len(user.all_input_nodes) == 1
+        if keeps and not _is_layer_with_weights(user) and _reaches_a_sum(user):
+            return True
+    return False
+
+
+def _is_layer_with_weights(node: fx.Node) -> bool:
+    """A conv or linear layer: its output is a new map, whatever its channel count."""
+    if node.op != "call_module":
+        return False
+    module = node.graph.owning_module.get_submodule(str(node.target))
+    return isinstance(module, (torch.nn.Conv2d, torch.nn.ConvTranspose2d, torch.nn.Linear))
+
+
 def _channel_slice(node: fx.Node) -> tuple[int, int, int] | None:
-    """(channels, start, stop) of a getitem x[:, start:stop] on a 4D map, else None."""
+    """(channels, start, stop) of a getitem x[:, start:stop] or a narrow x.narrow(1, start, length) on a 4D map,
+    else None."""
+    if node.target in NARROWS and isinstance(node.args[0], fx.Node):
+        shape = node.args[0].meta.get(SHAPE_KEY)
+        dim, start, length = (_arg(node, i, name) for i, name in ((1, "dim"), (2, "start"), (3, "length")))
+        if not shape or len(shape) != 4 or dim not in (1, -3) or not isinstance(start, int):
+            return None
+        start = start % shape[1]
+        return (shape[1], start, start + length) if isinstance(length, int) else None
     if node.op != "call_function" or node.target is not operator.getitem or not isinstance(node.args[0], fx.Node):
         return None
     shape, index = node.args[0].meta.get(SHAPE_KEY), node.args[1]
@@ -184,21 +218,57 @@ def _field_boundary(ctx: ConversionContext, t: FieldType, channels: int, cut: in
     return t.num_fields * cut // channels if t.num_fields * cut % channels == 0 else None
 
 
-def _piece_fields(ctx: ConversionContext, node: fx.Node, t: FieldType, pieces: tuple[int, ...]) -> list[int]:
-    channels = sum(pieces)
-    bounds = [_field_boundary(ctx, t, channels, sum(pieces[:i])) for i in range(len(pieces) + 1)]
+def converted_cut(ctx: ConversionContext, t: FieldType | FieldSum, channels: int, cut: int) -> int | None:
+    """The channel of the converted map where channel `cut` of the original `channels` falls, if that is a field
+    boundary: found in the concatenated part (fields.Segment) that holds it."""
+    start, converted = 0, 0
+    for segment in segments_of(t, channels):
+        if cut <= start + segment.channels:
+            boundary = _segment_boundary(ctx, segment, cut - start)
+            return None if boundary is None else converted + boundary * segment.ftype.field_size
+        start, converted = start + segment.channels, converted + segment.ftype.channels
+    return None
+
+
+def _segment_boundary(ctx: ConversionContext, segment: Segment, cut: int) -> int | None:
+    """The field index of channel `cut` of a concatenated map, counted on the whole map a slice kept it from."""
+    whole = segment.origin or segment
+    first = _field_boundary(ctx, whole.ftype, whole.channels, segment.start)
+    last = _field_boundary(ctx, whole.ftype, whole.channels, segment.start + cut)
+    return None if first is None or last is None else last - first
+
+
+def selected_type(t: FieldType | FieldSum, channels: int, bounds: tuple[int, int], converted: tuple[int, int]):
+    """The type of channels bounds[0]:bounds[1] of the original, which are converted[0]:converted[1] converted:
+    the concatenated parts they cover, cut where a part is cut."""
+    chosen, start, offset = [], 0, 0
+    for segment in segments_of(t, channels):
+        low, high = max(bounds[0], start), min(bounds[1], start + segment.channels)
+        if low < high:
+            first, last = max(converted[0], offset), min(converted[1], offset + segment.ftype.channels)
+            kept = segment.ftype.with_fields((last - first) // segment.ftype.field_size)
+            whole = high - low == segment.channels
+            origin = segment.origin or (None if whole else segment)
+            chosen.append(Segment(high - low, kept, origin, segment.start + low - start))
+        start, offset = start + segment.channels, offset + segment.ftype.channels
+    return join(tuple(chosen), t.spatial)
+
+
+def _converted_bounds(ctx: ConversionContext, node: fx.Node, t, channels: int, pieces: tuple[int, ...]) -> list[int]:
+    """The converted channel where each piece of a split starts (and the last ends), else a clear refusal."""
+    bounds = [converted_cut(ctx, t, channels, cut) for cut in _offsets(pieces)]
     if None not in bounds:
-        return [b - a for a, b in zip(bounds, bounds[1:])]
+        return bounds
     raise ctx.unsupported(
         node,
-        f"splits {channels} channels into {pieces}, which cuts through its {t.num_fields} "
-        f"fields of size {t.field_size}",
+        f"splits {channels} channels into {pieces}, which cuts through the fields of {t.describe()}",
         "Options: pass width= as a callable whose field counts split the same way, or split into equal halves/chunks.",
     )
 
 
 @register_function_rule(*SPLITS)
-def convert_split(ctx: ConversionContext, node: fx.Node) -> FieldType:
+@takes_direct_sums
+def convert_split(ctx: ConversionContext, node: fx.Node) -> FieldType | FieldSum:
     """The node's type stays its input's (a tuple of views of one map); getitem reads the pieces' types."""
     t = ctx.field_input(node)
     pieces = split_pieces(node)
@@ -208,19 +278,24 @@ def convert_split(ctx: ConversionContext, node: fx.Node) -> FieldType:
             "splits a feature tensor along a dim other than the channels, or by sizes computed at run time",
             "Options: split dim 1 by constant sizes.",
         )
-    fields = _piece_fields(ctx, node, t, pieces)
-    if node.target in (torch.chunk, "chunk") and len(set(fields)) != 1:
-        raise ctx.unsupported(node, f"chunks {t.num_fields} fields into {len(pieces)} unequal parts")
+    channels = sum(pieces)
+    bounds = _converted_bounds(ctx, node, t, channels, pieces)
+    sizes = [b - a for a, b in zip(bounds, bounds[1:])]
+    if node.target in (torch.chunk, "chunk") and len(set(sizes)) != 1:  # equal pieces of unequal fields
+        node.target = torch.split if node.op == "call_function" else "split"
+        ctx.record(node, f"chunk into {len(pieces)}", f"split into {sizes} channels")
     if node.target in (torch.split, "split"):
-        sizes = [f * t.field_size for f in fields]
-        node.args = (node.args[0], sizes, *node.args[2:])
-        node.kwargs = {k: v for k, v in node.kwargs.items() if k not in ("split_size_or_sections", "split_size")}
-    node.meta[PIECES_KEY] = [t.with_fields(f) for f in fields]
+        node.args, node.kwargs = (node.args[0], sizes, 1), {}
+    offsets = _offsets(pieces)
+    node.meta[PIECES_KEY] = [
+        selected_type(t, channels, (offsets[i], offsets[i + 1]), (bounds[i], bounds[i + 1])) for i in range(len(pieces))
+    ]
     return t
 
 
-def convert_channel_getitem(ctx: ConversionContext, node: fx.Node) -> FieldType | None:
-    """A piece of a split, or x[:, a:b] over whole fields (GhostNet trims its concatenation); None if neither."""
+def convert_channel_getitem(ctx: ConversionContext, node: fx.Node) -> FieldType | FieldSum | None:
+    """A piece of a split, or x[:, a:b] over whole fields (GhostNet trims its concatenation, a dense net keeps its
+    newest block); None if neither."""
     source, index = node.args
     pieces = source.meta.get(PIECES_KEY) if isinstance(source, fx.Node) else None
     if pieces is not None and isinstance(index, int):
@@ -234,8 +309,36 @@ def convert_channel_getitem(ctx: ConversionContext, node: fx.Node) -> FieldType 
     if not isinstance(cut, slice) or cut.step not in (None, 1):
         return None
     start, stop, _ = cut.indices(channels)
-    first, last = _field_boundary(ctx, t, channels, start), _field_boundary(ctx, t, channels, stop)
+    new_index, ftype = _channel_range(ctx, node, t, channels, start, stop)
+    node.args = (source, (index[0], slice(*new_index), *index[2:]))
+    return ftype
+
+
+def _channel_range(ctx: ConversionContext, node: fx.Node, t, channels: int, start: int, stop: int):
+    """((start, stop) in the converted map, type) of channels start:stop of the original, else a clear refusal."""
+    first, last = converted_cut(ctx, t, channels, start), converted_cut(ctx, t, channels, stop)
     if first is None or last is None:
-        raise ctx.unsupported(node, f"keeps channels {start}:{stop} of {channels}, which cuts through fields")
-    node.args = (source, (index[0], slice(first * t.field_size, last * t.field_size), *index[2:]))
-    return t.with_fields(last - first)
+        raise ctx.unsupported(
+            node,
+            f"keeps channels {start}:{stop} of {channels}, which cuts through the fields of {t.describe()}",
+            "Options: select whole concatenated maps, or pass width= as a callable whose field counts the slice "
+            "divides.",
+        )
+    return (first, last), selected_type(t, channels, (start, stop), (first, last))
+
+
+@register_function_rule(torch.narrow, "narrow")
+@takes_direct_sums
+def convert_narrow(ctx: ConversionContext, node: fx.Node) -> FieldType | FieldSum:
+    """x.narrow(1, start, length): the converted channels of the fields it selects."""
+    t = ctx.field_input(node)
+    dim, start, length = (_arg(node, i, name) for i, name in ((1, "dim"), (2, "start"), (3, "length")))
+    if dim not in (1, -3) or not t.spatial or t.channels_last or not all(isinstance(v, int) for v in (start, length)):
+        raise ctx.unsupported(
+            node, "narrows a feature tensor along a dim other than the channels, or by a length computed at run time"
+        )
+    channels = ctx.shape(node.args[0])[1]
+    start = start % channels if start < 0 else start
+    (first, last), ftype = _channel_range(ctx, node, t, channels, start, start + length)
+    node.args, node.kwargs = (node.args[0], dim, first, last - first), {}
+    return ftype

@@ -10,8 +10,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..context import ConversionContext
-from ..fields import FieldType
-from ..registry import head_transparent, register_function_rule, register_module_rule
+from ..fields import FieldSum, FieldType, Segment, join
+from ..registry import head_transparent, register_function_rule, register_module_rule, takes_direct_sums
 from .head import is_parameter_view
 from .norm_act import layer_scale_module
 from .split import convert_channel_getitem
@@ -30,11 +30,13 @@ PASS_THROUGH_MODULES: list[type | str] = [
 @register_module_rule(*PASS_THROUGH_MODULES)
 @register_function_rule(F.dropout, F.dropout2d, "contiguous", "clone", "float", "to", "detach")
 @head_transparent
+@takes_direct_sums
 def convert_pass_through(ctx: ConversionContext, node: fx.Node) -> FieldType | None:
     return ctx.type_of(node.args[0])
 
 
 @register_function_rule("size", getattr)
+@takes_direct_sums
 def convert_size(ctx: ConversionContext, node: fx.Node) -> None:
     if node.target is getattr and node.args[1] not in ("shape", "dtype", "device"):
         raise ctx.unsupported(node, f"reads attribute {node.args[1]!r} of a feature tensor")
@@ -42,6 +44,7 @@ def convert_size(ctx: ConversionContext, node: fx.Node) -> None:
 
 
 @register_function_rule(operator.getitem)
+@takes_direct_sums
 def convert_getitem(ctx: ConversionContext, node: fx.Node) -> FieldType | None:
     piece = convert_channel_getitem(ctx, node)  # pieces of channel splits, slices over whole fields
     if piece is not None:
@@ -67,7 +70,12 @@ def _binary(ctx: ConversionContext, node: fx.Node) -> FieldType:
             first.representation,
             first.num_fields,
         ):
-            raise ctx.unsupported(node, f"combines field types {first.describe()} and {other.describe()}")
+            raise ctx.unsupported(
+                node,
+                f"combines field types {first.describe()} and {other.describe()}",
+                "Options: let a convolution make each side of the sum (a stem conv before a residual on the image "
+                "or on a concatenation with it), or pass width= as a callable that gives both sides one field count.",
+            )
     return first if all(t.spatial for t in tensors) or len(tensors) == 1 else first.flattened()
 
 
@@ -133,16 +141,25 @@ def convert_in_place_binary(ctx: ConversionContext, node: fx.Node) -> FieldType 
 
 
 @register_function_rule(torch.cat, torch.concat)
-def convert_cat(ctx: ConversionContext, node: fx.Node) -> FieldType:
+@takes_direct_sums
+def convert_cat(ctx: ConversionContext, node: fx.Node) -> FieldType | FieldSum:
+    """The concatenated maps, kept as segments of the type (a direct sum where representations differ), so that
+    slices and splits of the result map onto them."""
     tensors = node.args[0]
     dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
     types = [ctx.type_of(t) for t in tensors]
     if any(t is None for t in types):
         raise ctx.unsupported(node, "concatenates a tensor equiconvert could not type")
-    if dim not in (1, -3) or not types[0].spatial:
+    spatial = types[0].spatial
+    if dim not in ((1, -3) if spatial else (1, -1)) or len({t.spatial for t in types}) != 1:
         raise ctx.unsupported(node, f"concatenates along dim={dim}; only the channel dim (1) keeps fields whole")
-    if len({t.representation for t in types}) != 1:
-        raise ctx.unsupported(node, "concatenates fields of different representations")
     if len({t.group for t in types}) != 1:
         raise ctx.unsupported(node, "concatenates fields of different groups (a restriction on one branch only)")
-    return types[0].with_fields(sum(t.num_fields for t in types))
+    joined = join(tuple(Segment(ctx.shape(a)[1], t) for a, t in zip(tensors, types)), spatial)
+    if isinstance(joined, FieldSum) and joined.group.hidden_repr != "regular":
+        raise ctx.unsupported(
+            node,
+            f"concatenates {joined.describe()}: direct sums of {joined.group.name} fields are not built",
+            "Options: convert to a finite group (C4, D4, ...), or concatenate maps after a convolution.",
+        )
+    return joined

@@ -15,7 +15,7 @@ from torch import nn
 from ..context import ConversionContext
 from ..fields import FieldType
 from ..grid import ScaleOp
-from ..registry import register_function_rule, register_module_rule
+from ..registry import register_function_rule, register_module_rule, takes_direct_sums
 
 EXACT_MODES = ("nearest", "nearest-exact", "bilinear", "bicubic")
 
@@ -43,12 +43,14 @@ def _upsample(ctx: ConversionContext, node: fx.Node, size, scale, mode: str) -> 
 
 
 @register_module_rule(nn.Upsample, nn.UpsamplingNearest2d, nn.UpsamplingBilinear2d)
+@takes_direct_sums
 def convert_upsample_module(ctx: ConversionContext, node: fx.Node) -> FieldType:
     module = ctx.module(node)
     return _upsample(ctx, node, module.size, module.scale_factor, module.mode)
 
 
 @register_function_rule(F.interpolate, F.upsample)
+@takes_direct_sums
 def convert_interpolate(ctx: ConversionContext, node: fx.Node) -> FieldType:
     def arg(index: int, name: str, default=None):
         return node.args[index] if len(node.args) > index else node.kwargs.get(name, default)

@@ -1,0 +1,59 @@
+"""Direct sums of field types between the rules: kept for rules that read them, lifted for the others.
+
+A concatenation of maps of different representations (fields.FieldSum) reaches rules marked with
+registry.takes_direct_sums as it is. Before any other rule, each such input is lifted to regular fields
+(nn/direct_sum.FieldLift, one per lifted map, reused by its later readers), so every layer converts exactly.
+"""
+
+from __future__ import annotations
+
+import torch.fx as fx
+
+from ..nn.direct_sum import FieldLift, lift_index
+from .context import SHAPE_KEY, ConversionContext
+from .fields import FieldSum, FieldType, Segment
+from .registry import SUM_RULES, Rule
+
+LIFTED_KEY = "equiconvert_lifted"  # on a node of direct-sum type: its lifted form, once inserted
+
+
+def run_rule(ctx: ConversionContext, node: fx.Node, rule: Rule) -> "FieldType | FieldSum | None":
+    """rule(ctx, node), its direct-sum inputs lifted first unless the rule reads them."""
+    if rule not in SUM_RULES:
+        lift_direct_sums(ctx, node)
+    result = rule(ctx, node)
+    if isinstance(result, FieldSum) and node.name in ctx.restrictions:
+        raise ctx.unsupported(
+            node,
+            f"restricts a direct sum ({result.describe()}) to a subgroup",
+            "Options: restrict after a convolution (restrict={module name: step}).",
+        )
+    return result
+
+
+def lift_direct_sums(ctx: ConversionContext, node: fx.Node) -> None:
+    """Make `node` read each of its direct-sum inputs as regular fields."""
+    for arg in node.all_input_nodes:
+        ftype = ctx.type_of(arg)
+        if isinstance(ftype, FieldSum):
+            node.replace_input_with(arg, _lifted(ctx, node, arg, ftype))
+
+
+def _lifted(ctx: ConversionContext, node: fx.Node, arg: fx.Node, ftype: FieldSum) -> fx.Node:
+    if LIFTED_KEY in arg.meta:
+        return arg.meta[LIFTED_KEY]
+    group = ftype.group
+    if group.hidden_repr != "regular":
+        raise ctx.unsupported(
+            node, f"reads a direct sum of {group.name} fields, which has no regular fields to lift to"
+        )
+    size = group.repr_size("regular")
+    lifted_segments = tuple(
+        Segment(s.channels, FieldType(group, "regular", s.ftype.num_fields)) for s in ftype.segments
+    )
+    out = FieldType(group, "regular", ftype.num_fields, ftype.spatial, segments=lifted_segments)
+    index = lift_index([(s.ftype.num_fields, s.ftype.field_size) for s in ftype.segments], size)
+    lifted = ctx.insert_before(node, arg, FieldLift(index), "lift", out)
+    lifted.meta[SHAPE_KEY] = arg.meta.get(SHAPE_KEY)
+    arg.meta[LIFTED_KEY] = lifted
+    return lifted

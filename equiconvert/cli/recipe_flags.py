@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 from .common import CLIError
@@ -54,10 +56,27 @@ def _setting(key: str, value: Any) -> str:
 def check_recipe(recipe: Any) -> tuple[Any, Any]:
     """recipes.recipe_checks.check_recipe (the run's one check, before any data or model is touched), its errors
     naming the flag or --set key the user gave; returns the checked (RunSpec, DPConfig)."""
-    from ..recipes.recipe_checks import RecipeSettingError, check_recipe as check
+    from ..recipes.recipe_checks import check_recipe as check
+
+    with _named_settings():
+        return check(recipe)
+
+
+def check_recipe_names(recipe: Any) -> None:
+    """recipes.name_checks.check_names (no torch loaded): a mistyped logger is refused before the heavy imports."""
+    from ..recipes.name_checks import check_names
+
+    with _named_settings():
+        check_names(recipe)
+
+
+@contextlib.contextmanager
+def _named_settings() -> Iterator[None]:
+    """A RecipeSettingError as a CLIError naming the flag or --set key the user gave."""
+    from ..recipes.name_checks import RecipeSettingError
 
     try:
-        return check(recipe)
+        yield
     except RecipeSettingError as exc:
         raise CLIError(f"{_setting(exc.key, exc.value)}: {exc.rule}") from None
 

@@ -9,7 +9,7 @@ from typing import Any, Callable
 
 from ..group_names import GROUP_NAMES
 from ..privacy.accountant_names import ACCOUNTANTS
-from .recipe_flags import TRAIN_FLAGS, add_recipe_options, apply_flags, check_recipe, recipe_flag
+from .recipe_flags import TRAIN_FLAGS, add_recipe_options, apply_flags, check_recipe, check_recipe_names, recipe_flag
 from .commands import SUBCOMMANDS
 
 
@@ -24,12 +24,13 @@ def train_recipe(args: argparse.Namespace):
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
+    recipe = train_recipe(args)  # an unknown recipe name is refused here, before torch loads
+    check_recipe_names(recipe)  # and a mistyped logger name
     import torch
 
     from ..recipes.runner import run_checked
     from .launch import launch_train
 
-    recipe = train_recipe(args)
     spec, config = check_recipe(recipe)  # the run's one check: each worker of a launched job checks its own copy
     if getattr(args, "nproc_per_node", None) is not None:
         return launch_train(args, recipe.run.device)

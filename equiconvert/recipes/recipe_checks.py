@@ -7,16 +7,16 @@ end (the command line) can show its own name for the setting: its flag.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Callable
 
 from ..data import resolve_name
 from ..training.devices import resolve_device
 from ..training.dp_config import OFF_OPTIONS, ConfigError, DPConfig, check_config
-from ..training.loggers import LoggerError, check_loggers
 from ..training.run_folder import EMPTY_OUT_RULE, names_no_folder
 from .adapt_model import refuse_bad_adaptation
 from .build_model import refuse_conversion_options_for_baseline, refuse_preset_options_for_other_models
-from .recipe import Recipe, RecipeError, recipe_value, trainer_fields
+from .name_checks import RecipeSettingError, check_names
+from .recipe import Recipe, recipe_value, trainer_fields
 from .run_spec import RunSpec, spec_of, trainer_config
 
 # the run's own settings, each with its test and the error's rule (the trainer's: training.dp_config)
@@ -24,14 +24,6 @@ RUN_LIMITS: dict[str, tuple[Callable[[float], bool], str]] = {
     "run.time_limit_s": (lambda v: v > 0, "must be > 0 seconds"),
     "run.threads": (lambda v: v >= 1, "give at least 1 CPU thread"),
 }
-
-
-class RecipeSettingError(RecipeError):
-    """A recipe key whose value cannot run; key, value and rule let a front end name the setting its own way."""
-
-    def __init__(self, key: str, value: Any, rule: str) -> None:
-        self.key, self.value, self.rule = key, value, rule
-        super().__init__(f"{key}={value!r}: {rule}")
 
 
 def check_recipe(recipe: Recipe) -> tuple[RunSpec, DPConfig]:
@@ -59,10 +51,7 @@ def check_recipe(recipe: Recipe) -> tuple[RunSpec, DPConfig]:
         value = recipe_value(recipe, key)
         if isinstance(value, (int, float)) and not isinstance(value, bool) and not valid(value):
             raise RecipeSettingError(key, value, rule)
-    try:
-        check_loggers(recipe.run.loggers, parameter="run.loggers")
-    except LoggerError as exc:
-        raise RecipeSettingError("run.loggers", recipe.run.loggers, str(exc).removeprefix("run.loggers: ")) from None
+    check_names(recipe)
     if names_no_folder(recipe.run.out):
         raise RecipeSettingError("run.out", recipe.run.out, EMPTY_OUT_RULE)
     dataset = resolve_name(recipe.data.dataset) if recipe.data.dataset is not None else None

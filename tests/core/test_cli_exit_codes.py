@@ -92,6 +92,31 @@ def test_help_and_version_import_no_torch(flag):
 _LIGHT_CLI = {"equiconvert.cli.commands", "equiconvert.cli.common"}
 
 
+@pytest.mark.parametrize(
+    "argv, error",
+    [
+        (["--recipe", "no-such-recipe"], "error: --recipe no-such-recipe: neither a file nor a shipped recipe"),
+        (["--recipe", "cpu_main_job", "--logger", "tensorbord"], "error: --logger: unknown logger 'tensorbord'"),
+    ],
+)
+def test_a_mistyped_recipe_or_logger_is_refused_in_one_line_before_torch_loads(argv, error):
+    """The names are checked before the heavy imports: the refusal costs no torch, data or model start-up."""
+    done = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "equiconvert", "train", *argv, "--out", "unused"],
+        capture_output=True,
+        text=True,
+        env=repo_env(),
+        cwd=REPO_ROOT,
+        timeout=120,
+    )
+    assert done.returncode == 2
+    lines = [line for line in done.stderr.splitlines() if not line.startswith("import time")]
+    assert len(lines) == 1 and lines[0].startswith(error), done.stderr[-2000:]
+    imported = {line.rsplit("|", 1)[-1].strip() for line in done.stderr.splitlines() if line.startswith("import time")}
+    assert "equiconvert.recipes.recipe" in imported  # the probe sees the train command's imports
+    assert not {name for name in imported if name.split(".")[0] in {"torch", "opacus", "numpy"}}
+
+
 def test_the_cli_names_library_parameters_by_their_flags():
     error = ParameterError("out=/x is not empty: give resume=True to continue it, or another out=")
     assert flag_message(error) == "--out /x is not empty: give --resume to continue it, or another --out"

@@ -15,7 +15,15 @@ from typing import Sequence
 from .._version import __version__
 from ..errors import EquiconvertError
 from .commands import SUBCOMMANDS
-from .common import EXIT_CODES, EXIT_INTERRUPTED, EXIT_USAGE, CLIError, exit_code, flag_message
+from .common import (
+    EXIT_CODES,
+    EXIT_INTERRUPTED,
+    EXIT_USAGE,
+    CLIError,
+    exit_code,
+    exit_status_of_signal,
+    flag_message,
+)
 
 __all__ = ["CLIError", "EXIT_CODES", "EXIT_INTERRUPTED", "EXIT_USAGE", "SUBCOMMANDS", "main"]
 
@@ -51,8 +59,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return exit_code(exc)
     except TrainingInterrupted as exc:
         resume = "run the same command with --resume to continue" if exc.checkpoint else "nothing was saved"
-        print(f"interrupted: training stopped by Ctrl-C after step {exc.step}; {resume}", file=sys.stderr)
-        return EXIT_INTERRUPTED
+        print(f"interrupted: training stopped by {exc.signal_name} after step {exc.step}; {resume}", file=sys.stderr)
+        return exit_status_of_signal(exc.signum)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED

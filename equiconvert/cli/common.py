@@ -4,6 +4,7 @@ parameter -> flag names the library's messages are printed with."""
 from __future__ import annotations
 
 import re
+import signal
 
 from ..errors import ConversionError, DataError, EquiconvertError, PrivacyError, RunError, UsageError
 
@@ -18,7 +19,14 @@ EXIT_CODES: dict[type[EquiconvertError], int] = {
 }
 EXIT_OTHER = 1  # an EquiconvertError of no category
 EXIT_USAGE = EXIT_CODES[UsageError]
-EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report a command stopped by Ctrl-C
+
+
+def exit_status_of_signal(signum: int) -> int:
+    """The status of a command a signal stopped, as shells report it: 128 + the signal's number."""
+    return 128 + int(signum)
+
+
+EXIT_INTERRUPTED = exit_status_of_signal(signal.SIGINT)  # 130: a command stopped by Ctrl-C
 
 # library parameter -> the flag that sets it; a message's `name=VALUE` is printed as `--flag VALUE`, and `name=True`
 # or a bare `name=` as `--flag`

@@ -6,6 +6,7 @@ import argparse
 import contextlib
 import logging
 import os
+import shutil
 import signal
 import tempfile
 from collections.abc import Iterator
@@ -15,7 +16,7 @@ from typing import Sequence
 import torch
 
 from ..errors import RunError
-from .common import CLIError
+from .common import CLIError, exit_status_of_signal
 
 
 class JobFailedError(RunError):
@@ -26,6 +27,7 @@ def launch_train(args: argparse.Namespace, device: str | None = None) -> int:
     """`train --nproc-per-node N`: the same command on N local workers, started by torchrun's own entry point.
 
     device: the run's device (None: cuda if available, else cpu), which decides what a worker occupies."""
+    from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     from ..training import distributed
@@ -36,35 +38,52 @@ def launch_train(args: argparse.Namespace, device: str | None = None) -> int:
     if distributed.launched_world_size() > 1:
         raise CLIError("--nproc-per-node starts its own workers: drop it when launching with torchrun")
     log_dir = Path(tempfile.mkdtemp(prefix="equiconvert-workers-"))  # owner-only
+    failed_log: Path | None = None  # the log a failure's message names: kept for the user to read
     try:
-        with _quiet(logging.getLogger("torch.distributed.elastic")):  # its own report of the failure: ours below
+        with _quiet("torch.distributed.elastic"):  # its own report of the failure: ours below
             distributed.launch(
                 args.nproc_per_node, "equiconvert", _without_option(args.argv, "--nproc-per-node"), log_dir
             )
     except ChildFailedError as exc:
-        raise JobFailedError(_failure_line(exc.failures, log_dir)) from None
+        line, failed_log = _failure(exc.failures, log_dir)
+        raise JobFailedError(line) from None
+    except SignalException as exc:  # Ctrl-C or SIGTERM: passed on to the workers, which stopped with a checkpoint
+        return exit_status_of_signal(exc.sigval)
+    finally:
+        if failed_log is None:
+            shutil.rmtree(log_dir, ignore_errors=True)
     return 0
 
 
-def _failure_line(failures: dict, log_dir: Path) -> str:
-    """One line for a failed job: the worker that died first, by a signal if one did (the others then lose it)."""
+def _failure(failures: dict, log_dir: Path) -> tuple[str, Path | None]:
+    """One line for a failed job, naming the worker that died first (by a signal if one did: the others then lose
+    it), and that worker's log (None: it wrote to the console)."""
     rank, failure = min(failures.items(), key=lambda item: (item[1].exitcode >= 0, item[1].timestamp))
     code = failure.exitcode
     how = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
     from ..training.distributed import worker_log
 
     log = worker_log(log_dir, rank)
-    return f"worker {rank} died ({how}), see {log if log is not None else 'its messages above'}"
+    return f"worker {rank} died ({how}), see {log if log is not None else 'its messages above'}", log
 
 
 @contextlib.contextmanager
-def _quiet(logger: logging.Logger) -> Iterator[None]:
-    level = logger.level
-    logger.setLevel(logging.CRITICAL)
+def _quiet(prefix: str) -> Iterator[None]:
+    """Silence every logger under `prefix` for the block: each of torch's elastic modules sets its own level, so
+    the parent's does not reach them (its warnings, e.g. of the signal passed on to the workers, would reach the
+    console)."""
+    import torch.distributed.run  # noqa: F401  (creates its modules' loggers)
+
+    names = [name for name in list(logging.root.manager.loggerDict) if name == prefix or name.startswith(prefix + ".")]
+    loggers = [logging.getLogger(name) for name in names]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.CRITICAL)
     try:
         yield
     finally:
-        logger.setLevel(level)
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
 
 
 def _refuse_more_workers_than_devices(workers: int, device: str | None) -> None:

@@ -35,6 +35,10 @@ from ..errors import ParameterError, RunError
 from .worker_lifetime import die_with_parent, launcher_environment
 
 BACKENDS = {"cuda": "nccl", "cpu": "gloo"}  # device type -> torch.distributed backend
+# seconds the workers of a `--nproc-per-node` job get, after Ctrl-C or SIGTERM, to finish their step and write the
+# checkpoint before the launcher kills them (torchrun's own default, 30 s, can be shorter than one step); a second
+# Ctrl-C kills them at once
+STOP_GRACE_S = 300
 
 
 @dataclass(frozen=True)
@@ -44,6 +48,7 @@ class DistributedContext:
     world_size: int = 1
     rank: int = 0
     local_rank: int = 0
+    host_group: Any = None  # a gloo group for values the hosts exchange (NCCL jobs); None: the default group
 
     @property
     def is_main(self) -> bool:
@@ -122,6 +127,14 @@ class DistributedContext:
         if self.enabled and self.is_main:
             dist.barrier()
 
+    def max_on_host(self, value: int) -> int:
+        """The largest of every rank's `value`, exchanged between the hosts: no wait for the device."""
+        if not self.enabled:
+            return value
+        tensor = torch.tensor([value], dtype=torch.int64)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.host_group)
+        return int(tensor.item())
+
     def agree(self, flag: bool, device: torch.device) -> bool:
         """Rank 0's `flag` on every rank (a stop decision that all ranks must take together)."""
         if not self.enabled:
@@ -166,7 +179,8 @@ def from_environment(device: str | None) -> tuple[DistributedContext, str | None
         torch.cuda.set_device(torch.device(device))
     if not dist.is_initialized():
         dist.init_process_group(BACKENDS[kind], device_id=torch.device(device) if kind == "cuda" else None)
-    return DistributedContext(world_size, rank, local_rank), device
+    host_group = dist.new_group(backend=BACKENDS["cpu"]) if BACKENDS[kind] != BACKENDS["cpu"] else None
+    return DistributedContext(world_size, rank, local_rank, host_group), device
 
 
 def shutdown() -> None:
@@ -192,12 +206,20 @@ def launch(nproc_per_node: int, module: str, argv: Sequence[str], log_dir: Path)
     """Run `python -m module argv...` on `nproc_per_node` local workers through torchrun's own entry point.
 
     Workers other than rank 0 write their stderr under `log_dir` (worker_log finds it); rank 0 keeps the console
-    (its progress bar and errors). Raises torch's ChildFailedError if a worker fails.
+    (its progress bar and errors). Raises torch's ChildFailedError if a worker fails, and its SignalException when
+    this process gets SIGINT or SIGTERM: torchrun has then passed the signal to the workers (which finish their
+    step and write a checkpoint) and waited up to STOP_GRACE_S for them.
     """
     from torch.distributed.run import parse_args, run
 
     redirects = ["--redirects", ",".join(f"{rank}:2" for rank in range(1, nproc_per_node))]
-    options = ["--log-dir", str(log_dir), *(redirects if nproc_per_node > 1 else [])]
+    options = [
+        "--log-dir",
+        str(log_dir),
+        "--shutdown-timeout",
+        str(STOP_GRACE_S),
+        *(redirects if nproc_per_node > 1 else []),
+    ]
 
     added = launcher_environment()  # the workers copy this process's environment when they start
     os.environ.update(added)

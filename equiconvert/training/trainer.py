@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import signal
 import time
 import warnings
 from pathlib import Path
@@ -375,10 +376,11 @@ class DPTrainer(TrainerCheckpoint):
         records carry it only under `log_step_times` (it times the secret batches). The data moves to the
         device once; a step waits for the device only where its record is written (every `epsilon_every` steps,
         evaluations, checkpoints), so a step's `time_s` between those is the time it was queued. While it writes
-        there, the run holds out_dir's lock: another job training into it is refused (run_lock.py). Ctrl-C stops a
-        single-process run after the step under way with a checkpoint and raises TrainingInterrupted (interrupt.py).
+        there, the run holds out_dir's lock: another job training into it is refused (run_lock.py). Ctrl-C or SIGTERM
+        stops the run (every rank of a job at the same step) after the step under way with a checkpoint and raises
+        TrainingInterrupted (interrupt.py).
         """
-        with contextlib.ExitStack() as self._run_folder, DeferredInterrupt(not self.dist.enabled) as self._interrupt:
+        with contextlib.ExitStack() as self._run_folder, DeferredInterrupt() as self._interrupt:
             self._run_folder.callback(self._log.close)
             self._run_folder.enter_context(cudnn_autotuning(self.config.cudnn_benchmark and self.device.type == "cuda"))
             return self._fit(train_set, eval_set, resume, time_limit_s)
@@ -411,8 +413,8 @@ class DPTrainer(TrainerCheckpoint):
         start = time.perf_counter()
         self._clock.start()
         while self.step < self.config.steps:
-            if self._interrupt.requested:  # Ctrl-C: stop here, between two steps
-                raise self._interrupted()
+            if (stop := self._stop_signal()) is not None:  # Ctrl-C or SIGTERM: stop here, between two steps
+                raise self._interrupted(stop)
             if self.step >= budget_steps:  # one more step would exceed target_epsilon
                 self.stopped_reason = "budget"
                 self._log.append({"event": "stopped", "reason": "budget", **self._progress_fields()})
@@ -466,14 +468,21 @@ class DPTrainer(TrainerCheckpoint):
             self._buffer_guard = BufferGuard(self.model, set_once, deferred=True)
             self._shape_probe = BatchShapeProbe(self.model, (rows, *example.shape[1:]))
 
-    def _interrupted(self) -> TrainingInterrupted:
-        """The stop by Ctrl-C, logged and (with out_dir) checkpointed, as the exception fit raises."""
+    def _stop_signal(self) -> signal.Signals | None:
+        """The signal that stops the run at this step boundary, if any: in a job, any rank's (one host-side exchange
+        per step), so that every rank stops at the same step and writes the checkpoint together."""
+        received = self._interrupt.requested
+        agreed = self.dist.max_on_host(0 if received is None else int(received))
+        return signal.Signals(agreed) if agreed else None
+
+    def _interrupted(self, signum: signal.Signals) -> TrainingInterrupted:
+        """The stop by Ctrl-C or SIGTERM, logged and (with out_dir) checkpointed, as the exception fit raises."""
         self.stopped_reason = "interrupted"
         self._log.append({"event": "stopped", "reason": "interrupted", **self._progress_fields()})
         if self.out_dir is None:
-            return TrainingInterrupted(self.step, None)
+            return TrainingInterrupted(self.step, None, signum)
         self.save_checkpoint()
-        return TrainingInterrupted(self.step, self.checkpoint_path())
+        return TrainingInterrupted(self.step, self.checkpoint_path(), signum)
 
     def _logs_epsilon(self, step: int) -> bool:
         """Whether step `step`'s record carries epsilon and is written at once (the loop's only waits)."""

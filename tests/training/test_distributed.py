@@ -25,6 +25,7 @@ from torch import nn
 from equiconvert.training.distributed import SINGLE_PROCESS, DistributedContext
 from equiconvert.training.metrics import evaluate
 from equiconvert.training.run_lock import LOCK_FILE, hold_run_folder
+from equiconvert.privacy.checkpoint import load
 from equiconvert.privacy.sampling import PoissonSampler
 from equiconvert.privacy.secure_rng import SAMPLING, make_source
 from equiconvert.training.trainer import DPTrainer
@@ -300,12 +301,24 @@ def test_nproc_per_node_launches_workers_through_torchrun(tmp_path):
         physical_batch_size=16,
     )
     command = [sys.executable, "-m", "equiconvert", *train]
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1", "TMPDIR": str(_scratch(tmp_path))}
     finished = subprocess.run(command, check=False, capture_output=True, text=True, env=env, timeout=300)
     assert finished.returncode == 0, finished.stderr[-2000:]
     result = json.loads((out / "result.json").read_text())
     assert result["world_size"] == 2 and result["steps"] == 2
     assert finished.stdout.count('"world_size": 2') == 1  # one printout per job
+    assert _worker_log_folders(tmp_path) == []  # the job removed its /tmp/equiconvert-workers-* folder
+
+
+def _scratch(tmp_path: Path) -> Path:
+    """The temporary folder (TMPDIR) of a launched job, where its workers' log folder goes."""
+    scratch = tmp_path / "tmp"
+    scratch.mkdir(exist_ok=True)
+    return scratch
+
+
+def _worker_log_folders(tmp_path: Path) -> list[Path]:
+    return list(_scratch(tmp_path).glob("equiconvert-workers-*"))
 
 
 def test_a_sampler_state_of_another_shard_is_refused():
@@ -369,3 +382,35 @@ def test_a_worker_killed_mid_run_is_one_line_naming_it_and_its_log(tmp_path):
     lines = stderr.strip().splitlines()
     assert re.fullmatch(r"error: worker 1 died \(signal SIGKILL\), see /\S+/attempt_0/1/stderr\.log", lines[-1])
     assert "Traceback" not in stderr and "ChildFailedError" not in stderr, stderr[-3000:]
+
+
+def test_ctrl_c_of_a_job_stops_every_worker_at_one_step_with_a_checkpoint(tmp_path):
+    """Ctrl-C of a `--nproc-per-node` job used to end every worker inside its step, with tracebacks and no checkpoint."""
+    out = tmp_path / "run"
+    train = tiny_train_args(
+        out, "--set", "schedule.epsilon_every=1", nproc_per_node=2, steps=100000, batch_size=16, physical_batch_size=16
+    )
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1", "TMPDIR": str(_scratch(tmp_path))}
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "equiconvert", *train],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    log, deadline = out / "log.jsonl", time.monotonic() + 240
+    while not log.exists() and launcher.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)  # until rank 0 wrote its first step's record: both workers are in the training loop
+    launcher.send_signal(signal.SIGINT)  # what Ctrl-C sends the launcher (torchrun passes it on to the workers)
+    stderr = launcher.communicate(timeout=240)[1]
+    assert launcher.returncode == 130, stderr[-3000:]
+    assert re.fullmatch(
+        r"interrupted: training stopped by Ctrl-C after step (\d+); run the same command with --resume to continue",
+        stderr.strip().splitlines()[-1],
+    ), stderr[-3000:]
+    assert "Traceback" not in stderr and "death signal" not in stderr, stderr[-3000:]
+    stopped = json.loads(log.read_text().splitlines()[-1])
+    assert stopped["event"] == "stopped" and stopped["reason"] == "interrupted"
+    saved = load(out / "checkpoint.pt")
+    assert saved["step"] == stopped["step"] >= 1 and saved["world_size"] == 2
+    assert _worker_log_folders(tmp_path) == []

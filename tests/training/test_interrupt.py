@@ -19,11 +19,12 @@ from tests.support.train_args import tiny_train_args
 
 @pytest.fixture(autouse=True)
 def default_sigint_handler():
-    """Python's own SIGINT handler, as in a fresh process: DeferredInterrupt leaves any other handler in place (a
-    user's or a framework's), and a test elsewhere in the session may have left one installed."""
-    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    """Python's own SIGINT and SIGTERM handlers, as in a fresh process: DeferredInterrupt leaves any other handler in
+    place (a user's or a framework's), and a test elsewhere in the session may have left one installed."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler), signal.signal(signal.SIGTERM, signal.SIG_DFL)
     yield
-    signal.signal(signal.SIGINT, previous)
+    signal.signal(signal.SIGINT, previous[0])
+    signal.signal(signal.SIGTERM, previous[1])
 
 
 OPTIONS = dict(noise_multiplier=1.0, target_epsilon=None, batch_size=8, steps=4, aug_mult=1, ema_decay=None)
@@ -88,3 +89,26 @@ def test_the_command_line_exits_130_with_one_line_saying_to_resume(tmp_path, cap
     monkeypatch.undo()
     assert main(tiny_train_args(out, "--resume", **small)) == 0
     assert json.loads((out / "result.json").read_text())["steps"] == 3
+
+
+def test_sigterm_stops_the_command_line_with_a_checkpoint_and_exits_143(tmp_path, capsys, monkeypatch):
+    """SIGTERM (what schedulers send) used to end the process at once, losing every step since the last checkpoint."""
+    original = DPTrainer._train_step
+
+    def step_then_sigterm(self, data):
+        record = original(self, data)
+        if self.step == 1:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return record
+
+    monkeypatch.setattr(DPTrainer, "_train_step", step_then_sigterm)
+    out = tmp_path / "run"
+    small = dict(steps=3, model="equiconvert:resnet9", model_kwargs="widths=4,8,8", group="none")
+    assert main(tiny_train_args(out, **small)) == 128 + signal.SIGTERM == 143
+    error = capsys.readouterr().err
+    assert "SIGTERM: stopping after this step with a checkpoint" in error
+    assert error.endswith(
+        "interrupted: training stopped by SIGTERM after step 1; run the same command with --resume to continue\n"
+    )
+    assert "Traceback" not in error and (out / "checkpoint.pt").exists()
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the default action is back after the run

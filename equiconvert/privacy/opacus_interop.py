@@ -261,8 +261,10 @@ def make_private(
     **kwargs: Any,
 ) -> Any:
     """``privacy_engine.make_private(...)`` after ``check_dp_safe(module, example_input, data_loader.batch_size)``,
-    with every training forward of ``module`` guarded against buffer writes (buffer_guard.py) and every Conv2d given
-    a contiguous input (Opacus' samplers misread a channels-last one: ``contiguous_conv_inputs``).
+    with every training forward of ``module``, and the backward before each optimizer step, guarded against writes
+    to buffers and frozen parameters (buffer_guard.py), and every Conv2d given a contiguous input (Opacus'
+    samplers misread a channels-last one: ``contiguous_conv_inputs``). Batch shapes other than the loader's are
+    not probed for mixing here (equiconvert's own make_private probes each).
 
     example_input defaults to random values of the shape and dtype of the first example of
     ``data_loader.dataset`` (its values are not used: the check sees no training data; no batch is drawn).
@@ -276,7 +278,9 @@ def make_private(
         shaped = torch.rand_like(example) if example.is_floating_point() else torch.zeros_like(example)
         example_input = shaped.unsqueeze(0)
     set_once = check_dp_safe(module, example_input, getattr(data_loader, "batch_size", None))
-    BufferGuard(module, set_once).attach()  # each training forward: no buffer may keep anything of the batch
+    guard = BufferGuard(module, set_once)
+    guard.attach()  # each training forward: no buffer or frozen parameter may keep anything of the batch
+    optimizer.register_step_pre_hook(lambda *_: guard.check("in a training backward"))  # nor a backward hook
     contiguous_conv_inputs(module)  # Opacus' conv samplers misread channels-last inputs
     if not getattr(privacy_engine, "secure_mode", False):
         warnings.warn(OPACUS_NOT_SECURE, UserWarning, stacklevel=2)

@@ -78,3 +78,27 @@ def test_the_run_time_guard_names_and_sets_back_a_frozen_parameter():
         with guard.watch(batch):
             model(batch)
     assert float(model[0].seen) == 0.0 and not model[0].seen.requires_grad
+
+
+def test_a_frozen_parameter_written_in_backward_is_refused_at_the_opacus_helpers_optimizer_step():
+    pytest.importorskip("opacus")
+    from opacus import PrivacyEngine
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from equiconvert.privacy.opacus_interop import make_private as opacus_make_private
+
+    model = _model(CountsInBackward())
+    images, labels = _data()
+    loader = DataLoader(TensorDataset(images, labels), batch_size=4)
+    with pytest.warns(UserWarning, match="secure_mode=False"):
+        private, optimizer, _ = opacus_make_private(
+            PrivacyEngine(),
+            module=model,
+            optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+            data_loader=loader,
+            noise_multiplier=1.0,
+            max_grad_norm=1.0,
+        )
+    with pytest.raises(PrivacyValidationError, match=r"module '2' changed its frozen parameter 'seen' in a training"):
+        _one_private_step(private, optimizer, images[:4], labels[:4])
+    assert float(model[2].seen) == 0.0

@@ -68,43 +68,41 @@ def test_ctrl_c_stops_between_steps_with_a_checkpoint_that_resumes_to_the_same_e
         assert torch.equal(a, b)
 
 
-def test_the_command_line_exits_130_with_one_line_saying_to_resume(tmp_path, capsys, monkeypatch):
+SMALL_RUN = dict(steps=3, model="equiconvert:resnet9", model_kwargs="widths=4,8,8", group="none")
+
+
+def _train_sent_after_step_1(out, monkeypatch, signum: signal.Signals) -> int:
+    """`equiconvert train` of SMALL_RUN into `out`, this process sent `signum` at the end of its first step."""
     original = DPTrainer._train_step
 
-    def step_then_ctrl_c(self, data):
+    def step_then_signal(self, data):
         record = original(self, data)
         if self.step == 1:
-            os.kill(os.getpid(), signal.SIGINT)
+            os.kill(os.getpid(), signum)
         return record
 
-    monkeypatch.setattr(DPTrainer, "_train_step", step_then_ctrl_c)
+    monkeypatch.setattr(DPTrainer, "_train_step", step_then_signal)
+    status = main(tiny_train_args(out, **SMALL_RUN))
+    monkeypatch.undo()
+    return status
+
+
+def test_the_command_line_exits_130_with_one_line_saying_to_resume(tmp_path, capsys, monkeypatch):
     out = tmp_path / "run"
-    small = dict(steps=3, model="equiconvert:resnet9", model_kwargs="widths=4,8,8", group="none")
-    assert main(tiny_train_args(out, **small)) == EXIT_INTERRUPTED == 130
+    assert _train_sent_after_step_1(out, monkeypatch, signal.SIGINT) == EXIT_INTERRUPTED == 130
     error = capsys.readouterr().err
     assert error.endswith(
         "interrupted: training stopped by Ctrl-C after step 1; run the same command with --resume to continue\n"
     )
     assert "Traceback" not in error and (out / "checkpoint.pt").exists() and not (out / "result.json").exists()
-    monkeypatch.undo()
-    assert main(tiny_train_args(out, "--resume", **small)) == 0
+    assert main(tiny_train_args(out, "--resume", **SMALL_RUN)) == 0
     assert json.loads((out / "result.json").read_text())["steps"] == 3
 
 
 def test_sigterm_stops_the_command_line_with_a_checkpoint_and_exits_143(tmp_path, capsys, monkeypatch):
     """SIGTERM (what schedulers send) used to end the process at once, losing every step since the last checkpoint."""
-    original = DPTrainer._train_step
-
-    def step_then_sigterm(self, data):
-        record = original(self, data)
-        if self.step == 1:
-            os.kill(os.getpid(), signal.SIGTERM)
-        return record
-
-    monkeypatch.setattr(DPTrainer, "_train_step", step_then_sigterm)
     out = tmp_path / "run"
-    small = dict(steps=3, model="equiconvert:resnet9", model_kwargs="widths=4,8,8", group="none")
-    assert main(tiny_train_args(out, **small)) == 128 + signal.SIGTERM == 143
+    assert _train_sent_after_step_1(out, monkeypatch, signal.SIGTERM) == 128 + signal.SIGTERM == 143
     error = capsys.readouterr().err
     assert "SIGTERM: stopping after this step with a checkpoint" in error
     assert error.endswith(

@@ -597,7 +597,9 @@ def _released_vs_preset(s: Summary) -> list[str]:
         if d is None
         else [f"released code minus preset: {d['points']:+.2f} points (SE {d['se']:.2f}" + _in_se(d["in_se"]) + ")"]
     )
-    return _blocks(_table(columns, rows), _details("Means and their difference:", means + difference))
+    missing = s.get("runs_without_result") or []
+    failed = [f"runs without a result (failed; logs in their run folders): {', '.join(missing)}"] if missing else []
+    return _blocks(_table(columns, rows), _details("Means and their difference:", means + difference + failed))
 
 
 FIGURES: dict[str, Callable[[Summary, Path], None]] = {

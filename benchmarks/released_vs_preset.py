@@ -216,8 +216,13 @@ def compare(rows: list[dict]) -> dict:
     return {"arms": arms, "released_minus_preset": difference}
 
 
-def summary(args: argparse.Namespace, s: ReleasedSettings, examples: int, rows: list[dict], argv: list[str]) -> dict:
-    """The results-page summary: settings, the short schedule against the full one, the runs and the comparison."""
+def summary(
+    args: argparse.Namespace, s: ReleasedSettings, examples: int, runs: list[PlannedArm], argv: list[str]
+) -> dict:
+    """The results-page summary: settings, the short schedule against the full one, the runs, the comparison, and
+    the runs without a result (failed: their logs are in their folders)."""
+    rows = run_rows(args, runs)
+    reported = {(r["arm"], r["seed"]) for r in rows}
     recipe = load_recipe(RECIPE)
     full_batch, full_sigma = recipe_value(recipe, "dp.batch_size"), recipe_value(recipe, "dp.noise_multiplier")
     expected = examples * s.sample_rate(examples)
@@ -248,6 +253,7 @@ def summary(args: argparse.Namespace, s: ReleasedSettings, examples: int, rows: 
         "released_commit": released_commit(args.released),
         "settings": asdict(s),
         "rows": rows,
+        "runs_without_result": [run.name for run in runs if (run.arm, run.seed) not in reported],
         **compare(rows),
     }
 
@@ -335,7 +341,7 @@ def main(argv: list[str] | None = None) -> int:
     runs = planned(args, s, len(train.labels))
     failures = run_arms(args, runs)
     out = args.out or Path(os.environ.get("OUT") or args.runs)
-    print(emit(summary(args, s, len(train.labels), run_rows(args, runs), argv), out / SUMMARY_FILE))
+    print(emit(summary(args, s, len(train.labels), runs, argv), out / SUMMARY_FILE))
     return 1 if train_runs.print_failures(failures, len(runs)) else 0
 
 

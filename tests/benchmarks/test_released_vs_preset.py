@@ -156,7 +156,7 @@ def test_tiny_run_trains_both_arms_resumes_and_writes_the_comparison(tmp_path, f
     ]
     assert released_vs_preset.main(argv) == 0
     summary = json.loads((out / "released_vs_preset.json").read_text())
-    assert summary["kind"] == "released_vs_preset"
+    assert summary["kind"] == "released_vs_preset" and summary["runs_without_result"] == []
     assert {(r["arm"], r["seed"]) for r in summary["rows"]} == {("released", 0), ("preset", 0)}
     for row in summary["rows"]:
         assert row["steps"] == 2 and row["stopped_reason"] is None

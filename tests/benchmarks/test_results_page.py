@@ -230,6 +230,7 @@ def test_the_released_code_comparison_renders_each_run_and_the_difference_with_i
         "rows": rows,
         "arms": {"released": {"n": 1, "mean": 62.5, "se": None}, "preset": {"n": 1, "mean": 60.0, "se": None}},
         "released_minus_preset": {"points": 2.5, "se": 0.5, "in_se": 5.0},
+        "runs_without_result": ["preset_seed1"],
     }
     lines = page.RENDERERS["released_vs_preset"](summary)
     table = [_cells(line) for line in lines if line.startswith("|")]
@@ -237,3 +238,4 @@ def test_the_released_code_comparison_renders_each_run_and_the_difference_with_i
     assert table[3][2] == "61.00% (stopped: time_limit)" and table[3][4] == "90 of 200"
     assert "- released code minus preset: +2.50 points (SE 0.50, +5.0 SE)" in lines
     assert "- our released-settings preset: 60.00% over 1 finished runs" in lines
+    assert "- runs without a result (failed; logs in their run folders): preset_seed1" in lines  # none dropped

@@ -17,3 +17,11 @@ DEFAULT_WIDTH = KAPPA_WIDTH
 # escnn's R2Conv coefficients of the same filters (the paper's released code; needs the escnn extra).
 STANDARDIZATION_COORDINATES = ("canonical", "escnn")
 CANONICAL_COORDINATES, ESCNN_COORDINATES = STANDARDIZATION_COORDINATES
+
+# What a conversion aims at (make_equivariant's `mode`; convert/modes.py gives each its options):
+#   "full": the whole group in every layer and the paper's width rule;
+#   "dp":   the conversion that wins when the converted network is trained with the original DP pipeline's own
+#           hyper-parameters: fields restricted to the flips before the last stage, the original's parameter count.
+MODES = ("full", "dp")
+FULL_MODE, DP_MODE = MODES
+DEFAULT_MODE = FULL_MODE

@@ -13,7 +13,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from ..conversion_options import HEADS, STANDARDIZATION_COORDINATES
+from ..conversion_options import DEFAULT_MODE, HEADS, STANDARDIZATION_COORDINATES
 from ..errors import NotAModuleError, ParameterError, UnsupportedLayerError
 from ..groups import GroupSpec, parse_group
 from ..nn.conv import standardization_scope
@@ -35,7 +35,8 @@ from .registry import find_rule
 from .rules.conv import grouped_conv_multiples
 from .rules.split import consistent_width
 from .report import ConversionReport
-from .restrict import RestrictSpec, apply_restriction, plan, width_groups
+from .modes import resolve_mode
+from .restrict import RestrictSpec, apply_restriction, plan, stage_inputs, width_groups
 from .trace import propagate_shapes, trace
 from .verify import require_an_exact_size, verify_conversion
 from .width import PARAMS, WidthSpec, multiplier_width, resolve_width
@@ -224,6 +225,7 @@ def make_equivariant(
     strict: bool = False,
     head: str | None = None,
     restrict: RestrictSpec = None,
+    mode: str = DEFAULT_MODE,
     frequency: int | None = None,
     pad_to_valid: bool = False,
     crop_to_valid: bool = False,
@@ -259,6 +261,10 @@ def make_equivariant(
         restrict: restrict the fields to a subgroup: "halved", "reflection", "invariant", a group name, a
             schedule "D8->D4->D1" (before the last stages) or {module name: step}; see convert/restrict.py. The
             model is then exactly equivariant to the last subgroup.
+        mode: one of conversion_options.MODES. "full" (default): the whole group in every layer, the paper's width
+            rule. "dp": the conversion that wins when the network is trained with the original DP pipeline's own
+            hyper-parameters (restrict="reflection" before the last stage, or "invariant" for groups without
+            flips, and width="params"); see convert/modes.py. An explicit `restrict` or `width` wins over the mode.
         frequency: the band limit of SO2/O2 fields; None for 1.
         pad_to_valid: put a symmetric zero padding to the nearest valid size in front (nn/input_fit.py), so that
             the model takes input_size and stays exact.
@@ -289,6 +295,8 @@ def make_equivariant(
     if (pad_to_valid or crop_to_valid) and input_size is None:
         raise ParameterError("pad_to_valid/crop_to_valid need the input_size to fit")
     spec = parse_group(group, frequency)
+    user_restrict, user_width = restrict, width
+    restrict, width, mode_options = resolve_mode(mode, spec, restrict, width)
     cfg = _make_config(config, strict, head if head is not None else declared_head(model, config))
     if cfg.strict and allow_non_equivariant:
         raise ParameterError("give strict or allow_non_equivariant, not both: strict refuses what the other accepts")
@@ -297,6 +305,10 @@ def make_equivariant(
     # one bar from the start, so that it shows once the whole conversion (tracing included) is long
     with counting_basis_builds(progress), progress_bar("converting", "node", progress) as bar:
         template, in_channels = _prepare(copy.deepcopy(model), input_size, cfg.leaf_modules)
+        mode_reason = mode_options.reason
+        if user_restrict is None and cfg.restrict is not None and not stage_inputs(template):
+            cfg.restrict = None  # a mode's restriction needs a last stage; a model without resolution drops has none
+            mode_reason += f"; no resolution drop, so no stage to restrict: {spec.name} throughout"
         bar.total = len(template.graph.nodes)  # each node rewritten, then each node of each verification run
         width_fn = resolve_width(width)
         solve_params = width_fn == PARAMS
@@ -307,7 +319,11 @@ def make_equivariant(
         gm, report, output_type = _convert_once(template, in_channels, spec, width_fn, cfg, width_name, bar=bar)
         report.params_before = _count(model)
         report.params_after = _count(gm)
-        if solve_params and abs(report.params_after - report.params_before) > PARAMS_TOLERANCE * report.params_before:
+        report.mode, report.mode_reason = mode, mode_reason
+        off = abs(report.params_after - report.params_before) / max(report.params_before, 1)
+        if solve_params and user_width is None and off > PARAMS_TOLERANCE:  # a mode's width: the closest count
+            report.mode_reason += f" (the closest count fields allow is {off:.1%} off)"
+        elif solve_params and off > PARAMS_TOLERANCE:
             raise UnsupportedLayerError(
                 f"width='params' reached {report.params_after:,} parameters for a target of {report.params_before:,} "
                 f"(more than {PARAMS_TOLERANCE:.0%} apart); pass a float kappa or a callable width instead"
@@ -332,12 +348,13 @@ def make_equivariant(
     converted = build_equivariant_model(model, gm, spec, in_channels, output_type, report).train(model.training)
     arguments = dict(
         group=group if isinstance(group, str) else spec.name,
-        width=width,
+        width=user_width,
         input_size=input_size,
         config=config,
         strict=strict,
         head=head,
-        restrict=restrict,
+        restrict=user_restrict,
+        mode=mode,
         frequency=frequency,
         pad_to_valid=pad_to_valid,
         crop_to_valid=crop_to_valid,

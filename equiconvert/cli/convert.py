@@ -9,7 +9,7 @@ import sys
 import time
 from typing import Any
 
-from ..conversion_options import DEFAULT_WIDTH, HEADS, PAPER_KAPPA, WIDTH_NAMES
+from ..conversion_options import DEFAULT_MODE, DEFAULT_WIDTH, HEADS, MODES, PAPER_KAPPA, WIDTH_NAMES
 from ..group_names import GROUP_NAMES
 from .common import CLIError
 from .commands import SUBCOMMANDS
@@ -67,6 +67,7 @@ def convert_and_check(
     pad_to_valid: bool = False,
     crop_to_valid: bool = False,
     allow_non_equivariant: bool = False,
+    mode: str = DEFAULT_MODE,
 ) -> tuple[Any, dict]:
     """Build, convert and (optionally) check one model; returns (EquivariantModel, JSON record).
 
@@ -82,9 +83,9 @@ def convert_and_check(
     resolve_width(width)
     options = {"width": width, "input_size": input_size, "strict": strict or None, "head": head}
     if is_equivariant_model(model_spec):
-        if pretrained or pad_to_valid or crop_to_valid or allow_non_equivariant:
+        if pretrained or pad_to_valid or crop_to_valid or allow_non_equivariant or mode != DEFAULT_MODE:
             raise CLIError(
-                f"{model_spec} is built equivariant: --pretrained, --pad-to-valid, --crop-to-valid and "
+                f"{model_spec} is built equivariant: --pretrained, --pad-to-valid, --crop-to-valid, --mode and "
                 "--allow-non-equivariant apply to converted models only"
             )
         start = time.perf_counter()
@@ -104,6 +105,7 @@ def convert_and_check(
             pad_to_valid=pad_to_valid,
             crop_to_valid=crop_to_valid,
             allow_non_equivariant=allow_non_equivariant,
+            mode=mode,
             **options,
         )
     conversion_time = time.perf_counter() - start
@@ -162,6 +164,7 @@ def _cmd_convert(args: argparse.Namespace) -> int:
             pad_to_valid=args.pad_to_valid,
             crop_to_valid=args.crop_to_valid,
             allow_non_equivariant=args.allow_non_equivariant,
+            mode=args.mode,
         )
     if args.json:
         print(json.dumps(record))
@@ -189,6 +192,13 @@ def add_parser(sub) -> None:
         metavar="|".join((*WIDTH_NAMES, "<float>")),
         help=f"width policy: {', '.join(WIDTH_NAMES)} or a float kappa (default: {DEFAULT_WIDTH}, "
         f"with kappa = {PAPER_KAPPA})",
+    )
+    convert.add_argument(
+        "--mode",
+        choices=MODES,
+        default=DEFAULT_MODE,
+        help="full: the whole group in every layer; dp: the flips only from the last stage on and the original's "
+        "parameter count, for DP training with your pipeline's own settings (docs/guides/converting-your-dp-pipeline.md)",
     )
     convert.add_argument("--head", choices=HEADS, default=None)
     convert.add_argument("--num-classes", type=_positive_int, default=10)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import warnings
 
 import pytest
@@ -89,3 +90,11 @@ def test_dp_mode_takes_the_closest_parameter_count_a_small_model_allows_and_says
     assert off > 0.02 and f"{off:.1%} off" in model.report.mode_reason
     with pytest.raises(equiconvert.errors.UnsupportedLayerError, match="width='params'"):
         convert(tiny, "D4", mode="dp", width="params")  # asked for by name: the 2% promise holds
+
+
+def test_the_command_line_converts_in_dp_mode(capsys):
+    from equiconvert.cli import main
+
+    assert main(["convert", "equiconvert:small_cnn", "--group", "D4", "--mode", "dp", "--json", "--no-check"]) == 0
+    record = json.loads(capsys.readouterr().out)
+    assert record["mode"] == "dp" and "D1" in record["mode_reason"]

@@ -3,6 +3,7 @@
 import pytest
 import torch
 import torchvision
+from torchvision.models.resnet import Bottleneck, ResNet
 
 import equiconvert
 from equiconvert.check import act_on_output
@@ -143,9 +144,9 @@ def test_per_sample_gradients_through_restriction_match_naive_loop():
 def test_default_placement_restricts_bottleneck_and_resnet_d_blocks_at_their_input():
     import timm
 
-    for model, size in (
-        (timm.create_model("resnet50d", num_classes=10), 65),
-        (torchvision.models.resnet50(num_classes=10), 33),
+    for model, size in (  # one block a stage: the blocks' structure is what places the restriction, not their count
+        (timm.create_model("resnet50d", num_classes=10, layers=(1, 1, 1, 1)), 65),
+        (ResNet(Bottleneck, [1, 1, 1, 1], num_classes=10), 33),
     ):
         converted = equiconvert.make_equivariant(model, "C4", restrict="halved", head="invariant", input_size=size)
         point = next(n for n in converted.network.graph.nodes if "restrict" in n.name)

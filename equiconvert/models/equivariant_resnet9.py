@@ -18,6 +18,7 @@ No restriction, as in the paper.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,6 +28,7 @@ from ..errors import ParameterError
 from ..convert import make_equivariant
 from ..conversion_options import KEEP_HEAD
 from ..convert.context import ConversionConfig
+from ..convert.report import EquivarianceWarning
 from ..convert.model import EquivariantModel
 from ..conversion_options import PAPER_KAPPA
 from ..convert.width import RELEASED_CODE_KAPPA, kappa_width
@@ -185,9 +187,16 @@ def equivariant_resnet9(
     plain = plain_paper_resnet9(num_classes, in_channels, layout, act, norm_groups, res2, pool_after_res2)
     if width is None:
         width = kappa_width(PAPER_KAPPA if _is_continuous(group) else RELEASED_CODE_KAPPA)
-    return make_equivariant(
-        plain, group, width=width, input_size=input_size, config=cfg, head=head, frequency=frequency
-    )
+    with warnings.catch_warnings():
+        if head == KEEP_HEAD:  # the paper's head flattens a 2x2 grid by design: the report says so, no warning
+            warnings.filterwarnings("ignore", PAPER_HEAD_WARNING, EquivarianceWarning)
+        return make_equivariant(
+            plain, group, width=width, input_size=input_size, config=cfg, head=head, frequency=frequency
+        )
+
+
+# what make_equivariant warns about the paper's head (convert/rules/head.py's to_vector), a regex of its message
+PAPER_HEAD_WARNING = r".*flattens a 2x2 grid: rotations permute its cells"
 
 
 def _is_continuous(group: str) -> bool:

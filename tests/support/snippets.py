@@ -17,20 +17,22 @@ def python_blocks(path: Path) -> list[str]:
 
 @contextlib.contextmanager
 def library_warnings() -> Iterator[list[str]]:
-    """The messages of the warnings equiconvert's own modules issue inside the block (others' are let through)."""
+    """The messages of the warnings equiconvert's own modules issue inside the block and the filters then in force
+    let through (a warning the library itself silences does not count; other packages' warnings are not listed)."""
     issued: list[str] = []
+    ours: set[str] = set()
     original = warnings.warn
 
     def recording(message, *args, **kwargs):
-        caller = sys._getframe(1).f_globals.get("__name__", "")
-        if caller.split(".")[0] == "equiconvert":
-            issued.append(str(message))
+        if sys._getframe(1).f_globals.get("__name__", "").split(".")[0] == "equiconvert":
+            ours.add(str(message))
         return original(message, *args, **kwargs)
 
     warnings.warn = recording
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
+        with warnings.catch_warnings(record=True) as shown:
+            warnings.simplefilter("always")
             yield issued
     finally:
         warnings.warn = original
+    issued += [str(w.message) for w in shown if str(w.message) in ours]

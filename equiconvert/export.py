@@ -309,9 +309,9 @@ def export_direct_sum_conv(module: DirectSumConv2d, ctx: ExportContext) -> nn.Co
         device=weight.device,
         dtype=weight.dtype,
     )
-    conv.weight = nn.Parameter(weight.contiguous(), module.weight_0.requires_grad)
+    conv.weight = _parameter(weight, module.weight(0, 0))
     if bias is not None:
-        conv.bias = _parameter(bias, module.bias)
+        conv.bias = _parameter(bias, module.bias_0)
     return conv
 
 

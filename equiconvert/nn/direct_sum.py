@@ -45,15 +45,15 @@ def lift_index(field_sizes: Sequence[tuple[int, int]], regular_size: int) -> tor
 
 
 class DirectSumConv2d(nn.Module):
-    """A steerable convolution reading a direct sum: for each input part its own basis and coefficients
-    (`weight_<i>`, shape (out_fields, in_fields_i, num_basis_i)), their filters side by side along the input channels.
-    """
+    """A steerable convolution between direct sums: for each (output part j, input part i) its own basis and
+    coefficients (`weight_<j>_<i>`, shape (out_fields_j, in_fields_i, num_basis)), the filters laid out as a block
+    matrix along the output and input channels; one bias per output field (`bias_<j>`)."""
 
     def __init__(
         self,
-        bases: Sequence[torch.Tensor],
+        bases: Sequence[Sequence[torch.Tensor]],
         in_fields: Sequence[int],
-        out_fields: int,
+        out_fields: Sequence[int],
         *,
         stride: int = 1,
         padding: int | tuple[int, int] = 0,
@@ -63,44 +63,50 @@ class DirectSumConv2d(nn.Module):
         bias_scale: float = 1.0,
     ) -> None:
         super().__init__()
-        if len(bases) != len(in_fields) or len(bases) < 2:
-            raise ParameterError(f"need one basis per input part (two or more), got {len(bases)} for {len(in_fields)}")
-        self.in_fields, self.out_fields = tuple(in_fields), out_fields
-        self.out_size, self.kernel_size = int(bases[0].shape[1]), int(bases[0].shape[-1])
-        self.in_sizes = tuple(int(b.shape[2]) for b in bases)
+        if len(bases) != len(out_fields) or any(len(row) != len(in_fields) for row in bases):
+            raise ParameterError(f"need a basis per (output part, input part): {len(out_fields)} x {len(in_fields)}")
+        if len(in_fields) * len(out_fields) < 2:
+            raise ParameterError("a direct sum has two parts or more on one side; use SteerableConv2d")
+        self.in_fields, self.out_fields = tuple(in_fields), tuple(out_fields)
+        self.in_sizes = tuple(int(b.shape[2]) for b in bases[0])
+        self.out_sizes = tuple(int(row[0].shape[1]) for row in bases)
+        self.kernel_size = int(bases[0][0].shape[-1])
         self.in_channels = sum(n * size for n, size in zip(self.in_fields, self.in_sizes))
-        self.out_channels = out_fields * self.out_size
+        self.out_channels = sum(n * size for n, size in zip(self.out_fields, self.out_sizes))
         self.stride, self.padding, self.dilation = stride, padding, dilation
         self.init_gain, self.bias_scale = init_gain, float(bias_scale)
-        self.num_parts = len(bases)
-        self.basis_fingerprint = "".join(basis_fingerprint(b.float()) for b in bases)
-        for i, (basis, fields) in enumerate(zip(bases, self.in_fields)):
+        self.blocks = [(j, i) for j in range(len(out_fields)) for i in range(len(in_fields))]
+        self.basis_fingerprint = "".join(basis_fingerprint(bases[j][i].float()) for j, i in self.blocks)
+        for j, i in self.blocks:
             # constants, not buffers (see SteerableConv2d): moved by _apply, fingerprinted in the state_dict
-            setattr(self, f"basis_{i}", basis.detach().clone().float())
-            self.register_parameter(f"weight_{i}", nn.Parameter(torch.empty(out_fields, fields, basis.shape[0])))
-        self.bias = nn.Parameter(torch.zeros(out_fields)) if bias else None
+            setattr(self, f"basis_{j}_{i}", bases[j][i].detach().clone().float())
+            shape = (out_fields[j], in_fields[i], bases[j][i].shape[0])
+            self.register_parameter(f"weight_{j}_{i}", nn.Parameter(torch.empty(shape)))
+        for j, fields in enumerate(out_fields):
+            self.register_parameter(f"bias_{j}", nn.Parameter(torch.zeros(fields)) if bias else None)
         self.reset_parameters()
 
-    def part_weights(self) -> list[torch.Tensor]:
-        return [getattr(self, f"weight_{i}") for i in range(self.num_parts)]
+    def weight(self, j: int, i: int) -> torch.Tensor:
+        return getattr(self, f"weight_{j}_{i}")
 
-    def part_bases(self) -> list[torch.Tensor]:
-        return [getattr(self, f"basis_{i}") for i in range(self.num_parts)]
+    def basis(self, j: int, i: int) -> torch.Tensor:
+        return getattr(self, f"basis_{j}_{i}")
 
     def reset_parameters(self) -> None:
-        """Each output channel's filter of squared norm init_gain^2 in expectation, shared over the parts' fields
+        """Each output channel's filter of squared norm init_gain^2 in expectation, shared over the input fields
         (SteerableConv2d's He-style scale)."""
         total_fields = sum(self.in_fields)
         with torch.no_grad():
-            for weight, basis in zip(self.part_weights(), self.part_bases()):
-                energy = float(basis.pow(2).sum(dim=(0, 2, 3, 4)).mean())
-                weight.normal_(0.0, self.init_gain / math.sqrt(total_fields * energy))
-            if self.bias is not None:
-                self.bias.zero_()
+            for j, i in self.blocks:
+                energy = float(self.basis(j, i).pow(2).sum(dim=(0, 2, 3, 4)).mean())
+                self.weight(j, i).normal_(0.0, self.init_gain / math.sqrt(total_fields * energy))
+            for j in range(len(self.out_fields)):
+                if getattr(self, f"bias_{j}") is not None:
+                    getattr(self, f"bias_{j}").zero_()
 
     def _apply(self, fn, recurse: bool = True):
         super()._apply(fn, recurse)
-        apply_to_constants(self, fn, tuple(f"basis_{i}" for i in range(self.num_parts)))
+        apply_to_constants(self, fn, tuple(f"basis_{j}_{i}" for j, i in self.blocks))
         return self
 
     def get_extra_state(self) -> torch.Tensor:
@@ -115,23 +121,32 @@ class DirectSumConv2d(nn.Module):
             )
 
     def expand_filter(self) -> torch.Tensor:
-        """The (out_channels, in_channels, k, k) filter of F.conv2d: each part's filter, in input channel order."""
-        return torch.cat(
-            [filter_from_coefficients(w, b) for w, b in zip(self.part_weights(), self.part_bases())], dim=1
-        )
+        """The (out_channels, in_channels, k, k) filter of F.conv2d: the blocks in output and input channel order."""
+        rows = [
+            torch.cat(
+                [filter_from_coefficients(self.weight(j, i), self.basis(j, i)) for i in range(len(self.in_fields))], 1
+            )
+            for j in range(len(self.out_fields))
+        ]
+        return torch.cat(rows, 0)
 
     def expand_bias(self) -> torch.Tensor | None:
-        if self.bias is None:
+        """One bias per output field on all its channels (invariant for trivial and regular fields)."""
+        biases = [getattr(self, f"bias_{j}") for j in range(len(self.out_fields))]
+        if biases[0] is None:
             return None
-        return (self.bias * self.bias_scale).repeat_interleave(self.out_size)
+        return torch.cat([b.repeat_interleave(size) for b, size in zip(biases, self.out_sizes)]) * self.bias_scale
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.conv2d(x, self.expand_filter(), self.expand_bias(), self.stride, self.padding, self.dilation)
 
     def extra_repr(self) -> str:
-        parts = " + ".join(f"{n}x{size}" for n, size in zip(self.in_fields, self.in_sizes))
+        def parts(fields, sizes):
+            return " + ".join(f"{n}x{size}" for n, size in zip(fields, sizes))
+
         return (
-            f"fields {parts} -> {self.out_fields}x{self.out_size}, kernel={self.kernel_size}, "
-            f"num_basis={[int(b.shape[0]) for b in self.part_bases()]}, stride={self.stride}, padding={self.padding}, "
-            f"dilation={self.dilation}, bias={self.bias is not None}"
+            f"fields {parts(self.in_fields, self.in_sizes)} -> {parts(self.out_fields, self.out_sizes)}, "
+            f"kernel={self.kernel_size}, num_basis={[int(self.basis(j, i).shape[0]) for j, i in self.blocks]}, "
+            f"stride={self.stride}, padding={self.padding}, dilation={self.dilation}, "
+            f"bias={self.bias_0 is not None}"
         )

@@ -17,6 +17,7 @@ fuzz = load_benchmark("fuzz_convert")
         (1, "dense +8, head adaptive"),  # the image concatenated beside regular fields
         (15, "head decoder (transposed2)"),  # a UNet with a 2x2 stride-2 transposed conv
         (20, "dense +16, narrow to 18"),  # a narrow through a direct sum
+        (5, "narrow to 18, residual"),  # a residual on a direct sum: its conv makes the sum's parts
     ],
 )
 def test_seeded_hand_written_networks_convert_exactly(seed, drawn):

@@ -103,19 +103,25 @@ def convert_conv(ctx: ConversionContext, node: fx.Node, weight_standardization: 
         grid_padding = padding_arg = dilation * (kernel - 1) // 2
     else:
         grid_padding, padding_arg = _padding(ctx, node, conv, kernel, dilation)
-    if (is_classifier_conv(ctx, node) or added_to_an_invariant_map(ctx, node)) and conv.groups == 1:
+    partner = residual_partner(ctx, node) if conv.groups == 1 else None
+    if isinstance(partner, FieldSum) and standardization_scope(weight_standardization):
+        partner = None  # DirectSumConv2d does not standardize: the sum is refused, naming it
+    if is_classifier_conv(ctx, node) and conv.groups == 1 or isinstance(partner, FieldType):
         out_repr, (out_fields, groups) = "trivial", (conv.out_channels, 1)
     else:
         out_repr, (out_fields, groups) = t_in.group.hidden_repr, _output_fields(ctx, node, conv, t_in)
-    if isinstance(t_in, FieldSum):
-        bases = [
-            steerable_basis(p.group, p.representation, out_repr, kernel, cutoff=ctx.config.basis_cutoff)
-            for p in t_in.parts
-        ]
+    if isinstance(t_in, FieldSum) or partner is not None and not isinstance(partner, FieldType):
+        out_type = partner if isinstance(partner, FieldSum) else FieldType(t_in.group, out_repr, out_fields)
+        in_parts = t_in.parts if isinstance(t_in, FieldSum) else (t_in,)
+        out_parts = out_type.parts if isinstance(out_type, FieldSum) else (out_type,)
+        cutoff = ctx.config.basis_cutoff
         new = DirectSumConv2d(
-            bases,
-            [p.num_fields for p in t_in.parts],
-            out_fields,
+            [
+                [steerable_basis(p.group, p.representation, q.representation, kernel, cutoff=cutoff) for p in in_parts]
+                for q in out_parts
+            ],
+            [p.num_fields for p in in_parts],
+            [q.num_fields for q in out_parts],
             stride=stride,
             padding=padding_arg,
             dilation=dilation,
@@ -125,7 +131,7 @@ def convert_conv(ctx: ConversionContext, node: fx.Node, weight_standardization: 
         )
         ctx.replace_module(node, new)
         ctx.set_spatial(node, WindowOp(kernel, stride, grid_padding, dilation))
-        return FieldType(t_in.group, out_repr, out_fields)
+        return out_type
     basis = steerable_basis(t_in.group, t_in.representation, out_repr, kernel, cutoff=ctx.config.basis_cutoff)
     new = SteerableConv2d(
         basis,
@@ -150,18 +156,21 @@ def convert_conv(ctx: ConversionContext, node: fx.Node, weight_standardization: 
     return FieldType(t_in.group, out_repr, out_fields)
 
 
-def added_to_an_invariant_map(ctx: ConversionContext, node: fx.Node) -> bool:
-    """True if the conv's map is added to a map of trivial fields (a residual on the image itself) through ops that
-    keep its shape: its output is then trivial fields too, one per channel, so that the sum is of one type."""
+def residual_partner(ctx: ConversionContext, node: fx.Node) -> "FieldType | FieldSum | None":
+    """The type of a map the conv's map is added to (through ops that keep its shape), where the conv must
+    produce that type for the sum to be of one: trivial fields (a residual on the image itself) or a direct sum
+    (a residual on the image concatenated beside features); None otherwise."""
     for user in node.users:
         others = [ctx.type_of(a) for a in user.all_input_nodes if a is not node]
         if user.target in RESIDUAL_SUMS:
-            if any(t is not None and t.representation == "trivial" and t.spatial for t in others):
-                return True
+            for t in others:
+                if isinstance(t, FieldSum) or t is not None and t.representation == "trivial" and t.spatial:
+                    return t
         elif not others and ctx.shape(user) == ctx.shape(node) and not _is_layer(ctx, user):
-            if added_to_an_invariant_map(ctx, user):
-                return True
-    return False
+            found = residual_partner(ctx, user)
+            if found is not None:
+                return found
+    return None
 
 
 def _is_layer(ctx: ConversionContext, node: fx.Node) -> bool:

@@ -311,6 +311,9 @@ def convert_channel_getitem(ctx: ConversionContext, node: fx.Node) -> FieldType 
     start, stop, _ = cut.indices(channels)
     new_index, ftype = _channel_range(ctx, node, t, channels, start, stop)
     node.args = (source, (index[0], slice(*new_index), *index[2:]))
+    ctx.record(
+        node, f"channels {start}:{stop} of {channels}", f"channels {new_index[0]}:{new_index[1]} ({ftype.describe()})"
+    )
     return ftype
 
 
@@ -341,4 +344,7 @@ def convert_narrow(ctx: ConversionContext, node: fx.Node) -> FieldType | FieldSu
     start = start % channels if start < 0 else start
     (first, last), ftype = _channel_range(ctx, node, t, channels, start, start + length)
     node.args, node.kwargs = (node.args[0], dim, first, last - first), {}
+    ctx.record(
+        node, f"channels {start}:{start + length} of {channels}", f"channels {first}:{last} ({ftype.describe()})"
+    )
     return ftype

@@ -46,7 +46,7 @@ def save_atomic(state: dict[str, Any], path: str | Path) -> None:
     try:
         os.fchmod(fd, OWNER_ONLY)
         with os.fdopen(fd, "wb", buffering=0) as handle:  # unbuffered: closing it after a failed write writes nothing
-            writer = _KeepsWriteError(handle)
+            writer = _FailedWriteRecorder(handle)
             try:
                 torch.save(state, writer)
                 handle.flush()
@@ -68,7 +68,7 @@ def save_atomic(state: dict[str, Any], path: str | Path) -> None:
             os.unlink(tmp)
 
 
-class _KeepsWriteError:
+class _FailedWriteRecorder:
     """The file torch.save writes through, keeping the OSError of a failed write, which torch itself drops."""
 
     def __init__(self, handle: BinaryIO) -> None:

@@ -17,14 +17,16 @@ CONVOLUTIONS = (nn.Conv2d, nn.ConvTranspose2d)
 
 
 def input_channels(gm: fx.GraphModule) -> int:
-    """in_channels of the first convolution `gm` runs, over the channel folds it runs before that one."""
+    """in_channels of the first convolution `gm` runs (the first one inside a leaf module that holds several), over
+    the channel folds it runs before that one."""
     fold = 1
     for node in gm.graph.nodes:
         if node.op != "call_module":
             continue
         module = gm.get_submodule(str(node.target))
-        if isinstance(module, CONVOLUTIONS):
-            return module.in_channels // fold
+        first = next((m for m in module.modules() if isinstance(m, CONVOLUTIONS)), None)  # a leaf may hold convs
+        if first is not None:
+            return first.in_channels // fold
         fold *= channel_fold(module)
     raise UnsupportedLayerError(
         f"{gm.__class__.__name__}'s forward runs no nn.Conv2d or nn.ConvTranspose2d; equiconvert converts "

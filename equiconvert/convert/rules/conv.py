@@ -104,8 +104,10 @@ def convert_conv(ctx: ConversionContext, node: fx.Node, weight_standardization: 
     else:
         grid_padding, padding_arg = _padding(ctx, node, conv, kernel, dilation)
     partner = residual_partner(ctx, node) if conv.groups == 1 else None
-    if isinstance(partner, FieldSum) and standardization_scope(weight_standardization):
-        partner = None  # DirectSumConv2d does not standardize: the sum is refused, naming it
+    if isinstance(partner, FieldSum) and (
+        standardization_scope(weight_standardization) or conv.padding_mode != "zeros"
+    ):
+        partner = None  # DirectSumConv2d neither standardizes nor pads but with zeros: the sum is refused, naming it
     if is_classifier_conv(ctx, node) and conv.groups == 1 or isinstance(partner, FieldType):
         out_repr, (out_fields, groups) = "trivial", (conv.out_channels, 1)
     else:

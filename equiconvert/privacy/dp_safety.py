@@ -23,7 +23,7 @@ back to their initial values before each run:
   must leave them as the first did.
 The caller's model and RNG state are left as they were. A buffer or frozen parameter written only on batches
 the probe did not draw, or in a backward hook, is refused at run time by the guard on the model being trained
-(buffer_guard.py); the cross-example half runs again at each new physical batch shape (probe_examples_apart).
+(buffer_guard.py); the cross-example half runs again at each new physical batch shape (ExamplesApartProbe).
 The probe catches batch dependence a model has by accident; it is no defence against code written to evade it
 (docs/privacy.md's threat model).
 """
@@ -224,13 +224,13 @@ class _Probe:
         self.model = copy.deepcopy(model).train().requires_grad_(False)
         self.device = device_of(self.model)
         self.dtype = example_input.dtype if example_input.is_floating_point() else torch.get_default_dtype()
-        self._shape = tuple(example_input.shape[1:])
+        self.example_shape = tuple(example_input.shape[1:])  # one example's
         self._generator = secret_generator()
         self.prints = _Fingerprints(self._generator)
         self.snapshot = _Snapshot(self.model)
 
     def draw(self, count: int) -> torch.Tensor:
-        return torch.randn((count, *self._shape), generator=self._generator, dtype=self.dtype).to(self.device)
+        return torch.randn((count, *self.example_shape), generator=self._generator, dtype=self.dtype).to(self.device)
 
     def run(self, batch: torch.Tensor) -> list[Record]:
         """A forward from the copy's initial state."""
@@ -288,15 +288,29 @@ def probe_dp_safety(model: nn.Module, example_input: torch.Tensor, batch_size: i
     )
 
 
-def probe_examples_apart(model: nn.Module, example_input: torch.Tensor, rows: int) -> None:
-    """The probe's cross-example half alone, at `rows` rows: refuse a module whose output for an example moves
-    when other examples of a batch of that size change. The front-ends run it at each physical batch shape the
-    first time training runs it (shape_probe.py), since a module may mix at some sizes only."""
-    if rows < 2:
-        return  # one example: nothing to mix with
-    probe = _Probe(model, example_input)
-    ends, others, batches = probe.mixing_batches(rows)
-    probe.refuse_mixing([probe.run(batch) for batch in batches], ends, others)
+class ExamplesApartProbe:
+    """The probe's cross-example half, to run again at other batch sizes: refuses a module whose output for an
+    example moves when other examples of a batch of that size change. One copy of the model is made at the start
+    and given the model's current tensors before each run; the front-ends run it at each physical batch shape the
+    first time training runs it (shape_probe.py), since a module may mix at some sizes only.
+
+    example_input: a batch shaped like the model's input (only its per-example shape, dtype and device are used).
+    """
+
+    def __init__(self, model: nn.Module, example_input: torch.Tensor) -> None:
+        self._model = model
+        self._probe = _Probe(model, example_input)
+
+    def check(self, shape: tuple[int, ...]) -> None:
+        """Raise PrivacyValidationError if the model, as it is now, mixes the examples of an input of `shape`
+        (rows, ...)."""
+        rows = shape[0]
+        if rows < 2:
+            return  # one example: nothing to mix with
+        self._probe.snapshot = _Snapshot(self._model)  # the runs start from the model's current tensors
+        self._probe.example_shape = tuple(shape[1:])
+        ends, others, batches = self._probe.mixing_batches(rows)
+        self._probe.refuse_mixing([self._probe.run(batch) for batch in batches], ends, others)
 
 
 def _refuse_input_dependent(pairs: Sequence[tuple[State, State]], history: list[State]) -> None:

@@ -94,16 +94,17 @@ def test_demo_readable_output(tmp_path, capsys, monkeypatch):
 def test_the_probe_fits_the_steps_to_a_tiny_budget_and_spends_the_whole_epsilon(tmp_path, capsys, monkeypatch):
     from equiconvert.recipes import step_plan
 
-    # the probe's timing is fixed here (a real one varies with the machine's load): 5 s a step plans
-    # int(0.8 * 50 / 5) = 8 steps, which the tiny model runs well inside the 50 s limit even on a loaded machine
-    monkeypatch.setattr(step_plan, "probe_seconds_per_step", lambda *args, **kwargs: 5.0)
-    budget = 50.0
+    # the probe's timing is fixed here (a real one varies with the machine's load): 10 s a step plans
+    # int(0.8 * 100 / 10) = 8 steps, which the tiny model runs well inside the 100 s limit even on a loaded machine
+    # (with the DP-safety probe of each new batch shape, which the first steps of a Poisson run mostly are)
+    monkeypatch.setattr(step_plan, "probe_seconds_per_step", lambda *args, **kwargs: 10.0)
+    budget = 100.0
     summary = run_demo_json(
         capsys, *TINY, "--set", "schedule.steps=100000", "--time-limit", str(budget), "--out", str(tmp_path)
     )
     probe = summary["step_probe"]
     assert probe["requested_steps"] == 100000 and probe["time_budget_s"] == budget
-    assert probe["seconds_per_step"] == 5.0 and probe["planned_steps"] == int(probe["plan_share"] * budget / 5.0) == 8
+    assert probe["seconds_per_step"] == 10.0 and probe["planned_steps"] == int(probe["plan_share"] * budget / 10.0) == 8
     assert summary["steps"] == probe["planned_steps"] and summary["stopped_reason"] is None
     assert summary["target_epsilon"] * 0.99 <= summary["epsilon"] <= summary["target_epsilon"]
 

@@ -98,6 +98,7 @@ class TimmEquivariantModel(EquivariantModel):
         self.num_classes = head.num_classes
         self.global_pool = head.pool_type
         self._parts: dict[str, fx.GraphModule] = {}  # forward_features / forward_head graphs, built on first use
+        self._num_features: int | None = None  # measured on first use (the classifier does not change it)
 
     # --- data ----------------------------------------------------------------------------------------
     @property
@@ -158,12 +159,16 @@ class TimmEquivariantModel(EquivariantModel):
         classifier = self.get_classifier()
         if isinstance(classifier, nn.Linear):
             return classifier.in_features
-        return int(self.forward_head(self.forward_features(self._probe()), pre_logits=True).shape[1])
+        with torch.no_grad():
+            return int(self.forward_head(self.forward_features(self._probe()), pre_logits=True).shape[1])
 
     @property
     def num_features(self) -> int:
         """Channels of the feature map forward_features returns (fields times their size)."""
-        return int(self.forward_features(self._probe()).shape[1])
+        if self._num_features is None:
+            with torch.no_grad():
+                self._num_features = int(self.forward_features(self._probe()).shape[1])
+        return self._num_features
 
     def _probe(self) -> torch.Tensor:
         parameter = next(self.parameters(), None)

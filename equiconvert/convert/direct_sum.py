@@ -7,11 +7,13 @@ registry.takes_direct_sums as it is. Before any other rule, each such input is l
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch.fx as fx
 
 from ..nn.direct_sum import FieldLift, lift_index
 from .context import SHAPE_KEY, ConversionContext
-from .fields import FieldSum, FieldType, Segment
+from .fields import FieldSum, FieldType
 from .registry import SUM_RULES, Rule
 
 LIFTED_KEY = "equiconvert_lifted"  # on a node of direct-sum type: its lifted form, once inserted
@@ -48,9 +50,8 @@ def _lifted(ctx: ConversionContext, node: fx.Node, arg: fx.Node, ftype: FieldSum
             node, f"reads a direct sum of {group.name} fields, which has no regular fields to lift to"
         )
     size = group.repr_size("regular")
-    lifted_segments = tuple(
-        Segment(s.channels, FieldType(group, "regular", s.ftype.num_fields)) for s in ftype.segments
-    )
+    # a trivial field becomes one regular field: field counts, and so the places of later cuts, stay as they were
+    lifted_segments = tuple(replace(s, ftype=FieldType(group, "regular", s.ftype.num_fields)) for s in ftype.segments)
     out = FieldType(group, "regular", ftype.num_fields, ftype.spatial, segments=lifted_segments)
     index = lift_index([(s.ftype.num_fields, s.ftype.field_size) for s in ftype.segments], size)
     lifted = ctx.insert_before(node, arg, FieldLift(index), "lift", out)

@@ -46,8 +46,7 @@ class GradSampleSurface:
     _published: dict[nn.Parameter, torch.Tensor] | None
     batch_first = True  # the only layout served (opacus_parity.ACCEPTED)
 
-    def clear_record(self) -> None:  # pragma: no cover - PrivateModule's
-        raise NotImplementedError
+    clear_record: Callable[[], None]  # PrivateModule's
 
     def __getattr__(self, name: str) -> Any:
         """A named submodule of the wrapped model (`model.fc1`), as Opacus' GradSampleModule gives it."""

@@ -46,7 +46,7 @@ from typing import Any
 
 import torch
 
-from ..errors import ParameterError, ParameterTypeError
+from ..errors import ParameterError, ParameterTypeError, PrivacyError
 
 _STREAMS = 2  # generators per purpose, each keyed on its own
 _KEY_BYTES = 16  # a secret generator's key: 128 bits
@@ -171,7 +171,7 @@ def _check_mt_layout() -> None:
     state = torch.Generator().manual_seed(seed).get_state()
     words = state[_MT_OFFSET : _MT_OFFSET + 24].view(torch.int64).tolist()
     if words != expected or state.numel() < _MT_OFFSET + 8 * _MT_WORDS:
-        raise RuntimeError(
+        raise PrivacyError(
             f"secret randomness: torch {torch.__version__} lays out its CPU generator state in a way equiconvert "
             "does not know, so it cannot key it with 128 bits; please report this with your torch version"
         )

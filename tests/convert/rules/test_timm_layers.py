@@ -105,7 +105,7 @@ def test_a_split_through_fields_is_refused_naming_node_and_options():
     # the grouped conv needs 4 fields for its 8 channels, so channel 3 falls inside the first field
     net = Net(nn.Conv2d(8, 8, 3, padding=1, groups=4), Uneven(), nn.Conv2d(3, 8, 1))
     with pytest.raises(
-        equiconvert.UnsupportedLayerError, match="cannot convert node 'getitem'.*cuts through fields.*Options"
+        equiconvert.UnsupportedLayerError, match="cannot convert node 'getitem'.*cuts through the fields.*Options"
     ):
         equiconvert.make_equivariant(net, "C4", width=one_field)
 

@@ -67,7 +67,10 @@ def cached_split(args: argparse.Namespace, dataset: str, split: str) -> Path:
 
         data = load_dataset(dataset, Path(args.data_dir) / DATA_DIRS[dataset], split=split)
         path.parent.mkdir(parents=True, exist_ok=True)
-        torch.save({"images": data.images.contiguous(), "labels": data.labels.contiguous()}, path.with_suffix(f".{os.getpid()}.tmp"))
+        torch.save(
+            {"images": data.images.contiguous(), "labels": data.labels.contiguous()},
+            path.with_suffix(f".{os.getpid()}.tmp"),
+        )
         os.replace(path.with_suffix(f".{os.getpid()}.tmp"), path)
     return path
 
@@ -205,8 +208,10 @@ def write_summary(args: argparse.Namespace) -> None:
         entry["params_original"] = r["params_original"]
     for entry in arms.values():
         entry["median_accuracy"] = statistics.median(run["test_accuracy"] for run in entry["runs"])
-    progress = {str(p.relative_to(Path(args.out) / "runs")): json.loads(p.read_text())
-                for p in sorted((Path(args.out) / "runs").glob("*/*/seed*.progress"))}
+    progress = {
+        str(p.relative_to(Path(args.out) / "runs")): json.loads(p.read_text())
+        for p in sorted((Path(args.out) / "runs").glob("*/*/seed*.progress"))
+    }
     summary = {
         "command": "python benchmarks/pipelines.py " + " ".join(a for a in sys.argv[1:] if a),
         "date": time.strftime("%Y-%m-%d"),

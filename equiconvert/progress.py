@@ -48,9 +48,7 @@ def progress_bar(
     )
 
 
-def private_steps_bar(
-    desc: str, progress: bool | None, total: int, initial: int = 0, step_times: bool = False
-) -> Any:
+def private_steps_bar(desc: str, progress: bool | None, total: int, initial: int = 0, step_times: bool = False) -> Any:
     """The bar of a DP-SGD run: the steps done and, as its postfix, the epsilon spent: what the guarantee covers.
 
     A step's duration grows with its secret Poisson batch size, so the bar shows no elapsed time or rate unless
@@ -63,12 +61,16 @@ def private_steps_bar(
         return progress_bar(desc, "step", progress, total=total, initial=initial, leave=True)
     from tqdm.auto import tqdm
 
-    redraws = {"delay": DELAY_S, "miniters": 1} if terminal else {
-        "delay": 0,
-        "mininterval": 0,
-        "maxinterval": math.inf,
-        "miniters": max(1, total // STEP_BAR_REDRAWS),
-    }
+    redraws = (
+        {"delay": DELAY_S, "miniters": 1}
+        if terminal
+        else {
+            "delay": 0,
+            "mininterval": 0,
+            "maxinterval": math.inf,
+            "miniters": max(1, total // STEP_BAR_REDRAWS),
+        }
+    )
     return tqdm(
         total=total,
         initial=initial,

@@ -31,7 +31,11 @@ CONVERSIONS: dict[str, dict[str, Any]] = {
     "d1": {"group": "D1"},
     "restrict_d1_torch_gain": {"restrict": "{group}->D1", "config": {"init_gain": TORCH_CONV_GAIN}},
     "default_torch_gain": {"config": {"init_gain": TORCH_CONV_GAIN}},
-    "restrict_d1_params_torch_gain": {"restrict": "{group}->D1", "width": "params", "config": {"init_gain": TORCH_CONV_GAIN}},
+    "restrict_d1_params_torch_gain": {
+        "restrict": "{group}->D1",
+        "width": "params",
+        "config": {"init_gain": TORCH_CONV_GAIN},
+    },
     "d1_params": {"group": "D1", "width": "params"},
 }
 

@@ -11,7 +11,9 @@ from .base import UNIT_RANGE, Pipeline, group_norm_width, register, sgd
 
 
 def small_resnet9(width: float = 1.0, num_classes: int = 10) -> nn.Module:
-    return resnet9(num_classes=num_classes, in_channels=1, widths=tuple(group_norm_width(c, width) for c in (8, 16, 32)))
+    return resnet9(
+        num_classes=num_classes, in_channels=1, widths=tuple(group_norm_width(c, width) for c in (8, 16, 32))
+    )
 
 
 register(

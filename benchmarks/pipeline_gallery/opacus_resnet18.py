@@ -20,7 +20,9 @@ def groupnorm_resnet18(width: float = 1.0, num_classes: int = 10) -> nn.Module:
 
     class WidenedResNet18(torchvision.models.resnet.ResNet):
         def __init__(self) -> None:
-            super().__init__(torchvision.models.resnet.BasicBlock, [2, 2, 2, 2], num_classes=num_classes, norm_layer=norm)
+            super().__init__(
+                torchvision.models.resnet.BasicBlock, [2, 2, 2, 2], num_classes=num_classes, norm_layer=norm
+            )
             if base == 64:
                 return
             nn.Module.__init__(self)

@@ -18,7 +18,11 @@ def timm_resnet10t_gn(width: float = 1.0, num_classes: int = 10) -> nn.Module:
 
     channels = [8 * max(1, round(scaled(c, width) / 8)) for c in (64, 128, 256, 512)]
     return timm.create_model(
-        "resnet10t", pretrained=False, num_classes=num_classes, norm_layer=group_norm8, channels=channels,
+        "resnet10t",
+        pretrained=False,
+        num_classes=num_classes,
+        norm_layer=group_norm8,
+        channels=channels,
         stem_width=32 * max(1, round(scaled(32, width) / 32)),  # its tiered stem is 3/4 and 1 of this
     )
 

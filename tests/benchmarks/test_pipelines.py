@@ -40,7 +40,9 @@ def test_a_run_trains_privately_with_the_pipelines_settings_and_writes_its_recor
     def random_split(args, pipeline, split):
         generator = torch.Generator().manual_seed(0 if split == "train" else 1)
         n = 64 if split == "train" else 32
-        return TensorDataset(torch.randn(n, 3, 32, 32, generator=generator), torch.randint(0, 10, (n,), generator=generator))
+        return TensorDataset(
+            torch.randn(n, 3, 32, 32, generator=generator), torch.randint(0, 10, (n,), generator=generator)
+        )
 
     monkeypatch.setattr(gallery, "tensors", random_split)
     pipeline = dataclasses.replace(gallery.PIPELINES["opacus_cifar10"], batch_size=16, physical_batch_size=8)
@@ -56,4 +58,6 @@ def test_a_run_trains_privately_with_the_pipelines_settings_and_writes_its_recor
 
 def test_an_unknown_pipeline_is_refused_naming_the_flag(gallery, tmp_path):
     with pytest.raises(SystemExit, match="--pipelines: unknown"):
-        gallery.run_all(gallery.parse_args(["--data-dir", str(tmp_path), "--out", str(tmp_path), "--pipelines", "nope"]))
+        gallery.run_all(
+            gallery.parse_args(["--data-dir", str(tmp_path), "--out", str(tmp_path), "--pipelines", "nope"])
+        )

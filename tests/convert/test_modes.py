@@ -70,7 +70,9 @@ def test_groups_without_flips_restrict_to_the_trivial_group_in_dp_mode():
 
 
 def test_a_model_without_a_resolution_drop_keeps_the_full_group_in_dp_mode_and_says_so():
-    flat = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 4))
+    flat = nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 4)
+    )
     model = convert(flat, "D4", mode="dp")
     assert "no resolution drop" in model.report.mode_reason
 

@@ -93,7 +93,7 @@ def test_make_private_forms_gradients_with_the_registered_bookkeeping_rules(monk
         )
     nn.functional.cross_entropy(private(images[:4].float() / 255), labels[:4]).backward()
     grads = private.per_sample_gradients()
-    assert len(calls) == 2 and {tuple(g.shape) for g in grads.values()} >= {(4, 4, 3, 3, 3), (4, 2, 4)}
+    assert len(calls) == 4 and {tuple(g.shape) for g in grads.values()} >= {(4, 4, 3, 3, 3), (4, 2, 4)}
 
 
 def test_an_unknown_method_and_precision_pair_lists_the_registered_ones():

@@ -33,6 +33,6 @@ register(
         max_grad_norm=2.0,
         normalize=CIFAR10_MEAN_STD,
         input_size=32,
-        physical_batch_size=1024,
+        physical_batch_size=256,  # 1024 holds ~80 GB for the converted arms on an H200
     )
 )

@@ -625,6 +625,23 @@ def _pipelines(s: Summary) -> list[str]:
     return _table(columns, rows)
 
 
+@renderer("pipeline_init_scale")
+def _pipeline_init_scale(s: Summary) -> list[str]:
+    """Per pipeline and arm: medians over the draws, and the two scales as multiples of the original's."""
+    columns = ["pipeline", "arm", "parameters", "logit std", "per-example gradient norm",
+               "share above the clip", "logit std / original", "gradient norm / original"]  # fmt: skip
+    rows = [
+        [
+            r["pipeline"], r["arm"], f"{r['params']:,}",
+            *(f"{_median([d[k] for d in r['draws']]):.3g}" for k in ("logit_std", "grad_norm_median")),
+            f"{_median([d['clipped_share'] for d in r['draws']]):.2f} (clip {r['clip']:g})",
+            *(f"{r[k]:.2f}x" if r[k] is not None else "-" for k in ("logit_std_vs_original", "grad_norm_median_vs_original")),
+        ]
+        for r in s["rows"]
+    ]  # fmt: skip
+    return _table(columns, rows)
+
+
 FIGURES: dict[str, Callable[[Summary, Path], None]] = {
     "paper_table": paper_table.plot,
     "pretrained_adaptation": adaptation_plot.plot,

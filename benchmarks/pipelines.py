@@ -52,6 +52,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--deadline-s", type=float, default=0.0, help="stop launching and end runs after this")
     parser.add_argument("--epochs", type=float, default=0.0, help="override every pipeline's epochs (tests)")
     parser.add_argument("--train-limit", type=int, default=0, help="use the first N training images (tests)")
+    parser.add_argument(
+        "--lr-scale", type=float, default=1.0, help="multiply every pipeline's learning rate (sensitivity runs)"
+    )
     parser.add_argument("--worker", nargs=3, metavar=("PIPELINE", "ARM", "SEED"), help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
@@ -111,6 +114,8 @@ def run_one(args: argparse.Namespace, name: str, arm: str, seed: int, progress: 
     model = model.to(args.device)
     train, test = tensors(args, pipeline, "train"), tensors(args, pipeline, "test")
     optimizer = pipeline.optimizer(model.parameters())
+    for group in optimizer.param_groups:
+        group["lr"] *= args.lr_scale
     epochs = args.epochs or pipeline.epochs
     engine = PrivacyEngine()
     model, optimizer, loader = engine.make_private_with_epsilon(
@@ -143,6 +148,7 @@ def run_one(args: argparse.Namespace, name: str, arm: str, seed: int, progress: 
         "test_accuracy": accuracy(model, test, args.device),
         "curve": curve,
         "epsilon": engine.get_epsilon(pipeline.delta),
+        "lr": optimizer.param_groups[0]["lr"],
         "steps": steps,
         "epochs": epochs,
         "train_s": round(time.perf_counter() - start, 1),
@@ -154,7 +160,8 @@ def run_one(args: argparse.Namespace, name: str, arm: str, seed: int, progress: 
 
 
 def result_path(args: argparse.Namespace, name: str, arm: str, seed: int) -> Path:
-    return Path(args.out) / "runs" / name / arm.replace("=", "_as_") / f"seed{seed}.json"
+    scale = f"_lr_x{args.lr_scale:g}" if args.lr_scale != 1.0 else ""
+    return Path(args.out) / "runs" / name / (arm.replace("=", "_as_") + scale) / f"seed{seed}.json"
 
 
 def run_all(args: argparse.Namespace) -> None:
@@ -202,7 +209,8 @@ def write_summary(args: argparse.Namespace) -> None:
     results = [json.loads(p.read_text()) for p in sorted((Path(args.out) / "runs").glob("*/*/seed*.json"))]
     arms: dict[str, dict[str, Any]] = {}
     for r in results:
-        entry = arms.setdefault(f"{r['pipeline']}/{r['arm']}", {"pipeline": r["pipeline"], "arm": r["arm"], "runs": []})
+        key = f"{r['pipeline']}/{r['arm']}/{r.get('lr')}"
+        entry = arms.setdefault(key, {"pipeline": r["pipeline"], "arm": r["arm"], "lr": r.get("lr"), "runs": []})
         entry["runs"].append({k: r[k] for k in ("seed", "test_accuracy", "epsilon", "train_s")})
         entry["params"] = r["params"]
         entry["params_original"] = r["params_original"]

@@ -47,12 +47,16 @@ def test_a_run_trains_privately_with_the_pipelines_settings_and_writes_its_recor
     monkeypatch.setattr(gallery, "tensors", random_split)
     pipeline = dataclasses.replace(gallery.PIPELINES["opacus_cifar10"], batch_size=16, physical_batch_size=8)
     monkeypatch.setitem(gallery.PIPELINES, "opacus_cifar10", pipeline)  # a sampling rate of 1/4 on 64 examples
-    args = gallery.parse_args(["--data-dir", str(tmp_path), "--out", str(tmp_path), "--device", "cpu", "--epochs", "1"])
+    args = gallery.parse_args(
+        ["--data-dir", str(tmp_path), "--out", str(tmp_path), "--device", "cpu", "--epochs", "1", "--lr-scale", "0.5"]
+    )
     progress = tmp_path / "run.progress"
     result = gallery.run_one(args, "opacus_cifar10", "original", 0, progress)
     assert result["params"] == result["params_original"] == 131_466
     assert result["steps"] == 4 and 0 < result["epsilon"] <= 8.0 + 1e-6  # four Poisson steps in the epoch
     assert 0.0 <= result["test_accuracy"] <= 100.0
+    assert result["lr"] == pytest.approx(0.05)  # the pipeline's 0.1, scaled; runs at another scale go elsewhere
+    assert gallery.result_path(args, "opacus_cifar10", "original", 0).parent.name == "original_lr_x0.5"
     assert json.loads(progress.read_text())["epoch"] == 1
 
 

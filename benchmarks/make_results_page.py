@@ -606,18 +606,18 @@ def _released_vs_preset(s: Summary) -> list[str]:
 def _pipelines(s: Summary) -> list[str]:
     """Per pipeline and arm: the conversion, parameters, final accuracy (median and seeds) of the finished runs,
     how far every run got, and the accuracy at epoch 20 that finished and stopped runs share."""
-    columns = ["pipeline", "arm", "conversion", "parameters", "test accuracy: median (seeds)", "epochs done",
+    columns = ["pipeline", "arm", "conversion", "lr", "parameters", "test accuracy: median (seeds)", "epochs done",
                "at epoch 20 (seeds)"]  # fmt: skip
-    arms: dict[tuple[str, str], list[dict]] = {}
+    arms: dict[tuple[str, str, float], list[dict]] = {}
     for run in s["rows"]:
-        arms.setdefault((run["pipeline"], run["arm"]), []).append(run)
+        arms.setdefault((run["pipeline"], run["arm"], run["lr"]), []).append(run)
     rows = []
-    for (pipeline, arm), runs in arms.items():
+    for (pipeline, arm, lr), runs in arms.items():
         runs.sort(key=lambda r: r["seed"])
         finished = [r["test_accuracy"] for r in runs if r["test_accuracy"] is not None]
         at_20 = [r["accuracy_epoch_20"] for r in runs if r["accuracy_epoch_20"] is not None]
         rows.append([
-            pipeline, arm, f"`{runs[0]['options']}`", f"{runs[0]['params']:,}",
+            pipeline, arm, f"`{runs[0]['options']}`", f"{lr:g}", f"{runs[0]['params']:,}",
             f"{_median(finished):.2f} ({', '.join(f'{a:.2f}' for a in finished)})" if finished else "-",
             ", ".join(f"{r['epochs_done']}/{r['epochs']}" for r in runs),
             ", ".join(f"{a:.2f}" for a in at_20) or "-",

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.fx as fx
 from torch import nn
@@ -10,7 +12,7 @@ from ..errors import ParameterError
 from ..groups import GroupSpec
 from ..image_shape import check_image_shape
 from .fields import FieldType
-from .report import ConversionReport
+from .report import ConversionReport, EquivarianceWarning
 from .verify import preferred_valid_size
 
 
@@ -44,6 +46,7 @@ class EquivariantModel(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         check_input(x, self.in_channels)
+        warn_inexact_size(x, self.report.valid_input_sizes)
         return self.network(x)
 
     def default_input_size(self) -> int:
@@ -63,3 +66,31 @@ def check_input(x: torch.Tensor, channels: int) -> None:
 
 
 torch.fx.wrap("check_input")
+
+_WARNED_SIZES: set[tuple[int, ...]] = set()  # (valid sizes..., H, W) already warned about in this process
+
+
+def warn_inexact_size(x: torch.Tensor, valid_sizes: list[int]) -> None:
+    """Warn once per size when images of a size that breaks exact equivariance reach the model.
+
+    The valid sizes are known up to the largest one listed; a size above it is not judged. A leaf call in a
+    torch.fx trace, as check_input.
+    """
+    if not valid_sizes or torch.compiler.is_compiling():
+        return
+    height, width = int(x.shape[-2]), int(x.shape[-1])
+    inexact = [s for s in (height, width) if s <= valid_sizes[-1] and s not in valid_sizes]
+    key = (*valid_sizes, height, width)
+    if not inexact or key in _WARNED_SIZES:
+        return
+    _WARNED_SIZES.add(key)
+    nearest = sorted(valid_sizes, key=lambda s: (abs(s - inexact[0]), s))[:2]
+    message = (
+        f"images of {height}x{width} reach a model that is exactly equivariant only at sizes such as {nearest} "
+        f"(model.report.valid_input_rule): at this size it is approximately equivariant. Convert with "
+        f"input_size={inexact[0]}, pad_to_valid=True (or crop_to_valid=True), or resize the images"
+    )
+    warnings.warn(EquivarianceWarning("input", "", "", message), stacklevel=3)
+
+
+torch.fx.wrap("warn_inexact_size")

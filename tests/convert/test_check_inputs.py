@@ -45,3 +45,16 @@ def test_valid_size_does_not_warn(model: nn.Module) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert equiconvert.check_equivariance(model, input_size=16).max_error <= 1e-5
+
+
+def test_images_of_an_inexact_size_warn_once_at_the_forward(model: nn.Module) -> None:
+    import torch
+
+    with warnings.catch_warnings(record=True) as shown:
+        warnings.simplefilter("always")
+        model(torch.randn(1, 3, 16, 16))  # valid: silent
+        model(torch.randn(1, 3, 14, 14))
+        model(torch.randn(1, 3, 14, 14))  # the same size again: said once
+    messages = [str(w.message) for w in shown if issubclass(w.category, equiconvert.EquivarianceWarning)]
+    assert len(messages) == 1 and "14x14" in messages[0] and "[12, 16]" in messages[0]
+    assert "pad_to_valid=True" in messages[0]

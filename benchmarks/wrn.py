@@ -37,7 +37,7 @@ class WideBlock(nn.Module):
 
 
 class WideResNet(nn.Module):
-    def __init__(self, depth: int = 16, width: int = 4, num_classes: int = 10, groups: int = NORM_GROUPS) -> None:
+    def __init__(self, depth: int = 16, width: float = 4, num_classes: int = 10, groups: int = NORM_GROUPS) -> None:
         super().__init__()
         if (depth - 4) % 6:
             raise ValueError(f"WideResNet depth {depth}: needs depth = 6 n + 4 (10, 16, 22, 28, ...)")
@@ -45,7 +45,7 @@ class WideResNet(nn.Module):
         self.stem = nn.Conv2d(3, STEM_CHANNELS, 3, 1, 1, bias=False)
         blocks, cin = [], STEM_CHANNELS
         for stage, stride in enumerate((1, 2, 2)):
-            cout = STEM_CHANNELS * width * 2**stage
+            cout = groups * max(1, round(STEM_CHANNELS * width * 2**stage / groups))  # a float width too
             for index in range(per_stage):
                 blocks.append(WideBlock(cin, cout, stride if index == 0 else 1, groups))
                 cin = cout

@@ -6,8 +6,24 @@ budget) with the source it follows and the number its authors report. Importing 
 
 from __future__ import annotations
 
-from . import equiconvert_fmnist, opacus_cifar10, opacus_resnet18, resnet9_scalenorm, timm_groupnorm, tramer_boneh
+from . import (
+    de_wrn,
+    equiconvert_fmnist,
+    opacus_cifar10,
+    opacus_resnet18,
+    resnet9_scalenorm,
+    timm_groupnorm,
+    tramer_boneh,
+)
 from .base import PIPELINES, Pipeline
 
 __all__ = ["PIPELINES", "Pipeline"]
-_REGISTERED = (equiconvert_fmnist, opacus_cifar10, opacus_resnet18, resnet9_scalenorm, timm_groupnorm, tramer_boneh)
+_REGISTERED = (
+    de_wrn,
+    equiconvert_fmnist,
+    opacus_cifar10,
+    opacus_resnet18,
+    resnet9_scalenorm,
+    timm_groupnorm,
+    tramer_boneh,
+)

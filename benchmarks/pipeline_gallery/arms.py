@@ -82,6 +82,6 @@ def build_arm(pipeline: Pipeline, arm: str) -> tuple[nn.Module, dict[str, Any]]:
     else:
         model = convert(pipeline, arm, original)
         report = getattr(model, "report", None)
-        facts["conversion"] = getattr(report, "summary", lambda: None)() if report is not None else None
+        facts["conversion"] = " | ".join(str(report).splitlines()[:2]) if report is not None else None
     facts["params"] = parameter_count(model)
     return model, facts

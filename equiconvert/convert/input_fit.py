@@ -18,15 +18,15 @@ from .report import ConversionReport, LayerChange
 FIT_MODULE = "input_fit"
 
 
-def nearest_valid_sizes(size: int, grid: GridAnalysis) -> tuple[int | None, int | None]:
+def nearest_valid_sizes(size: int, valid_sizes: list[int]) -> tuple[int | None, int | None]:
     """The largest valid size <= `size` and the smallest >= `size` (None where there is none)."""
-    below = [s for s in grid.valid_sizes if s <= size]
-    above = [s for s in grid.valid_sizes if s >= size]
+    below = [s for s in valid_sizes if s <= size]
+    above = [s for s in valid_sizes if s >= size]
     return (below[-1] if below else None), (above[0] if above else None)
 
 
 def invalid_size_error(size: int, grid: GridAnalysis) -> InvalidInputSizeError:
-    below, above = nearest_valid_sizes(size, grid)
+    below, above = nearest_valid_sizes(size, grid.valid_sizes)
     nearest = ", ".join(str(s) for s in (below, above) if s is not None) or "none"
     return InvalidInputSizeError(
         f"input size {size} does not keep exact equivariance (valid: {grid.rule()}; nearest: {nearest}). Pass "
@@ -39,7 +39,7 @@ def fit_input(gm: fx.GraphModule, report: ConversionReport, size: int, grid: Gri
     """Insert InputFit(size -> nearest valid size in direction `mode`) before the network; record it in `report`."""
     if mode not in FIT_MODES:
         raise ParameterError(f"input fit must be one of {FIT_MODES}, got {mode!r}")
-    below, above = nearest_valid_sizes(size, grid)
+    below, above = nearest_valid_sizes(size, grid.valid_sizes)
     target = above if mode == "pad" else below
     if target is None:
         raise invalid_size_error(size, grid)

@@ -12,6 +12,7 @@ from ..errors import ParameterError
 from ..groups import GroupSpec
 from ..image_shape import check_image_shape
 from .fields import FieldType
+from .input_fit import nearest_valid_sizes
 from .report import ConversionReport, EquivarianceWarning
 from .verify import preferred_valid_size
 
@@ -80,11 +81,13 @@ def warn_inexact_size(x: torch.Tensor, valid_sizes: list[int]) -> None:
         return
     height, width = int(x.shape[-2]), int(x.shape[-1])
     inexact = [s for s in (height, width) if s <= valid_sizes[-1] and s not in valid_sizes]
+    if not inexact:
+        return
     key = (*valid_sizes, height, width)
-    if not inexact or key in _WARNED_SIZES:
+    if key in _WARNED_SIZES:
         return
     _WARNED_SIZES.add(key)
-    nearest = sorted(valid_sizes, key=lambda s: (abs(s - inexact[0]), s))[:2]
+    nearest = [s for s in nearest_valid_sizes(inexact[0], valid_sizes) if s is not None]
     message = (
         f"images of {height}x{width} reach a model that is exactly equivariant only at sizes such as {nearest} "
         f"(model.report.valid_input_rule): at this size it is approximately equivariant. Convert with "

@@ -6,10 +6,11 @@
 
 Each (pipeline, arm, seed) trains in its own process with equiconvert's make_private (Poisson batches, the
 pipeline's optimiser, clip, expected batch, epochs and epsilon; physical batches through BatchMemoryManager) and
-writes OUT/runs/<pipeline>/<arm>/seed<k>.json; a run whose file exists is not run again, so a call that stops at
-its deadline resumes. OUT/summary.json collects every finished run (accuracy, epsilon, parameters, wall time) and
-the median over seeds per arm. Images are decoded once into OUT/data/ (uint8 tensors, read back with
-weights_only=True). Pipelines: benchmarks/pipeline_gallery/; arms: benchmarks/pipeline_gallery/arms.py.
+writes OUT/runs/<pipeline>/<arm>/seed<k>.json; a run whose file exists is not run again, and a run stopped at a
+call's deadline goes on from its last finished epoch (seed<k>.ckpt: model, optimizer, accountant and budget, read
+with weights_only=True) when the same command runs again on the same OUT. OUT/summary.json collects every finished
+run (accuracy, epsilon, parameters, wall time) and the median over seeds per arm. Images are decoded once into
+OUT/data/ (uint8 tensors, read back with weights_only=True). Pipelines: benchmarks/pipeline_gallery/; arms: benchmarks/pipeline_gallery/arms.py.
 """
 
 from __future__ import annotations
@@ -127,8 +128,13 @@ def run_one(args: argparse.Namespace, name: str, arm: str, seed: int, progress: 
         max_grad_norm=pipeline.max_grad_norm,
         epochs=epochs,
     )
-    start, steps, curve = time.perf_counter(), 0, []
-    for epoch in range(max(1, round(epochs))):
+    checkpoint = checkpoint_path(progress)
+    done, curve, spent = 0, [], 0.0
+    if checkpoint.exists():  # a run stopped at a deadline: go on from its last finished epoch
+        saved = engine.load_checkpoint(path=checkpoint, module=model, optimizer=optimizer)
+        done, curve, spent = int(saved["epoch"]), list(saved["curve"]), float(saved["train_s"])
+    start, steps = time.perf_counter() - spent, optimizer.steps
+    for epoch in range(done, max(1, round(epochs))):
         with BatchMemoryManager(
             data_loader=loader, max_physical_batch_size=pipeline.physical_batch_size, optimizer=optimizer
         ) as batches:
@@ -140,7 +146,9 @@ def run_one(args: argparse.Namespace, name: str, arm: str, seed: int, progress: 
         if epoch in {round(epochs) // 3 - 1, 2 * round(epochs) // 3 - 1}:
             curve.append({"epoch": epoch + 1, "test_accuracy": accuracy(model, test, args.device)})
         elapsed = round(time.perf_counter() - start, 1)
-        progress.write_text(json.dumps({"epoch": epoch + 1, "steps": steps, "train_s": elapsed, "curve": curve}))
+        record = {"epoch": epoch + 1, "train_s": elapsed, "curve": curve}
+        engine.save_checkpoint(path=checkpoint, module=model, optimizer=optimizer, checkpoint_dict=record)
+        progress.write_text(json.dumps({**record, "steps": steps}))
     return {
         "pipeline": name,
         "arm": arm,
@@ -157,6 +165,12 @@ def run_one(args: argparse.Namespace, name: str, arm: str, seed: int, progress: 
 
 
 # --- the gallery ------------------------------------------------------------------------------------------------
+
+
+def checkpoint_path(progress: Path) -> Path:
+    """The run's state after its last finished epoch (model, optimizer, accountant, budget; never the noise's
+    generator): DP-trained weights, private as the final ones, deleted once the run's result is written."""
+    return progress.with_suffix(".ckpt")
 
 
 def result_path(args: argparse.Namespace, name: str, arm: str, seed: int) -> Path:
@@ -240,6 +254,7 @@ def main(argv: list[str] | None = None) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         result = run_one(args, name, arm, int(seed), path.with_suffix(".progress"))
         path.write_text(json.dumps(result, indent=1))
+        checkpoint_path(path.with_suffix(".progress")).unlink(missing_ok=True)
         print(json.dumps({k: result[k] for k in ("pipeline", "arm", "seed", "test_accuracy", "params", "train_s")}))
         return
     run_all(args)

@@ -51,7 +51,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--jobs", type=int, default=1, help="runs trained side by side, each in its own process")
     parser.add_argument("--deadline-s", type=float, default=0.0, help="stop launching and end runs after this")
-    parser.add_argument("--epochs", type=float, default=0.0, help="override every pipeline's epochs (tests)")
+    parser.add_argument(
+        "--epochs",
+        type=float,
+        default=0.0,
+        help="override every pipeline's epochs (a shortened schedule, kept apart; noise recalibrated to it)",
+    )
     parser.add_argument("--train-limit", type=int, default=0, help="use the first N training images (tests)")
     parser.add_argument(
         "--lr-scale", type=float, default=1.0, help="multiply every pipeline's learning rate (sensitivity runs)"
@@ -175,7 +180,8 @@ def checkpoint_path(progress: Path) -> Path:
 
 def result_path(args: argparse.Namespace, name: str, arm: str, seed: int) -> Path:
     scale = f"_lr_x{args.lr_scale:g}" if args.lr_scale != 1.0 else ""
-    return Path(args.out) / "runs" / name / (arm.replace("=", "_as_") + scale) / f"seed{seed}.json"
+    schedule = f"_ep{args.epochs:g}" if args.epochs else ""  # a shortened schedule is another experiment
+    return Path(args.out) / "runs" / name / (arm.replace("=", "_as_") + scale + schedule) / f"seed{seed}.json"
 
 
 def run_all(args: argparse.Namespace) -> None:
@@ -223,8 +229,10 @@ def write_summary(args: argparse.Namespace) -> None:
     results = [json.loads(p.read_text()) for p in sorted((Path(args.out) / "runs").glob("*/*/seed*.json"))]
     arms: dict[str, dict[str, Any]] = {}
     for r in results:
-        key = f"{r['pipeline']}/{r['arm']}/{r.get('lr')}"
-        entry = arms.setdefault(key, {"pipeline": r["pipeline"], "arm": r["arm"], "lr": r.get("lr"), "runs": []})
+        key = f"{r['pipeline']}/{r['arm']}/{r.get('lr')}/{r['epochs']}"
+        entry = arms.setdefault(
+            key, {"pipeline": r["pipeline"], "arm": r["arm"], "lr": r.get("lr"), "epochs": r["epochs"], "runs": []}
+        )
         entry["runs"].append({k: r[k] for k in ("seed", "test_accuracy", "epsilon", "train_s")})
         entry["params"] = r["params"]
         entry["params_original"] = r["params_original"]

@@ -64,7 +64,7 @@ def test_a_run_trains_privately_with_the_pipelines_settings_and_writes_its_recor
     assert result["steps"] == 4 and 0 < result["epsilon"] <= 8.0 + 1e-6  # four Poisson steps in the epoch
     assert 0.0 <= result["test_accuracy"] <= 100.0
     assert result["lr"] == pytest.approx(0.05)  # the pipeline's 0.1, scaled; runs at another scale go elsewhere
-    assert gallery.result_path(args, "opacus_cifar10", "original", 0).parent.name == "original_lr_x0.5"
+    assert gallery.result_path(args, "opacus_cifar10", "original", 0).parent.name == "original_lr_x0.5_ep1"
     assert json.loads(progress.read_text())["epoch"] == 1
 
 

@@ -152,7 +152,9 @@ def run_one(args: argparse.Namespace, name: str, arm: str, seed: int, progress: 
             curve.append({"epoch": epoch + 1, "test_accuracy": accuracy(model, test, args.device)})
         elapsed = round(time.perf_counter() - start, 1)
         record = {"epoch": epoch + 1, "train_s": elapsed, "curve": curve}
-        engine.save_checkpoint(path=checkpoint, module=model, optimizer=optimizer, checkpoint_dict=record)
+        partial = checkpoint.with_suffix(".ckpt-partial")  # a run killed while saving keeps its last whole one
+        engine.save_checkpoint(path=partial, module=model, optimizer=optimizer, checkpoint_dict=record)
+        os.replace(partial, checkpoint)
         progress.write_text(json.dumps({**record, "steps": steps}))
     return {
         "pipeline": name,

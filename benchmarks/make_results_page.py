@@ -608,11 +608,11 @@ def _pipelines(s: Summary) -> list[str]:
     how far every run got, and the accuracy at epoch 20 that finished and stopped runs share."""
     columns = ["pipeline", "arm", "conversion", "lr", "parameters", "test accuracy: median (seeds)", "epochs done",
                "at epoch 20 (seeds)"]  # fmt: skip
-    arms: dict[tuple[str, str, float], list[dict]] = {}
-    for run in s["rows"]:
-        arms.setdefault((run["pipeline"], run["arm"], run["lr"]), []).append(run)
+    arms: dict[tuple[str, str, float, float], list[dict]] = {}
+    for run in s["rows"]:  # a shortened schedule is another experiment: kept apart
+        arms.setdefault((run["pipeline"], run["arm"], run["lr"], run["epochs"]), []).append(run)
     rows = []
-    for (pipeline, arm, lr), runs in arms.items():
+    for (pipeline, arm, lr, _), runs in arms.items():
         runs.sort(key=lambda r: r["seed"])
         finished = [r["test_accuracy"] for r in runs if r["test_accuracy"] is not None]
         at_20 = [r["accuracy_epoch_20"] for r in runs if r["accuracy_epoch_20"] is not None]

@@ -3,8 +3,10 @@ help and choices show them (convert/context.py and convert/width.py give them th
 
 from __future__ import annotations
 
-HEADS = ("keep", "invariant")  # the classifier head as it was, or preceded by global group pooling
-KEEP_HEAD, INVARIANT_HEAD = HEADS
+# The classifier head: as it was; preceded by global group pooling; or, where it flattens a spatial grid, the
+# group-pooled grid averaged over the group's turns and flips (invariant; the Linear still reads every cell).
+HEADS = ("keep", "invariant", "symmetric")
+KEEP_HEAD, INVARIANT_HEAD, SYMMETRIC_HEAD = HEADS
 
 PAPER_KAPPA = 1.75  # Hölzl et al.: "divide the channels by sqrt(1.75 N)"
 KAPPA_WIDTH = "kappa"  # fields = floor(C * sqrt(PAPER_KAPPA * |G|) / |G|)

@@ -35,6 +35,7 @@ from .nn import (
     FieldGroupNormMaxPool2d,
     FieldRestriction,
     GatedNonlinearity,
+    GridSymmetrize,
     GroupPool,
     GroupStandardization,
     InputFit,
@@ -501,6 +502,12 @@ def export_irrep_field_layer(module: nn.Module, ctx: ExportContext) -> nn.Module
     and torch submodules only, so symbolic tracing re-homes it into a GraphModule of torch classes
     (same ops, same outputs)."""
     return _trace_torch_only(module, type(module).__name__ + "Ops")
+
+
+@register_exporter(GridSymmetrize)
+def export_grid_symmetrize(module: GridSymmetrize, ctx: ExportContext) -> nn.Module:
+    """Its flips, quarter turns and mean are torch ops already: traced into a GraphModule of torch classes."""
+    return _trace_torch_only(module, "GridSymmetrizeOps")
 
 
 @register_exporter(FieldGroupNormMaxPool2d)

@@ -50,6 +50,8 @@ def convert(pipeline: Pipeline, arm: str, model: nn.Module) -> nn.Module:
         raise KeyError(f"unknown arm {arm!r}: use {ORIGINAL!r}, {WIDENED_PREFIX}<arm> or one of {sorted(CONVERSIONS)}")
     options = {k: v.format(group=pipeline.group) if isinstance(v, str) else v for k, v in CONVERSIONS[arm].items()}
     group = options.pop("group", pipeline.group)
+    if pipeline.conversion_config:
+        options["config"] = {**pipeline.conversion_config, **options.get("config", {})}
     # pad_to_valid: a size that breaks exact equivariance (timm's resnet10t at 32: 33 is exact) is padded to the
     # nearest exact one, as the refusal tells a user to; a valid size is left as it is
     return equiconvert.make_equivariant(

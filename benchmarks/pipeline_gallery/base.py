@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -39,6 +40,8 @@ class Pipeline:
     input_size: int  # the size the images are fed at (padded where the original pads)
     physical_batch_size: int = 1024
     group: str = "D4"
+    # make_equivariant config every conversion of this network needs (what its refusal tells a user to pass)
+    conversion_config: dict[str, Any] = field(default_factory=dict)
 
 
 PIPELINES: dict[str, Pipeline] = {}

@@ -90,5 +90,6 @@ register(
         max_grad_norm=0.1,
         normalize=UNIT_RANGE,
         input_size=28,
+        conversion_config={"even_kernels": "grow"},  # its 8x8 and 4x4 kernels: a 9x9 and a 5x5 with the same strides
     )
 )

@@ -255,9 +255,11 @@ def make_equivariant(
             window max pool with the pool (convert/fuse.py, the same function; faster where the step is bound by
             the device, e.g. physical batches of 2048 on an H200, see the performance guide)).
         strict: turn every equivariance warning into an error.
-        head: one of conversion_options.HEADS: "keep" the head as it is, or make the output "invariant" by group pooling
-            before it; None: the model class's `equiconvert_head` if it declares one (ResNet9: "invariant"), else
-            "keep".
+        head: one of conversion_options.HEADS, for a head that flattens a spatial grid: "symmetric" averages the
+            group-pooled grid over the group's turns and flips (invariant; the Linear still reads every cell), "invariant"
+            pools globally before it, "keep" flattens the grid as it is (not invariant, reported); None: the model
+            class's `equiconvert_head` if it declares one (ResNet9: "invariant"), else the mode's ("full":
+            "symmetric", "dp": "keep").
         restrict: restrict the fields to a subgroup: "halved", "reflection", "invariant", a group name, a
             schedule "D8->D4->D1" (before the last stages) or {module name: step}; see convert/restrict.py. The
             model is then exactly equivariant to the last subgroup.
@@ -297,7 +299,7 @@ def make_equivariant(
     spec = parse_group(group, frequency)
     user_restrict, user_width = restrict, width
     restrict, width, mode_options = resolve_mode(mode, spec, restrict, width)
-    cfg = _make_config(config, strict, head if head is not None else declared_head(model, config))
+    cfg = _make_config(config, strict, head if head is not None else default_head(model, config, mode_options.head))
     if cfg.strict and allow_non_equivariant:
         raise ParameterError("give strict or allow_non_equivariant, not both: strict refuses what the other accepts")
     if restrict is not None:
@@ -365,12 +367,12 @@ def make_equivariant(
     return remember_recipe(converted, conversion_recipe(model, arguments))
 
 
-def declared_head(model: nn.Module, config: dict | ConversionConfig | None) -> str | None:
-    """The head a model class declares for its conversion (`equiconvert_head`, e.g. ResNet9's "invariant"), used
-    when neither `head=` nor `config` chooses one; None leaves ConversionConfig's default."""
+def default_head(model: nn.Module, config: dict | ConversionConfig | None, mode_head: str) -> str | None:
+    """The head when `head=` is not given: None where `config` chooses it, else the one the model class declares
+    (`equiconvert_head`, e.g. ResNet9's "invariant"), else the mode's."""
     if isinstance(config, ConversionConfig) or (config is not None and "head" in config):
         return None
-    return getattr(model, "equiconvert_head", None)
+    return getattr(model, "equiconvert_head", None) or mode_head
 
 
 def _make_config(config: dict | ConversionConfig | None, strict: bool, head: str | None) -> ConversionConfig:

@@ -170,7 +170,7 @@ class ResNet9(nn.Module):
     """
 
     # make_equivariant's head when none is asked for: the 2x2 grid the head flattens is permuted by rotations, so
-    # only group pooling before it gives an invariant classifier (convert.core.declared_head)
+    # only group pooling before it gives an invariant classifier (convert.core.default_head)
     equiconvert_head: ClassVar[str] = "invariant"
 
     def __init__(

@@ -1,6 +1,7 @@
 """Plain-tensor equivariant modules: what a converted model is made of (no escnn objects)."""
 
 from .conv import SteerableConv2d
+from .grid_symmetrize import GridSymmetrize
 from .input_fit import InputFit
 from .irrep_fields import GatedNonlinearity, GroupStandardization, InvariantMap, NormMaxPool2d
 from .norm import FieldGroupNorm
@@ -14,6 +15,7 @@ __all__ = [
     "FieldGroupNorm",
     "FieldGroupNormMaxPool2d",
     "GroupPool",
+    "GridSymmetrize",
     "FieldRestriction",
     "ReflectionRestriction",
     "GatedNonlinearity",

@@ -7,7 +7,7 @@ only (parameters are detached for it), and every layer that owns parameters keep
 input and receives the gradient of its output. Its per-example parameter gradient is
 then formed from those two:
 
-- convolutions (plain and steerable) and linear layers: batched matrix products of the
+- convolutions (plain, steerable and between direct sums) and linear layers: batched matrix products of the
   output gradient with the input (stride-1 convs: one per filter tap on a shifted view of
   the input, no unfolding), summed over the example's K views; a
   steerable filter gradient then goes to coefficient space by the transpose of the
@@ -40,6 +40,7 @@ from torch.profiler import record_function
 
 from ..errors import UsageError
 from ..nn.conv import SteerableConv2d
+from ..nn.direct_sum import DirectSumConv2d
 from .filter_gradients import per_example_filter_gradients, steerable_weight_gradients
 from .per_sample import Gradients, LossFn, per_sample_gradients
 
@@ -60,7 +61,7 @@ def _filter_gradients(module: nn.Module, inputs: torch.Tensor, grad_out: torch.T
         stride=module.stride,
         padding=module.padding,
         dilation=module.dilation,
-        padding_mode=module.padding_mode,
+        padding_mode=getattr(module, "padding_mode", "zeros"),  # DirectSumConv2d pads with zeros only
     )
 
 
@@ -93,6 +94,37 @@ def _steerable_conv_rule(
         channel_sums = _channel_sums(grad_out, filters.shape[0], views, module.bias.dtype)
         grads["bias"] = vmap(lambda g: bias_vjp(g)[0])(channel_sums)
     return grads
+
+
+def _direct_sum_conv_rule(
+    module: DirectSumConv2d, inputs: torch.Tensor, grad_out: torch.Tensor, views: int
+) -> dict[str, torch.Tensor]:
+    """One per-example filter gradient for the whole block matrix, cut into its (output part, input part) blocks,
+    each contracted with its own basis (the transpose of DirectSumConv2d.expand_filter)."""
+    filters = _filter_gradients(module, inputs, grad_out, views)
+    batch, k = filters.shape[0], module.kernel_size
+    out_edges = _part_edges(module.out_fields, module.out_sizes)
+    in_edges = _part_edges(module.in_fields, module.in_sizes)
+    grads = {}
+    for j, i in module.blocks:
+        block = filters[:, out_edges[j] : out_edges[j + 1], in_edges[i] : in_edges[i + 1]].reshape(
+            batch, module.out_fields[j], module.out_sizes[j], module.in_fields[i], module.in_sizes[i], k, k
+        )
+        basis = module.basis(j, i).to(filters.dtype)
+        grads[f"weight_{j}_{i}"] = torch.einsum("bxsyijk,nsijk->bxyn", block, basis).to(module.weight(j, i).dtype)
+    if module.bias_0 is not None:
+        sums = _channel_sums(grad_out, batch, views, module.bias_0.dtype) * module.bias_scale
+        for j, (fields, size) in enumerate(zip(module.out_fields, module.out_sizes)):
+            grads[f"bias_{j}"] = sums[:, out_edges[j] : out_edges[j + 1]].reshape(batch, fields, size).sum(-1)
+    return grads
+
+
+def _part_edges(fields: tuple[int, ...], sizes: tuple[int, ...]) -> list[int]:
+    """Channel offsets where each part of a direct sum starts, and the end."""
+    edges = [0]
+    for count, size in zip(fields, sizes):
+        edges.append(edges[-1] + count * size)
+    return edges
 
 
 def _linear_rule(
@@ -154,6 +186,7 @@ def _embedding_rule(
 
 RULES: dict[type[nn.Module], PerSampleRule] = {
     SteerableConv2d: _steerable_conv_rule,
+    DirectSumConv2d: _direct_sum_conv_rule,
     nn.Conv2d: _conv_rule,
     nn.Linear: _linear_rule,
     nn.Embedding: _embedding_rule,

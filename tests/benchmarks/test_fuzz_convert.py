@@ -18,6 +18,7 @@ fuzz = load_benchmark("fuzz_convert")
         (15, "head decoder (transposed2)"),  # a UNet with a 2x2 stride-2 transposed conv
         (20, "dense +16, narrow to 18"),  # a narrow through a direct sum
         (5, "narrow to 18, residual"),  # a residual on a direct sum: its conv makes the sum's parts
+        (19, "AvgPool2d, head flatten"),  # a flattened 8x8 grid, averaged over D4's turns and flips
     ],
 )
 def test_seeded_hand_written_networks_convert_exactly(seed, drawn):

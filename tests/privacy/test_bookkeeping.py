@@ -38,6 +38,36 @@ class DepthwiseNet(nn.Module):
         return self.head(x.mean((2, 3)))
 
 
+class DenseWithImage(nn.Module):
+    """The image concatenated beside a block's maps (a direct sum): the next conv reads trivial and regular parts."""
+
+    def __init__(self):
+        super().__init__()
+        self.block = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.GroupNorm(4, 16), nn.ELU())
+        self.mix = nn.Conv2d(19, 16, 3, padding=1)
+        self.head = nn.Linear(16, 10)
+
+    def forward(self, x):
+        x = F.elu(self.mix(torch.cat((x, self.block(x)), 1)))
+        return self.head(x.mean((2, 3)))
+
+
+class TinyUNet(nn.Module):
+    """Down by a max pool, up by a 2x2 stride-2 transposed conv, the skip concatenated."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Conv2d(3, 8, 3, padding=1)
+        self.down = nn.Sequential(nn.Conv2d(8, 16, 3, padding=1), nn.MaxPool2d(2))
+        self.up = nn.ConvTranspose2d(16, 8, 2, stride=2)
+        self.head = nn.Linear(16, 10)
+
+    def forward(self, x):
+        skip = F.relu(self.stem(x))
+        x = F.relu(self.up(F.relu(self.down(skip))))
+        return self.head(torch.cat((x, skip), 1).mean((2, 3)))
+
+
 MODELS = {
     "paper D4 (weight standardization, restriction, conv bias)": lambda: equivariant_resnet9("D4"),
     "resnet9 D4 (field group norm with affine)": lambda: equiconvert.make_equivariant(
@@ -50,6 +80,8 @@ MODELS = {
     ),
     "C4 depthwise, reflect padding": lambda: equiconvert.make_equivariant(DepthwiseNet(), "C4", head="invariant"),
     "plain depthwise": DepthwiseNet,
+    "D4 direct sum (image beside regular fields)": lambda: equiconvert.make_equivariant(DenseWithImage(), "D4"),
+    "C4 transposed conv": lambda: equiconvert.make_equivariant(TinyUNet(), "C4", input_size=32),
 }
 
 
@@ -351,3 +383,18 @@ def test_group_norm_gradients_equal_the_per_example_vjp(views, shape):
     for name in got:
         assert got[name].shape == (4, 8)
         torch.testing.assert_close(got[name], expected[name], rtol=1e-10, atol=1e-10)
+
+
+def test_the_direct_sum_and_transposed_conv_models_gradients_equal_a_per_example_loop():
+    from equiconvert.nn.conv_transpose import SteerableConvTranspose2d
+    from equiconvert.nn.direct_sum import DirectSumConv2d
+    from tests.support.per_sample_check import assert_per_sample_gradients_match_loop
+
+    for name, layer in (
+        ("D4 direct sum (image beside regular fields)", DirectSumConv2d),
+        ("C4 transposed conv", SteerableConvTranspose2d),
+    ):
+        torch.manual_seed(0)
+        model = perturbed(MODELS[name]())
+        assert any(isinstance(m, layer) for m in model.modules())  # the layer under test is in the model
+        assert_per_sample_gradients_match_loop(model, torch.randn(3, 3, 32, 32), torch.randint(0, 10, (3,)))

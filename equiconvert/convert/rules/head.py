@@ -2,8 +2,10 @@
 
 Global pooling + Linear becomes global pooling + group pooling (one invariant
 value per field) + Linear. A head that flattens a spatial grid (ResNet9's
-AdaptiveMaxPool2d(2) + Flatten) is kept, group-pooled and reported as not
-invariant; `head="invariant"` pools globally instead.
+AdaptiveMaxPool2d(2) + Flatten) is group-pooled and then: averaged over the
+group's turns and flips (`head="symmetric"`, invariant, the Linear keeps its
+shape), pooled globally (`head="invariant"`), or kept as it is and reported as
+not invariant (`head="keep"`).
 """
 
 from __future__ import annotations
@@ -12,7 +14,8 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from ...nn import GroupPool, InvariantMap
+from ...conversion_options import INVARIANT_HEAD, SYMMETRIC_HEAD
+from ...nn import GridSymmetrize, GroupPool, InvariantMap
 from ...nn.pooling import unit_scale
 from ..context import TYPE_KEY, ConversionContext
 from ..fields import FieldType
@@ -42,16 +45,18 @@ def to_vector(ctx: ConversionContext, node: fx.Node, x: fx.Node) -> FieldType:
         return t
     _, _, height, width = ctx.shape(x)
     cells = height * width
-    if cells > 1 and ctx.config.head == "invariant":
+    if cells > 1 and ctx.config.head == INVARIANT_HEAD:
         _make_global(ctx, node, x, t)
         cells = 1
     if cells == 1:
         return t.flattened()
+    if ctx.config.head == SYMMETRIC_HEAD:
+        return _symmetrize_grid(ctx, node, x, t, cells)
     ctx.spatial_flatten = True
     ctx.warn(
         node,
         f"flattens a {height}x{width} grid: rotations permute its cells, so the output is not invariant "
-        "(pass head='invariant' to pool globally instead)",
+        "(head='symmetric' averages the grid over the group's turns and flips, head='invariant' pools globally)",
     )
     if not t.is_invariant:
         if x.op == "call_module" and type(ctx.module(x)) in ADAPTIVE_POOLS and len(x.users) == 1:
@@ -59,6 +64,15 @@ def to_vector(ctx: ConversionContext, node: fx.Node, x: fx.Node) -> FieldType:
             x.meta[TYPE_KEY] = insert_invariant_map(ctx, x, x.args[0], t)
         else:
             insert_invariant_map(ctx, node, x, t)
+    return FieldType(t.group, "trivial", t.num_fields * cells, spatial=False)
+
+
+def _symmetrize_grid(ctx: ConversionContext, node: fx.Node, x: fx.Node, t: FieldType, cells: int) -> FieldType:
+    """Group-pool `x` and average its grid (square: every rule before refuses a non-square one) over the group's
+    turns and flips before `node` flattens it."""
+    pooled = insert_invariant_map(ctx, node, x, t)
+    actions = [(element.quarter_turns, element.flip) for element in t.group.grid_elements]
+    ctx.insert_before(node, node.args[0], GridSymmetrize(actions), "grid_symmetrize", pooled)
     return FieldType(t.group, "trivial", t.num_fields * cells, spatial=False)
 
 

@@ -21,7 +21,7 @@ from ..build_recipe import conversion_recipe, remember_recipe
 from ..progress import counting_basis_builds, progress_bar, require_progress
 from . import rules  # noqa: F401  (registers the built-in rules)
 from .context import SHAPE_KEY, SPATIAL_KEY, TYPE_KEY, ConversionConfig, ConversionContext
-from .direct_sum import lift_direct_sums, run_rule
+from .direct_sum import lift_direct_sums, lifted_output, run_rule
 from .fields import FieldType
 from .grid import GridAnalysis, GridBreak
 from .fuse import fuse_norm_pools
@@ -132,7 +132,7 @@ def _rewrite(gm: fx.GraphModule, ctx: ConversionContext, in_channels: int, bar: 
                 raise ctx.unsupported(node, "no conversion rule is registered for it")
             node.meta[TYPE_KEY] = run_rule(ctx, node, rule)  # direct sums lifted for rules that do not read them
         if node.name in ctx.restrictions:
-            apply_restriction(ctx, node, ctx.restrictions[node.name])
+            apply_restriction(ctx, lifted_output(ctx, node), ctx.restrictions[node.name])
         if bar is not None:
             bar.update(1)
     gm.graph.lint()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import torch
 import torch.fx as fx
 
 from ..nn.direct_sum import FieldLift, lift_index
@@ -23,14 +24,17 @@ def run_rule(ctx: ConversionContext, node: fx.Node, rule: Rule) -> "FieldType | 
     """rule(ctx, node), its direct-sum inputs lifted first unless the rule reads them."""
     if rule not in SUM_RULES:
         lift_direct_sums(ctx, node)
-    result = rule(ctx, node)
-    if isinstance(result, FieldSum) and node.name in ctx.restrictions:
-        raise ctx.unsupported(
-            node,
-            f"restricts a direct sum ({result.describe()}) to a subgroup",
-            "Options: restrict after a convolution (restrict={module name: step}).",
-        )
-    return result
+    return rule(ctx, node)
+
+
+def lifted_output(ctx: ConversionContext, node: fx.Node) -> fx.Node:
+    """`node` itself, or, where it is a direct sum, its output lifted to regular fields for every later reader (a
+    restriction placed on a concatenation with the image restricts the lifted fields)."""
+    ftype = ctx.type_of(node)
+    if not isinstance(ftype, FieldSum):
+        return node
+    out, index = _lift_plan(ctx, node, ftype)
+    return ctx.insert_after(node, FieldLift(index), "lift", out)
 
 
 def lift_direct_sums(ctx: ConversionContext, node: fx.Node) -> None:
@@ -41,9 +45,8 @@ def lift_direct_sums(ctx: ConversionContext, node: fx.Node) -> None:
             node.replace_input_with(arg, _lifted(ctx, node, arg, ftype))
 
 
-def _lifted(ctx: ConversionContext, node: fx.Node, arg: fx.Node, ftype: FieldSum) -> fx.Node:
-    if LIFTED_KEY in arg.meta:
-        return arg.meta[LIFTED_KEY]
+def _lift_plan(ctx: ConversionContext, node: fx.Node, ftype: FieldSum) -> tuple[FieldType, torch.Tensor]:
+    """The regular field type a direct sum lifts to, and FieldLift's channel index."""
     group = ftype.group
     if group.hidden_repr != "regular":
         raise ctx.unsupported(
@@ -53,7 +56,13 @@ def _lifted(ctx: ConversionContext, node: fx.Node, arg: fx.Node, ftype: FieldSum
     # a trivial field becomes one regular field: field counts, and so the places of later cuts, stay as they were
     lifted_segments = tuple(replace(s, ftype=FieldType(group, "regular", s.ftype.num_fields)) for s in ftype.segments)
     out = FieldType(group, "regular", ftype.num_fields, ftype.spatial, segments=lifted_segments)
-    index = lift_index([(s.ftype.num_fields, s.ftype.field_size) for s in ftype.segments], size)
+    return out, lift_index([(s.ftype.num_fields, s.ftype.field_size) for s in ftype.segments], size)
+
+
+def _lifted(ctx: ConversionContext, node: fx.Node, arg: fx.Node, ftype: FieldSum) -> fx.Node:
+    if LIFTED_KEY in arg.meta:
+        return arg.meta[LIFTED_KEY]
+    out, index = _lift_plan(ctx, node, ftype)
     lifted = ctx.insert_before(node, arg, FieldLift(index), "lift", out)
     lifted.meta[SHAPE_KEY] = arg.meta.get(SHAPE_KEY)
     arg.meta[LIFTED_KEY] = lifted

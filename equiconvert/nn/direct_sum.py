@@ -38,7 +38,7 @@ def lift_index(field_sizes: Sequence[tuple[int, int]], regular_size: int) -> tor
     """FieldLift's index for parts given as (fields, field size): fields of size 1 are copied regular_size times."""
     index, start = [], 0
     for fields, size in field_sizes:
-        channels = torch.arange(start, start + fields * size)
+        channels = torch.arange(start, start + fields * size, device="cpu")  # a constant, also while counting on meta
         index.append(channels.repeat_interleave(regular_size) if size == 1 else channels)
         start += fields * size
     return torch.cat(index)

@@ -179,3 +179,28 @@ def test_layers_without_direct_sums_read_them_lifted_and_splits_select_parts():
     assert _exact(model, 16) < 1e-5
     x = torch.randn(2, 3, 16, 16)
     torch.testing.assert_close(equiconvert.export(model.eval())(x), model(x), atol=1e-5, rtol=1e-5)
+
+
+class DenseThenPool(nn.Module):
+    """SmoothNet's pattern: a dense block keeping the image, a 1x1 transition and a pool, then a second block."""
+
+    def __init__(self):
+        super().__init__()
+        self.b1 = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.GroupNorm(4, 16), nn.SELU())
+        self.transition = nn.Sequential(nn.Conv2d(19, 16, 1), nn.AvgPool2d(2))
+        self.b2 = nn.Sequential(nn.Conv2d(16, 16, 3, padding=1), nn.GroupNorm(4, 16), nn.SELU())
+        self.fc = nn.Linear(16, 10)
+
+    def forward(self, x):
+        x = self.transition(torch.cat((x, self.b1(x)), 1))
+        return self.fc(self.b2(x).mean((2, 3)))
+
+
+@pytest.mark.parametrize("options", [{"mode": "dp"}, {"restrict": "D4->D1"}])
+def test_a_restriction_placed_on_a_concatenation_with_the_image_restricts_its_lifted_fields(options):
+    model = equiconvert.make_equivariant(DenseThenPool(), "D4", input_size=16, **options)
+    lifted = [c for c in model.report.layers if "FieldLift" in c.after]
+    assert len(lifted) == 1  # the image's trivial fields lifted once, where the restriction is placed
+    result = equiconvert.check_equivariance(model, input_size=16)
+    assert set(result.errors) == {"rot0", "rot0+flip"}  # D1 from the restriction on
+    assert result.max_error < 1e-5  # exactly invariant to the flips it keeps

@@ -80,7 +80,8 @@ def import_escnn() -> ModuleType:
         raise ImportError(
             f"escnn is needed only to cross-check equiconvert's bases against escnn and to standardize in its "
             f"coordinates (standardization_coordinates='escnn') ({exc}). Install the extra with "
-            "`pip install equiconvert[escnn]` (NumPy 1, builds py3nj with a Fortran compiler), or without compiling: "
+            "`pip install -e '.[escnn]'` in the clone (NumPy 1, builds py3nj with a Fortran compiler), or without "
+            "compiling: "
             "`pip install --no-deps escnn==1.0.11 && pip install scipy joblib` (see docs/bases.md)."
         ) from exc
     if not _patched:

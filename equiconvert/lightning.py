@@ -8,7 +8,7 @@ default) with the optimizer `configure_optimizers` returned and the DataLoader t
 private module and optimizer in their places and gives Lightning the Poisson loader to iterate: the batches Lightning
 trains on are the ones the accountant assumes, and the noise comes from make_private's secret generators. It logs
 "epsilon" each epoch and refuses (LightningIntegrationError, before the first batch) the Trainer settings under which
-that would not hold. Needs the extra: pip install 'equiconvert[lightning]'.
+that would not hold. Needs the extra: pip install -e '.[lightning]' in the clone.
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ except ModuleNotFoundError as _missing:  # only a missing Lightning becomes this
     if _missing.name not in ("lightning", "lightning.pytorch"):
         raise
     raise ImportError(
-        "equiconvert.lightning needs PyTorch Lightning: pip install 'equiconvert[lightning]' (or pip install lightning)"
+        "equiconvert.lightning needs PyTorch Lightning: pip install -e '.[lightning]' in the clone of equiconvert "
+        "(or pip install lightning)"
     ) from _missing
 
 from torch import nn

@@ -1,7 +1,7 @@
 """escnn's R2Conv basis as equiconvert configures it: the reference the own builder is checked against, and the
 coordinates a model standardizes its coefficients in under standardization_coordinates="escnn".
 
-Needs the optional extra (`pip install equiconvert[escnn]`); never used to build a basis.
+Needs the optional extra (`pip install -e '.[escnn]'` in the clone); never used to build a basis.
 """
 
 from __future__ import annotations

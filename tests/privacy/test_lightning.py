@@ -245,7 +245,7 @@ def test_a_missing_lightning_names_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "lightning", None)
     monkeypatch.setitem(sys.modules, "lightning.pytorch", None)
     monkeypatch.delitem(sys.modules, "equiconvert.lightning")
-    with pytest.raises(ImportError, match=r"pip install 'equiconvert\[lightning\]'"):
+    with pytest.raises(ImportError, match=r"pip install -e '\.\[lightning\]'"):
         importlib.import_module("equiconvert.lightning")
 
 
